@@ -1,0 +1,1 @@
+"""kvdrop: pluggable KV-cache token-dropping policies."""

@@ -1,0 +1,3 @@
+from kvdrop.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,30 @@
+"""kvdrop_sdk: retrieve a request's KV cache from a kvdrop server, edit it, store it back.
+
+Follows the API of the upstream KV Cache SDK (``import kvdrop_sdk as lmc_sdk`` works for code
+written against it).
+"""
+
+from __future__ import annotations
+
+from kvdrop_sdk.cache_kind import CacheKind, LMCacheSDKCacheKind
+from kvdrop_sdk.errors import (
+    BatchedStreamError,
+    LMCacheBatchedStreamError,
+    LMCacheRequestStreamError,
+    LMCacheSDKError,
+    RequestStreamError,
+    SDKError,
+)
+from kvdrop_sdk.types import ModifyFnType
+
+__all__ = [
+    "BatchedStreamError",
+    "CacheKind",
+    "LMCacheBatchedStreamError",
+    "LMCacheRequestStreamError",
+    "LMCacheSDKCacheKind",
+    "LMCacheSDKError",
+    "ModifyFnType",
+    "RequestStreamError",
+    "SDKError",
+]

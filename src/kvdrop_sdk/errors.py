@@ -1,0 +1,29 @@
+"""Error types raised by the SDK (names follow the upstream SDK so code ports unchanged)."""
+
+from __future__ import annotations
+
+__all__ = [
+    "BatchedStreamError",
+    "LMCacheBatchedStreamError",
+    "LMCacheRequestStreamError",
+    "LMCacheSDKError",
+    "RequestStreamError",
+    "SDKError",
+]
+
+
+class SDKError(RuntimeError):
+    """A context, transport or server operation failed; the message says what and how to fix it."""
+
+
+class RequestStreamError(SDKError):
+    """A request stream was used out of order or its engine call failed."""
+
+
+class BatchedStreamError(SDKError):
+    """One or more streams of a batch failed (the message lists each), or an id is unknown."""
+
+
+LMCacheSDKError = SDKError
+LMCacheRequestStreamError = RequestStreamError
+LMCacheBatchedStreamError = BatchedStreamError
