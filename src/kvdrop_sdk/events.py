@@ -1,0 +1,40 @@
+"""What an engine call streams back: one ``TokenEvent`` per generated token.
+
+Kept in its own small module so engines (reference engine, HTTP adapter, toy engine) and the request
+streams share one definition without importing each other.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+__all__ = ["PostCompletion", "TokenEvent"]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token: its id (required to key the cache), text, and why generation stopped.
+
+    ``finish_reason`` is ``None`` while generating, then "stop" (EOS / stop token) or "length"
+    (``max_tokens`` reached) on the last event, as in the OpenAI completions API.
+    """
+
+    token_id: int
+    text: str = ""
+    finish_reason: str | None = None
+    time: float = field(default_factory=time.perf_counter)
+
+
+class PostCompletion(Protocol):
+    """Submits one request to an engine and streams its generated tokens.
+
+    The engine stores the prompt's KV cache (and query tensors) in the kvdrop server as a side
+    effect of prefill, and looks up the longest cached prefix before computing.
+    """
+
+    def __call__(
+        self, prompt_token_ids: list[int], sampling_params: dict[str, Any], cache_salt: str
+    ) -> Iterator[TokenEvent]: ...
