@@ -1,0 +1,322 @@
+"""Paged KV cache with a fixed block budget, and a batched attention backend over it.
+
+The engine can hold only ``num_blocks * block_size`` tokens of KV at once (like vLLM's GPU memory
+fraction); that budget is what makes token dropping raise decode throughput: a shorter cache lets
+more requests run in the same step.
+
+Storage per layer is ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and for V, in the
+model dtype and on the model device. A sequence owns a list of blocks (its block table); token ``t``
+of a sequence lives in block ``table[t // block_size]`` at offset ``t % block_size``.
+
+``PagedAttention`` implements the model's ``AttentionBackend`` for one engine step that mixes
+sequences prefilling a chunk of new tokens with sequences decoding one token. Decoding sequences
+are batched into one ``scaled_dot_product_attention`` call over a padded gather of their blocks;
+each prefill chunk is one call. Query capture is keyed by sequence id, never by batch position.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Collection, Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "BlockAllocator",
+    "OutOfBlocksError",
+    "PagedAttention",
+    "PagedKVCache",
+    "SeqStep",
+    "blocks_needed",
+]
+
+
+class OutOfBlocksError(RuntimeError):
+    """More blocks were requested than are free."""
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Number of blocks that hold ``num_tokens`` tokens."""
+    return -(-num_tokens // block_size)
+
+
+class BlockAllocator:
+    """Thread-safe free list of block ids ``0 .. num_blocks-1``.
+
+    Freed blocks go to the front of the list, so they are the first ones reused (keeps the working
+    set small and makes reuse observable in tests).
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() from the end
+        self._owned = [False] * num_blocks
+        self._lock = threading.Lock()
+
+    @property
+    def num_free(self) -> int:
+        """Blocks currently free."""
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free blocks; raises ``OutOfBlocksError`` (taking none) when fewer are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        with self._lock:
+            if n > len(self._free):
+                raise OutOfBlocksError(f"requested {n} blocks, {len(self._free)} free")
+            taken = [self._free.pop() for _ in range(n)]
+            for b in taken:
+                self._owned[b] = True
+            return taken
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Return ``blocks`` to the free list; freeing a block twice is an error."""
+        with self._lock:
+            for b in blocks:
+                if not 0 <= b < self.num_blocks or not self._owned[b]:
+                    raise ValueError(f"block {b} is not allocated")
+                self._owned[b] = False
+            self._free.extend(reversed(list(blocks)))
+
+
+class PagedKVCache:
+    """K and V block storage for every layer plus the block allocator."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+        ):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.allocator = BlockAllocator(num_blocks)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the whole budget can hold."""
+        return self.num_blocks * self.block_size
+
+    def slots(self, block_table: Sequence[int], start: int, stop: int) -> Tensor:
+        """Flat slot indices (``block * block_size + offset``) of tokens ``start .. stop-1``."""
+        if stop > len(block_table) * self.block_size or start < 0 or stop < start:
+            raise ValueError(
+                f"tokens {start}..{stop} do not fit {len(block_table)} blocks of {self.block_size}"
+            )
+        pos = torch.arange(start, stop)
+        table = torch.as_tensor(list(block_table), dtype=torch.long)
+        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(
+            self.device
+        )
+
+    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store ``k``/``v`` ``[N, Hkv, d]`` of one layer at flat ``slots`` ``[N]``."""
+        flat = (-1, self.num_kv_heads, self.head_dim)
+        self.k[layer].view(flat).index_copy_(0, slots, k.to(self.dtype))
+        self.v[layer].view(flat).index_copy_(0, slots, v.to(self.dtype))
+
+    def load(self, block_table: Sequence[int], kv: Tensor, start: int = 0) -> None:
+        """Write a server-layout KV ``[2, L, T, Hkv*d]`` into tokens ``start .. start+T-1``."""
+        expected = (2, self.num_layers, self.num_kv_heads * self.head_dim)
+        if kv.dim() != 4 or (kv.shape[0], kv.shape[1], kv.shape[3]) != expected:
+            raise ValueError(
+                f"KV tensor has shape {tuple(kv.shape)}; "
+                f"expected [2, {expected[1]}, T, {expected[2]}]"
+            )
+        n = kv.shape[2]
+        slots = self.slots(block_table, start, start + n)
+        kv = kv.to(device=self.device, dtype=self.dtype)
+        kv = kv.view(2, self.num_layers, n, self.num_kv_heads, self.head_dim)
+        flat = (self.num_layers, -1, self.num_kv_heads, self.head_dim)
+        self.k.view(flat)[:, slots] = kv[0]
+        self.v.view(flat)[:, slots] = kv[1]
+
+    def read(self, block_table: Sequence[int], num_tokens: int) -> Tensor:
+        """KV of tokens ``0 .. num_tokens-1`` in the server layout ``[2, L, T, Hkv*d]``."""
+        slots = self.slots(block_table, 0, num_tokens)
+        flat = (self.num_layers, -1, self.num_kv_heads, self.head_dim)
+        k = self.k.view(flat)[:, slots]
+        v = self.v.view(flat)[:, slots]
+        return torch.stack([k, v]).reshape(2, self.num_layers, num_tokens, -1)
+
+
+@dataclass(frozen=True)
+class SeqStep:
+    """One sequence's part of an engine step.
+
+    ``start`` tokens of the sequence are already in its blocks; this step brings ``num_new`` more
+    (their q/k/v are rows ``offset .. offset+num_new-1`` of the forward, in sequence order).
+    """
+
+    seq_id: Hashable
+    block_table: Sequence[int]
+    start: int
+    num_new: int
+
+
+class _Group:
+    """Precomputed indices for one SDPA call (a batch of decodes, or one prefill chunk)."""
+
+    def __init__(
+        self, rows: Tensor, blocks: Tensor, mask: Tensor, length: int, prefill: bool
+    ) -> None:
+        self.rows = rows  # forward rows of this group's queries
+        self.blocks = blocks  # [B, nblk] block ids (padded with 0)
+        self.mask = mask  # decode: [B, 1, 1, T]; prefill: [n, T] (True = attend)
+        self.length = length  # keys gathered per sequence (T)
+        self.prefill = prefill
+
+
+class PagedAttention:
+    """``AttentionBackend`` for one step over a ``PagedKVCache``.
+
+    Build one per engine step with the step's sequences in forward-row order. Each layer call
+    writes the new k/v into the sequences' blocks, then computes causal attention of every new
+    query over its sequence's cached and new keys (grouped-query attention without repeating K/V).
+    ``capture`` names sequence ids whose post-RoPE queries are kept in ``captured[seq_id][layer]``
+    (``[num_new, Hq, d]``).
+    """
+
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        seqs: Sequence[SeqStep],
+        *,
+        capture: Collection[Hashable] = (),
+        max_decode_padding: float = 0.25,
+    ) -> None:
+        self.cache = cache
+        self.seqs = list(seqs)
+        bs = cache.block_size
+        dev = cache.device
+        slot_parts: list[Tensor] = []
+        self._capture_rows: dict[Hashable, tuple[int, int]] = {}
+        decodes: list[tuple[int, SeqStep]] = []  # (row, seq)
+        self._groups: list[_Group] = []
+        row = 0
+        for s in self.seqs:
+            if s.num_new <= 0:
+                raise ValueError(f"sequence {s.seq_id!r} brings no new tokens")
+            slot_parts.append(cache.slots(s.block_table, s.start, s.start + s.num_new))
+            if s.seq_id in capture:
+                self._capture_rows[s.seq_id] = (row, row + s.num_new)
+            total = s.start + s.num_new
+            if s.num_new == 1:
+                decodes.append((row, s))
+            else:
+                nblk = blocks_needed(total, bs)
+                blocks = torch.as_tensor(list(s.block_table[:nblk]), dtype=torch.long)
+                q_pos = torch.arange(s.start, total).unsqueeze(1)
+                mask = torch.arange(total).unsqueeze(0) <= q_pos  # [n, T]
+                rows = torch.arange(row, row + s.num_new)
+                self._groups.append(
+                    _Group(rows.to(dev), blocks.unsqueeze(0).to(dev), mask.to(dev), total, True)
+                )
+            row += s.num_new
+        self.num_tokens = row
+        empty = torch.empty(0, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.cat(slot_parts) if slot_parts else empty
+        self._groups.extend(self._decode_groups(decodes, max_decode_padding))
+        self.captured: dict[Hashable, list[Tensor]] = {sid: [] for sid in self._capture_rows}
+
+    def _decode_groups(
+        self, decodes: list[tuple[int, SeqStep]], max_padding: float
+    ) -> list[_Group]:
+        """Batch decoding sequences, splitting by length so padding stays under ``max_padding``."""
+        if not decodes:
+            return []
+        bs = self.cache.block_size
+        dev = self.cache.device
+        decodes = sorted(decodes, key=lambda rs: -(rs[1].start + 1))
+        groups: list[list[tuple[int, SeqStep]]] = [[]]
+        used = 0
+        for item in decodes:
+            cur = groups[-1]
+            n = item[1].start + 1
+            if cur:
+                longest = cur[0][1].start + 1
+                padded = longest * (len(cur) + 1)
+                if padded - (used + n) > max_padding * padded:
+                    groups.append([])
+                    cur = groups[-1]
+                    used = 0
+            cur.append(item)
+            used += n
+        out = []
+        for grp in groups:
+            lengths = torch.tensor([s.start + 1 for _, s in grp])
+            nblk = blocks_needed(int(lengths.max()), bs)
+            table = torch.zeros(len(grp), nblk, dtype=torch.long)
+            for i, (_, s) in enumerate(grp):
+                k = blocks_needed(s.start + 1, bs)
+                table[i, :k] = torch.as_tensor(list(s.block_table[:k]), dtype=torch.long)
+            t = nblk * bs
+            mask = (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)).view(len(grp), 1, 1, t)
+            rows = torch.tensor([r for r, _ in grp])
+            out.append(_Group(rows.to(dev), table.to(dev), mask.to(dev), t, False))
+        return out
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Store this step's k/v for ``layer`` and return attention output ``[N, Hq, d]``."""
+        n, hq, d = q.shape
+        if n != self.num_tokens:
+            raise ValueError(f"step was built for {self.num_tokens} tokens, forward passed {n}")
+        cache = self.cache
+        hkv = cache.num_kv_heads
+        if hq % hkv:
+            raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+        group = hq // hkv
+        cache.write(layer, self.slot_mapping, k, v)
+        for sid, (r0, r1) in self._capture_rows.items():
+            self.captured[sid].append(q[r0:r1].detach().clone())
+        kc, vc = cache.k[layer], cache.v[layer]  # [num_blocks, bs, Hkv, d]
+        out = torch.empty_like(q)
+        scale = d**-0.5
+        for g in self._groups:
+            b = g.blocks.shape[0]
+            kb = kc[g.blocks].reshape(b, -1, hkv, d)[:, : g.length].transpose(1, 2)
+            vb = vc[g.blocks].reshape(b, -1, hkv, d)[:, : g.length].transpose(1, 2)
+            qg = q[g.rows]  # [rows, Hq, d]
+            if g.prefill:
+                # One sequence: rows ordered (token, group member) so one [n*G, T] mask serves.
+                rows = qg.shape[0]
+                qh = qg.view(rows, hkv, group, d).permute(1, 0, 2, 3)
+                qh = qh.reshape(1, hkv, rows * group, d)
+                mask = g.mask.repeat_interleave(group, dim=0)
+                o = F.scaled_dot_product_attention(qh, kb, vb, attn_mask=mask, scale=scale)
+                o = o.view(hkv, rows, group, d).permute(1, 0, 2, 3).reshape(rows, hq, d)
+            else:
+                # One token per sequence: the G query heads of a KV head act as G query rows.
+                qh = qg.view(b, hkv, group, d)
+                o = F.scaled_dot_product_attention(qh, kb, vb, attn_mask=g.mask, scale=scale)
+                o = o.reshape(b, hq, d)
+            out[g.rows] = o.to(out.dtype)
+        return out
