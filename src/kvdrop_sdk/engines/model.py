@@ -1,0 +1,534 @@
+"""The reference decoder (Llama / Qwen2 / Qwen3 / SmolLM family), gpt-fast style: one plain file.
+
+RMSNorm, RoPE (:mod:`kvdrop_sdk.rope`), grouped-query attention, SwiGLU MLP, optional per-head
+q/k RMSNorm (Qwen3), optional q/k/v bias (Qwen2), tied embeddings. The model never owns a KV
+cache: every forward hands post-RoPE q and k (and v) of each layer to an :class:`AttentionBackend`,
+which stores k/v wherever the engine keeps them (a paged cache, or :class:`DenseAttention`'s
+contiguous one) and returns the attention output. Tokens of several sequences can therefore be
+packed into one flat forward; the backend knows which token belongs to which sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvdrop_sdk.rope import RopeConfig, rotate
+
+__all__ = [
+    "AttentionBackend",
+    "DenseAttention",
+    "ModelConfig",
+    "Transformer",
+    "generate",
+]
+
+_SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm", "smollm2")
+
+
+@dataclass
+class ModelConfig:
+    """Shapes and options of one decoder; built from an HF config.json, a GGUF file or a preset."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=lambda: RopeConfig(head_dim=64))
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    max_position_embeddings: int = 8192
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig.{key} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}) for grouped-query attention"
+            )
+        if self.rope.head_dim != self.head_dim:
+            raise ValueError(
+                f"ModelConfig.rope.head_dim ({self.rope.head_dim}) must equal head_dim "
+                f"({self.head_dim})"
+            )
+        self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> ModelConfig:
+        """Build from an HF ``config.json`` dict of a Llama / Mistral / Qwen2 / Qwen3 model."""
+        if not isinstance(cfg, Mapping):
+            raise ValueError(
+                f"config must be a mapping (config.json dict), got {type(cfg).__name__}"
+            )
+        model_type = str(cfg.get("model_type", "llama")).lower()
+        if model_type not in _SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"config 'model_type' {model_type!r} is not supported; expected one of "
+                f"{', '.join(_SUPPORTED_MODEL_TYPES)}"
+            )
+        if cfg.get("mlp_bias"):
+            raise ValueError("config 'mlp_bias': true is not supported (expected false)")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config 'hidden_act' must be 'silu', got {cfg.get('hidden_act')!r}")
+
+        def need(key: str) -> int:
+            value = cfg.get(key)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"config {key!r} must be an int, got {value!r}")
+            return value
+
+        heads = need("num_attention_heads")
+        head_dim = cfg.get("head_dim") or need("hidden_size") // heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
+        qwen2 = model_type == "qwen2"
+        bias = bool(cfg.get("attention_bias", False)) or qwen2
+        return cls(
+            vocab_size=need("vocab_size"),
+            hidden_size=need("hidden_size"),
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf_config({**cfg, "head_dim": int(head_dim)}),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qk_norm=model_type == "qwen3",
+            attention_bias=bias,
+            attention_out_bias=bias and not qwen2,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+            name=str(cfg.get("_name_or_path") or cfg.get("name") or model_type),
+        )
+
+    @classmethod
+    def preset(cls, name: str) -> ModelConfig:
+        """Named shapes: ``tiny`` (tests), ``qwen3-8b`` (GPU benchmark), ``smollm2-135m``."""
+        presets: dict[str, dict[str, Any]] = {
+            "tiny": dict(
+                vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, theta=10000.0, qk_norm=False,
+                tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,),
+                max_position_embeddings=4096,
+            ),
+            "qwen3-8b": dict(
+                vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, theta=1000000.0,
+                qk_norm=True, tie_word_embeddings=False, bos_token_id=151643,
+                eos_token_ids=(151645, 151643), max_position_embeddings=40960,
+            ),
+            "smollm2-135m": dict(
+                vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, theta=100000.0,
+                qk_norm=False, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
+                max_position_embeddings=8192,
+            ),
+        }  # fmt: skip
+        if name not in presets:
+            raise ValueError(f"unknown model preset {name!r}; expected one of {', '.join(presets)}")
+        p = dict(presets[name])
+        rope = RopeConfig(
+            head_dim=p["head_dim"], theta=p.pop("theta"),
+            max_position_embeddings=p["max_position_embeddings"],
+        )  # fmt: skip
+        return cls(rope=rope, name=name, **p)
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of one token's K (or V) row in one layer: ``num_kv_heads * head_dim``."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def q_dim(self) -> int:
+        """Width of one token's query row in one layer: ``num_heads * head_dim``."""
+        return self.num_heads * self.head_dim
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """Where K/V live. Called once per layer per forward with the N new tokens' post-RoPE
+    ``q [N, Hq, d]`` and ``k``/``v [N, Hkv, d]``; stores k/v and returns ``[N, Hq, d]`` (causal
+    attention of each new token over its own sequence's cached tokens plus the new ones)."""
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Store ``k``/``v`` for ``layer`` and return attention output for ``q``."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation computed in float32, scaled in the input dtype (as HF Llama)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Projections of one attention layer; the attention itself is the backend's."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, c.q_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.kv_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.kv_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.q_dim, c.hidden_size, bias=c.attention_out_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def forward(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_factor: float,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        c, n = self.c, x.shape[0]
+        q = self.q_proj(x).view(n, c.num_heads, c.head_dim)
+        k = self.k_proj(x).view(n, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).view(n, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotate(q, cos, sin, c.rope, attention_factor=attn_factor)
+        k = rotate(k, cos, sin, c.rope, attention_factor=attn_factor)
+        out = attn(layer, q, k, v)
+        return self.o_proj(out.reshape(n, c.q_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer: attention then MLP, each with a residual connection."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_factor: float,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(layer, self.input_layernorm(h), cos, sin, attn_factor, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    """The decoder. Parameter names are HF's minus the leading ``model.`` (so checkpoints map
+    one to one): ``embed_tokens``, ``layers.{i}.self_attn.q_proj``, ..., ``norm``, ``lm_head``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the weights (and of activations)."""
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the weights."""
+        return self.embed_tokens.weight.device
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        logits_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run ``tokens [N]`` at ``positions [N]`` (possibly several sequences packed; ``attn``
+        knows the split) and return float32 logits for every row or only ``logits_rows``.
+
+        For dynamic-NTK RoPE the frequencies follow ``max(positions) + 1`` of the whole call, as
+        HF does for one sequence.
+        """
+        c = self.config
+        if tokens.dim() != 1 or positions.shape != tokens.shape:
+            raise ValueError(
+                f"tokens and positions must be 1-D of equal length, got {tuple(tokens.shape)} "
+                f"and {tuple(positions.shape)}"
+            )
+        if tokens.dtype.is_floating_point or positions.dtype.is_floating_point:
+            raise ValueError("tokens and positions must be integer tensors")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= c.vocab_size):
+            raise ValueError(
+                f"token ids must be in [0, {c.vocab_size}), got min {int(tokens.min())} "
+                f"max {int(tokens.max())}"
+            )
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
+        cos, sin = c.rope.cos_sin(positions)
+        attn_factor = c.rope.inv_freq()[1] if c.rope.rope_type == "yarn" else 1.0
+        h = self.embed_tokens(tokens)
+        for i, block in enumerate(self.layers):
+            h = block(i, h, cos, sin, attn_factor, attn)
+        if logits_rows is not None:
+            h = h[logits_rows.to(self.device)]
+        return self.lm_head(self.norm(h)).float()
+
+    @classmethod
+    def random(
+        cls,
+        config: ModelConfig,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> Transformer:
+        """Random weights from ``seed`` (normal, std 0.02; norms 1), reproducible across runs."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to_empty(device="cpu")
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.normal_(0.0, 0.02, generator=gen)
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        return model.to(device=device, dtype=dtype).eval()
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        config: ModelConfig,
+        tensors: Mapping[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> Transformer:
+        """Build from tensors named as :class:`Transformer`'s parameters; every parameter must be
+        present (``lm_head.weight`` may be absent when embeddings are tied) and no extra ones."""
+        with torch.device("meta"):
+            model = cls(config)
+        expected = dict(model.named_parameters())
+        missing = [k for k in expected if k not in tensors]
+        if config.tie_word_embeddings and "lm_head.weight" in missing:
+            missing.remove("lm_head.weight")
+        unknown = sorted(k for k in tensors if k not in expected)
+        if missing or unknown:
+            raise ValueError(
+                f"checkpoint does not match the model config: missing {missing[:8]}"
+                f"{' ...' if len(missing) > 8 else ''}, unexpected {unknown[:8]}"
+                f"{' ...' if len(unknown) > 8 else ''}"
+            )
+        for name, p in expected.items():
+            t = tensors.get(name)
+            if t is None:
+                continue
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected "
+                    f"{tuple(p.shape)}"
+                )
+        state = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        model.load_state_dict(state, strict=False, assign=True)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        return model.eval()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> Transformer:
+        """Load a local HF folder (``config.json`` + ``*.safetensors``) or a ``.gguf`` file.
+        Never touches the network."""
+        from kvdrop_sdk.engines import weights
+
+        path = Path(path)
+        if path.is_file() and path.suffix == ".gguf":
+            config, tensors = weights.load_gguf(path)
+            return cls.from_state_dict(config, tensors, dtype=dtype, device=device)
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"{path} is neither a .gguf file nor a folder with config.json + *.safetensors"
+            )
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{cfg_file} not found: expected an HF model folder")
+        config = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+        config = replace(config, name=config.name if config.name != "llama" else path.name)
+        tensors = weights.load_safetensors_folder(path)
+        hf = {k.removeprefix("model."): v for k, v in tensors.items()}
+        return cls.from_state_dict(config, hf, dtype=dtype, device=device)
+
+
+class DenseAttention:
+    """One sequence's KV cache as a contiguous growing tensor per layer (tests, simple generate).
+
+    Stores post-RoPE keys, like the paged engine; ``keys(layer)`` / ``values(layer)`` expose them
+    as ``[T, Hkv, d]``.
+    """
+
+    def __init__(self, config: ModelConfig, capacity: int = 256) -> None:
+        self.config = config
+        self.length = 0
+        self._capacity = max(1, capacity)
+        self._k: list[torch.Tensor | None] = [None] * config.num_layers
+        self._v: list[torch.Tensor | None] = [None] * config.num_layers
+        self._pending = 0
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Append ``k``/``v`` after the cached tokens, attend causally, return ``[N, Hq, d]``."""
+        n, start = q.shape[0], self.length
+        end = start + n
+        kc, vc = self._k[layer], self._v[layer]
+        if kc is None or kc.shape[0] < end or kc.dtype != k.dtype:
+            cap = max(self._capacity, end)
+            while cap < end:
+                cap *= 2
+            new_k = k.new_empty(cap, *k.shape[1:])
+            new_v = v.new_empty(cap, *v.shape[1:])
+            if kc is not None and vc is not None:
+                new_k[:start], new_v[:start] = kc[:start], vc[:start]
+            self._k[layer], self._v[layer] = kc, vc = new_k, new_v
+            self._capacity = cap
+        assert kc is not None and vc is not None
+        kc[start:end], vc[start:end] = k, v
+        out = causal_attention(q, kc[:end], vc[:end], start)
+        if layer == self.config.num_layers - 1:
+            self.length = end
+        return out
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """The cached post-RoPE keys of ``layer``: ``[length, Hkv, d]``."""
+        k = self._k[layer]
+        return k[: self.length] if k is not None else torch.empty(0)
+
+    def values(self, layer: int) -> torch.Tensor:
+        """The cached values of ``layer``: ``[length, Hkv, d]``."""
+        v = self._v[layer]
+        return v[: self.length] if v is not None else torch.empty(0)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Attention of ``q [N, Hq, d]`` (tokens ``start .. start+N-1``) over ``k``/``v
+    [start+N, Hkv, d]`` with a causal mask; grouped-query heads; float32 softmax."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    gqa = hq != hkv
+    if n == 1 or (start == 0 and n == k.shape[0]):
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=n > 1, scale=1.0 / math.sqrt(d), enable_gqa=gqa
+        )
+    else:
+        rows = torch.arange(start, start + n, device=q.device)[:, None]
+        mask = torch.arange(k.shape[0], device=q.device)[None, :] <= rows
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, scale=1.0 / math.sqrt(d), enable_gqa=gqa
+        )
+    return out.transpose(0, 1)
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    eos_ids: Iterable[int] | None = None,
+    stop_at_eos: bool = True,
+    prefill_chunk: int = 2048,
+) -> list[int]:
+    """Greedy decoding of one sequence with :class:`DenseAttention`; returns the new token ids
+    (stops after an EOS id when ``stop_at_eos``). Long prompts prefill in chunks."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    ids = [int(t) for t in prompt_ids]
+    if not ids:
+        raise ValueError("prompt_ids must not be empty")
+    eos = set(model.config.eos_token_ids if eos_ids is None else eos_ids)
+    cache = DenseAttention(model.config, capacity=len(ids) + max_new_tokens)
+    device = model.device
+    out: list[int] = []
+    logits = None
+    for s in range(0, len(ids), prefill_chunk):
+        chunk = torch.tensor(ids[s : s + prefill_chunk], device=device)
+        pos = torch.arange(s, s + chunk.numel(), device=device)
+        logits = model(chunk, pos, cache, logits_rows=torch.tensor([chunk.numel() - 1]))
+    assert logits is not None
+    for _ in range(max_new_tokens):
+        nxt = int(logits[-1].argmax())
+        out.append(nxt)
+        if stop_at_eos and nxt in eos:
+            break
+        pos = torch.tensor([cache.length], device=device)
+        logits = model(torch.tensor([nxt], device=device), pos, cache)
+    return out
