@@ -13,7 +13,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "list": ("kvdrop.commands.list_cmd", "list the registered drop policies"),
     "describe": ("kvdrop.commands.describe_cmd", "show a policy's summary and parameters"),
     "server": ("kvdrop_sdk.server.cli", "run the KV cache server (ZMQ + HTTP)"),
-    "engine": ("kvdrop_sdk.engines.cli", "run the reference engine's OpenAI-compatible HTTP server"),
+    "engine": (
+        "kvdrop_sdk.engines.cli",
+        "run the reference engine's OpenAI-compatible HTTP server",
+    ),
     "demo": ("kvdrop.demo", "prefill, drop, decode: baseline vs dropped, side by side"),
 }
 

@@ -1,0 +1,42 @@
+"""Errors raised by kvdrop policies and the registry: each says what was wrong and what is allowed."""
+
+from __future__ import annotations
+
+__all__ = [
+    "MissingQueryError",
+    "PolicyConflictError",
+    "PolicyInputError",
+    "PolicyNotFoundError",
+    "PolicyParamError",
+]
+
+
+class PolicyParamError(ValueError):
+    """A policy parameter has a wrong name, type or range (raised when the factory is called)."""
+
+
+class PolicyInputError(ValueError):
+    """The tensors or tokens handed to an edit function have the wrong shape, dtype or length."""
+
+
+class MissingQueryError(PolicyInputError):
+    """A query-based policy was handed no query tensor."""
+
+    def __init__(self, policy: str) -> None:
+        super().__init__(
+            f"policy {policy!r} scores tokens with the prefill query tensors, but none were passed. "
+            "Start the server with `kvdrop server --enable transfer_query`, connect a query context "
+            "(kvdrop_sdk.qcache.connect(...)) and pass both contexts to create_request(); or pick a "
+            "KV-only policy (`kvdrop list` shows which need queries)."
+        )
+
+
+class PolicyNotFoundError(KeyError):
+    """No policy is registered under the requested name."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted
+        return str(self.args[0])
+
+
+class PolicyConflictError(RuntimeError):
+    """Two sources (distributions or register() calls) claim the same policy name."""
