@@ -1,0 +1,553 @@
+"""One request's life through the SDK: prefill, edit its cached KV, decode on the edited cache.
+
+A ``RequestStream`` owns a token list and an engine call (``PostCompletion``). The engine stores
+whole chunks of every prompt it receives (KV, and queries when asked to) in the kvdrop server as a
+side effect of prefill, and on each call reuses the longest cached chunk-aligned prefix.
+
+Token bookkeeping (the rules everything else relies on):
+
+* The stream holds ``prefix`` tokens and ``suffix_tokens``; ``tokens = prefix + suffix_tokens`` is
+  exactly the prompt the next ``generate`` sends.
+* ``generate`` sends ``tokens``, then folds the suffix into the prefix and appends the generated
+  tokens: after a prefill with ``max_tokens=1`` the stream holds ``prompt + [g1]``, while the server
+  holds only the whole chunks of ``prompt`` (the engine never saw ``g1`` as input).
+* ``modify_kv(fn)`` retrieves the longest cached chunk-aligned prefix of ``tokens`` (``T`` tokens,
+  every context cut to the same ``T``), calls ``fn(tensors, tokens[:T])``, validates the result
+  ``(kv', kept)`` (``[2, L, T', D]``, same L/D/dtype, ``len(kept) == T'``, ``T'`` a non-zero
+  multiple of the chunk size), stores it under ``kept`` and sets ``prefix = kept``,
+  ``suffix_tokens = tokens[T:]`` -- the un-cached tail of the prompt plus every token decoded so
+  far. The next ``generate`` sends ``kept + suffix`` and the engine finds the edited KV under the
+  kept tokens' chunk keys, computing only the suffix.
+* Nothing changes when ``fn`` fails or returns something invalid: the stream keeps its tokens and
+  the server keeps what it stored (validation happens before the store).
+* The server keeps the first copy of a chunk: an edit that changes values but keeps a chunk's
+  tokens (and every token before it) is not stored for that chunk; a warning is logged when the
+  whole edit was already cached. Token-dropping edits change the chain and are stored.
+* ``is_done`` becomes True when the engine reports ``finish_reason == "stop"`` (EOS or a stop
+  token), or, if it reports no reason, when it produced fewer than ``max_tokens`` tokens (the
+  upstream rule). ``"length"`` (budget reached, e.g. a prefill with ``max_tokens=1``) is not done.
+  A done stream refuses to ``generate`` again; the batch skips it on decode.
+* ``output_tokens`` / ``output_text`` collect every generated token over all calls;
+  ``decoded_tokens`` is their count (an ``int``, as upstream).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvdrop_sdk.cache_kind import CacheKind
+from kvdrop_sdk.errors import LMCacheRequestStreamError, RequestStreamError, SDKError
+from kvdrop_sdk.events import PostCompletion, TokenEvent
+from kvdrop_sdk.types import ModifyFnType
+
+if TYPE_CHECKING:
+    from kvdrop_sdk.context import Context
+
+__all__ = [
+    "LMCacheRequestStream",
+    "LMCacheRequestStreamError",
+    "ModifyFnType",
+    "ModifyResult",
+    "PostCompletion",
+    "RequestStream",
+    "RequestStreamError",
+    "StreamPerfMetrics",
+    "TokenEvent",
+    "create_request",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamPerfMetrics:
+    """Timing of one ``generate()`` call (seconds; throughputs in tokens per second).
+
+    ``ttft`` is the time from sending the prompt to the first token; ``tpot`` lists the gaps
+    between consecutive tokens. ``input_tput`` is ``input_tokens / duration``.
+    """
+
+    duration: float = 0.0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    input_tput: float = 0.0
+    output_tput: float = 0.0
+    ttft: float = 0.0
+    tpot: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ModifyResult:
+    """What one ``modify_kv`` did: ``total_tokens`` edited down to ``kept_tokens``.
+
+    ``suffix_tokens`` is how many tokens wait to be re-sent; ``stored`` is False when the server
+    already held every chunk of the edit; ``skipped`` is True when the stream had no whole chunk.
+    """
+
+    total_tokens: int
+    kept_tokens: int
+    suffix_tokens: int
+    stored: bool
+    duration: float
+    skipped: bool = False
+
+
+def _as_token_list(tokens: Any, what: str) -> list[int]:
+    """Validate token ids (a sequence or 1-D tensor of non-negative ints) into a list."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex():
+            raise ValueError(
+                f"{what} must be a 1-D integer tensor, got {tokens.dim()}-D {tokens.dtype}"
+            )
+        tokens = tokens.tolist()
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+        raise TypeError(f"{what} must be a sequence of int token ids, got {type(tokens).__name__}")
+    out: list[int] = []
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise TypeError(f"{what}[{i}] must be an int token id, got {type(t).__name__} {t!r}")
+        if t < 0:
+            raise ValueError(f"{what}[{i}] must be a non-negative token id, got {t}")
+        out.append(int(t))
+    return out
+
+
+def create_request(
+    contexts: Iterable[Context] | Context,
+    post_completion: PostCompletion,
+    prompt_token_ids: Sequence[int],
+    cache_salt: str = "",
+) -> RequestStream:
+    """A new request stream over ``contexts`` (one per cache kind, e.g. KV and QUERY)."""
+    return RequestStream(contexts, post_completion, prompt_token_ids, cache_salt)
+
+
+class RequestStream:
+    """One logical request across several engine passes; see the module docstring for the rules.
+
+    Thread-safe: operations on one stream are serialised by a lock.
+    """
+
+    def __init__(
+        self,
+        contexts: Iterable[Context] | Context,
+        post_completion: PostCompletion,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str = "",
+    ) -> None:
+        if hasattr(contexts, "kind") and hasattr(contexts, "retrieve"):
+            contexts = [contexts]  # type: ignore[list-item]
+        self._contexts: dict[CacheKind, Context] = {}
+        for ctx in contexts:  # type: ignore[union-attr]
+            kind = CacheKind.parse(getattr(ctx, "kind", None))
+            if kind in self._contexts:
+                raise ValueError(f"two contexts for cache kind {kind.value!r}; pass one per kind")
+            self._contexts[kind] = ctx
+        if not callable(post_completion):
+            raise TypeError(
+                f"post_completion must be callable, got {type(post_completion).__name__}"
+            )
+        if not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+        prompt = _as_token_list(prompt_token_ids, "prompt_token_ids")
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        self.post_completion = post_completion
+        self.cache_salt = cache_salt
+        self.prompt_token_ids: list[int] = prompt
+        self._request_stream_id = uuid.uuid4().hex
+        self._prefix: list[int] = list(prompt)
+        self._suffix: list[int] = []
+        self._output_tokens: list[int] = []
+        self._text_parts: list[str] = []
+        self._done = False
+        self._finish_reason: str | None = None
+        # Chunk-aligned tokens the server should hold once the engine's stores land (async engines).
+        self._expected_cached = 0
+        self._lock = threading.RLock()
+
+    # ----------------------------------------------------------------- read-only state
+    @property
+    def request_stream_id(self) -> str:
+        """Unique id of this stream (a uuid4 hex string)."""
+        return self._request_stream_id
+
+    @property
+    def contexts(self) -> dict[CacheKind, Context]:
+        """The stream's contexts by cache kind."""
+        return dict(self._contexts)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The prompt the next ``generate`` sends: prefix (kept / cached) + suffix."""
+        with self._lock:
+            return self._prefix + self._suffix
+
+    @property
+    def suffix_tokens(self) -> list[int]:
+        """Tokens after the edited prefix that the next ``generate`` re-sends (empty otherwise)."""
+        with self._lock:
+            return list(self._suffix)
+
+    @property
+    def decoded_tokens(self) -> int:
+        """How many tokens were generated so far over all ``generate`` calls."""
+        return len(self._output_tokens)
+
+    @property
+    def output_tokens(self) -> list[int]:
+        """Every generated token id, in order, over all ``generate`` calls."""
+        with self._lock:
+            return list(self._output_tokens)
+
+    @property
+    def output_text(self) -> str:
+        """The generated text (concatenated ``TokenEvent.text``)."""
+        with self._lock:
+            return "".join(self._text_parts)
+
+    @property
+    def is_done(self) -> bool:
+        """True once the engine stopped on its own (``finish_reason == "stop"``)."""
+        return self._done
+
+    done = is_done
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The last ``finish_reason`` the engine reported (None if it never reported one)."""
+        return self._finish_reason
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestStream(id={self._request_stream_id[:8]}, tokens={len(self._prefix)}"
+            f"+{len(self._suffix)}, decoded={self.decoded_tokens}, done={self._done})"
+        )
+
+    # ----------------------------------------------------------------- generate
+    def generate(self, sampling_params: Mapping[str, Any] | None = None) -> StreamPerfMetrics:
+        """Send ``tokens`` to the engine, collect its tokens and time them.
+
+        Tokens received before an engine failure are kept; the failure is raised as
+        ``RequestStreamError`` (naming the stream).
+        """
+        if sampling_params is None:
+            sampling_params = {}
+        if not isinstance(sampling_params, Mapping):
+            raise TypeError(
+                f"sampling_params must be a mapping, got {type(sampling_params).__name__}"
+            )
+        params = dict(sampling_params)
+        max_tokens = params.get("max_tokens")
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+        ):
+            raise ValueError(
+                f"sampling_params['max_tokens'] must be an int >= 1, got {max_tokens!r}"
+            )
+        with self._lock:
+            if self._done:
+                raise RequestStreamError(
+                    f"stream {self._request_stream_id} is done (engine finished with "
+                    f"{self._finish_reason!r}); create a new request to continue"
+                )
+            prompt = self._prefix + self._suffix
+            self._prefix = list(prompt)
+            self._suffix = []
+            chunk = self._chunk_size()
+            self._expected_cached = (len(prompt) // chunk) * chunk if chunk else 0
+
+            generated: list[int] = []
+            times: list[float] = []
+            reason: str | None = None
+            start = time.perf_counter()
+            try:
+                events = self.post_completion(list(prompt), params, self.cache_salt)
+                for event in events:
+                    now = time.perf_counter()
+                    token_id = getattr(event, "token_id", None)
+                    if isinstance(token_id, bool) or not isinstance(token_id, int):
+                        raise TypeError(
+                            f"post_completion yielded {type(event).__name__} without an int "
+                            f"token_id; expected TokenEvent"
+                        )
+                    stamp = getattr(event, "time", None)
+                    # Trust the engine's own timestamp only when it is on our clock.
+                    ok = isinstance(stamp, float) and start <= stamp <= now
+                    times.append(stamp if ok else now)  # type: ignore[arg-type]
+                    generated.append(token_id)
+                    self._prefix.append(token_id)
+                    self._output_tokens.append(token_id)
+                    self._text_parts.append(str(getattr(event, "text", "") or ""))
+                    reason = getattr(event, "finish_reason", None) or reason
+            except Exception as exc:
+                raise RequestStreamError(
+                    f"stream {self._request_stream_id} failed during generation after "
+                    f"{len(generated)} token(s): {type(exc).__name__}: {exc}"
+                ) from exc
+            duration = time.perf_counter() - start
+
+            self._finish_reason = reason
+            if reason is not None:
+                self._done = reason == "stop"
+            else:
+                self._done = max_tokens is None or len(generated) < max_tokens
+
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        return StreamPerfMetrics(
+            duration=duration,
+            input_tokens=len(prompt),
+            output_tokens=len(generated),
+            input_tput=len(prompt) / duration if duration > 0 else 0.0,
+            output_tput=len(generated) / duration if duration > 0 else 0.0,
+            ttft=(times[0] - start) if times else 0.0,
+            tpot=gaps,
+        )
+
+    # ----------------------------------------------------------------- retrieve / update
+    def retrieve(self) -> dict[CacheKind, torch.Tensor] | None:
+        """Every context's tensor for the longest cached chunk-aligned prefix of ``tokens``.
+
+        All kinds are cut to the same (shortest) length; None if any kind has nothing cached.
+        """
+        with self._lock:
+            got = self._retrieve_all(self._prefix + self._suffix)
+        return None if got is None else got[0]
+
+    def update(
+        self,
+        tensors_or_kv: torch.Tensor | Mapping[Any, torch.Tensor],
+        tokens: Sequence[int],
+        *,
+        replaces: int | None = None,
+    ) -> bool:
+        """Store edited tensors under ``tokens`` and make ``tokens`` the stream's prefix.
+
+        ``tensors_or_kv`` is a KV tensor or a mapping kind -> tensor. The edit replaces the first
+        ``replaces`` tokens of ``tokens`` (default: the currently cached chunk-aligned prefix,
+        as ``retrieve`` returned it); the rest become ``suffix_tokens``. Returns the KV store's
+        result (False: the server already held every chunk).
+        """
+        with self._lock:
+            current = self._prefix + self._suffix
+            if replaces is None:
+                replaces = self._cached_len(current)
+            if not 0 <= replaces <= len(current):
+                raise RequestStreamError(
+                    f"replaces={replaces} is outside the stream's {len(current)} tokens"
+                )
+            if isinstance(tensors_or_kv, torch.Tensor):
+                tensors = {CacheKind.KV: tensors_or_kv}
+            elif isinstance(tensors_or_kv, Mapping):
+                tensors = {CacheKind.parse(k): v for k, v in tensors_or_kv.items()}
+            else:
+                raise TypeError(
+                    "update() takes a KV tensor or a mapping kind -> tensor, got "
+                    f"{type(tensors_or_kv).__name__}"
+                )
+            new_tokens = self._check_tokens(tokens, "tokens")
+            for kind, tensor in tensors.items():
+                ctx = self._context(kind)
+                self._check_tensor(kind, tensor, new_tokens, self._layout_reference(ctx, kind))
+            return self._store_and_commit(tensors, new_tokens, current[replaces:])
+
+    # ----------------------------------------------------------------- modify
+    def modify_kv(
+        self, fn: ModifyFnType, *, timeout: float = 5.0, poll_interval: float = 0.05
+    ) -> ModifyResult:
+        """Edit the cached chunk-aligned prefix with ``fn`` and store the result back.
+
+        Waits up to ``timeout`` seconds for the last prompt's whole chunks to appear (engines may
+        store asynchronously), then edits whatever is cached. A stream without a single whole
+        chunk is left as it is (``skipped``). Raises ``RequestStreamError`` when nothing is
+        cached, ``fn`` fails, or its output is invalid; the stream and the server are unchanged.
+        """
+        if not callable(fn):
+            raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
+        start = time.perf_counter()
+        with self._lock:
+            self._context(CacheKind.KV)
+            current = self._prefix + self._suffix
+            chunk = self._chunk_size()
+            if len(current) < chunk:
+                return ModifyResult(0, 0, len(self._suffix), False, 0.0, skipped=True)
+            self._wait_for_cache(current, timeout, poll_interval)
+            got = self._retrieve_all(current)
+            if got is None:
+                raise RequestStreamError(
+                    f"stream {self._request_stream_id}: the server holds no cached chunk of its "
+                    f"{len(current)} tokens (chunk size {chunk}); run generate()/prefill first "
+                    "(and check the engine stores its KV in this server under this model name "
+                    "and cache_salt)"
+                )
+            tensors, cached = got
+            try:
+                result = fn(dict(tensors), list(current[:cached]))
+            except Exception as exc:
+                raise RequestStreamError(
+                    f"stream {self._request_stream_id}: edit function failed: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            if not isinstance(result, tuple) or len(result) != 2:
+                raise RequestStreamError(
+                    f"stream {self._request_stream_id}: edit function must return "
+                    f"(kv, tokens), got {type(result).__name__}"
+                )
+            new_kv, new_tokens_raw = result
+            try:
+                new_tokens = self._check_tokens(new_tokens_raw, "tokens returned by fn")
+            except (TypeError, ValueError) as exc:
+                raise RequestStreamError(f"stream {self._request_stream_id}: {exc}") from None
+            self._check_tensor(CacheKind.KV, new_kv, new_tokens, tensors[CacheKind.KV])
+            stored = self._store_and_commit({CacheKind.KV: new_kv}, new_tokens, current[cached:])
+            return ModifyResult(
+                total_tokens=cached,
+                kept_tokens=len(new_tokens),
+                suffix_tokens=len(self._suffix),
+                stored=stored,
+                duration=time.perf_counter() - start,
+            )
+
+    # ----------------------------------------------------------------- helpers
+    def _context(self, kind: CacheKind) -> Context:
+        try:
+            return self._contexts[kind]
+        except KeyError:
+            have = ", ".join(k.value for k in self._contexts) or "none"
+            raise RequestStreamError(
+                f"stream {self._request_stream_id} has no {kind.value!r} context (has: {have}); "
+                f"pass one to create_request"
+            ) from None
+
+    def _chunk_size(self) -> int:
+        ctx = self._contexts.get(CacheKind.KV) or next(iter(self._contexts.values()), None)
+        return int(ctx.chunk_size) if ctx is not None else 0
+
+    def _cached_len(self, tokens: list[int]) -> int:
+        """Chunk-aligned cached length common to every context (0 without contexts)."""
+        if not self._contexts:
+            return 0
+        return min(ctx.lookup(tokens, self.cache_salt) for ctx in self._contexts.values())
+
+    def _wait_for_cache(self, tokens: list[int], timeout: float, poll_interval: float) -> None:
+        chunk = self._chunk_size()
+        expected = min(self._expected_cached, (len(tokens) // chunk) * chunk)
+        if expected <= 0:
+            return
+        kv_ctx = self._contexts[CacheKind.KV]
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while kv_ctx.lookup(tokens, self.cache_salt) < expected and time.monotonic() < deadline:
+            time.sleep(poll_interval)
+
+    def _retrieve_all(self, tokens: list[int]) -> tuple[dict[CacheKind, torch.Tensor], int] | None:
+        if not self._contexts:
+            raise RequestStreamError(
+                f"stream {self._request_stream_id} has no contexts; pass them to create_request"
+            )
+        got: dict[CacheKind, torch.Tensor] = {}
+        for kind, ctx in self._contexts.items():
+            tensor = ctx.retrieve(tokens, self.cache_salt)
+            if tensor is None or tensor.shape[2] == 0:
+                return None
+            got[kind] = tensor
+        common = min(t.shape[2] for t in got.values())
+        for kind, tensor in got.items():
+            if tensor.shape[2] != common:
+                got[kind] = tensor[:, :, :common].contiguous()
+        return got, common
+
+    def _check_tokens(self, tokens: Any, what: str) -> list[int]:
+        out = _as_token_list(tokens, what)
+        if not out:
+            raise ValueError(f"{what} must not be empty (an edit must keep at least one chunk)")
+        return out
+
+    def _layout_reference(self, ctx: Context, kind: CacheKind) -> torch.Tensor | None:
+        """A 1-token meta tensor with the context's layout (shape/dtype), for validation."""
+        layout = getattr(ctx, "layout", None)
+        if layout is None:
+            return None
+        shape = tuple(layout.shape(kind, 1))
+        return torch.empty(shape, dtype=layout.dtype, device="meta")
+
+    def _check_tensor(
+        self,
+        kind: CacheKind,
+        tensor: Any,
+        tokens: list[int],
+        reference: torch.Tensor | None,
+    ) -> None:
+        """Raise ``RequestStreamError`` unless ``tensor`` can be stored under ``tokens``."""
+        sid = self._request_stream_id
+        if not isinstance(tensor, torch.Tensor):
+            raise RequestStreamError(
+                f"stream {sid}: {kind.value} must be a torch.Tensor, got {type(tensor).__name__}"
+            )
+        lead = 1 if kind is CacheKind.QUERY else 2
+        if tensor.dim() != 4 or tensor.shape[0] != lead:
+            raise RequestStreamError(
+                f"stream {sid}: {kind.value} tensor must be [{lead}, L, T, D], "
+                f"got {list(tensor.shape)}"
+            )
+        if reference is not None:
+            if tensor.shape[1] != reference.shape[1] or tensor.shape[3] != reference.shape[3]:
+                raise RequestStreamError(
+                    f"stream {sid}: {kind.value} tensor has L={tensor.shape[1]}, "
+                    f"D={tensor.shape[3]}; expected L={reference.shape[1]}, "
+                    f"D={reference.shape[3]} (shape {list(tensor.shape)})"
+                )
+            if tensor.dtype != reference.dtype:
+                raise RequestStreamError(
+                    f"stream {sid}: {kind.value} tensor has dtype {tensor.dtype}; expected "
+                    f"{reference.dtype}"
+                )
+        t = tensor.shape[2]
+        if len(tokens) != t:
+            raise RequestStreamError(
+                f"stream {sid}: {len(tokens)} tokens for a {kind.value} tensor of T={t}; "
+                "the edit must return one token id per kept row"
+            )
+        chunk = int(self._contexts[kind].chunk_size)
+        if t == 0 or t % chunk:
+            raise RequestStreamError(
+                f"stream {sid}: edited {kind.value} has T={t} tokens, not a non-zero multiple of "
+                f"the chunk size {chunk}; round the kept budget to whole chunks"
+            )
+
+    def _store_and_commit(
+        self, tensors: dict[CacheKind, torch.Tensor], tokens: list[int], suffix: list[int]
+    ) -> bool:
+        results: dict[CacheKind, bool] = {}
+        for kind in sorted(tensors, key=lambda k: k is CacheKind.KV):  # KV last
+            try:
+                results[kind] = bool(
+                    self._contexts[kind].store(tensors[kind], tokens, self.cache_salt)
+                )
+            except SDKError as exc:
+                raise RequestStreamError(
+                    f"stream {self._request_stream_id}: storing the edited {kind.value} "
+                    f"failed: {exc}"
+                ) from exc
+        stored = results.get(CacheKind.KV, any(results.values()))
+        if not stored:
+            logger.warning(
+                "stream %s: the server already held every chunk of the edit (first copy wins); "
+                "an edit that keeps the same tokens is not stored",
+                self._request_stream_id,
+            )
+        self._prefix = list(tokens)
+        self._suffix = list(suffix)
+        self._expected_cached = len(tokens)
+        return stored
+
+
+LMCacheRequestStream = RequestStream
