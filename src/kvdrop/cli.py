@@ -15,7 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "server": ("kvdrop_sdk.server.cli", "run the KV cache server (ZMQ + HTTP)"),
     "engine": (
         "kvdrop_sdk.engines.cli",
-        "run the reference engine's OpenAI-compatible HTTP server",
+        "run the reference engine (OpenAI-compatible HTTP)",
     ),
     "demo": ("kvdrop.demo", "prefill, drop, decode: baseline vs dropped, side by side"),
 }

@@ -1,4 +1,4 @@
-"""Errors raised by kvdrop policies and the registry: each says what was wrong and what is allowed."""
+"""Errors of kvdrop policies and the registry: each says what was wrong and what is allowed."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ class MissingQueryError(PolicyInputError):
 
     def __init__(self, policy: str) -> None:
         super().__init__(
-            f"policy {policy!r} scores tokens with the prefill query tensors, but none were passed. "
-            "Start the server with `kvdrop server --enable transfer_query`, connect a query context "
-            "(kvdrop_sdk.qcache.connect(...)) and pass both contexts to create_request(); or pick a "
-            "KV-only policy (`kvdrop list` shows which need queries)."
+            f"policy {policy!r} scores tokens with the prefill query tensors, but none were "
+            "passed. Start the server with `kvdrop server --enable transfer_query`, connect a "
+            "query context (kvdrop_sdk.qcache.connect(...)) and pass both contexts to "
+            "create_request(); or pick a KV-only policy (`kvdrop list` shows which need queries)."
         )
 
 

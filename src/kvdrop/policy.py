@@ -44,7 +44,7 @@ class Scorer:
         raise NotImplementedError
 
     def check(self, kv: torch.Tensor, query: torch.Tensor | None) -> None:
-        """Validate shapes the scorer depends on (e.g. D divisible by head_dim); raise PolicyInputError."""
+        """Validate shapes the scorer relies on (e.g. D % head_dim); raise PolicyInputError."""
 
 
 @dataclass(frozen=True)

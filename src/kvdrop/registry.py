@@ -156,7 +156,7 @@ def _entry(name: str) -> Factory:
 
 
 def get(name: str, **params: Any) -> ModifyFnType:
-    """Build the edit function of policy ``name`` with ``params`` (validated now, not at first use)."""
+    """Build policy ``name``'s edit function; ``params`` are validated now, not at first use."""
     return _entry(name)(**params)
 
 

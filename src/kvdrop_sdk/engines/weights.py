@@ -285,7 +285,7 @@ def load_gguf(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
             name = f"layers.{m.group(1)}.{_GGUF_NAMES[m.group(2)]}.{m.group(3)}"
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            arr = np.asarray(t.data, dtype=np.float32)
+            arr = np.array(t.data, dtype=np.float32)
         else:
             arr = dequantize(t.data, t.tensor_type)
         w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
