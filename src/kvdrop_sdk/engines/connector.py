@@ -1,0 +1,181 @@
+"""Connects the reference engine to a kvdrop server: load cached prefixes, store prompts.
+
+The engine calls ``bind`` once with its model config and dtype; the connector then registers the
+model's KV layout ``[2, L, T, Hkv*d]`` (and, when the server runs with ``transfer_query``, the query
+layout ``[1, L, T, Hq*d]`` of all query heads, post-RoPE) by opening one SDK ``Context`` per kind.
+
+``load`` returns the longest cached chunk-aligned KV prefix of a prompt (queries are never needed to
+decode); ``store`` pushes a prompt's whole chunks of KV and queries. Every call is keyed by the
+request's own token ids and cache salt and the contexts are used under a lock, so any number of
+concurrent requests can go through one connector.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import requests
+import torch
+from torch import Tensor
+
+from kvdrop_sdk.cache_kind import CacheKind
+from kvdrop_sdk.errors import SDKError
+from kvdrop_sdk.layout import CacheLayout
+
+__all__ = ["ServerConnector", "server_has_transfer_query"]
+
+
+def server_has_transfer_query(http_url: str, timeout: float = 10.0) -> bool:
+    """Whether the server at ``http_url`` lists "transfer_query" in ``GET /config``'s "enabled"."""
+    url = http_url.rstrip("/") + "/config"
+    try:
+        resp = requests.get(url, timeout=timeout)
+        resp.raise_for_status()
+        body = resp.json()
+    except (requests.RequestException, ValueError) as exc:
+        raise SDKError(f"could not read the kvdrop server's config from {url}: {exc}") from exc
+    enabled = body.get("enabled", []) if isinstance(body, dict) else None
+    if not isinstance(enabled, list):
+        raise SDKError(f"{url} answered {body!r}; expected a JSON object with an 'enabled' list")
+    return "transfer_query" in enabled
+
+
+class ServerConnector:
+    """The engine's link to a kvdrop server (see module docstring).
+
+    ``transfer_query=None`` follows the server's ``/config``; ``True`` demands it (error if the
+    server lacks it); ``False`` never stores queries.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        http_url: str,
+        model_name: str,
+        *,
+        transfer_query: bool | None = None,
+        timeout: float = 60.0,
+        transport: str = "auto",
+    ) -> None:
+        if not isinstance(model_name, str) or not model_name:
+            raise ValueError(f"model_name must be a non-empty str, got {model_name!r}")
+        if transfer_query is not None and not isinstance(transfer_query, bool):
+            raise ValueError(f"transfer_query must be a bool or None, got {transfer_query!r}")
+        self.url = url
+        self.http_url = http_url
+        self.model_name = model_name
+        self.timeout = timeout
+        self.transport = transport
+        self._want_query = transfer_query
+        self.transfer_query = False
+        self.chunk_size = 0
+        self.kv_layout: CacheLayout | None = None
+        self.query_layout: CacheLayout | None = None
+        self._kv_ctx: Any = None
+        self._q_ctx: Any = None
+        self._lock = threading.Lock()
+
+    def bind(self, config: Any, dtype: torch.dtype) -> None:
+        """Register the layouts of a model with ``config`` (L, heads, head_dim) in ``dtype``."""
+        from kvdrop_sdk.context import connect
+
+        if self._kv_ctx is not None:
+            raise SDKError("this connector is already bound to an engine; make one per engine")
+        self.kv_layout = CacheLayout(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+        server_q = server_has_transfer_query(self.http_url, timeout=min(self.timeout, 10.0))
+        if self._want_query and not server_q:
+            raise SDKError(
+                f"transfer_query=True but the server at {self.http_url} does not enable it; "
+                "start it with --enable transfer_query or pass transfer_query=None/False"
+            )
+        want_q = server_q if self._want_query is None else self._want_query
+        kv_ctx = connect(
+            CacheKind.KV,
+            self.url,
+            self.http_url,
+            self.model_name,
+            self.timeout,
+            layout=self.kv_layout,
+            transport=self.transport,
+        )
+        q_ctx = None
+        if want_q:
+            self.query_layout = CacheLayout(
+                config.num_layers, config.num_heads, config.head_dim, dtype
+            )
+            try:
+                q_ctx = connect(
+                    CacheKind.QUERY,
+                    self.url,
+                    self.http_url,
+                    self.model_name,
+                    self.timeout,
+                    layout=self.query_layout,
+                    transport=self.transport,
+                )
+            except Exception:
+                kv_ctx.close()
+                raise
+        self._kv_ctx, self._q_ctx = kv_ctx, q_ctx
+        self.transfer_query = q_ctx is not None
+        self.chunk_size = int(kv_ctx.chunk_size)
+
+    def _ctx(self) -> Any:
+        if self._kv_ctx is None:
+            raise SDKError("connector is not bound; pass it to Engine(connector=...) first")
+        return self._kv_ctx
+
+    def lookup(self, tokens: Sequence[int], cache_salt: str = "") -> int:
+        """Length of the longest cached chunk-aligned KV prefix of ``tokens``."""
+        ctx = self._ctx()
+        with self._lock:
+            return int(ctx.lookup(list(tokens), cache_salt))
+
+    def load(self, tokens: Sequence[int], cache_salt: str = "") -> Tensor | None:
+        """KV ``[2, L, T, Hkv*d]`` (CPU) of the longest cached prefix of ``tokens``, or None."""
+        ctx = self._ctx()
+        with self._lock:
+            kv = ctx.retrieve(list(tokens), cache_salt)
+        if kv is None or kv.shape[2] == 0:
+            return None
+        assert self.kv_layout is not None
+        expected = self.kv_layout.shape(CacheKind.KV, kv.shape[2])
+        if tuple(kv.shape) != expected:
+            raise SDKError(
+                f"server returned KV of shape {tuple(kv.shape)}; expected {expected} for "
+                f"model {self.model_name!r}"
+            )
+        return kv
+
+    def store(
+        self,
+        kv: Tensor,
+        queries: Tensor | None,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+    ) -> None:
+        """Store whole chunks of ``kv`` ``[2, L, T, Hkv*d]`` and ``queries`` ``[1, L, T, Hq*d]``.
+
+        Queries are skipped when the server has no ``transfer_query``.
+        """
+        ctx = self._ctx()
+        toks = list(tokens)
+        with self._lock:
+            ctx.store(kv, toks, cache_salt)
+            if queries is not None and self._q_ctx is not None:
+                self._q_ctx.store(queries, toks, cache_salt)
+
+    def close(self) -> None:
+        """Close the contexts (idempotent)."""
+        for ctx in (self._q_ctx, self._kv_ctx):
+            if ctx is not None:
+                ctx.close()
+        self._kv_ctx = self._q_ctx = None
+
+    def __enter__(self) -> ServerConnector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
