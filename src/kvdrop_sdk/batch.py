@@ -1,0 +1,287 @@
+"""Run many request streams together: prefill, modify (edit the cached KV), decode.
+
+Differences from the upstream batched stream, on purpose:
+
+* A bounded thread pool: at most ``max_concurrency`` engine calls and ``modify_concurrency``
+  edits run at once (upstream starts one thread per stream and large batches ran out of memory).
+* A failing stream does not lose the others: every stream runs to completion, the successful
+  ones keep their results (``perf_metrics``, ``modify_results``, their tokens), then one
+  ``BatchedStreamFailures`` (a ``BatchedStreamError``) lists every failed stream id with its
+  error and carries the phase's ``Metrics`` of the successful streams.
+* An optional ``progress(done, total, phase)`` callback, called from the calling thread with
+  ``done == 0`` when a phase starts and again as each stream finishes (``ProgressBar`` fits).
+* Streams that are done (the engine said "stop") are skipped by prefill and decode.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from typing import Any, TypeVar
+
+from kvdrop_sdk.errors import BatchedStreamError, LMCacheBatchedStreamError
+from kvdrop_sdk.metrics import Metrics, get_handler, summarize
+from kvdrop_sdk.request import ModifyResult, RequestStream, StreamPerfMetrics
+from kvdrop_sdk.types import ModifyFnType
+
+__all__ = [
+    "BatchedStream",
+    "BatchedStreamError",
+    "BatchedStreamFailures",
+    "LMCacheBatchedStream",
+    "LMCacheBatchedStreamError",
+    "ProgressCallback",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+#: ``progress(done, total, phase)``: ``done`` of ``total`` streams finished in ``phase``.
+ProgressCallback = Callable[[int, int, str], None]
+
+DEFAULT_MAX_CONCURRENCY = 64
+
+
+class BatchedStreamFailures(BatchedStreamError):
+    """Some streams of a phase failed; ``failures`` maps stream id -> error, ``metrics`` reports
+    the streams that succeeded."""
+
+    def __init__(self, phase: str, failures: dict[str, BaseException], metrics: Metrics) -> None:
+        self.phase = phase
+        self.failures = failures
+        self.metrics = metrics
+        lines = [f"{len(failures)} stream(s) failed during {phase}:"]
+        lines += [f"  {sid}: {type(e).__name__}: {e}" for sid, e in failures.items()]
+        super().__init__("\n".join(lines))
+
+
+def _check_bound(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+class BatchedStream:
+    """A set of request streams run together, with bounded concurrency and metrics per phase.
+
+    ``max_concurrency`` bounds engine calls (prefill/decode); ``modify_concurrency`` bounds edits
+    (default ``min(4, cpu count, max_concurrency)``: edits are CPU- and memory-heavy).
+    """
+
+    def __init__(
+        self,
+        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        *,
+        modify_concurrency: int | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> None:
+        self.max_concurrency = _check_bound("max_concurrency", max_concurrency)
+        if modify_concurrency is None:
+            modify_concurrency = min(4, os.cpu_count() or 1, self.max_concurrency)
+        self.modify_concurrency = _check_bound("modify_concurrency", modify_concurrency)
+        if progress is not None and not callable(progress):
+            raise TypeError(f"progress must be callable, got {type(progress).__name__}")
+        self.progress = progress
+        self.request_streams: dict[str, RequestStream] = {}
+        self.perf_metrics: dict[str, StreamPerfMetrics] = {}
+        self.modify_results: dict[str, ModifyResult] = {}
+
+    # ----------------------------------------------------------------- membership
+    def add(self, request_stream: RequestStream) -> None:
+        """Register a stream under its ``request_stream_id`` (duplicates are an error)."""
+        sid = getattr(request_stream, "request_stream_id", None)
+        if not isinstance(sid, str):
+            raise TypeError(f"add() takes a RequestStream, got {type(request_stream).__name__}")
+        if sid in self.request_streams:
+            raise BatchedStreamError(f"request stream {sid} is already in the batch")
+        self.request_streams[sid] = request_stream
+
+    def get_request_stream(self, stream_id: str) -> RequestStream:
+        """The stream registered as ``stream_id``; ``BatchedStreamError`` if unknown."""
+        try:
+            return self.request_streams[stream_id]
+        except (KeyError, TypeError):
+            raise BatchedStreamError(
+                f"no request stream {stream_id!r} in the batch ({len(self)} registered)"
+            ) from None
+
+    def __len__(self) -> int:
+        return len(self.request_streams)
+
+    def __iter__(self) -> Iterator[RequestStream]:
+        return iter(list(self.request_streams.values()))
+
+    # ----------------------------------------------------------------- phases
+    def prefill(
+        self,
+        sampling_params: Mapping[str, Any] | None = None,
+        fmt: str | None = None,
+        width: int = 80,
+        stream_ids: Sequence[str] | None = None,
+    ) -> Metrics:
+        """Run every stream once with ``max_tokens`` forced to 1; report input tokens and TTFT.
+
+        ``fmt`` ("terminal" or "json") attaches that handler to the returned report; ``width``
+        is accepted for upstream compatibility and unused.
+        """
+        params = {**(sampling_params or {}), "max_tokens": 1}
+        return self._generate_phase("prefill", params, fmt, stream_ids)
+
+    def decode(
+        self,
+        sampling_params: Mapping[str, Any] | None = None,
+        fmt: str | None = None,
+        width: int = 80,
+        stream_ids: Sequence[str] | None = None,
+    ) -> Metrics:
+        """Generate on every stream that is not done; report output tokens and TPOT."""
+        return self._generate_phase("decode", dict(sampling_params or {}), fmt, stream_ids)
+
+    def modify(
+        self,
+        fn: ModifyFnType,
+        fmt: str | None = None,
+        width: int = 80,
+        stream_ids: Sequence[str] | None = None,
+        *,
+        timeout: float = 5.0,
+    ) -> Metrics:
+        """Apply ``fn`` to every stream's cached chunk-aligned prefix and store the result.
+
+        Reports the wall-clock duration and the kept / total edited tokens over the batch.
+        """
+        if not callable(fn):
+            raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
+        streams = self._select(stream_ids)
+        self.modify_results.clear()
+        results, failures, duration = self._run(
+            "modify",
+            streams,
+            lambda s: s.modify_kv(fn, timeout=timeout),
+            self.modify_concurrency,
+        )
+        self.modify_results.update(results)
+        edited = [r for r in results.values() if not r.skipped]
+        kept = sum(r.kept_tokens for r in edited)
+        total = sum(r.total_tokens for r in edited)
+        metrics = Metrics("Batched Stream Modify Metrics")
+        metrics.add("num_requests", len(edited))
+        metrics.add("num_skipped", len(results) - len(edited))
+        metrics.add("num_failed", len(failures))
+        metrics.add("duration", duration)
+        metrics.add("kept_tokens", kept)
+        metrics.add("total_tokens", total)
+        metrics.add("kept_fraction", kept / total if total else float("nan"))
+        return self._finish("modify", metrics, failures, fmt)
+
+    # ----------------------------------------------------------------- internals
+    def _select(self, stream_ids: Sequence[str] | None) -> list[RequestStream]:
+        if stream_ids is None:
+            return list(self.request_streams.values())
+        if isinstance(stream_ids, str):
+            raise TypeError("stream_ids must be a sequence of ids, not a single string")
+        return [self.get_request_stream(sid) for sid in stream_ids]
+
+    def _generate_phase(
+        self,
+        phase: str,
+        params: dict[str, Any],
+        fmt: str | None,
+        stream_ids: Sequence[str] | None,
+    ) -> Metrics:
+        streams = self._select(stream_ids)
+        active = [s for s in streams if not s.is_done]
+        self.perf_metrics.clear()
+        results, failures, duration = self._run(
+            phase, active, lambda s: s.generate(params), self.max_concurrency
+        )
+        self.perf_metrics.update(results)
+        perf = list(results.values())
+        metrics = Metrics(f"Batched Stream Metrics ({phase})")
+        metrics.add("num_requests", len(perf))
+        metrics.add("num_skipped", len(streams) - len(active))
+        metrics.add("num_failed", len(failures))
+        metrics.add("duration", duration)
+        if phase == "prefill":
+            input_tokens = sum(p.input_tokens for p in perf)
+            metrics.add("input_tokens", input_tokens)
+            metrics.add("input_tput", input_tokens / duration if duration > 0 else 0.0)
+            for name, value in summarize("ttft", [p.ttft for p in perf]).items():
+                metrics.add(name, value)
+        else:
+            output_tokens = sum(p.output_tokens for p in perf)
+            metrics.add("output_tokens", output_tokens)
+            metrics.add("output_tput", output_tokens / duration if duration > 0 else 0.0)
+            tpot = [gap for p in perf for gap in p.tpot]
+            for name, value in summarize("tpot", tpot).items():
+                metrics.add(name, value)
+        return self._finish(phase, metrics, failures, fmt)
+
+    def _finish(
+        self, phase: str, metrics: Metrics, failures: dict[str, BaseException], fmt: str | None
+    ) -> Metrics:
+        if fmt is not None:
+            metrics.add_handler(get_handler(fmt))
+        if failures:
+            raise BatchedStreamFailures(phase, failures, metrics)
+        return metrics
+
+    def _run(
+        self,
+        phase: str,
+        streams: list[RequestStream],
+        work: Callable[[RequestStream], T],
+        bound: int,
+    ) -> tuple[dict[str, T], dict[str, BaseException], float]:
+        """Run ``work`` on every stream (at most ``bound`` at once); never stop at a failure."""
+        results: dict[str, T] = {}
+        failures: dict[str, BaseException] = {}
+        total = len(streams)
+        report = self._progress_reporter(phase, total)
+        start = time.perf_counter()
+        if not streams:
+            return results, failures, 0.0
+        report(0)
+        pool = ThreadPoolExecutor(
+            max_workers=min(bound, total), thread_name_prefix=f"kvdrop-{phase}"
+        )
+        try:
+            futures: dict[Future[T], str] = {
+                pool.submit(work, s): s.request_stream_id for s in streams
+            }
+            for done, future in enumerate(as_completed(futures), start=1):
+                sid = futures[future]
+                try:
+                    results[sid] = future.result()
+                except Exception as exc:
+                    failures[sid] = exc
+                report(done)
+        finally:
+            # On Ctrl-C, drop what has not started; running streams finish their call.
+            pool.shutdown(wait=True, cancel_futures=True)
+        # Report in the order the streams were given, not the order they finished.
+        order = {s.request_stream_id: i for i, s in enumerate(streams)}
+        failures = dict(sorted(failures.items(), key=lambda kv: order[kv[0]]))
+        return results, failures, time.perf_counter() - start
+
+    def _progress_reporter(self, phase: str, total: int) -> Callable[[int], None]:
+        callback = self.progress
+        broken = False
+
+        def report(done: int) -> None:
+            nonlocal broken
+            if callback is None or broken:
+                return
+            try:
+                callback(done, total, phase)
+            except Exception:
+                broken = True
+                logger.warning("progress callback failed; disabled for this phase", exc_info=True)
+
+        return report
+
+
+LMCacheBatchedStream = BatchedStream
