@@ -56,6 +56,9 @@ class PolicyInfo:
     needs_query: bool
     params: tuple[Param, ...]
     details: str = ""
+    #: Parameters a minimal working instance needs beyond the defaults (e.g. the inner policies of
+    #: a composition); docs and the property tests over every registered policy use them.
+    example: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -64,6 +67,7 @@ class PolicyInfo:
             "needs_query": self.needs_query,
             "details": self.details,
             "params": [p.describe() for p in self.params],
+            "example": dict(self.example),
         }
 
 
@@ -152,6 +156,7 @@ class ScorerFactory:
         *,
         defaults: Mapping[str, Any] | None = None,
         hidden: Sequence[str] = (),
+        example: Mapping[str, Any] | None = None,
     ) -> None:
         self.name = name
         self.scorer_cls = scorer_cls
@@ -167,7 +172,9 @@ class ScorerFactory:
         exposed = [p for p in selector_params if p.name not in hidden]
         self.params: tuple[Param, ...] = (*exposed, *params_of_dataclass(scorer_cls))
         doc = inspect.cleandoc(scorer_cls.__doc__ or "")
-        self.info = PolicyInfo(name, summary, scorer_cls.needs_query, self.params, doc)
+        self.info = PolicyInfo(
+            name, summary, scorer_cls.needs_query, self.params, doc, dict(example or {})
+        )
 
     def __call__(self, **params: Any) -> ScorerPolicy:
         values = validate_params(self.name, self.params, params)
@@ -203,6 +210,7 @@ def info_of(name: str, factory: Callable[..., ModifyFnType]) -> PolicyInfo:
         tp = Any if p.annotation is p.empty else p.annotation
         params.append(Param(p.name, tp, default, ""))
     return PolicyInfo(
+        example=dict(getattr(factory, "example", {}) or {}),
         name=name,
         summary=doc.splitlines()[0] if doc else "",
         needs_query=bool(getattr(factory, "needs_query", False)),
