@@ -1,0 +1,133 @@
+"""Invariants every registered policy must keep (including plugins), drawn by hypothesis."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+import kvdrop
+from kvdrop_sdk import CacheKind
+
+POLICIES = kvdrop.available()
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+class ForeignKind(enum.Enum):
+    """Another SDK's cache-kind enum (e.g. LMCache's): policies must accept it by value."""
+
+    KV = "kv"
+    QUERY = "query"
+
+
+def declared(name: str) -> set[str]:
+    return {p.name for p in kvdrop.describe(name).params}
+
+
+@st.composite
+def cases(draw: st.DrawFn, name: str) -> dict[str, Any]:
+    names = declared(name)
+    head_dim = draw(st.sampled_from([2, 4, 8]))
+    kv_heads = draw(st.integers(1, 3))
+    group = draw(st.sampled_from([1, 2]))
+    num_tokens = draw(st.integers(1, 160))
+    chunk = draw(st.sampled_from([1, 4, 16, 32]))
+    params: dict[str, Any] = dict(kvdrop.describe(name).example)
+    params["chunk_size"] = chunk
+    if draw(st.booleans()):
+        params["keep_ratio"] = draw(st.floats(0.01, 1.0))
+    else:
+        params["keep_tokens"] = draw(st.integers(1, 200))
+    if "head_dim" in names:
+        params["head_dim"] = head_dim
+    if "chunked" in names:
+        params["chunked"] = draw(st.booleans())
+    for extra in ("n_sink", "window"):
+        if extra in names and draw(st.booleans()):
+            params[extra] = draw(st.integers(0, 40))
+    dtype = draw(st.sampled_from(DTYPES))
+    layers = draw(st.integers(1, 3))
+    seed = draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(2, layers, num_tokens, kv_heads * head_dim, generator=gen).to(dtype)
+    query = torch.randn(1, layers, num_tokens, kv_heads * group * head_dim, generator=gen).to(dtype)
+    # Distinct ids so every kept token maps back to exactly one input index.
+    tokens = torch.randperm(10 * num_tokens + 10, generator=gen)[:num_tokens].tolist()
+    return {"params": params, "kv": kv, "query": query, "tokens": tokens}
+
+
+def expected_count(params: dict[str, Any], num_tokens: int) -> int:
+    """The contract's budget: aligned down to chunk_size, at least one chunk, at most T."""
+    chunk = params["chunk_size"]
+    raw = params.get("keep_tokens")
+    if raw is None:
+        raw = int(params["keep_ratio"] * num_tokens + 1e-9)
+    return min(max(chunk, raw - raw % chunk), num_tokens)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_policy_invariants(name: str, data: st.DataObject) -> None:
+    case = data.draw(cases(name))
+    kv, query, tokens, params = case["kv"], case["query"], case["tokens"], case["params"]
+    kv_before, q_before = kv.clone(), query.clone()
+    fn = kvdrop.get(name, **params)
+    out, kept = fn({CacheKind.KV: kv, CacheKind.QUERY: query}, tokens)
+
+    num_tokens = kv.shape[2]
+    count = expected_count(params, num_tokens)
+    assert out.dim() == 4 and out.shape[:2] == kv.shape[:2] and out.shape[3] == kv.shape[3]
+    assert out.dtype == kv.dtype and out.device == kv.device
+    assert out.shape[2] == len(kept) == count
+    if count == num_tokens:
+        assert list(kept) == tokens and torch.equal(out, kv)
+    else:
+        assert count % params["chunk_size"] == 0
+    index = {t: i for i, t in enumerate(tokens)}
+    positions = [index[t] for t in kept]
+    assert all(a < b for a, b in itertools.pairwise(positions)), "kept tokens must keep order"
+    assert torch.equal(out, kv[:, :, positions]), "kept rows must be the input rows, bit-identical"
+    assert torch.equal(kv, kv_before) and torch.equal(query, q_before), "inputs were modified"
+
+    out2, kept2 = kvdrop.get(name, **params)({ForeignKind.KV: kv, ForeignKind.QUERY: query}, tokens)
+    assert list(kept2) == list(kept) and torch.equal(out2, out), "not deterministic"
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_invalid_parameters_name_the_parameter(name: str) -> None:
+    example = dict(kvdrop.describe(name).example)
+    with pytest.raises(kvdrop.PolicyParamError, match="keep_ratio"):
+        kvdrop.get(name, **example, keep_ratio=0.0)
+    with pytest.raises(kvdrop.PolicyParamError, match="keep_ratio"):
+        kvdrop.get(name, **example, keep_ratio=1.5)
+    with pytest.raises(kvdrop.PolicyParamError, match="keep_ratio"):
+        kvdrop.get(name, **example, keep_ratio="half")
+    with pytest.raises(kvdrop.PolicyParamError, match="chunk_size"):
+        kvdrop.get(name, **example, chunk_size=0)
+    with pytest.raises(kvdrop.PolicyParamError, match="not both"):
+        kvdrop.get(name, **example, keep_ratio=0.5, keep_tokens=256)
+    with pytest.raises(kvdrop.PolicyParamError, match="bogus"):
+        kvdrop.get(name, **example, bogus=1)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_wrongly_shaped_inputs_raise(name: str) -> None:
+    fn = kvdrop.get(name, **dict(kvdrop.describe(name).example), keep_tokens=4, chunk_size=4)
+    needs_query = kvdrop.describe(name).needs_query
+    kv = torch.randn(2, 2, 16, 8)
+    query = torch.randn(1, 2, 16, 8)
+    with pytest.raises(kvdrop.PolicyInputError, match=r"\[2, L, T, D\]"):
+        fn({CacheKind.KV: kv[0], CacheKind.QUERY: query}, list(range(16)))
+    with pytest.raises(kvdrop.PolicyInputError, match="token ids"):
+        fn({CacheKind.KV: kv, CacheKind.QUERY: query}, list(range(15)))
+    with pytest.raises(kvdrop.PolicyInputError, match="no KV tensor"):
+        fn({CacheKind.QUERY: query}, list(range(16)))
+    if needs_query:
+        with pytest.raises(kvdrop.MissingQueryError, match="--enable transfer_query"):
+            fn({CacheKind.KV: kv}, list(range(16)))
