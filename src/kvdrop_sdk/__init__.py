@@ -6,7 +6,9 @@ written against it).
 
 from __future__ import annotations
 
+from kvdrop_sdk import kvcache, qcache
 from kvdrop_sdk.cache_kind import CacheKind, LMCacheSDKCacheKind
+from kvdrop_sdk.context import Context, LMCacheSDKContext, connect
 from kvdrop_sdk.errors import (
     BatchedStreamError,
     LMCacheBatchedStreamError,
@@ -15,16 +17,23 @@ from kvdrop_sdk.errors import (
     RequestStreamError,
     SDKError,
 )
+from kvdrop_sdk.layout import CacheLayout
 from kvdrop_sdk.types import ModifyFnType
 
 __all__ = [
     "BatchedStreamError",
     "CacheKind",
+    "CacheLayout",
+    "Context",
     "LMCacheBatchedStreamError",
     "LMCacheRequestStreamError",
     "LMCacheSDKCacheKind",
+    "LMCacheSDKContext",
     "LMCacheSDKError",
     "ModifyFnType",
     "RequestStreamError",
     "SDKError",
+    "connect",
+    "kvcache",
+    "qcache",
 ]

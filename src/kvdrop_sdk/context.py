@@ -1,0 +1,286 @@
+"""A connection to one kvdrop server for one model and one cache kind (``LMCacheSDKContext``).
+
+The context reads the server's settings over HTTP (``/config``), the model's layout over ZMQ, and
+moves tensors through its transfer helper (``transfer_ctx``: shared memory or socket). It is safe
+to share between threads: each call borrows its own socket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import requests
+import torch
+
+from kvdrop_sdk.cache_kind import CacheKind, LMCacheSDKCacheKind
+from kvdrop_sdk.errors import LMCacheSDKError, SDKError
+from kvdrop_sdk.hashing import TOKEN_BYTES, encode_tokens
+from kvdrop_sdk.layout import CacheLayout, dtype_name
+from kvdrop_sdk.protocol import RpcClient, RpcError, server_hint
+from kvdrop_sdk.types import ModifyFnType
+from kvdrop_sdk.wrapper.contiguous import MODES, ContiguousTransferWrapper
+
+__all__ = [
+    "QUERY_SUFFIX",
+    "Context",
+    "LMCacheSDKCacheKind",
+    "LMCacheSDKContext",
+    "LMCacheSDKError",
+    "ModifyFnType",
+    "connect",
+    "server_model_name",
+]
+
+#: The query kind lives under ``<model>##query`` on the server.
+QUERY_SUFFIX = "##query"
+
+
+def server_model_name(model_name: str, kind: CacheKind) -> str:
+    """The name a model's ``kind`` tensors are stored under on the server."""
+    if kind is CacheKind.QUERY and not model_name.endswith(QUERY_SUFFIX):
+        return model_name + QUERY_SUFFIX
+    return model_name
+
+
+class Context:
+    """One server connection for ``model_name`` and ``kind``; see ``connect``."""
+
+    def __init__(
+        self,
+        kind: CacheKind | str,
+        url: str,
+        http_url: str,
+        model_name: str,
+        timeout: float = 60.0,
+        *,
+        layout: CacheLayout | None = None,
+        transport: str = "auto",
+    ) -> None:
+        try:
+            self.kind = CacheKind.parse(kind)
+        except ValueError as exc:
+            raise SDKError(str(exc)) from None
+        if not isinstance(url, str) or not url.startswith("tcp://"):
+            raise SDKError(f"url must look like tcp://HOST:PORT (the server's --port), got {url!r}")
+        if not isinstance(http_url, str) or not http_url.startswith(("http://", "https://")):
+            raise SDKError(
+                f"http_url must look like http://HOST:PORT (the server's --http-port), "
+                f"got {http_url!r}"
+            )
+        if not isinstance(model_name, str) or not model_name:
+            raise SDKError(f"model_name must be a non-empty string, got {model_name!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise SDKError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if transport not in MODES:
+            raise SDKError(f"transport {transport!r} is unknown; expected one of {MODES}")
+        if layout is not None and not isinstance(layout, CacheLayout):
+            raise SDKError(f"layout must be a CacheLayout, got {type(layout).__name__}")
+        self.url = url
+        self.http_url = http_url.rstrip("/")
+        self.model_name = model_name
+        self.server_model_name = server_model_name(model_name, self.kind)
+        self.timeout = float(timeout)
+        self._requested_layout = layout
+        self._layout: CacheLayout | None = None
+        self._closed = False
+        self.server_config = self._http_json("/config")
+        try:
+            self.chunk_size = int(self.server_config["chunk_size"])
+        except (KeyError, TypeError, ValueError):
+            raise SDKError(f"{self.http_url}/config has no valid chunk_size") from None
+        features = self.server_config.get("features") or []
+        if self.kind is CacheKind.QUERY and "transfer_query" not in features:
+            raise SDKError(
+                f"the server at {url} does not accept query tensors; start it with "
+                "`kvdrop server --enable transfer_query`"
+            )
+        self._rpc = RpcClient(url, self.timeout, self.http_url)
+        try:
+            self.transfer_ctx = ContiguousTransferWrapper(
+                self._rpc, self.server_config, url, transport
+            )
+        except BaseException:
+            self._rpc.close()
+            raise
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def _http_json(self, path: str) -> dict[str, Any]:
+        address = self.http_url + path
+        try:
+            resp = requests.get(address, timeout=self.timeout)
+            resp.raise_for_status()
+            body = resp.json()
+        except requests.RequestException as exc:
+            raise SDKError(
+                f"cannot reach the kvdrop server at {address} ({type(exc).__name__}); "
+                f"{server_hint(self.url, self.http_url)}"
+            ) from None
+        except ValueError:
+            raise SDKError(f"{address} did not answer JSON; is it a kvdrop server?") from None
+        if not isinstance(body, dict):
+            raise SDKError(f"{address} answered {type(body).__name__}, expected a JSON object")
+        return body
+
+    def _fields(self, cache_salt: str = "") -> dict[str, Any]:
+        if not isinstance(cache_salt, str):
+            raise SDKError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+        return {"model": self.server_model_name, "kind": self.kind.value, "salt": cache_salt}
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SDKError("this context is closed; connect() again")
+
+    @property
+    def _lease_s(self) -> float:
+        return max(self.timeout, 30.0)
+
+    @staticmethod
+    def _encode(tokens: Sequence[int]) -> bytes:
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.tolist()
+        try:
+            return encode_tokens(tokens)
+        except ValueError as exc:
+            raise SDKError(f"bad token ids: {exc}") from None
+
+    # -- public API ---------------------------------------------------------------------------
+    @property
+    def layout(self) -> CacheLayout:
+        """The model's registered layout (after ``register_caches``)."""
+        if self._layout is None:
+            raise SDKError("no layout yet: call register_caches() (connect() does it)")
+        return self._layout
+
+    def register_caches(self) -> CacheLayout:
+        """Read this model's layout from the server; register ``layout=`` first if one was given."""
+        self._check_open()
+        fields = self._fields()
+        fields.pop("salt")
+        try:
+            if self._requested_layout is not None:
+                self._rpc.call("register", {**fields, "layout": self._requested_layout.to_json()})
+            reply, _ = self._rpc.call("layout", fields)
+        except RpcError as exc:
+            raise SDKError(str(exc)) from None
+        try:
+            self._layout = CacheLayout.from_json(reply.get("layout"))
+        except ValueError as exc:
+            raise SDKError(f"server sent a bad layout: {exc}") from None
+        return self._layout
+
+    def lookup(self, tokens: Sequence[int], cache_salt: str = "") -> int:
+        """How many leading tokens of ``tokens`` are cached (a multiple of ``chunk_size``)."""
+        self._check_open()
+        raw = self._encode(tokens)
+        if len(raw) < self.chunk_size * TOKEN_BYTES:
+            return 0
+        reply, _ = self._rpc.call("lookup", self._fields(cache_salt), [raw])
+        return int(reply["num_tokens"])
+
+    def retrieve(self, tokens: Sequence[int], cache_salt: str = "") -> torch.Tensor | None:
+        """The cached tensor of the longest chunk-aligned prefix of ``tokens``, or None on a miss.
+
+        Shape ``(2, L, T, width)`` for KV, ``(1, L, T, width)`` for QUERY; one contiguous CPU
+        tensor owned by the caller.
+        """
+        self._check_open()
+        layout = self.layout
+        raw = self._encode(tokens)
+        whole = len(raw) // (self.chunk_size * TOKEN_BYTES) * self.chunk_size * TOKEN_BYTES
+        if whole == 0:
+            return None
+        return self.transfer_ctx.retrieve(
+            self._fields(cache_salt), raw[:whole], layout, self.kind, self._lease_s
+        )
+
+    def store(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "") -> bool:
+        """Store the whole chunks of ``kv`` under ``tokens``; False when all were cached already.
+
+        ``kv`` is ``(2|1, L, T, width)`` with ``T == len(tokens)``; a tail shorter than a chunk is
+        ignored. The first stored copy of a chunk wins.
+        """
+        self._check_open()
+        layout = self.layout
+        if not isinstance(kv, torch.Tensor):
+            raise SDKError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        raw = self._encode(tokens)
+        num_tokens = len(raw) // TOKEN_BYTES
+        if kv.dim() != 4 or kv.shape[2] != num_tokens:
+            raise SDKError(
+                f"kv has shape {tuple(kv.shape)} but {num_tokens} tokens were given; expected "
+                f"len(tokens) == kv.shape[2] for a {layout.shape(self.kind, num_tokens)} tensor"
+            )
+        expected = layout.shape(self.kind, num_tokens)
+        if tuple(kv.shape) != expected:
+            raise SDKError(
+                f"kv has shape {tuple(kv.shape)}, expected {expected} "
+                f"({self.kind.value} layout of {self.server_model_name!r}: {layout.to_json()})"
+            )
+        if kv.dtype != layout.dtype:
+            raise SDKError(
+                f"kv has dtype {kv.dtype}, but {self.server_model_name!r} is registered with "
+                f"{dtype_name(layout.dtype)}; convert with kv.to({layout.dtype})"
+            )
+        if num_tokens < self.chunk_size:
+            return False
+        kv = kv.detach()
+        if kv.device.type != "cpu":
+            kv = kv.cpu()
+        stored = self.transfer_ctx.store(
+            self._fields(cache_salt), kv, raw, layout, self.kind, self._lease_s
+        )
+        return stored > 0
+
+    def close(self) -> None:
+        """Release sockets and the shared-memory mapping (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.transfer_ctx.close()
+        self._rpc.close()
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Context(kind={self.kind.value!r}, model={self.model_name!r}, url={self.url!r}, "
+            f"transport={self.transfer_ctx.mode!r})"
+        )
+
+
+def connect(
+    kind: CacheKind | str,
+    url: str,
+    http_url: str,
+    model_name: str,
+    timeout: float = 60.0,
+    *,
+    layout: CacheLayout | None = None,
+    transport: str = "auto",
+) -> Context:
+    """Open a context for ``kind`` and register its caches (reads the layout from the server).
+
+    ``layout=`` registers the layout first (offline use without an engine); ``transport`` is
+    "auto" (shared memory when the server offers it and it can be mapped), "shm" or "socket".
+    """
+    ctx = Context(kind, url, http_url, model_name, timeout, layout=layout, transport=transport)
+    try:
+        ctx.register_caches()
+    except BaseException:
+        ctx.close()
+        raise
+    return ctx
+
+
+LMCacheSDKContext = Context

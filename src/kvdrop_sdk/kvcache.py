@@ -1,0 +1,25 @@
+"""``kvcache.connect``: a context for the KV cache (``[2, L, T, num_kv_heads * head_dim]``)."""
+
+from __future__ import annotations
+
+from kvdrop_sdk.cache_kind import CacheKind
+from kvdrop_sdk.context import Context
+from kvdrop_sdk.context import connect as _connect
+from kvdrop_sdk.layout import CacheLayout
+
+__all__ = ["connect"]
+
+
+def connect(
+    url: str,
+    http_url: str,
+    model_name: str,
+    timeout: float = 60.0,
+    *,
+    layout: CacheLayout | None = None,
+    transport: str = "auto",
+) -> Context:
+    """Same as ``kvdrop_sdk.connect(CacheKind.KV, ...)``."""
+    return _connect(
+        CacheKind.KV, url, http_url, model_name, timeout, layout=layout, transport=transport
+    )

@@ -1,0 +1,192 @@
+"""Wire protocol between SDK contexts and the kvdrop server (ZMQ DEALER -> ROUTER).
+
+A request is a multipart message ``[header, *payload]``: ``header`` is a small UTF-8 JSON object
+``{"v": 1, "op": ..., "rid": ..., ...}``; payload frames are raw bytes (token ids as little-endian
+int64, tensors as their contiguous bytes). A reply is ``[header, *payload]`` with ``"ok": true`` or
+``"ok": false, "code": ..., "error": ...`` and the request's ``rid``. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from kvdrop_sdk.errors import SDKError
+
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "OPS",
+    "PROTOCOL_VERSION",
+    "ProtocolError",
+    "RpcClient",
+    "RpcError",
+    "decode_header",
+    "encode_header",
+    "error_reply",
+    "server_hint",
+]
+
+PROTOCOL_VERSION = 1
+#: Largest accepted JSON header; headers carry no bulk data.
+MAX_HEADER_BYTES = 64 * 1024
+#: Operations the server understands (see docs/sdk.md for each one's frames).
+OPS = (
+    "ping",
+    "register",
+    "layout",
+    "lookup",
+    "get",
+    "put",
+    "reserve",
+    "commit",
+    "abort",
+    "pin",
+    "release",
+)
+
+
+class ProtocolError(ValueError):
+    """A message is malformed; ``code`` is a stable machine-readable reason."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RpcError(SDKError):
+    """The server answered a request with an error reply."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def encode_header(header: dict[str, Any]) -> bytes:
+    """Compact JSON bytes of a header dict."""
+    return json.dumps(header, separators=(",", ":")).encode("utf-8")
+
+
+def decode_header(raw: bytes | memoryview) -> dict[str, Any]:
+    """Parse a header frame; ProtocolError for oversized, non-UTF-8, non-JSON or non-object."""
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError("oversized", f"header is {len(raw)} bytes, limit {MAX_HEADER_BYTES}")
+    try:
+        value = json.loads(bytes(raw).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError("bad_header", f"header is not UTF-8 JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ProtocolError(
+            "bad_header", f"header must be a JSON object, got {type(value).__name__}"
+        )
+    return value
+
+
+def error_reply(rid: Any, code: str, message: str) -> bytes:
+    """Header of an error reply."""
+    return encode_header(
+        {"v": PROTOCOL_VERSION, "rid": rid, "ok": False, "code": code, "error": message}
+    )
+
+
+def server_hint(url: str, http_url: str | None = None) -> str:
+    """How to start a server matching ``url`` (appended to connection errors)."""
+    port = url.rsplit(":", 1)[-1] if ":" in url else "6555"
+    cmd = f"kvdrop server --port {port}"
+    if http_url and ":" in http_url.split("//", 1)[-1]:
+        cmd += f" --http-port {http_url.rsplit(':', 1)[-1].rstrip('/')}"
+    return f"is the kvdrop server running? start it with `{cmd}`"
+
+
+class RpcClient:
+    """Thread-safe request/reply client: one DEALER socket per in-flight call, from a pool.
+
+    A call that gets no reply within ``timeout`` raises SDKError and throws its socket away, so a
+    late reply can never be read as the answer to another request.
+    """
+
+    def __init__(self, url: str, timeout: float, http_url: str | None = None) -> None:
+        self.url = url
+        self.timeout = timeout
+        self._hint = server_hint(url, http_url)
+        self._zctx = zmq.Context()
+        self._free: list[zmq.Socket] = []
+        self._lock = threading.Lock()
+        self._rids = itertools.count(1)
+        self._closed = False
+
+    def _socket(self) -> zmq.Socket:
+        with self._lock:
+            if self._closed:
+                raise SDKError("context is closed")
+            if self._free:
+                return self._free.pop()
+        sock = self._zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.url)
+        except zmq.ZMQError as exc:
+            sock.close()
+            raise SDKError(
+                f"bad server url {self.url!r}: {exc}; expected tcp://HOST:PORT"
+            ) from None
+        return sock
+
+    def call(
+        self,
+        op: str,
+        fields: dict[str, Any] | None = None,
+        frames: Sequence[Any] = (),
+        timeout: float | None = None,
+    ) -> tuple[dict[str, Any], list[zmq.Frame]]:
+        """Send ``op`` with ``fields`` and raw ``frames``; return the reply header and frames.
+
+        Raises RpcError for an error reply and SDKError when no reply arrives in time.
+        """
+        rid = next(self._rids)
+        header = {"v": PROTOCOL_VERSION, "op": op, "rid": rid, **(fields or {})}
+        sock = self._socket()
+        wait = self.timeout if timeout is None else timeout
+        ok = False
+        try:
+            sock.send_multipart([encode_header(header), *frames], copy=False)
+            deadline_ms = int(wait * 1000)
+            while True:
+                if not sock.poll(deadline_ms, zmq.POLLIN):
+                    raise SDKError(
+                        f"no reply from kvdrop server at {self.url} within {wait:g} s "
+                        f"(op {op!r}); {self._hint}"
+                    )
+                parts = sock.recv_multipart(copy=False)
+                reply = decode_header(parts[0].buffer)
+                if reply.get("rid") == rid:
+                    break
+            ok = True
+        finally:
+            if ok:
+                with self._lock:
+                    if self._closed:
+                        sock.close(0)
+                    else:
+                        self._free.append(sock)
+            else:
+                sock.close(0)
+        if not reply.get("ok"):
+            code = str(reply.get("code", "error"))
+            raise RpcError(code, f"server error ({code}): {reply.get('error', 'unknown error')}")
+        return reply, list(parts[1:])
+
+    def close(self) -> None:
+        """Close every pooled socket and the ZMQ context (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            socks, self._free = self._free, []
+        for sock in socks:
+            sock.close(0)
+        self._zctx.term()

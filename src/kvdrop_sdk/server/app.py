@@ -1,0 +1,495 @@
+"""The kvdrop cache server: a ZMQ ROUTER front end, worker threads, an HTTP JSON endpoint, a pool.
+
+Requests arrive on ``tcp://host:port`` (ROUTER) and are forwarded to ``workers`` threads over an
+inproc DEALER; each worker answers one request at a time. Bulk copies happen outside the store's
+lock on pinned/reserved slots, so a slow copy never blocks bookkeeping for other clients.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+import zmq
+
+from kvdrop_sdk.cache_kind import CacheKind
+from kvdrop_sdk.hashing import TOKEN_BYTES, chunk_keys, root_hash
+from kvdrop_sdk.layout import CacheLayout, dtype_name
+from kvdrop_sdk.protocol import (
+    PROTOCOL_VERSION,
+    ProtocolError,
+    decode_header,
+    encode_header,
+    error_reply,
+)
+from kvdrop_sdk.server.config import ServerConfig
+from kvdrop_sdk.server.pool import HEADER_BYTES, Pool
+from kvdrop_sdk.server.store import ChunkStore, StoreError
+
+__all__ = ["QUERY_SUFFIX", "Server"]
+
+log = logging.getLogger("kvdrop_sdk.server")
+
+#: Server model name suffix of the query kind.
+QUERY_SUFFIX = "##query"
+#: Largest token frame accepted (16 Mi tokens).
+MAX_TOKEN_BYTES = TOKEN_BYTES * (1 << 24)
+_BACKEND = "inproc://kvdrop-workers"
+
+Reply = tuple[dict[str, Any], list[Any]]
+
+
+def _field(header: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = header.get(name)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise ProtocolError("bad_field", f"field {name!r} must be {names}, got {value!r}")
+    return value
+
+
+class Server:
+    """A kvdrop cache server; ``start()`` runs it on background threads, ``stop()`` ends it."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        config.validate()
+        self.config = config
+        self.pool: Pool | None = None
+        self.store: ChunkStore | None = None
+        self.port = config.port
+        self.http_port = config.http_port
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._zctx: zmq.Context | None = None
+        self._http: ThreadingHTTPServer | None = None
+        self._started = time.monotonic()
+        self._requests = 0
+        self._errors = 0
+        self._count_lock = threading.Lock()
+        self._ops: dict[str, Callable[[dict[str, Any], list[zmq.Frame]], Reply]] = {
+            "ping": self._op_ping,
+            "register": self._op_register,
+            "layout": self._op_layout,
+            "lookup": self._op_lookup,
+            "get": self._op_get,
+            "put": self._op_put,
+            "reserve": self._op_reserve,
+            "commit": self._op_commit,
+            "abort": self._op_abort,
+            "pin": self._op_pin,
+            "release": self._op_release,
+        }
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """ZMQ address clients connect to."""
+        return f"tcp://{self.config.host}:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """HTTP base address of /config, /status and /health."""
+        return f"http://{self.config.host}:{self.http_port}"
+
+    def start(self) -> Server:
+        """Allocate the pool, bind the sockets and start the threads; returns self."""
+        cfg = self.config
+        self.pool = Pool(cfg.pool_bytes, cfg.shm_name, lazy=cfg.l1_use_lazy)
+        try:
+            self.store = ChunkStore(HEADER_BYTES, self.pool.nbytes)
+            self._zctx = zmq.Context()
+            frontend = self._zctx.socket(zmq.ROUTER)
+            frontend.setsockopt(zmq.LINGER, 0)
+            # A frame bigger than the whole pool can never be stored: drop such peers early.
+            frontend.setsockopt(zmq.MAXMSGSIZE, max(cfg.pool_bytes, 1 << 26) + (1 << 20))
+            frontend.bind(f"tcp://{cfg.host}:{cfg.port or '*'}")
+            self.port = int(frontend.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+            backend = self._zctx.socket(zmq.DEALER)
+            backend.setsockopt(zmq.LINGER, 0)
+            backend.bind(_BACKEND)
+            self._http = ThreadingHTTPServer((cfg.host, cfg.http_port), _handler_for(self))
+            self._http.daemon_threads = True
+            self.http_port = self._http.server_address[1]
+        except BaseException:
+            if self._zctx is not None:
+                self._zctx.destroy(0)
+                self._zctx = None
+            self.pool.close()
+            raise
+        self._stop.clear()
+        self._threads = [
+            threading.Thread(target=self._route, args=(frontend, backend), name="kvdrop-router"),
+            threading.Thread(target=self._http.serve_forever, args=(0.2,), name="kvdrop-http"),
+        ]
+        self._threads += [
+            threading.Thread(target=self._work, name=f"kvdrop-worker-{i}", daemon=True)
+            for i in range(cfg.workers)
+        ]
+        for t in self._threads:
+            t.daemon = True
+            t.start()
+        log.info("kvdrop server on %s, http %s, shm %s", self.url, self.http_url, cfg.shm_name)
+        if cfg.ready_file:
+            tmp = f"{cfg.ready_file}.tmp"
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(self.config_json() | {"pid": os.getpid()}, fh)
+            os.replace(tmp, cfg.ready_file)
+        return self
+
+    def stop(self) -> None:
+        """Stop all threads, close the sockets and unlink the shared memory (idempotent)."""
+        self._stop.set()
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        for t in self._threads:
+            t.join(timeout=10)
+        self._threads = []
+        if self._zctx is not None:
+            self._zctx.term()
+            self._zctx = None
+        if self.pool is not None:
+            self.pool.close()
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- threads -------------------------------------------------------------------------------
+    def _route(self, frontend: zmq.Socket, backend: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(frontend, zmq.POLLIN)
+        poller.register(backend, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(100))
+                if frontend in events:
+                    backend.send_multipart(frontend.recv_multipart(copy=False), copy=False)
+                if backend in events:
+                    frontend.send_multipart(backend.recv_multipart(copy=False), copy=False)
+        finally:
+            frontend.close(0)
+            backend.close(0)
+
+    def _work(self) -> None:
+        assert self._zctx is not None
+        sock = self._zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(_BACKEND)
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(100, zmq.POLLIN):
+                    continue
+                parts = sock.recv_multipart(copy=False)
+                if len(parts) < 2:
+                    continue  # no identity + header: nothing to answer
+                sock.send_multipart([parts[0], *self.handle(parts[1:])], copy=False)
+        finally:
+            sock.close(0)
+
+    # -- request handling ----------------------------------------------------------------------
+    def handle(self, parts: list[zmq.Frame]) -> list[Any]:
+        """Answer one request (header + payload frames); never raises."""
+        rid: Any = None
+        with self._count_lock:
+            self._requests += 1
+        try:
+            header = decode_header(parts[0].buffer)
+            rid = header.get("rid")
+            if header.get("v") != PROTOCOL_VERSION:
+                raise ProtocolError(
+                    "bad_version",
+                    f"protocol version {header.get('v')!r}, expected {PROTOCOL_VERSION}",
+                )
+            op = header.get("op")
+            handler = self._ops.get(op) if isinstance(op, str) else None
+            if handler is None:
+                raise ProtocolError(
+                    "unknown_op", f"unknown op {op!r}; expected one of {sorted(self._ops)}"
+                )
+            fields, frames = handler(header, list(parts[1:]))
+            reply = {"v": PROTOCOL_VERSION, "rid": rid, "ok": True, **fields}
+            return [encode_header(reply), *frames]
+        except (ProtocolError, StoreError) as exc:
+            code, message = exc.code, str(exc)
+        except Exception as exc:  # keep serving whatever went wrong
+            log.exception("request failed")
+            code, message = "internal", f"{type(exc).__name__}: {exc}"
+        with self._count_lock:
+            self._errors += 1
+        try:
+            return [error_reply(rid, code, message)]
+        except (TypeError, ValueError):
+            return [error_reply(None, code, message)]
+
+    def _model_kind(self, header: dict[str, Any]) -> tuple[str, CacheKind]:
+        model = _field(header, "model", str)
+        try:
+            kind = CacheKind.parse(header.get("kind"))
+        except ValueError as exc:
+            raise ProtocolError("unknown_kind", str(exc)) from None
+        if kind is CacheKind.QUERY:
+            if not self.config.transfer_query:
+                raise StoreError(
+                    "query_disabled",
+                    "this server does not accept query tensors; start it with "
+                    "`kvdrop server --enable transfer_query`",
+                )
+            if not model.endswith(QUERY_SUFFIX):
+                raise ProtocolError(
+                    "bad_model", f"query-kind model names end with {QUERY_SUFFIX!r}, got {model!r}"
+                )
+        return model, kind
+
+    def _layout(self, model: str, kind: CacheKind) -> CacheLayout:
+        assert self.store is not None
+        layout = self.store.layout(model, kind.value)
+        if layout is None:
+            raise StoreError(
+                "unregistered",
+                f"no layout registered for model {model!r} kind {kind.value!r}; an engine "
+                "registers it when it connects, or pass layout=CacheLayout(num_layers, num_heads, "
+                "head_dim, dtype) to connect() to register it yourself",
+            )
+        return layout
+
+    def _keys(
+        self, header: dict[str, Any], frames: list[zmq.Frame], model: str, kind: CacheKind
+    ) -> tuple[list[bytes], int]:
+        if not frames:
+            raise ProtocolError("bad_frames", "missing the token-id frame")
+        raw = frames[0].buffer
+        if len(raw) > MAX_TOKEN_BYTES or len(raw) % TOKEN_BYTES:
+            raise ProtocolError(
+                "bad_tokens",
+                f"token frame must be a multiple of {TOKEN_BYTES} bytes and at most "
+                f"{MAX_TOKEN_BYTES}, got {len(raw)}",
+            )
+        salt = header.get("salt", "")
+        if not isinstance(salt, str):
+            raise ProtocolError("bad_field", f"field 'salt' must be str, got {salt!r}")
+        keys = chunk_keys(root_hash(model, kind.value, salt), raw, self.config.chunk_size)
+        return keys, len(raw) // TOKEN_BYTES
+
+    def _lease_s(self, header: dict[str, Any]) -> float:
+        value = header.get("lease_s", 60.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ProtocolError(
+                "bad_field", f"field 'lease_s' must be a positive number, got {value!r}"
+            )
+        return float(min(value, self.config.max_lease_s))
+
+    def _slot(self, offset: int, layout: CacheLayout, kind: CacheKind) -> torch.Tensor:
+        assert self.pool is not None
+        nbytes = layout.nbytes(kind, self.config.chunk_size)
+        flat = self.pool.data[offset : offset + nbytes].view(layout.dtype)
+        return flat.view(layout.shape(kind, self.config.chunk_size))
+
+    def _need_shm(self) -> None:
+        if self.config.shm_name is None:
+            raise StoreError(
+                "no_shm", "this server has no shared memory; use the socket ops (get/put)"
+            )
+
+    def _op_ping(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
+        return {"instance": self.pool.instance_id if self.pool else None}, []
+
+    def _op_register(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
+        assert self.store is not None
+        model, kind = self._model_kind(header)
+        try:
+            layout = CacheLayout.from_json(header.get("layout"))
+        except ValueError as exc:
+            raise ProtocolError("bad_layout", f"bad layout: {exc}") from None
+        self.store.register(model, kind.value, layout)
+        return {"layout": layout.to_json()}, []
+
+    def _op_layout(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
+        model, kind = self._model_kind(header)
+        return {"layout": self._layout(model, kind).to_json()}, []
+
+    def _op_lookup(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
+        assert self.store is not None
+        model, kind = self._model_kind(header)
+        self._layout(model, kind)
+        keys, _ = self._keys(header, frames, model, kind)
+        return {"num_tokens": self.store.lookup(keys) * self.config.chunk_size}, []
+
+    def _op_pin(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
+        assert self.store is not None
+        self._need_shm()
+        model, kind = self._model_kind(header)
+        layout = self._layout(model, kind)
+        keys, _ = self._keys(header, frames, model, kind)
+        lid, slots = self.store.pin(keys, self._lease_s(header))
+        return {
+            "lease": lid,
+            "offsets": [off for off, _ in slots],
+            "nbytes": layout.nbytes(kind, self.config.chunk_size),
+            "num_tokens": len(slots) * self.config.chunk_size,
+        }, []
+
+    def _op_release(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
+        assert self.store is not None
+        return {"valid_chunks": self.store.release(_field(header, "lease", int))}, []
+
+    def _op_reserve(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
+        assert self.store is not None
+        self._need_shm()
+        model, kind = self._model_kind(header)
+        layout = self._layout(model, kind)
+        keys, _ = self._keys(header, frames, model, kind)
+        nbytes = layout.nbytes(kind, self.config.chunk_size)
+        lid, slots, dup, dropped = self.store.reserve(keys, nbytes, self._lease_s(header))
+        return {
+            "lease": lid,
+            "chunks": [i for i, _ in slots],
+            "offsets": [off for _, off in slots],
+            "nbytes": nbytes,
+            "duplicates": dup,
+            "dropped": dropped,
+        }, []
+
+    def _op_commit(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
+        assert self.store is not None
+        return {"stored": self.store.commit(_field(header, "lease", int))}, []
+
+    def _op_abort(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
+        assert self.store is not None
+        self.store.abort(_field(header, "lease", int))
+        return {}, []
+
+    def _op_get(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
+        assert self.store is not None
+        model, kind = self._model_kind(header)
+        layout = self._layout(model, kind)
+        keys, _ = self._keys(header, frames, model, kind)
+        lid, slots = self.store.pin(keys, self.config.max_lease_s)
+        if lid is None:
+            return {"num_tokens": 0}, []
+        try:
+            c = self.config.chunk_size
+            shape = layout.shape(kind, len(slots) * c)
+            out = bytearray(layout.nbytes(kind, len(slots) * c))
+            dst = torch.frombuffer(out, dtype=layout.dtype).view(shape)
+            for j, (off, _) in enumerate(slots):
+                dst[:, :, j * c : (j + 1) * c].copy_(self._slot(off, layout, kind))
+        finally:
+            self.store.release(lid)
+        return {"num_tokens": shape[2], "shape": list(shape), "dtype": dtype_name(layout.dtype)}, [
+            out
+        ]
+
+    def _op_put(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
+        assert self.store is not None
+        model, kind = self._model_kind(header)
+        layout = self._layout(model, kind)
+        keys, num_tokens = self._keys(header, frames, model, kind)
+        if len(frames) != 2:
+            raise ProtocolError(
+                "bad_frames", f"put takes 2 payload frames (tokens, data), got {len(frames)}"
+            )
+        if header.get("dtype") != dtype_name(layout.dtype):
+            raise ProtocolError(
+                "dtype_mismatch",
+                f"data dtype {header.get('dtype')!r} but {model!r} is registered with "
+                f"{dtype_name(layout.dtype)!r}",
+            )
+        shape = list(layout.shape(kind, num_tokens))
+        if header.get("shape") != shape:
+            raise ProtocolError(
+                "shape_mismatch", f"data shape {header.get('shape')!r}, expected {shape}"
+            )
+        data = frames[1].buffer
+        expected = layout.nbytes(kind, num_tokens)
+        if len(data) != expected or expected == 0:
+            raise ProtocolError(
+                "bad_data", f"data frame has {len(data)} bytes, expected {expected}"
+            )
+        nbytes = layout.nbytes(kind, self.config.chunk_size)
+        lid, slots, dup, dropped = self.store.reserve(keys, nbytes, self.config.max_lease_s)
+        if lid is None:
+            return {"stored": 0, "duplicates": dup, "dropped": dropped}, []
+        try:
+            src = torch.frombuffer(data, dtype=layout.dtype).view(shape)
+            c = self.config.chunk_size
+            for i, off in slots:
+                self._slot(off, layout, kind).copy_(src[:, :, i * c : (i + 1) * c])
+        except BaseException:
+            self.store.abort(lid)
+            raise
+        stored = self.store.commit(lid)
+        return {"stored": stored, "duplicates": dup, "dropped": dropped}, []
+
+    # -- HTTP ------------------------------------------------------------------------------------
+    def config_json(self) -> dict[str, Any]:
+        """What ``GET /config`` returns."""
+        cfg = self.config
+        return {
+            "host": cfg.host,
+            "port": self.port,
+            "http_port": self.http_port,
+            "chunk_size": cfg.chunk_size,
+            "shm_name": cfg.shm_name,
+            "shm_bytes": self.pool.nbytes if self.pool else None,
+            "instance": self.pool.instance_id if self.pool else None,
+            "features": list(cfg.enable),
+            "l1_size_gb": cfg.l1_size_gb,
+            "l1_bytes": cfg.pool_bytes,
+            "l1_use_lazy": cfg.l1_use_lazy,
+            "eviction_policy": cfg.eviction_policy.upper(),
+            "workers": cfg.workers,
+            "protocol_version": PROTOCOL_VERSION,
+        }
+
+    def status_json(self) -> dict[str, Any]:
+        """What ``GET /status`` returns."""
+        assert self.store is not None
+        with self._count_lock:
+            counts = {"requests": self._requests, "errors": self._errors}
+        return {
+            "layouts": self.store.layouts(),
+            **self.store.snapshot(),
+            **counts,
+            "uptime_s": round(time.monotonic() - self._started, 3),
+        }
+
+
+def _handler_for(server: Server) -> type[BaseHTTPRequestHandler]:
+    """An HTTP handler class bound to ``server`` (GET /config, /status, /health)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0].rstrip("/")
+            routes: dict[str, Callable[[], dict[str, Any]]] = {
+                "/config": server.config_json,
+                "/status": server.status_json,
+                "/health": lambda: {"status": "ok"},
+            }
+            route = routes.get(path)
+            if route is None:
+                self._send(404, {"error": f"unknown path {self.path!r}", "paths": sorted(routes)})
+            else:
+                self._send(200, route())
+
+        def _send(self, status: int, body: dict[str, Any]) -> None:
+            raw = json.dumps(body).encode("utf-8")
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("http: " + format, *args)
+
+    return Handler

@@ -1,0 +1,144 @@
+"""``kvdrop server``: flags (same names and meanings as the upstream ``lmcache server``) and run."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvdrop_sdk.server.config import ServerConfig
+
+__all__ = ["add_arguments", "config_from_args", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the server's flags to ``parser`` (no heavy imports here)."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument(
+        "--port", type=int, default=6555, help="ZMQ request port (default 6555; 0 = any free)"
+    )
+    parser.add_argument(
+        "--http-port", type=int, default=8080, help="HTTP JSON port (default 8080; 0 = any free)"
+    )
+    parser.add_argument(
+        "--l1-size-gb",
+        type=float,
+        default=1.0,
+        help="size of the L1 chunk pool in GiB (float, e.g. 0.01; default 1)",
+    )
+    parser.add_argument(
+        "--eviction-policy",
+        default="LRU",
+        choices=["LRU"],
+        help="what to evict when the pool is full (only LRU)",
+    )
+    parser.add_argument(
+        "--chunk-size", type=int, default=256, help="tokens per stored chunk (default 256)"
+    )
+    parser.add_argument(
+        "--shm-name",
+        default=None,
+        help="serve the pool from POSIX shared memory /dev/shm/NAME so local clients copy "
+        "directly into it (default: no shared memory, socket transfers only)",
+    )
+    lazy = parser.add_mutually_exclusive_group()
+    lazy.add_argument(
+        "--no-l1-use-lazy",
+        dest="l1_use_lazy",
+        action="store_false",
+        help="allocate and touch the whole pool at start instead of on demand",
+    )
+    lazy.add_argument(
+        "--l1-use-lazy",
+        dest="l1_use_lazy",
+        action="store_true",
+        help="allocate pool pages on first use (default)",
+    )
+    parser.set_defaults(l1_use_lazy=True)
+    parser.add_argument(
+        "--enable",
+        action="append",
+        default=[],
+        metavar="FEATURE",
+        help="enable an optional feature: transfer_query (accept query tensors); repeatable or "
+        "comma-separated",
+    )
+    parser.add_argument("--workers", type=int, default=4, help="request worker threads (default 4)")
+    parser.add_argument(
+        "--max-lease-s",
+        type=float,
+        default=600.0,
+        help="longest a client may hold pinned/reserved chunks before they are reclaimed",
+    )
+    parser.add_argument(
+        "--ready-file",
+        default=None,
+        help="write the bound ports as JSON to this file once serving (for launchers)",
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """Build a ``ServerConfig`` from parsed flags."""
+    from kvdrop_sdk.server.config import ServerConfig
+
+    features = [f.strip() for item in args.enable for f in item.split(",") if f.strip()]
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        http_port=args.http_port,
+        l1_size_gb=args.l1_size_gb,
+        eviction_policy=args.eviction_policy,
+        chunk_size=args.chunk_size,
+        shm_name=args.shm_name,
+        l1_use_lazy=args.l1_use_lazy,
+        enable=tuple(features),
+        workers=args.workers,
+        max_lease_s=args.max_lease_s,
+        ready_file=args.ready_file,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM, then stop cleanly (the shm segment is unlinked)."""
+    import logging
+    import signal
+    import sys
+    import threading
+
+    from kvdrop_sdk.server.app import Server
+
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"kvdrop server: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server = Server(config)
+    try:
+        server.start()
+    except OSError as exc:
+        print(f"kvdrop server: cannot start: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print(
+            f"kvdrop server: zmq {server.url}  http {server.http_url}  "
+            f"shm {config.shm_name or '-'}  pool {config.l1_size_gb:g} GiB",
+            flush=True,
+        )
+        while not stop.wait(0.5):
+            pass
+    finally:
+        server.stop()
+    return 0

@@ -1,0 +1,72 @@
+"""Server settings; one field per ``kvdrop server`` flag."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["FEATURES", "GIB", "ServerConfig"]
+
+#: Optional features accepted by ``--enable``.
+FEATURES = ("transfer_query",)
+#: ``--l1-size-gb`` counts binary gigabytes.
+GIB = 1024**3
+_SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+
+
+@dataclass
+class ServerConfig:
+    """What the server binds, how big its pool is and which features it offers."""
+
+    host: str = "127.0.0.1"
+    port: int = 6555
+    http_port: int = 8080
+    l1_size_gb: float = 1.0
+    eviction_policy: str = "LRU"
+    chunk_size: int = 256
+    shm_name: str | None = None
+    l1_use_lazy: bool = True
+    enable: tuple[str, ...] = ()
+    workers: int = 4
+    max_lease_s: float = 600.0
+    ready_file: str | None = None
+
+    def __post_init__(self) -> None:
+        self.enable = tuple(dict.fromkeys(self.enable))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad setting and what is expected."""
+        for name in ("port", "http_port"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 <= value <= 65535:
+                raise ValueError(f"--{name.replace('_', '-')} must be 0..65535 (0 = any free)")
+        if not self.l1_size_gb > 0:
+            raise ValueError(f"--l1-size-gb must be > 0, got {self.l1_size_gb}")
+        if self.eviction_policy.upper() != "LRU":
+            raise ValueError(f"--eviction-policy {self.eviction_policy!r}: only LRU is supported")
+        if not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
+            raise ValueError(f"--chunk-size must be a positive int, got {self.chunk_size}")
+        if self.shm_name is not None and not _SHM_NAME.match(self.shm_name):
+            raise ValueError(
+                f"--shm-name {self.shm_name!r}: use 1-200 characters from [A-Za-z0-9_.-]"
+            )
+        unknown = [f for f in self.enable if f not in FEATURES]
+        if unknown:
+            raise ValueError(
+                f"--enable {unknown[0]!r}: unknown feature; expected one of {FEATURES}"
+            )
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if not self.max_lease_s > 0:
+            raise ValueError(f"--max-lease-s must be > 0, got {self.max_lease_s}")
+
+    @property
+    def pool_bytes(self) -> int:
+        """Size of the L1 pool in bytes."""
+        return int(self.l1_size_gb * GIB)
+
+    @property
+    def transfer_query(self) -> bool:
+        """Whether query tensors are accepted."""
+        return "transfer_query" in self.enable

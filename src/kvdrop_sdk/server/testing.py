@@ -1,0 +1,156 @@
+"""Start a REAL kvdrop server as a subprocess on free 127.0.0.1 ports (for tests and benchmarks)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import requests
+
+from kvdrop_sdk.server.pool import shm_path
+
+__all__ = ["ServerHandle", "spawn_server", "unique_shm_name"]
+
+
+def unique_shm_name(prefix: str = "kvdrop_test") -> str:
+    """A shared-memory name no other server uses."""
+    return f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class ServerHandle:
+    """A running server subprocess: its addresses, its /config and the process."""
+
+    url: str
+    http_url: str
+    shm_name: str | None
+    config: dict[str, Any]
+    proc: subprocess.Popen[bytes]
+    log_path: str
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def port(self) -> int:
+        """ZMQ port."""
+        return int(self.config["port"])
+
+    @property
+    def http_port(self) -> int:
+        """HTTP port."""
+        return int(self.config["http_port"])
+
+    def status(self) -> dict[str, Any]:
+        """``GET /status``."""
+        return requests.get(f"{self.http_url}/status", timeout=10).json()
+
+    def log(self) -> str:
+        """Everything the server printed so far."""
+        with open(self.log_path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        """Send ``sig`` and wait for the exit; returns the exit code (kills after ``timeout``)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise RuntimeError(f"server did not exit within {timeout} s of {sig}") from None
+        return int(self.proc.returncode)
+
+
+def _flag_args(flags: dict[str, Any]) -> list[str]:
+    args: list[str] = []
+    for name, value in flags.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            args.append(flag)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                args += [flag, str(item)]
+        else:
+            args += [flag, str(value)]
+    return args
+
+
+@contextlib.contextmanager
+def spawn_server(
+    *,
+    shm_name: str | bool | None = True,
+    startup_timeout: float = 60.0,
+    check_exit: bool = True,
+    **flags: Any,
+) -> Iterator[ServerHandle]:
+    """Run ``python -m kvdrop_sdk.server`` with ``flags`` on free ports; yield a ServerHandle.
+
+    ``flags`` map to CLI flags (``l1_size_gb=0.01`` -> ``--l1-size-gb 0.01``, ``True`` -> bare flag,
+    lists repeat the flag, e.g. ``enable=["transfer_query"]``). ``shm_name=True`` picks a unique
+    name, ``None``/``False`` serves without shared memory. On exit the server gets SIGTERM; with
+    ``check_exit`` it must exit 0 and leave nothing in /dev/shm.
+    """
+    name = unique_shm_name() if shm_name is True else (shm_name or None)
+    flags = {"l1_size_gb": 0.25, "log_level": "WARNING", **flags}
+    with tempfile.TemporaryDirectory(prefix="kvdrop-server-") as tmp:
+        ready = os.path.join(tmp, "ready.json")
+        log_path = os.path.join(tmp, "server.log")
+        args = [sys.executable, "-m", "kvdrop_sdk.server", "--host", "127.0.0.1"]
+        args += _flag_args({"port": 0, "http_port": 0, "shm_name": name, **flags})
+        args += ["--ready-file", ready]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(log_path, "wb") as log_fh:
+            proc = subprocess.Popen(args, stdout=log_fh, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + startup_timeout
+            while not os.path.exists(ready):
+                if proc.poll() is not None:
+                    with open(log_path, encoding="utf-8", errors="replace") as fh:
+                        raise RuntimeError(f"server exited with {proc.returncode}: {fh.read()}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server not ready within {startup_timeout} s")
+                time.sleep(0.05)
+            with open(ready, encoding="utf-8") as fh:
+                info = json.load(fh)
+            http_url = f"http://127.0.0.1:{info['http_port']}"
+            config = requests.get(f"{http_url}/config", timeout=10).json()
+            health = requests.get(f"{http_url}/health", timeout=10).json()
+            if health.get("status") != "ok":
+                raise RuntimeError(f"server unhealthy: {health}")
+            handle = ServerHandle(
+                url=f"tcp://127.0.0.1:{info['port']}",
+                http_url=http_url,
+                shm_name=name,
+                config=config,
+                proc=proc,
+                log_path=log_path,
+                args=args,
+            )
+            yield handle
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            leaked = name is not None and os.path.exists(shm_path(name))
+            if leaked:
+                os.unlink(shm_path(name))
+        if check_exit and proc.returncode not in (0, -signal.SIGKILL):
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        if check_exit and leaked:
+            raise RuntimeError(f"server left /dev/shm/{name} behind")
