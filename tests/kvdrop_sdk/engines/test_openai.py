@@ -279,3 +279,94 @@ def test_non_json_event() -> None:
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference engine behind the HTTP server: the adapter gives exactly the in-process tokens.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_engine() -> Iterator[Any]:
+    from kvdrop_sdk.engines.engine import Engine
+    from kvdrop_sdk.engines.model import ModelConfig, Transformer
+
+    model = Transformer.random(ModelConfig.preset("tiny"), seed=0)
+    with Engine(model, kv_budget_tokens=1024, block_size=16, max_prefill_tokens=128) as eng:
+        yield eng
+
+
+@pytest.fixture
+def engine_server(tiny_engine: Any) -> Iterator[CompletionHTTPServer]:
+    cfg = tiny_engine.config
+    with CompletionHTTPServer(
+        tiny_engine.post_completion,
+        model_name="tiny",
+        port=0,
+        return_tokens_as_token_ids=True,
+        vocab_size=cfg.vocab_size,
+        max_model_len=cfg.max_position_embeddings,
+    ) as srv:
+        yield srv
+
+
+def _prompt(k: int, n: int) -> list[int]:
+    return [(k * 97 + i * 31) % 500 + 3 for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"max_tokens": 12, "temperature": 0, "ignore_eos": True},
+        {"max_tokens": 12, "temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": 7},
+    ],
+    ids=["greedy", "seeded-sampling"],
+)
+def test_reference_engine_tokens_equal_direct_call(
+    tiny_engine: Any, engine_server: CompletionHTTPServer, params: dict[str, Any]
+) -> None:
+    post = make_post_completion(engine_server.url, "tiny", timeout=60)
+    for k, n in ((0, 5), (1, 70), (2, 300)):
+        prompt = _prompt(k, n)
+        direct = list(tiny_engine.post_completion(prompt, params, ""))
+        over_http = list(post(prompt, params, ""))
+        assert [e.token_id for e in over_http] == [e.token_id for e in direct]
+        assert [e.finish_reason for e in over_http] == [e.finish_reason for e in direct]
+
+
+def test_reference_engine_concurrent_http_requests(
+    tiny_engine: Any, engine_server: CompletionHTTPServer
+) -> None:
+    params = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    prompts = [_prompt(k, 20 + 15 * k) for k in range(8)]
+    want = [tiny_engine.generate(p, params) for p in prompts]
+    post = make_post_completion(engine_server.url, "tiny", timeout=60)
+    got: list[list[int]] = [[] for _ in prompts]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(prompts))
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait(20)
+            got[i] = [e.token_id for e in post(prompts[i], params, "")]
+        except BaseException as exc:
+            errors.append(exc)
+
+    tiny_engine.reset_stats()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert got == want
+    assert tiny_engine.stats().peak_running >= 2  # the HTTP requests were batched together
+
+
+def test_reference_engine_rejections_reach_the_client(engine_server: CompletionHTTPServer) -> None:
+    post = make_post_completion(engine_server.url, "tiny", timeout=60)
+    # 1000 prompt + 100 new tokens need 69 blocks; the engine has 64 (1024 tokens).
+    with pytest.raises(CompletionHTTPError, match=r"HTTP 400: .*KV budget"):
+        list(post(_prompt(0, 1000), {"max_tokens": 100}, ""))
+    with pytest.raises(CompletionHTTPError, match=r"HTTP 400: .*outside the vocabulary"):
+        list(post([600], {"max_tokens": 1}, ""))
