@@ -171,8 +171,9 @@ class RequestStream:
         self._text_parts: list[str] = []
         self._done = False
         self._finish_reason: str | None = None
-        # Chunk-aligned tokens the server should hold once the engine's stores land (async engines).
-        self._expected_cached = 0
+        # Chunk-aligned tokens the server should hold once the engine's stores land (async
+        # engines); None until the first generate/update.
+        self._expected_cached: int | None = None
         self._lock = threading.RLock()
 
     # ----------------------------------------------------------------- read-only state
@@ -367,9 +368,10 @@ class RequestStream:
         """Edit the cached chunk-aligned prefix with ``fn`` and store the result back.
 
         Waits up to ``timeout`` seconds for the last prompt's whole chunks to appear (engines may
-        store asynchronously), then edits whatever is cached. A stream without a single whole
-        chunk is left as it is (``skipped``). Raises ``RequestStreamError`` when nothing is
-        cached, ``fn`` fails, or its output is invalid; the stream and the server are unchanged.
+        store asynchronously), then edits whatever is cached. A stream whose tokens or last
+        prompt had no whole chunk is left as it is (``skipped``). Raises ``RequestStreamError``
+        when nothing is cached (e.g. before any generate), ``fn`` fails, or its output is
+        invalid; the stream and the server are then unchanged.
         """
         if not callable(fn):
             raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
@@ -382,6 +384,9 @@ class RequestStream:
                 return ModifyResult(0, 0, len(self._suffix), False, 0.0, skipped=True)
             self._wait_for_cache(current, timeout, poll_interval)
             got = self._retrieve_all(current)
+            if got is None and self._expected_cached == 0:
+                # The last prompt had no whole chunk: there was never anything to edit.
+                return ModifyResult(0, 0, len(self._suffix), False, 0.0, skipped=True)
             if got is None:
                 raise RequestStreamError(
                     f"stream {self._request_stream_id}: the server holds no cached chunk of its "
@@ -440,7 +445,7 @@ class RequestStream:
 
     def _wait_for_cache(self, tokens: list[int], timeout: float, poll_interval: float) -> None:
         chunk = self._chunk_size()
-        expected = min(self._expected_cached, (len(tokens) // chunk) * chunk)
+        expected = min(self._expected_cached or 0, (len(tokens) // chunk) * chunk)
         if expected <= 0:
             return
         kv_ctx = self._contexts[CacheKind.KV]

@@ -1,0 +1,407 @@
+"""Request streams against a real kvdrop server (subprocess) and the toy engine.
+
+Chunk size 16 keeps the tensors tiny; the toy engine's rows encode (token, position), so every
+check below is exact: which rows were kept, under which tokens the engine found them, and what it
+was sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from kvdrop_sdk.cache_kind import CacheKind
+from kvdrop_sdk.context import Context, connect
+from kvdrop_sdk.engines.toy import ToyEngine, encode_rows, positions_of
+from kvdrop_sdk.errors import RequestStreamError
+from kvdrop_sdk.events import TokenEvent
+from kvdrop_sdk.layout import CacheLayout
+from kvdrop_sdk.request import (
+    LMCacheRequestStream,
+    RequestStream,
+    StreamPerfMetrics,
+    create_request,
+)
+from kvdrop_sdk.server.testing import spawn_server
+
+CHUNK = 16
+KV_LAYOUT = CacheLayout(num_layers=2, num_heads=2, head_dim=4, dtype=torch.float32)
+Q_LAYOUT = CacheLayout(num_layers=2, num_heads=4, head_dim=4, dtype=torch.float32)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Any]:
+    with spawn_server(chunk_size=CHUNK, l1_size_gb=0.05, enable=["transfer_query"]) as handle:
+        yield handle
+
+
+class Setup:
+    """An engine (registering the layouts) and the SDK's own contexts for one fresh model."""
+
+    def __init__(self, server: Any, query: bool) -> None:
+        self.model = f"toy-{uuid.uuid4().hex[:8]}"
+        self.engine = ToyEngine.connect(
+            server.url,
+            server.http_url,
+            self.model,
+            KV_LAYOUT,
+            query_layout=Q_LAYOUT if query else None,
+            default_max_tokens=4,
+        )
+        self.kv_ctx: Context = connect(CacheKind.KV, server.url, server.http_url, self.model)
+        self.q_ctx: Context | None = None
+        if query:
+            self.q_ctx = connect(CacheKind.QUERY, server.url, server.http_url, self.model)
+
+    @property
+    def contexts(self) -> list[Context]:
+        return [self.kv_ctx] + ([self.q_ctx] if self.q_ctx is not None else [])
+
+    def close(self) -> None:
+        for ctx in self.contexts:
+            ctx.close()
+        self.engine.close()
+
+
+@pytest.fixture
+def setup(server: Any) -> Iterator[Setup]:
+    s = Setup(server, query=False)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def qsetup(server: Any) -> Iterator[Setup]:
+    s = Setup(server, query=True)
+    yield s
+    s.close()
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 30000) for _ in range(n)]
+
+
+def drop_chunk(index: int):
+    """An edit that drops one whole chunk (by index) from the cached prefix."""
+
+    def fn(tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]) -> tuple[torch.Tensor, list]:
+        kv = tensors[CacheKind.KV]
+        keep = [i for i in range(kv.shape[2]) if i // CHUNK != index]
+        return kv[:, :, keep], [tokens[i] for i in keep]
+
+    return fn
+
+
+def test_prefill_modify_decode_token_bookkeeping(setup: Setup) -> None:
+    p = prompt(4 * CHUNK + 6, seed=1)  # 4 whole chunks + a 6-token tail
+    s = create_request(setup.contexts, setup.engine, p)
+    assert isinstance(s, LMCacheRequestStream) and s.tokens == p and s.suffix_tokens == []
+
+    m = s.generate({"max_tokens": 1, "temperature": 0.0})
+    assert isinstance(m, StreamPerfMetrics)
+    assert (m.input_tokens, m.output_tokens, m.tpot) == (70, 1, [])
+    assert 0 <= m.ttft <= m.duration
+    call = setup.engine.calls[-1]
+    assert call.prompt == p and call.reused_positions == [] and call.stored_tokens == 64
+    assert call.sampling_params == {"max_tokens": 1, "temperature": 0.0}
+    g1 = call.generated[0]
+    assert s.output_tokens == [g1] and s.decoded_tokens == 1 and s.output_text == f" t{g1}"
+    assert s.tokens == [*p, g1] and not s.is_done and s.finish_reason == "length"
+
+    # The cache holds the prompt's whole chunks only, computed at positions 0..63.
+    got = s.retrieve()
+    assert got is not None and list(got) == [CacheKind.KV]
+    assert torch.equal(got[CacheKind.KV], encode_rows(CacheKind.KV, p[:64], range(64), KV_LAYOUT))
+
+    seen: list[list[int]] = []
+
+    def fn(tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]) -> tuple[torch.Tensor, list]:
+        seen.append(list(tokens))
+        return drop_chunk(1)(tensors, tokens)
+
+    result = s.modify_kv(fn)
+    kept = p[:16] + p[32:64]
+    assert seen == [p[:64]]  # fn sees exactly the cached chunk-aligned prefix
+    assert (result.total_tokens, result.kept_tokens, result.stored) == (64, 48, True)
+    assert s.suffix_tokens == [*p[64:], g1] and result.suffix_tokens == 7
+    assert s.tokens == kept + p[64:] + [g1]
+    edited = s.retrieve()
+    assert edited is not None
+    assert positions_of(edited[CacheKind.KV]) == [*range(16), *range(32, 64)]
+
+    m = s.generate({"max_tokens": 5})
+    call = setup.engine.calls[-1]
+    sent = kept + p[64:] + [g1]
+    assert call.prompt == sent  # kept + un-cached prompt tail + decoded so far
+    assert call.reused_positions == [*range(16), *range(32, 64)]  # found the edited KV
+    # Generated tokens follow the engine's chain from the last prompt token at position 55.
+    expected, prev = [], sent[-1]
+    for pos in range(len(sent), len(sent) + 5):
+        prev = setup.engine.next_token(prev, pos)
+        expected.append(prev)
+    assert call.generated == expected
+    assert s.output_tokens == [g1, *expected] and s.decoded_tokens == 6
+    assert s.suffix_tokens == [] and s.tokens == sent + expected
+    assert (m.input_tokens, m.output_tokens, len(m.tpot)) == (len(sent), 5, 4)
+    assert s.output_text == "".join(f" t{t}" for t in [g1, *expected])
+
+    # A second edit composes: the cache now holds the kept 48 tokens (the 55-token prompt had no
+    # new whole chunk), so the edit sees those and the rest becomes the suffix.
+    result = s.modify_kv(drop_chunk(0))
+    assert (result.total_tokens, result.kept_tokens) == (48, 32)
+    assert s.suffix_tokens == sent[48:] + expected
+    s.generate({"max_tokens": 1})
+    assert setup.engine.calls[-1].prompt == p[32:64] + sent[48:] + expected
+    assert setup.engine.calls[-1].reused_positions == list(range(32, 64))
+
+
+def test_prompt_of_whole_chunks_keeps_only_the_generated_token_as_suffix(setup: Setup) -> None:
+    p = prompt(3 * CHUNK, seed=2)
+    s = create_request([setup.kv_ctx], setup.engine, p)
+    s.generate({"max_tokens": 1})
+    g1 = s.output_tokens[0]
+    s.modify_kv(drop_chunk(1))
+    assert s.suffix_tokens == [g1]
+    assert s.tokens == p[:16] + p[32:] + [g1]
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("unaligned", r"T=45 tokens, not a non-zero multiple of the chunk size 16"),
+        ("wrong_layers", r"L=1, D=8; expected L=2, D=8"),
+        ("wrong_width", r"L=2, D=4; expected L=2, D=8"),
+        ("wrong_dtype", r"dtype torch.float64; expected torch.float32"),
+        ("token_mismatch", r"47 tokens for a kv tensor of T=48"),
+        ("empty", r"must not be empty"),
+        ("not_tensor", r"kv must be a torch.Tensor, got list"),
+        ("rank", r"kv tensor must be \[2, L, T, D\], got \[2, 2, 48\]"),
+        ("negative_token", r"must be a non-negative token id, got -1"),
+        ("float_token", r"must be an int token id, got float"),
+        ("not_tuple", r"edit function must return \(kv, tokens\), got Tensor"),
+        ("raises", r"edit function failed: ZeroDivisionError: boom"),
+    ],
+)
+def test_invalid_edit_raises_and_loses_nothing(setup: Setup, case: str, message: str) -> None:
+    p = prompt(4 * CHUNK + 3, seed=3)
+    s = create_request([setup.kv_ctx], setup.engine, p)
+    s.generate({"max_tokens": 1})
+    before_tokens, before_suffix = s.tokens, s.suffix_tokens
+    before = s.retrieve()
+    assert before is not None
+
+    def bad(tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]) -> Any:
+        kv, toks = tensors[CacheKind.KV], list(tokens)
+        ok_kv, ok_toks = kv[:, :, :48], toks[:48]
+        if case == "unaligned":
+            return kv[:, :, :45], toks[:45]
+        if case == "wrong_layers":
+            return ok_kv[:, :1], ok_toks
+        if case == "wrong_width":
+            return ok_kv[..., :4], ok_toks
+        if case == "wrong_dtype":
+            return ok_kv.double(), ok_toks
+        if case == "token_mismatch":
+            return ok_kv, ok_toks[:47]
+        if case == "empty":
+            return kv[:, :, :0], []
+        if case == "not_tensor":
+            return ok_kv.tolist(), ok_toks
+        if case == "rank":
+            return ok_kv[..., 0], ok_toks
+        if case == "negative_token":
+            return ok_kv, [-1, *ok_toks[1:]]
+        if case == "float_token":
+            return ok_kv, [float(t) for t in ok_toks]
+        if case == "not_tuple":
+            return ok_kv
+        raise ZeroDivisionError("boom")
+
+    with pytest.raises(RequestStreamError, match=message) as info:
+        s.modify_kv(bad)
+    assert s.request_stream_id in str(info.value)
+    # Nothing changed: same tokens, same suffix, the cache still has the original prefix.
+    assert s.tokens == before_tokens and s.suffix_tokens == before_suffix
+    after = s.retrieve()
+    assert after is not None and torch.equal(after[CacheKind.KV], before[CacheKind.KV])
+    # ... and a valid edit still works afterwards.
+    assert s.modify_kv(drop_chunk(2)).kept_tokens == 48
+
+
+def test_query_context_is_retrieved_with_kv(qsetup: Setup) -> None:
+    p = prompt(3 * CHUNK + 15, seed=4)  # tail + g1 fill one chunk after the edit
+    s = create_request(qsetup.contexts, qsetup.engine, p)
+    s.generate({"max_tokens": 1})
+    got: dict[Any, torch.Tensor] = {}
+
+    def fn(tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]) -> tuple[torch.Tensor, list]:
+        got.update(tensors)
+        return drop_chunk(1)(tensors, tokens)
+
+    s.modify_kv(fn)
+    assert set(got) == {CacheKind.KV, CacheKind.QUERY}
+    assert got[CacheKind.KV].shape == (2, 2, 48, 8)
+    assert torch.equal(
+        got[CacheKind.QUERY], encode_rows(CacheKind.QUERY, p[:48], range(48), Q_LAYOUT)
+    )
+    # The decode prompt (32 kept + 16 new) has a new whole chunk: the engine stores KV and
+    # queries for the kept chain, the new rows at the positions it gave them (32..47 again).
+    s.generate({"max_tokens": 2})
+    again = s.retrieve()
+    assert again is not None
+    assert again[CacheKind.QUERY].shape == (1, 2, 48, 16)
+    assert positions_of(again[CacheKind.QUERY]) == [*range(16), *range(32, 48), *range(32, 48)]
+    assert positions_of(again[CacheKind.KV]) == positions_of(again[CacheKind.QUERY])
+
+
+def test_retrieve_cuts_every_kind_to_the_common_length(qsetup: Setup) -> None:
+    p = prompt(4 * CHUNK, seed=5)
+    # Store 4 chunks of KV but only 2 of queries, as an engine could leave them.
+    qsetup.kv_ctx.store(encode_rows(CacheKind.KV, p, range(64), KV_LAYOUT), p)
+    assert qsetup.q_ctx is not None
+    qsetup.q_ctx.store(encode_rows(CacheKind.QUERY, p[:32], range(32), Q_LAYOUT), p[:32])
+    s = create_request(qsetup.contexts, qsetup.engine, p)
+    got = s.retrieve()
+    assert got is not None
+    assert got[CacheKind.KV].shape[2] == got[CacheKind.QUERY].shape[2] == 32
+    assert torch.equal(got[CacheKind.KV], encode_rows(CacheKind.KV, p[:32], range(32), KV_LAYOUT))
+    # A stream whose queries are missing entirely retrieves nothing.
+    other = prompt(2 * CHUNK, seed=6)
+    qsetup.kv_ctx.store(encode_rows(CacheKind.KV, other, range(32), KV_LAYOUT), other)
+    assert create_request(qsetup.contexts, qsetup.engine, other).retrieve() is None
+
+
+def test_update_stores_under_new_tokens_and_keeps_tail(setup: Setup) -> None:
+    p = prompt(4 * CHUNK + 2, seed=7)
+    s = create_request([setup.kv_ctx], setup.engine, p)
+    s.generate({"max_tokens": 1})
+    g1 = s.output_tokens[0]
+    got = s.retrieve()
+    assert got is not None
+    kv = got[CacheKind.KV]
+    with pytest.raises(RequestStreamError, match="31 tokens for a kv tensor of T=32"):
+        s.update(kv[:, :, 32:], p[32:63])
+    with pytest.raises(TypeError, match="KV tensor or a mapping"):
+        s.update([1, 2], p[:16])  # type: ignore[arg-type]
+    assert s.update({"kv": kv[:, :, 16:]}, p[16:64]) is True  # drop the first chunk
+    assert s.tokens == p[16:64] + p[64:] + [g1] and s.suffix_tokens == [*p[64:], g1]
+    s.generate({"max_tokens": 1})
+    assert setup.engine.calls[-1].reused_positions == list(range(16, 64))
+
+
+def test_edit_that_keeps_every_token_is_not_stored(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    p = prompt(2 * CHUNK + 4, seed=8)
+    s = create_request([setup.kv_ctx], setup.engine, p)
+    s.generate({"max_tokens": 1})
+
+    def zero_values(tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]) -> tuple:
+        return torch.zeros_like(tensors[CacheKind.KV]), list(tokens)
+
+    with caplog.at_level(logging.WARNING, logger="kvdrop_sdk.request"):
+        result = s.modify_kv(zero_values)
+    assert result.stored is False and "first copy wins" in caplog.text
+    got = s.retrieve()  # the first copy is still there, unchanged
+    assert got is not None
+    assert torch.equal(got[CacheKind.KV], encode_rows(CacheKind.KV, p[:32], range(32), KV_LAYOUT))
+
+
+def test_cache_salt_isolates_streams(setup: Setup) -> None:
+    p = prompt(2 * CHUNK + 1, seed=9)
+    a = create_request([setup.kv_ctx], setup.engine, p, cache_salt="alice")
+    a.generate({"max_tokens": 1})
+    a.modify_kv(drop_chunk(0))
+    b = create_request([setup.kv_ctx], setup.engine, p, cache_salt="bob")
+    assert b.retrieve() is None
+    b.generate({"max_tokens": 1})
+    assert setup.engine.calls[-1].cache_salt == "bob"
+    assert setup.engine.calls[-1].reused_positions == []
+    got = b.retrieve()
+    assert got is not None and positions_of(got[CacheKind.KV]) == list(range(32))
+
+
+def test_modify_without_cache_or_whole_chunk(setup: Setup) -> None:
+    short = create_request([setup.kv_ctx], setup.engine, prompt(CHUNK - 1, seed=10))
+    short.generate({"max_tokens": 1})
+    r = short.modify_kv(drop_chunk(0))
+    assert r.skipped and r.kept_tokens == 0 and short.suffix_tokens == []
+    never = create_request([setup.kv_ctx], setup.engine, prompt(3 * CHUNK, seed=11))
+    with pytest.raises(RequestStreamError, match="holds no cached chunk of its 48 tokens"):
+        never.modify_kv(drop_chunk(0))
+    no_kv = create_request([], setup.engine, prompt(3 * CHUNK, seed=11))
+    with pytest.raises(RequestStreamError, match="has no 'kv' context"):
+        no_kv.modify_kv(drop_chunk(0))
+
+
+def test_engine_failure_keeps_received_tokens(setup: Setup) -> None:
+    def flaky(ids: list[int], params: dict[str, Any], salt: str) -> Iterator[TokenEvent]:
+        yield TokenEvent(5, "a")
+        yield TokenEvent(6, "b")
+        raise ConnectionError("engine went away")
+
+    s = create_request([setup.kv_ctx], flaky, prompt(20, seed=12))
+    with pytest.raises(
+        RequestStreamError, match=r"after 2 token\(s\): ConnectionError: engine went"
+    ):
+        s.generate({"max_tokens": 8})
+    assert s.output_tokens == [5, 6] and s.output_text == "ab"
+    assert s.tokens[-2:] == [5, 6]
+
+    def not_events(ids: list[int], params: dict[str, Any], salt: str) -> Iterator[Any]:
+        yield 7
+
+    s = create_request([setup.kv_ctx], not_events, prompt(20, seed=12))
+    with pytest.raises(RequestStreamError, match="without an int token_id; expected TokenEvent"):
+        s.generate({})
+
+
+def test_done_rules(setup: Setup) -> None:
+    p = prompt(20, seed=13)
+    first = setup.engine.next_token(p[-1], len(p))
+    s = create_request([setup.kv_ctx], setup.engine, p)
+    s.generate({"max_tokens": 4, "stop_token_ids": [first]})
+    assert s.is_done and s.finish_reason == "stop" and s.output_tokens == [first]
+    with pytest.raises(RequestStreamError, match="is done"):
+        s.generate({"max_tokens": 1})
+
+    # Without a finish_reason the upstream rule applies: fewer tokens than max_tokens -> done.
+    def bare(n: int):
+        def call(ids: list[int], params: dict[str, Any], salt: str) -> Iterator[TokenEvent]:
+            for i in range(n):
+                yield TokenEvent(i)
+
+        return call
+
+    full = create_request([], bare(3), p)
+    full.generate({"max_tokens": 3})
+    assert not full.is_done
+    short = create_request([], bare(2), p)
+    short.generate({"max_tokens": 3})
+    assert short.is_done
+
+
+def test_create_request_validates_arguments(setup: Setup) -> None:
+    with pytest.raises(ValueError, match="must not be empty"):
+        create_request([setup.kv_ctx], setup.engine, [])
+    with pytest.raises(TypeError, match=r"prompt_token_ids\[1\] must be an int token id"):
+        create_request([setup.kv_ctx], setup.engine, [1, "2"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="two contexts for cache kind 'kv'"):
+        create_request([setup.kv_ctx, setup.kv_ctx], setup.engine, [1])
+    with pytest.raises(TypeError, match="post_completion must be callable"):
+        create_request([setup.kv_ctx], None, [1])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_tokens'\\] must be an int >= 1"):
+        create_request([setup.kv_ctx], setup.engine, [1]).generate({"max_tokens": 0})
+    one = create_request(setup.kv_ctx, setup.engine, torch.tensor([3, 4]))
+    assert isinstance(one, RequestStream) and one.tokens == [3, 4]
+    ids = {create_request([], setup.engine, [1]).request_stream_id for _ in range(50)}
+    assert len(ids) == 50
