@@ -291,6 +291,7 @@ class RequestStream:
                     self._text_parts.append(str(getattr(event, "text", "") or ""))
                     reason = getattr(event, "finish_reason", None) or reason
             except Exception as exc:
+                self._expected_cached = None  # unknown what the engine stored: do not wait
                 raise RequestStreamError(
                     f"stream {self._request_stream_id} failed during generation after "
                     f"{len(generated)} token(s): {type(exc).__name__}: {exc}"

@@ -1,0 +1,296 @@
+"""Batched streams against a real kvdrop server (subprocess) with the toy engine.
+
+A batch goes through prefill, a chunk-dropping modify and decode; every stream's suffix, what the
+engine was sent on decode, which rows it reused and what it generated are checked exactly.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from kvdrop_sdk.batch import BatchedStream, BatchedStreamFailures, LMCacheBatchedStream
+from kvdrop_sdk.cache_kind import CacheKind
+from kvdrop_sdk.context import Context, connect
+from kvdrop_sdk.engines.toy import ToyEngine, positions_of
+from kvdrop_sdk.errors import BatchedStreamError, RequestStreamError
+from kvdrop_sdk.events import TokenEvent
+from kvdrop_sdk.layout import CacheLayout
+from kvdrop_sdk.metrics import Metrics
+from kvdrop_sdk.request import RequestStream, create_request
+from kvdrop_sdk.server.testing import spawn_server
+
+CHUNK = 16
+LAYOUT = CacheLayout(num_layers=2, num_heads=2, head_dim=4, dtype=torch.float32)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Any]:
+    with spawn_server(chunk_size=CHUNK, l1_size_gb=0.05) as handle:
+        yield handle
+
+
+@pytest.fixture
+def engine_and_ctx(server: Any) -> Iterator[tuple[ToyEngine, Context]]:
+    model = f"toy-{uuid.uuid4().hex[:8]}"
+    engine = ToyEngine.connect(server.url, server.http_url, model, LAYOUT, default_max_tokens=4)
+    ctx = connect(CacheKind.KV, server.url, server.http_url, model)
+    yield engine, ctx
+    ctx.close()
+    engine.close()
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 30000) for _ in range(n)]
+
+
+def keep_rows(n_chunks: int) -> list[int]:
+    """Rows kept by dropping every other middle chunk (chunks 1, 3, 5, ... but never the last)."""
+    dropped = {c for c in range(1, n_chunks - 1) if c % 2 == 1}
+    return [i for i in range(n_chunks * CHUNK) if i // CHUNK not in dropped]
+
+
+def drop_every_other_middle_chunk(
+    tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]
+) -> tuple[torch.Tensor, list[int]]:
+    kv = tensors[CacheKind.KV]
+    keep = keep_rows(kv.shape[2] // CHUNK)
+    return kv[:, :, keep], [tokens[i] for i in keep]
+
+
+class Recorder:
+    """A progress callback that records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, str]] = []
+
+    def __call__(self, done: int, total: int, phase: str) -> None:
+        self.calls.append((done, total, phase))
+
+    def phase(self, name: str) -> list[tuple[int, int]]:
+        return [(d, t) for d, t, p in self.calls if p == name]
+
+
+def test_prefill_modify_decode_batch(engine_and_ctx: tuple[ToyEngine, Context]) -> None:
+    engine, ctx = engine_and_ctx
+    # 7 prompts of 3..6 whole chunks with tails of 0..15 tokens, and one shorter than a chunk.
+    lengths = [3 * CHUNK, 3 * CHUNK + 5, 4 * CHUNK + 15, 4 * CHUNK + 1, 5 * CHUNK + 8, 5 * CHUNK]
+    lengths += [6 * CHUNK + 3, CHUNK - 4]
+    prompts = [prompt(n, seed=i) for i, n in enumerate(lengths)]
+    progress = Recorder()
+    batch = BatchedStream(max_concurrency=4, progress=progress)
+    streams = [create_request([ctx], engine, p) for p in prompts]
+    for s in streams:
+        batch.add(s)
+    assert isinstance(batch, LMCacheBatchedStream) and len(batch) == 8
+    assert list(batch.request_streams) == [s.request_stream_id for s in streams]
+
+    pre = batch.prefill({"max_tokens": 16, "temperature": 0.0})
+    assert isinstance(pre, Metrics) and pre.title == "Batched Stream Metrics (prefill)"
+    assert pre["num_requests"] == 8 and pre["num_failed"] == 0
+    assert pre["input_tokens"] == sum(lengths)
+    assert pre["input_tput"] == pytest.approx(sum(lengths) / pre["duration"])
+    for key in ("ttft_mean", "ttft_p50", "ttft_p90", "ttft_p99"):
+        assert 0 < pre[key] <= pre["duration"]  # type: ignore[operator]
+    assert set(batch.perf_metrics) == set(batch.request_streams)
+    assert all(m.output_tokens == 1 for m in batch.perf_metrics.values())
+    assert all(c.sampling_params["max_tokens"] == 1 for c in engine.calls)  # forced to 1
+    g1 = {s.request_stream_id: s.output_tokens[0] for s in streams}
+
+    mod = batch.modify(drop_every_other_middle_chunk)
+    aligned = [(n // CHUNK) * CHUNK for n in lengths]
+    kept = [len(keep_rows(a // CHUNK)) if a else 0 for a in aligned]
+    assert mod.title == "Batched Stream Modify Metrics"
+    assert mod["num_requests"] == 7 and mod["num_skipped"] == 1
+    assert mod["total_tokens"] == sum(aligned) and mod["kept_tokens"] == sum(kept)
+    assert mod["kept_fraction"] == pytest.approx(sum(kept) / sum(aligned))
+    assert mod["duration"] > 0  # type: ignore[operator]
+    for s, p, a in zip(streams, prompts, aligned, strict=True):
+        sid = s.request_stream_id
+        if a == 0:  # the short stream was left as it was
+            assert s.suffix_tokens == [] and s.tokens == [*p, g1[sid]]
+            continue
+        rows = keep_rows(a // CHUNK)
+        assert s.suffix_tokens == [*p[a:], g1[sid]]
+        assert s.tokens == [p[i] for i in rows] + p[a:] + [g1[sid]]
+        got = s.retrieve()
+        assert got is not None and positions_of(got[CacheKind.KV]) == rows
+
+    decode_before = len(engine.calls)
+    dec = batch.decode({"max_tokens": 4})
+    assert dec.title == "Batched Stream Metrics (decode)"
+    assert dec["num_requests"] == 8 and dec["output_tokens"] == 32
+    assert dec["output_tput"] == pytest.approx(32 / dec["duration"])
+    assert all(m.output_tokens == 4 and len(m.tpot) == 3 for m in batch.perf_metrics.values())
+    assert dec["tpot_p50"] is not None and dec["tpot_p99"] >= dec["tpot_p50"]  # type: ignore[operator]
+    decode_calls = engine.calls[decode_before:]
+    assert len(decode_calls) == 8
+    for s, p, a in zip(streams, prompts, aligned, strict=True):
+        sid = s.request_stream_id
+        rows = keep_rows(a // CHUNK) if a else []
+        sent = [p[i] for i in rows] + p[a:] + [g1[sid]]
+        (call,) = [c for c in decode_calls if c.prompt == sent]  # exactly what was re-sent
+        assert call.reused_positions == rows  # the edited KV, found under the kept tokens
+        assert s.output_tokens == [g1[sid], *call.generated] and len(call.generated) == 4
+        assert s.suffix_tokens == [] and s.tokens == sent + call.generated
+        assert batch.get_request_stream(sid) is s
+
+    # Progress: 0 at each phase start, then one increasing count per finished stream.
+    for phase in ("prefill", "modify", "decode"):
+        assert progress.phase(phase) == [(i, 8) for i in range(9)]
+    # Every report prints as a table and converts to the documented dict.
+    for m in (pre, mod, dec):
+        d = m.to_dict()
+        assert set(d) == {"title", "metrics"} and d["title"] == m.title
+        assert m.format().splitlines()[0] == m.title
+
+
+def test_failing_stream_does_not_lose_the_others(
+    engine_and_ctx: tuple[ToyEngine, Context],
+) -> None:
+    engine, ctx = engine_and_ctx
+    prompts = [prompt(3 * CHUNK + i, seed=100 + i) for i in range(6)]
+    bad_prompt = prompts[2]
+
+    def post(ids: list[int], params: dict[str, Any], salt: str) -> Iterator[TokenEvent]:
+        if ids[: len(bad_prompt)] == bad_prompt:
+            raise RuntimeError("engine rejected the request")
+        return engine(ids, params, salt)
+
+    batch = BatchedStream(max_concurrency=3)
+    streams = [create_request([ctx], post, p) for p in prompts]
+    for s in streams:
+        batch.add(s)
+    bad_id = streams[2].request_stream_id
+
+    with pytest.raises(BatchedStreamFailures) as info:
+        batch.prefill({})
+    err = info.value
+    assert isinstance(err, BatchedStreamError) and err.phase == "prefill"
+    assert list(err.failures) == [bad_id]
+    assert isinstance(err.failures[bad_id], RequestStreamError)
+    assert "1 stream(s) failed during prefill" in str(err)
+    assert f"{bad_id}: RequestStreamError" in str(err) and "engine rejected" in str(err)
+    assert err.metrics["num_requests"] == 5 and err.metrics["num_failed"] == 1
+    assert set(batch.perf_metrics) == {s.request_stream_id for s in streams} - {bad_id}
+    for s in streams:
+        assert len(s.output_tokens) == (0 if s.request_stream_id == bad_id else 1)
+
+    # An edit that fails for one stream: the others are edited, the failure is listed.
+    def picky(tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]) -> tuple:
+        if list(tokens[:CHUNK]) == prompts[4][:CHUNK]:
+            raise ValueError("no budget for this one")
+        return drop_every_other_middle_chunk(tensors, tokens)
+
+    with pytest.raises(BatchedStreamFailures) as info:
+        batch.modify(picky)
+    failed = info.value.failures
+    picky_id = streams[4].request_stream_id
+    assert list(failed) == [bad_id, picky_id]  # in batch order
+    assert "no cached chunk" in str(failed[bad_id]) and "no budget" in str(failed[picky_id])
+    assert info.value.metrics["num_requests"] == 4
+    for s in streams:
+        if s.request_stream_id in failed:
+            assert s.suffix_tokens == []
+        else:
+            assert len(s.suffix_tokens) == len(s.tokens) - 32  # 48 cached -> 32 kept
+            assert batch.modify_results[s.request_stream_id].kept_tokens == 32
+
+
+def test_max_concurrency_bounds_engine_calls_and_edits(
+    engine_and_ctx: tuple[ToyEngine, Context],
+) -> None:
+    engine, ctx = engine_and_ctx
+    engine.token_delay = 0.02
+    batch = BatchedStream(max_concurrency=3, modify_concurrency=2)
+    for i in range(10):
+        batch.add(create_request([ctx], engine, prompt(2 * CHUNK + i, seed=200 + i)))
+    batch.prefill({})
+    assert engine.max_active == 3
+
+    lock = threading.Lock()
+    active = peak = 0
+
+    def slow_edit(tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]) -> tuple:
+        nonlocal active, peak
+        with lock:
+            active += 1
+            peak = max(peak, active)
+        time.sleep(0.03)
+        with lock:
+            active -= 1
+        return drop_every_other_middle_chunk(tensors, tokens)
+
+    batch.modify(slow_edit)
+    assert peak == 2
+
+
+def test_decode_skips_streams_that_stopped(engine_and_ctx: tuple[ToyEngine, Context]) -> None:
+    engine, ctx = engine_and_ctx
+    prompts = [prompt(CHUNK + i, seed=300 + i) for i in range(3)]
+    firsts = [engine.next_token(p[-1], len(p)) for p in prompts]
+    assert len(set(firsts)) == 3
+    batch = BatchedStream()
+    streams = [create_request([ctx], engine, p) for p in prompts]
+    for s in streams:
+        batch.add(s)
+    batch.prefill({"stop_token_ids": [firsts[1]]})
+    assert [s.is_done for s in streams] == [False, True, False]
+    dec = batch.decode({"max_tokens": 2})
+    assert dec["num_requests"] == 2 and dec["num_skipped"] == 1 and dec["output_tokens"] == 4
+    assert streams[1].request_stream_id not in batch.perf_metrics
+    assert len(streams[1].output_tokens) == 1
+
+
+def test_membership_and_arguments(engine_and_ctx: tuple[ToyEngine, Context]) -> None:
+    engine, ctx = engine_and_ctx
+    batch = BatchedStream()
+    s = create_request([ctx], engine, prompt(CHUNK, seed=400))
+    t = create_request([ctx], engine, prompt(CHUNK, seed=401))
+    batch.add(s)
+    batch.add(t)
+    with pytest.raises(BatchedStreamError, match="already in the batch"):
+        batch.add(s)
+    with pytest.raises(BatchedStreamError, match="no request stream 'nope' in the batch"):
+        batch.get_request_stream("nope")
+    with pytest.raises(TypeError, match="add\\(\\) takes a RequestStream"):
+        batch.add("stream")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_concurrency must be an int >= 1, got 0"):
+        BatchedStream(max_concurrency=0)
+    with pytest.raises(ValueError, match="modify_concurrency must be an int >= 1"):
+        BatchedStream(modify_concurrency=-2)
+    with pytest.raises(BatchedStreamError, match="no request stream 'x'"):
+        batch.decode({}, stream_ids=["x"])
+    # A subset runs only the chosen streams; perf_metrics holds only the latest phase.
+    batch.prefill({}, stream_ids=[t.request_stream_id])
+    assert list(batch.perf_metrics) == [t.request_stream_id]
+    assert s.output_tokens == [] and len(t.output_tokens) == 1
+    batch.decode({"max_tokens": 2})
+    assert set(batch.perf_metrics) == {s.request_stream_id, t.request_stream_id}
+    assert isinstance(batch.get_request_stream(s.request_stream_id), RequestStream)
+
+
+def test_broken_progress_callback_does_not_stop_the_batch(
+    engine_and_ctx: tuple[ToyEngine, Context], caplog: pytest.LogCaptureFixture
+) -> None:
+    engine, ctx = engine_and_ctx
+
+    def broken(done: int, total: int, phase: str) -> None:
+        raise OSError("terminal closed")
+
+    batch = BatchedStream(progress=broken)
+    for i in range(3):
+        batch.add(create_request([ctx], engine, prompt(CHUNK + i, seed=500 + i)))
+    m = batch.prefill({})
+    assert m["num_requests"] == 3
+    assert "progress callback failed" in caplog.text
