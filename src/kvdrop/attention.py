@@ -1,0 +1,168 @@
+"""Attention of a set of saved queries over the cached keys, in float32, in linear memory.
+
+Every query-based policy (SnapKV, H2O, TOVA, R-KV) needs the same thing: how much softmax
+attention each cached key receives from some of the prefill queries. :func:`attention_mass`
+computes it block by block over the queries: a block of ``b`` queries against the keys it can see
+is a ``[Hq, b, T]`` float32 tile whose rows are complete, so the softmax is exact in one pass and
+the ``T x T`` matrix is never built. ``b`` is picked so the tile stays under ``block_bytes``
+(at least one query per block), so memory is linear in ``T`` for any number of queries.
+
+Layouts follow the SDK: a layer's keys are ``[T, Hkv * d]`` and its queries ``[T, Hq * d]``,
+heads head-major inside the last dimension. Query head ``h`` reads KV head ``h // G`` with
+``G = Hq // Hkv`` (the HF ``repeat_kv`` convention).
+
+The same module holds the blocked cosine-redundancy of R-KV (:func:`key_redundancy`), which is
+quadratic in compute but linear in memory, and equals the quadratic reference exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "DEFAULT_BLOCK_BYTES",
+    "attention_mass",
+    "heads_f32",
+    "key_redundancy",
+    "pool1d",
+    "unit_keys",
+]
+
+#: Upper bound of one float32 score tile (per query block); 64 MiB keeps caches warm on CPU.
+DEFAULT_BLOCK_BYTES = 64 << 20
+
+
+def heads_f32(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``[T, H * d]`` (any float dtype) as a contiguous float32 ``[H, T, d]`` copy in one pass."""
+    num_tokens, width = x.shape
+    num_heads = width // head_dim
+    out = torch.empty(num_heads, num_tokens, head_dim, dtype=torch.float32, device=x.device)
+    out.copy_(x.view(num_tokens, num_heads, head_dim).transpose(0, 1))
+    return out
+
+
+def attention_mass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_pos: torch.Tensor | None = None,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> torch.Tensor:
+    """Summed softmax attention each key receives from the queries: ``[Hq, Tk]`` float32.
+
+    ``q`` is ``[Hq, n, d]`` and ``k`` is ``[Hkv, Tk, d]`` (float32, see :func:`heads_f32`), with
+    ``Hq`` a multiple of ``Hkv``. ``q_pos`` (``[n]`` int) holds each query's position in the key
+    sequence; with ``causal`` a query at position ``p`` sees keys ``0..p`` only (a query at
+    ``p >= Tk`` sees all keys). Without ``q_pos`` every query sees every key. ``scale`` defaults
+    to ``1 / sqrt(d)``. Each query's softmax row sums to 1, so the result sums to ``n`` per head.
+    """
+    num_q_heads, num_queries, head_dim = q.shape
+    num_kv_heads, num_keys, _ = k.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_q_heads} are not a multiple of KV heads {num_kv_heads}")
+    group = num_q_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    out = torch.zeros(num_q_heads, num_keys, dtype=torch.float32, device=k.device)
+    if num_queries == 0 or num_keys == 0:
+        return out
+    if q_pos is None or not causal:
+        q_pos = torch.full((num_queries,), num_keys - 1, dtype=torch.int64)
+    q_pos = q_pos.to(torch.int64).cpu().clamp(max=num_keys - 1)
+    block = max(1, block_bytes // (4 * num_q_heads * num_keys))
+    key_index = torch.arange(num_keys, device=k.device)
+    for start in range(0, num_queries, block):
+        pos = q_pos[start : start + block]
+        b = pos.numel()
+        limit = int(pos.max()) + 1  # keys past the last visible one get no mass
+        qb = q[:, start : start + b].to(torch.float32) * scale
+        qb = qb.reshape(num_kv_heads, group * b, head_dim)
+        s = torch.matmul(qb, k[:, :limit].transpose(1, 2))  # [Hkv, G*b, limit]
+        s = s.view(num_kv_heads, group, b, limit)
+        if int(pos.min()) + 1 < limit:
+            hidden = key_index[:limit][None, :] > pos.to(k.device)[:, None]  # [b, limit]
+            s.masked_fill_(hidden, -torch.inf)
+        s.sub_(s.amax(dim=-1, keepdim=True)).exp_()
+        s.div_(s.sum(dim=-1, keepdim=True))
+        out[:, :limit] += s.sum(dim=2).view(num_q_heads, limit)
+    return out
+
+
+def pool1d(x: torch.Tensor, kernel: int, how: str) -> torch.Tensor:
+    """Same-size 1-D pooling of ``[..., T]`` over T (odd ``kernel``, padding ``kernel // 2``).
+
+    ``avg`` counts the zero padding (``count_include_pad``, as SnapKV's ``avg_pool1d``); ``max``
+    ignores it. ``kernel == 1`` returns ``x``.
+    """
+    if kernel == 1 or x.shape[-1] == 0:
+        return x
+    shape = x.shape
+    flat = x.reshape(-1, 1, shape[-1])
+    pad = kernel // 2
+    if how == "avg":
+        pooled = torch.nn.functional.avg_pool1d(flat, kernel, stride=1, padding=pad)
+    elif how == "max":
+        # max_pool1d needs padding <= kernel/2, which holds; it pads with -inf.
+        pooled = torch.nn.functional.max_pool1d(flat, kernel, stride=1, padding=pad)
+    else:
+        raise ValueError(f"unknown pooling {how!r}; expected 'avg' or 'max'")
+    return pooled.view(shape)
+
+
+def unit_keys(k: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Keys divided by ``(||k|| + eps)`` as R-KV does (float32 ``[H, T, d]``)."""
+    return k / (k.norm(dim=-1, keepdim=True) + eps)
+
+
+def key_redundancy(
+    kn: torch.Tensor,
+    threshold: float = 0.5,
+    *,
+    row_block: int = 256,
+    col_block: int = 4096,
+) -> torch.Tensor:
+    """R-KV redundancy of every key, ``[H, T]`` float32 (softmax over T per head).
+
+    With ``S = kn @ kn.T`` per head (``kn`` from :func:`unit_keys`), R-KV zeroes the diagonal,
+    then in each row ``i`` zeroes the entry of the LAST column ``j`` with ``S[i, j] > threshold``
+    (column 0 when there is none -- upstream's ``argmax`` of an all-zero index row), takes the mean
+    over rows and a softmax over keys. Here the column sums come from ``(sum_i kn_i) . kn_j``
+    minus the diagonal and the zeroed entries; finding the last similar column scans blocks of
+    ``S`` from the right and stops as soon as every row of the block has a hit. Compute is
+    ``O(T^2 d)`` in the worst case (no similar keys), memory ``O(row_block * col_block)``.
+    """
+    num_heads, num_keys, _ = kn.shape
+    col_sum = torch.einsum("hd,htd->ht", kn.sum(dim=1), kn)
+    col_sum -= (kn * kn).sum(dim=-1)  # the diagonal is zeroed before anything else
+    last = torch.zeros(num_heads, num_keys, dtype=torch.int64, device=kn.device)
+    for r0 in range(0, num_keys, row_block):
+        rows = kn[:, r0 : r0 + row_block]
+        nr = rows.shape[1]
+        row_index = torch.arange(r0, r0 + nr, device=kn.device)
+        found = torch.zeros(num_heads, nr, dtype=torch.bool, device=kn.device)
+        hit_col = torch.zeros(num_heads, nr, dtype=torch.int64, device=kn.device)
+        c1 = num_keys
+        while c1 > 0 and not bool(found.all()):
+            c0 = max(0, c1 - col_block)
+            sim = torch.matmul(rows, kn[:, c0:c1].transpose(1, 2))  # [H, nr, c1 - c0]
+            cols = torch.arange(c0, c1, device=kn.device)
+            similar = sim > threshold
+            similar &= cols[None, None, :] != row_index[None, :, None]  # diagonal is 0
+            any_hit = similar.any(dim=-1)
+            # Last True column: argmax over reversed columns finds the first from the right.
+            last_in_block = (c1 - c0 - 1) - similar.flip(-1).to(torch.uint8).argmax(dim=-1)
+            new = any_hit & ~found
+            hit_col = torch.where(new, last_in_block + c0, hit_col)
+            found |= any_hit
+            c1 = c0
+        if threshold < 0:  # the zeroed diagonal itself (0 > threshold) may be the last hit
+            hit_col = torch.where(found, torch.maximum(hit_col, row_index), row_index)
+        last[:, r0 : r0 + nr] = hit_col
+    # Subtract each row's zeroed entry S[i, last[i]] from column last[i] (nothing when i == last).
+    zeroed = (kn * torch.gather(kn, 1, last[..., None].expand_as(kn))).sum(dim=-1)
+    zeroed = torch.where(last == torch.arange(num_keys, device=kn.device), 0.0, zeroed)
+    col_sum.scatter_add_(1, last, -zeroed)
+    return torch.softmax(col_sum / num_keys, dim=-1)
