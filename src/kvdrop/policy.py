@@ -121,25 +121,63 @@ class ScorerPolicy:
     def __repr__(self) -> str:
         return f"ScorerPolicy({self.name!r}, {self.scorer!r}, {self.selector!r})"
 
-    def __call__(
+    def scores(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
+        """The scorer's ``[T]`` scores of validated inputs (after its own ``check``)."""
+        self.scorer.check(kv, query)
+        with torch.no_grad():
+            scores = self.scorer.score(kv, query)
+        if scores.shape != (kv.shape[2],):
+            raise PolicyInputError(
+                f"{self.name}: scorer returned scores of shape {tuple(scores.shape)}; expected "
+                f"({kv.shape[2]},)"
+            )
+        return scores
+
+    def select_indices(
         self, tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]
-    ) -> tuple[torch.Tensor, list[int]]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The validated KV and the sorted int64 indices of the tokens this policy keeps.
+
+        All indices when the input is within budget. Wrappers that need positions (RoPE
+        re-rotation, composition) use this instead of matching the returned tokens.
+        """
         kv, query = check_inputs(
             tensors, tokens, policy=self.name, needs_query=self.scorer.needs_query
         )
         num_tokens = kv.shape[2]
         budget = self.selector.budget(num_tokens)
         if budget >= num_tokens:
+            return kv, torch.arange(num_tokens)
+        return kv, self.selector.select(self.scores(kv, query), budget)
+
+    def with_selector(self, selector: Selector) -> ScorerPolicy:
+        """The same scorer under another selector (e.g. a per-request budget)."""
+        return ScorerPolicy(self.name, _sync_scorer(self.scorer, selector), selector)
+
+    def __call__(
+        self, tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]
+    ) -> tuple[torch.Tensor, list[int]]:
+        kv, index = self.select_indices(tensors, tokens)
+        if index.numel() == kv.shape[2]:
             return kv, [int(t) for t in tokens]
-        self.scorer.check(kv, query)
-        with torch.no_grad():
-            scores = self.scorer.score(kv, query)
-        if scores.shape != (num_tokens,):
-            raise PolicyInputError(
-                f"{self.name}: scorer returned scores of shape {tuple(scores.shape)}; expected "
-                f"({num_tokens},)"
-            )
-        return gather(kv, tokens, self.selector.select(scores, budget))
+        return gather(kv, tokens, index)
+
+
+def _sync_scorer(scorer: Scorer, selector: Selector) -> Scorer:
+    """``scorer`` with its plain fields named like selector parameters (``chunk_size``,
+    ``window``, ...) set from ``selector``, so budget-aware scorers see the selector's values."""
+    names = _selector_fields(type(scorer))
+    if not names or not dataclasses.is_dataclass(scorer):
+        return scorer
+    return dataclasses.replace(scorer, **{n: getattr(selector, n) for n in names})  # type: ignore[type-var]
+
+
+def _selector_fields(scorer_cls: type) -> set[str]:
+    if not dataclasses.is_dataclass(scorer_cls):
+        return set()
+    return {f.name for f in dataclasses.fields(scorer_cls) if f.init} & {
+        p.name for p in SELECTOR_PARAMS
+    }
 
 
 class ScorerFactory:
@@ -185,10 +223,9 @@ class ScorerFactory:
         except PolicyParamError as exc:
             raise PolicyParamError(f"{self.name}: {exc}") from None
         scorer_args = {k: v for k, v in values.items() if k not in selector_names}
-        if "chunk_size" in {f.name for f in dataclasses.fields(self.scorer_cls)}:
-            scorer_args["chunk_size"] = (
-                selector.chunk_size
-            )  # chunk-aware scorers see the selector's
+        # Budget/chunk-aware scorers declare plain fields named like selector parameters.
+        for field_name in _selector_fields(self.scorer_cls):
+            scorer_args[field_name] = getattr(selector, field_name)
         scorer = self.scorer_cls(**scorer_args)
         return ScorerPolicy(self.name, scorer, selector)
 
