@@ -6,7 +6,8 @@ written against it).
 
 from __future__ import annotations
 
-from kvdrop_sdk import kvcache, qcache
+from kvdrop_sdk import batch, kvcache, qcache, request
+from kvdrop_sdk.batch import BatchedStream, LMCacheBatchedStream
 from kvdrop_sdk.cache_kind import CacheKind, LMCacheSDKCacheKind
 from kvdrop_sdk.context import Context, LMCacheSDKContext, connect
 from kvdrop_sdk.errors import (
@@ -17,23 +18,42 @@ from kvdrop_sdk.errors import (
     RequestStreamError,
     SDKError,
 )
+from kvdrop_sdk.events import PostCompletion, TokenEvent
 from kvdrop_sdk.layout import CacheLayout
+from kvdrop_sdk.metrics import Metrics
+from kvdrop_sdk.request import (
+    LMCacheRequestStream,
+    RequestStream,
+    StreamPerfMetrics,
+    create_request,
+)
 from kvdrop_sdk.types import ModifyFnType
 
 __all__ = [
+    "BatchedStream",
     "BatchedStreamError",
     "CacheKind",
     "CacheLayout",
     "Context",
+    "LMCacheBatchedStream",
     "LMCacheBatchedStreamError",
+    "LMCacheRequestStream",
     "LMCacheRequestStreamError",
     "LMCacheSDKCacheKind",
     "LMCacheSDKContext",
     "LMCacheSDKError",
+    "Metrics",
     "ModifyFnType",
+    "PostCompletion",
+    "RequestStream",
     "RequestStreamError",
     "SDKError",
+    "StreamPerfMetrics",
+    "TokenEvent",
+    "batch",
     "connect",
+    "create_request",
     "kvcache",
     "qcache",
+    "request",
 ]
