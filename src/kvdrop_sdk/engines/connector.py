@@ -28,7 +28,8 @@ __all__ = ["ServerConnector", "server_has_transfer_query"]
 
 
 def server_has_transfer_query(http_url: str, timeout: float = 10.0) -> bool:
-    """Whether the server at ``http_url`` lists "transfer_query" in ``GET /config``'s "enabled"."""
+    """Whether the server at ``http_url`` lists "transfer_query" in ``GET /config``'s "features"
+    (the kvdrop server's key; "enabled" is accepted too)."""
     url = http_url.rstrip("/") + "/config"
     try:
         resp = requests.get(url, timeout=timeout)
@@ -36,7 +37,7 @@ def server_has_transfer_query(http_url: str, timeout: float = 10.0) -> bool:
         body = resp.json()
     except (requests.RequestException, ValueError) as exc:
         raise SDKError(f"could not read the kvdrop server's config from {url}: {exc}") from exc
-    enabled = body.get("enabled", []) if isinstance(body, dict) else None
+    enabled = body.get("features", body.get("enabled", [])) if isinstance(body, dict) else None
     if not isinstance(enabled, list):
         raise SDKError(f"{url} answered {body!r}; expected a JSON object with an 'enabled' list")
     return "transfer_query" in enabled
