@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -170,3 +171,65 @@ def test_port_in_use(capsys: pytest.CaptureFixture[str]) -> None:
         port = s.getsockname()[1]
         assert main(["engine", "--random-preset", "tiny", "--port", str(port)]) == 2
     assert f"cannot bind 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_engine_with_kvdrop_server_through_the_sdk(tmp_path: Path) -> None:
+    """Server + `kvdrop engine --kvdrop-url` + SDK batch over HTTP: prefill stores KV and queries,
+    a chunk-dropping edit is stored, decode continues from the edited cache."""
+    import torch
+
+    from kvdrop_sdk import qcache
+    from kvdrop_sdk.batch import BatchedStream
+    from kvdrop_sdk.cache_kind import CacheKind
+    from kvdrop_sdk.context import connect
+    from kvdrop_sdk.request import create_request
+    from kvdrop_sdk.server.testing import spawn_server
+
+    with spawn_server(enable=["transfer_query"], chunk_size=256) as srv:
+        proc = EngineProcess(
+            tmp_path,
+            "--random-preset",
+            "tiny",
+            "--return-tokens-as-token-ids",
+            "--kvdrop-url",
+            srv.url,
+            "--kvdrop-http-url",
+            srv.http_url,
+            "--kv-budget-tokens",
+            "4096",
+        )
+        try:
+            proc.wait_healthy()
+            kv_ctx = connect(CacheKind.KV, srv.url, srv.http_url, "random-tiny", 30)
+            q_ctx = qcache.connect(srv.url, srv.http_url, "random-tiny", 30)
+            post = make_post_completion(proc.url, "random-tiny", timeout=60)
+            prompts = [[(k * 131 + i * 7) % 500 + 3 for i in range(800)] for k in range(3)]
+            batch = BatchedStream()
+            for p in prompts:
+                batch.add(create_request([kv_ctx, q_ctx], post, p))
+            batch.prefill({"temperature": 0})
+            for p in prompts:
+                kv = kv_ctx.retrieve(p)
+                q = q_ctx.retrieve(p)
+                assert kv is not None and tuple(kv.shape) == (2, 2, 768, 2 * 16)
+                assert q is not None and tuple(q.shape) == (1, 2, 768, 4 * 16)
+
+            def drop_middle_chunk(tensors: Any, tokens: Any) -> tuple[torch.Tensor, list[int]]:
+                kv = next(v for k, v in tensors.items() if getattr(k, "value", k) == "kv")
+                keep = [*range(0, 256), *range(512, len(tokens))]
+                return kv[:, :, keep].contiguous(), [tokens[i] for i in keep]
+
+            metrics = batch.modify(drop_middle_chunk).to_dict()
+            assert metrics["metrics"]["kept_fraction"] == pytest.approx(512 / 768)
+            batch.decode({"temperature": 0, "max_tokens": 8, "ignore_eos": True})
+            for stream, p in zip(batch, prompts, strict=True):
+                assert len(stream.output_tokens) == 9  # 1 from prefill + 8 decoded
+                kept = p[:256] + p[512:768]
+                assert kv_ctx.lookup(kept) == 512
+            kv_ctx.close()
+            q_ctx.close()
+            assert proc.stop() == 0
+        finally:
+            if proc.proc.poll() is None:
+                proc.proc.kill()
+                proc.proc.wait()
