@@ -17,7 +17,7 @@ import torch
 
 from kvdrop.aggregate import HEAD_AGG, LAYER_AGG, reduce
 from kvdrop.attention import attention_mass, heads_f32, key_redundancy, pool1d, unit_keys
-from kvdrop.errors import PolicyInputError, PolicyParamError
+from kvdrop.errors import PolicyInputError
 from kvdrop.params import param
 from kvdrop.policy import Scorer, ScorerFactory
 from kvdrop.selector import Selector
@@ -88,8 +88,9 @@ class SnapKVScorer(Scorer):
     window queries and kept for the earlier keys only; pooled along tokens (``kernel``,
     ``pooling``); combined over each GQA group (``group_agg``), then over KV heads
     (``head_agg``), then over layers (``layer_agg``). The window itself is always kept (it is
-    the selector's ``window``); as upstream, the defaults are window 64, kernel 5, avg pooling,
-    mean everywhere -- but the budget is chunk-aligned.
+    the selector's ``window``; ``window=0`` observes the last query alone and forces nothing). As
+    upstream, the defaults are window 64, kernel 5, avg pooling, mean everywhere -- but the budget
+    is chunk-aligned.
     """
 
     needs_query = True
@@ -101,20 +102,14 @@ class SnapKVScorer(Scorer):
     layer_agg: str = param("mean", "how layers combine", choices=LAYER_AGG)
     window: int = field(default=64, repr=False)  # the selector's window = observation window
 
-    def __post_init__(self) -> None:
-        if self.window < 1:
-            raise PolicyParamError(
-                f"snapkv: parameter 'window' got {self.window}; expected an int >= 1 (the "
-                "observation window: its queries score the earlier tokens and it is always kept)"
-            )
-
     def check(self, kv: torch.Tensor, query: torch.Tensor | None) -> None:
         _check_shapes("snapkv", kv, query, self.head_dim)
 
     def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
         assert query is not None
         num_tokens = kv.shape[2]
-        obs = max(num_tokens - self.window, 0)  # tokens before the observation window
+        # Tokens before the observation window (window 0 observes the last query alone).
+        obs = max(num_tokens - max(self.window, 1), 0)
         if obs == 0:
             return torch.zeros(num_tokens)
         positions = torch.arange(obs, num_tokens)
@@ -264,20 +259,13 @@ class RKVScorer(Scorer):
     )
     window: int = field(default=16, repr=False)  # the selector's window = observation window
 
-    def __post_init__(self) -> None:
-        if self.window < 1:
-            raise PolicyParamError(
-                f"rkv: parameter 'window' got {self.window}; expected an int >= 1 (the "
-                "observation window: its queries score the earlier tokens and it is always kept)"
-            )
-
     def check(self, kv: torch.Tensor, query: torch.Tensor | None) -> None:
         _check_shapes("rkv", kv, query, self.head_dim)
 
     def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
         assert query is not None
         num_tokens = kv.shape[2]
-        obs = max(num_tokens - self.window, 0)
+        obs = max(num_tokens - max(self.window, 1), 0)
         if obs == 0:
             return torch.zeros(num_tokens)
         window = num_tokens - obs
