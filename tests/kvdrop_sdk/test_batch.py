@@ -7,10 +7,12 @@ engine was sent on decode, which rows it reused and what it generated are checke
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -294,3 +296,16 @@ def test_broken_progress_callback_does_not_stop_the_batch(
     m = batch.prefill({})
     assert m["num_requests"] == 3
     assert "progress callback failed" in caplog.text
+
+
+def test_docs_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The runnable example in docs/streams.md runs and prints the three reports."""
+    doc = (Path(__file__).parents[2] / "docs" / "streams.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    assert blocks, "docs/streams.md lost its python example"
+    exec(compile(blocks[0], "docs/streams.md", "exec"), {"__name__": "docs_example"})
+    out, err = capsys.readouterr()
+    assert "Batched Stream Metrics (prefill)" in out and "Batched Stream Modify Metrics" in out
+    assert '"title": "Batched Stream Metrics (decode)"' in out
+    assert out.count("decoded 17:") == 4  # 1 token of prefill + 16 of decode, per stream
+    assert "decode [" in err  # the progress bar writes to stderr
