@@ -245,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             vocab_size=cfg.vocab_size,
             max_model_len=cfg.max_position_embeddings,
+            stats=lambda: engine.stats().to_dict(),
         )
     except OSError as exc:
         if connector is not None:
@@ -263,7 +264,8 @@ def run(args: argparse.Namespace) -> int:
     kv_note = f", KV store {args.kvdrop_url}" if connector is not None else ""
     print(
         f"kvdrop engine: serving {name!r} on {server.url} (KV budget {engine.num_blocks} blocks of "
-        f"{args.block_size} tokens{kv_note}); POST /v1/completions, GET /v1/models, GET /health",
+        f"{args.block_size} tokens{kv_note}); POST /v1/completions, GET /v1/models, "
+        "GET /health, GET /stats",
         flush=True,
     )
     try:

@@ -1,10 +1,11 @@
 """An OpenAI-compatible HTTP server around any ``PostCompletion`` callable.
 
 Serves ``POST /v1/completions`` (JSON or server-sent events, one event per token), ``GET
-/v1/models`` and ``GET /health`` with the stdlib's threading HTTP server: every request runs in its
-own thread, so concurrent requests reach the engine together and it can batch them. With
-``return_tokens_as_token_ids`` (as vLLM's ``--return-tokens-as-token-ids``) the logprobs tokens read
-``"token_id:N"``, which is how ``kvdrop_sdk.engines.openai.make_post_completion`` learns the ids.
+/v1/models``, ``GET /health`` and optionally ``GET /stats`` with the stdlib's threading HTTP
+server: every request runs in its own thread, so concurrent requests reach the engine together and
+it can batch them. With ``return_tokens_as_token_ids`` (as vLLM's ``--return-tokens-as-token-ids``)
+the logprobs tokens read ``"token_id:N"``, which is how
+``kvdrop_sdk.engines.openai.make_post_completion`` learns the ids.
 
 Only standard-library networking; nothing here imports torch.
 """
@@ -368,6 +369,8 @@ class CompletionHTTPServer:
     each token's text itself instead of using ``TokenEvent.text``. Errors the engine raises before
     its first token as ``ValueError``/``TypeError`` are answered with 400, others with 500;
     errors after streaming began are sent as an SSE ``{"error": ...}`` event before ``[DONE]``.
+    ``health`` backs ``GET /health`` (503 when it returns False); ``stats``, when given, is served
+    as JSON at ``GET /stats`` (the reference engine's counters).
     """
 
     def __init__(
@@ -383,6 +386,7 @@ class CompletionHTTPServer:
         vocab_size: int | None = None,
         max_model_len: int | None = None,
         health: Callable[[], bool] | None = None,
+        stats: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         if not model_name:
             raise ValueError("model_name must be a non-empty string")
@@ -396,6 +400,7 @@ class CompletionHTTPServer:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.health = health
+        self.stats = stats
         self.created = int(time.time())
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
@@ -577,6 +582,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send_json(200, {"status": "ok"})
             else:
                 self._send_error(503, "the engine is not healthy or is shutting down")
+        elif path == "/stats" and app.stats is not None:
+            self._send_json(200, app.stats())
         elif path == "/v1/models":
             self._send_json(200, app.models_payload())
         elif path == "/v1/completions":

@@ -226,6 +226,12 @@ def test_engine_with_kvdrop_server_through_the_sdk(tmp_path: Path) -> None:
                 assert len(stream.output_tokens) == 9  # 1 from prefill + 8 decoded
                 kept = p[:256] + p[512:768]
                 assert kv_ctx.lookup(kept) == 512
+            # Decode loaded the 512 kept tokens and computed only the 33-token suffix
+            # (32-token prompt tail + the prefill's token); prefill had computed everything.
+            stats = requests.get(proc.url + "/stats", timeout=10).json()
+            assert stats["tokens_loaded"] == 3 * 512
+            assert stats["prefill_tokens_computed"] == 3 * 800 + 3 * 33
+            assert stats["kv_tokens_stored"] == 3 * 768
             kv_ctx.close()
             q_ctx.close()
             assert proc.stop() == 0

@@ -144,6 +144,17 @@ def test_health_reports_unhealthy_engine(engine: CountingEngine) -> None:
         assert r.status_code == 503 and "not healthy" in r.json()["error"]["message"]
 
 
+def test_stats_route_only_when_configured(
+    server: CompletionHTTPServer, engine: CountingEngine
+) -> None:
+    assert requests.get(server.url + "/stats", timeout=10).status_code == 404
+    with CompletionHTTPServer(
+        engine, model_name="m", port=0, stats=lambda: {"calls": len(engine.calls)}
+    ) as srv:
+        post(srv, {"prompt": [1], "max_tokens": 1})
+        assert requests.get(srv.url + "/stats", timeout=10).json() == {"calls": 1}
+
+
 def test_unknown_routes_and_methods(server: CompletionHTTPServer) -> None:
     r = requests.get(server.url + "/v1/chat", timeout=10)
     assert r.status_code == 404 and "/v1/completions" in r.json()["error"]["message"]
