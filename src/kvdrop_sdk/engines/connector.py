@@ -6,13 +6,12 @@ layout ``[1, L, T, Hq*d]`` of all query heads, post-RoPE) by opening one SDK ``C
 
 ``load`` returns the longest cached chunk-aligned KV prefix of a prompt (queries are never needed to
 decode); ``store`` pushes a prompt's whole chunks of KV and queries. Every call is keyed by the
-request's own token ids and cache salt and the contexts are used under a lock, so any number of
-concurrent requests can go through one connector.
+request's own token ids and cache salt, and SDK contexts are thread-safe (each call borrows its own
+socket), so any number of concurrent requests can go through one connector.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,7 +75,6 @@ class ServerConnector:
         self.query_layout: CacheLayout | None = None
         self._kv_ctx: Any = None
         self._q_ctx: Any = None
-        self._lock = threading.Lock()
 
     def bind(self, config: Any, dtype: torch.dtype) -> None:
         """Register the layouts of a model with ``config`` (L, heads, head_dim) in ``dtype``."""
@@ -131,14 +129,12 @@ class ServerConnector:
     def lookup(self, tokens: Sequence[int], cache_salt: str = "") -> int:
         """Length of the longest cached chunk-aligned KV prefix of ``tokens``."""
         ctx = self._ctx()
-        with self._lock:
-            return int(ctx.lookup(list(tokens), cache_salt))
+        return int(ctx.lookup(list(tokens), cache_salt))
 
     def load(self, tokens: Sequence[int], cache_salt: str = "") -> Tensor | None:
         """KV ``[2, L, T, Hkv*d]`` (CPU) of the longest cached prefix of ``tokens``, or None."""
         ctx = self._ctx()
-        with self._lock:
-            kv = ctx.retrieve(list(tokens), cache_salt)
+        kv = ctx.retrieve(list(tokens), cache_salt)
         if kv is None or kv.shape[2] == 0:
             return None
         assert self.kv_layout is not None
@@ -163,10 +159,9 @@ class ServerConnector:
         """
         ctx = self._ctx()
         toks = list(tokens)
-        with self._lock:
-            ctx.store(kv, toks, cache_salt)
-            if queries is not None and self._q_ctx is not None:
-                self._q_ctx.store(queries, toks, cache_salt)
+        ctx.store(kv, toks, cache_salt)
+        if queries is not None and self._q_ctx is not None:
+            self._q_ctx.store(queries, toks, cache_salt)
 
     def close(self) -> None:
         """Close the contexts (idempotent)."""
