@@ -134,7 +134,8 @@ def create_request(
 class RequestStream:
     """One logical request across several engine passes; see the module docstring for the rules.
 
-    Thread-safe: operations on one stream are serialised by a lock.
+    Thread-safe: operations (generate, modify, update, retrieve) on one stream run one at a time;
+    the read-only properties never wait for a running operation.
     """
 
     def __init__(
@@ -174,7 +175,8 @@ class RequestStream:
         # Chunk-aligned tokens the server should hold once the engine's stores land (async
         # engines); None until the first generate/update.
         self._expected_cached: int | None = None
-        self._lock = threading.RLock()
+        self._op_lock = threading.RLock()  # one operation at a time
+        self._state = threading.Lock()  # guards the token lists, held only briefly
 
     # ----------------------------------------------------------------- read-only state
     @property
@@ -190,13 +192,13 @@ class RequestStream:
     @property
     def tokens(self) -> list[int]:
         """The prompt the next ``generate`` sends: prefix (kept / cached) + suffix."""
-        with self._lock:
+        with self._state:
             return self._prefix + self._suffix
 
     @property
     def suffix_tokens(self) -> list[int]:
         """Tokens after the edited prefix that the next ``generate`` re-sends (empty otherwise)."""
-        with self._lock:
+        with self._state:
             return list(self._suffix)
 
     @property
@@ -207,13 +209,13 @@ class RequestStream:
     @property
     def output_tokens(self) -> list[int]:
         """Every generated token id, in order, over all ``generate`` calls."""
-        with self._lock:
+        with self._state:
             return list(self._output_tokens)
 
     @property
     def output_text(self) -> str:
         """The generated text (concatenated ``TokenEvent.text``)."""
-        with self._lock:
+        with self._state:
             return "".join(self._text_parts)
 
     @property
@@ -235,12 +237,18 @@ class RequestStream:
         )
 
     # ----------------------------------------------------------------- generate
-    def generate(self, sampling_params: Mapping[str, Any] | None = None) -> StreamPerfMetrics:
-        """Send ``tokens`` to the engine, collect its tokens and time them.
+    def generate(
+        self,
+        sampling_params: Mapping[str, Any] | None = None,
+        suffix_tokens: Sequence[int] = (),
+    ) -> StreamPerfMetrics:
+        """Send ``tokens`` (plus extra ``suffix_tokens``, e.g. a next user turn) to the engine,
+        collect its tokens and time them.
 
         Tokens received before an engine failure are kept; the failure is raised as
         ``RequestStreamError`` (naming the stream).
         """
+        extra = _as_token_list(suffix_tokens, "suffix_tokens")
         if sampling_params is None:
             sampling_params = {}
         if not isinstance(sampling_params, Mapping):
@@ -255,15 +263,16 @@ class RequestStream:
             raise ValueError(
                 f"sampling_params['max_tokens'] must be an int >= 1, got {max_tokens!r}"
             )
-        with self._lock:
+        with self._op_lock:
             if self._done:
                 raise RequestStreamError(
                     f"stream {self._request_stream_id} is done (engine finished with "
                     f"{self._finish_reason!r}); create a new request to continue"
                 )
-            prompt = self._prefix + self._suffix
-            self._prefix = list(prompt)
-            self._suffix = []
+            with self._state:
+                prompt = self._prefix + self._suffix + extra
+                self._prefix = list(prompt)
+                self._suffix = []
             chunk = self._chunk_size()
             self._expected_cached = (len(prompt) // chunk) * chunk if chunk else 0
 
@@ -286,9 +295,10 @@ class RequestStream:
                     ok = isinstance(stamp, float) and start <= stamp <= now
                     times.append(stamp if ok else now)  # type: ignore[arg-type]
                     generated.append(token_id)
-                    self._prefix.append(token_id)
-                    self._output_tokens.append(token_id)
-                    self._text_parts.append(str(getattr(event, "text", "") or ""))
+                    with self._state:
+                        self._prefix.append(token_id)
+                        self._output_tokens.append(token_id)
+                        self._text_parts.append(str(getattr(event, "text", "") or ""))
                     reason = getattr(event, "finish_reason", None) or reason
             except Exception as exc:
                 self._expected_cached = None  # unknown what the engine stored: do not wait
@@ -321,8 +331,8 @@ class RequestStream:
 
         All kinds are cut to the same (shortest) length; None if any kind has nothing cached.
         """
-        with self._lock:
-            got = self._retrieve_all(self._prefix + self._suffix)
+        with self._op_lock:
+            got = self._retrieve_all(self.tokens)
         return None if got is None else got[0]
 
     def update(
@@ -339,8 +349,8 @@ class RequestStream:
         as ``retrieve`` returned it); the rest become ``suffix_tokens``. Returns the KV store's
         result (False: the server already held every chunk).
         """
-        with self._lock:
-            current = self._prefix + self._suffix
+        with self._op_lock:
+            current = self.tokens
             if replaces is None:
                 replaces = self._cached_len(current)
             if not 0 <= replaces <= len(current):
@@ -377,9 +387,9 @@ class RequestStream:
         if not callable(fn):
             raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
         start = time.perf_counter()
-        with self._lock:
+        with self._op_lock:
             self._context(CacheKind.KV)
-            current = self._prefix + self._suffix
+            current = self.tokens
             chunk = self._chunk_size()
             if len(current) < chunk:
                 return ModifyResult(0, 0, len(self._suffix), False, 0.0, skipped=True)
@@ -550,8 +560,9 @@ class RequestStream:
                 "an edit that keeps the same tokens is not stored",
                 self._request_stream_id,
             )
-        self._prefix = list(tokens)
-        self._suffix = list(suffix)
+        with self._state:
+            self._prefix = list(tokens)
+            self._suffix = list(suffix)
         self._expected_cached = len(tokens)
         return stored
 

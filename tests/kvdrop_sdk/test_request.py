@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -405,3 +406,38 @@ def test_create_request_validates_arguments(setup: Setup) -> None:
     assert isinstance(one, RequestStream) and one.tokens == [3, 4]
     ids = {create_request([], setup.engine, [1]).request_stream_id for _ in range(50)}
     assert len(ids) == 50
+
+
+def test_generate_appends_extra_suffix_tokens(setup: Setup) -> None:
+    p = prompt(2 * CHUNK + 3, seed=14)
+    s = create_request([setup.kv_ctx], setup.engine, p)
+    s.generate({"max_tokens": 1})
+    g1 = s.output_tokens[0]
+    s.modify_kv(drop_chunk(0))
+    s.generate({"max_tokens": 1}, suffix_tokens=[11, 12])  # e.g. the next user turn
+    assert setup.engine.calls[-1].prompt == [*p[16:32], *p[32:], g1, 11, 12]
+    with pytest.raises(TypeError, match=r"suffix_tokens\[0\] must be an int token id"):
+        s.generate({}, suffix_tokens=["x"])  # type: ignore[list-item]
+
+
+def test_properties_do_not_wait_for_a_running_generate(setup: Setup) -> None:
+    release = threading.Event()
+    first_sent = threading.Event()
+
+    def slow(ids: list[int], params: dict[str, Any], salt: str) -> Iterator[TokenEvent]:
+        yield TokenEvent(1, "x")
+        first_sent.set()
+        release.wait(10)
+        yield TokenEvent(2, "y", finish_reason="length")
+
+    s = create_request([setup.kv_ctx], slow, [5, 6, 7])
+    worker = threading.Thread(target=s.generate, args=({"max_tokens": 2},))
+    worker.start()
+    try:
+        assert first_sent.wait(10)
+        # Readable mid-generation: the first token is already there.
+        assert s.output_tokens == [1] and s.tokens == [5, 6, 7, 1] and s.output_text == "x"
+    finally:
+        release.set()
+        worker.join(10)
+    assert s.output_tokens == [1, 2] and not s.is_done
