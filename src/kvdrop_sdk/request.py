@@ -280,6 +280,7 @@ class RequestStream:
             times: list[float] = []
             reason: str | None = None
             start = time.perf_counter()
+            events: Any = None
             try:
                 events = self.post_completion(list(prompt), params, self.cache_salt)
                 for event in events:
@@ -306,6 +307,14 @@ class RequestStream:
                     f"stream {self._request_stream_id} failed during generation after "
                     f"{len(generated)} token(s): {type(exc).__name__}: {exc}"
                 ) from exc
+            finally:
+                # Release the engine's side (cancel the request, close a connection) at once.
+                close = getattr(events, "close", None)
+                if callable(close):
+                    try:
+                        close()
+                    except Exception:
+                        logger.warning("closing the engine's token stream failed", exc_info=True)
             duration = time.perf_counter() - start
 
             self._finish_reason = reason

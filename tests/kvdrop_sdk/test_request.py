@@ -358,12 +358,19 @@ def test_engine_failure_keeps_received_tokens(setup: Setup) -> None:
     assert s.output_tokens == [5, 6] and s.output_text == "ab"
     assert s.tokens[-2:] == [5, 6]
 
+    closed: list[bool] = []
+
     def not_events(ids: list[int], params: dict[str, Any], salt: str) -> Iterator[Any]:
-        yield 7
+        try:
+            yield 7
+            yield TokenEvent(8)
+        finally:
+            closed.append(True)
 
     s = create_request([setup.kv_ctx], not_events, prompt(20, seed=12))
     with pytest.raises(RequestStreamError, match="without an int token_id; expected TokenEvent"):
         s.generate({})
+    assert closed == [True]  # the engine's stream was closed at once (e.g. to cancel it)
 
 
 def test_done_rules(setup: Setup) -> None:
