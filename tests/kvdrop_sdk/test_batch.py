@@ -35,9 +35,12 @@ LAYOUT = CacheLayout(num_layers=2, num_heads=2, head_dim=4, dtype=torch.float32)
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Any]:
-    with spawn_server(chunk_size=CHUNK, l1_size_gb=0.05) as handle:
+@pytest.fixture(scope="module", params=["shm", "socket"])
+def server(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """One server per transport: with a shared-memory pool, and socket-only."""
+    shm = True if request.param == "shm" else None
+    with spawn_server(chunk_size=CHUNK, l1_size_gb=0.05, shm_name=shm) as handle:
+        handle.transport = request.param
         yield handle
 
 
@@ -46,6 +49,7 @@ def engine_and_ctx(server: Any) -> Iterator[tuple[ToyEngine, Context]]:
     model = f"toy-{uuid.uuid4().hex[:8]}"
     engine = ToyEngine.connect(server.url, server.http_url, model, LAYOUT, default_max_tokens=4)
     ctx = connect(CacheKind.KV, server.url, server.http_url, model)
+    assert ctx.transfer_ctx.mode == engine.kv_ctx.transfer_ctx.mode == server.transport
     yield engine, ctx
     ctx.close()
     engine.close()
