@@ -262,8 +262,10 @@ def parse_completion_request(
     top_k = _get_int(body, "top_k", minimum=-1)
     if top_k is not None and top_k > 0:
         params["top_k"] = top_k
-    seed = _get_int(body, "seed")
+    seed = _get_int(body, "seed", minimum=-(2**63))
     if seed is not None:
+        if seed >= 2**64:
+            raise BadRequestError(f"'seed' must be < 2**64, got {seed}", param="seed")
         params["seed"] = seed
     ignore_eos = _get_bool(body, "ignore_eos")
     if ignore_eos is not None:

@@ -346,6 +346,7 @@ def test_engine_generator_without_finish_reason(engine: CountingEngine) -> None:
         ({"prompt": [1], "temperature": -1}, 400, "'temperature' must be in [0.0"),
         ({"prompt": [1], "top_p": 0}, 400, "'top_p' must be in (0.0, 1.0]"),
         ({"prompt": [1], "top_k": -5}, 400, "'top_k' must be >= -1"),
+        ({"prompt": [1], "seed": 2**64}, 400, "'seed' must be < 2**64"),
         ({"prompt": [1], "ignore_eos": "yes"}, 400, "'ignore_eos' must be true or false"),
         ({"prompt": [1], "stop_token_ids": 5}, 400, "'stop_token_ids' must be a list"),
         ({"prompt": [1], "stop": ["\n"]}, 400, "stop strings are not supported"),
