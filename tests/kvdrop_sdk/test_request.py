@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context, connect
@@ -448,3 +450,93 @@ def test_properties_do_not_wait_for_a_running_generate(setup: Setup) -> None:
         release.set()
         worker.join(10)
     assert s.output_tokens == [1, 2] and not s.is_done
+
+
+class CacheModel:
+    """What the server should hold for one salt: chunk-prefix -> positions of that chunk's rows."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[tuple[int, ...], list[int]] = {}
+
+    def lookup(self, tokens: Sequence[int]) -> list[int]:
+        positions: list[int] = []
+        for end in range(CHUNK, len(tokens) + 1, CHUNK):
+            rows = self.chunks.get(tuple(tokens[:end]))
+            if rows is None:
+                break
+            positions += rows
+        return positions
+
+    def store(self, tokens: Sequence[int], positions: Sequence[int]) -> None:
+        for end in range(CHUNK, len(tokens) + 1, CHUNK):
+            self.chunks.setdefault(tuple(tokens[:end]), list(positions[end - CHUNK : end]))
+
+
+def kept_rows(keep_mask: Sequence[bool], t: int) -> list[int]:
+    """Rows of the chunks chosen by ``keep_mask`` among ``t // CHUNK`` (the first if none)."""
+    chunks = [c for c in range(t // CHUNK) if keep_mask[c]] or [0]
+    return [i for c in chunks for i in range(c * CHUNK, (c + 1) * CHUNK)]
+
+
+def keep_chunks(expected_tokens: list[int], expected_positions: list[int], keep_mask: list[bool]):
+    """An edit keeping the masked chunks that first checks what it is handed."""
+
+    def fn(tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]) -> tuple:
+        assert list(tokens) == expected_tokens
+        kv = tensors[CacheKind.KV]
+        assert positions_of(kv) == expected_positions
+        rows = kept_rows(keep_mask, len(tokens))
+        return kv[:, :, rows], [tokens[i] for i in rows]
+
+    return fn
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    n=st.integers(1, 6 * CHUNK),
+    rounds=st.lists(
+        st.tuples(st.lists(st.booleans(), min_size=6, max_size=6), st.integers(1, 3)),
+        min_size=1,
+        max_size=3,
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_bookkeeping_matches_a_model(
+    setup: Setup, n: int, rounds: list[tuple[list[bool], int]], seed: int
+) -> None:
+    """Random prompts, random chunk subsets kept, several modify/decode rounds: the stream, the
+    engine's prompts and the rows it reuses always match a plain model of the server."""
+    p = prompt(n, seed)
+    model = CacheModel()
+    s = create_request([setup.kv_ctx], setup.engine, p, cache_salt=uuid.uuid4().hex)
+
+    def generate(max_tokens: int) -> None:
+        sent = s.tokens
+        reused = model.lookup(sent)
+        s.generate({"max_tokens": max_tokens})
+        call = setup.engine.calls[-1]
+        assert call.prompt == sent and call.reused_positions == reused
+        model.store(sent, reused + list(range(len(reused), len(sent))))
+        assert s.tokens == sent + call.generated and s.suffix_tokens == []
+
+    generate(1)
+    for keep_mask, max_tokens in rounds:
+        before = s.tokens
+        cached = model.lookup(before)
+        t = len(cached)
+        result = s.modify_kv(keep_chunks(before[:t], cached, keep_mask))
+        if t == 0:
+            assert result.skipped and s.tokens == before
+        else:
+            rows = kept_rows(keep_mask, t)
+            kept = [before[i] for i in rows]
+            assert s.tokens == kept + before[t:] and s.suffix_tokens == before[t:]
+            assert (result.kept_tokens, result.total_tokens) == (len(rows), t)
+            model.store(kept, [cached[i] for i in rows])
+        generate(max_tokens)
+    mine = [c for c in setup.engine.calls if c.cache_salt == s.cache_salt]
+    assert s.output_tokens == [tok for c in mine for tok in c.generated]
