@@ -1,0 +1,126 @@
+"""Time and peak memory of every registered policy on a realistic KV shape.
+
+Default: [2, 28, T, 1024] bfloat16 (a Qwen3-8B-like KV: 28 layers, 8 KV heads x 128) for
+T in 2K and 8K; ``--tokens 2048 8192 16384 32768`` for the full sweep. Query policies also get a
+[1, 28, T, 2048] query tensor (16 query heads x 128, GQA group 2) and ``head_dim=128``.
+
+Each policy is timed (median of ``--repeats``) against the floor every policy pays: a plain
+``index_select`` of the same number of rows. Peak memory is the peak RSS increase while the policy
+runs (kvdrop.profiling.PeakRSS), beside the input size.
+
+    python benchmarks/policies.py [--tokens 2048 8192] [--policies knorm snapkv] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import kvdrop
+from kvdrop.profiling import PeakRSS
+from kvdrop_sdk import CacheKind
+from kvdrop_sdk.table import format_table
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    """Median wall time of ``fn`` over ``repeats`` runs (after one warm-up) and its last result."""
+    result = fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
+
+
+def bench_policy(
+    name: str, kv: torch.Tensor, query: torch.Tensor, args: argparse.Namespace
+) -> dict[str, Any]:
+    info = kvdrop.describe(name)
+    params: dict[str, Any] = {**info.example, "keep_ratio": args.keep_ratio, "chunk_size": 256}
+    if "head_dim" in {p.name for p in info.params}:
+        params["head_dim"] = args.head_dim
+    fn = kvdrop.get(name, **params)
+    num_tokens = kv.shape[2]
+    tensors = {CacheKind.KV: kv}
+    if info.needs_query:
+        tensors[CacheKind.QUERY] = query
+    tokens = list(range(num_tokens))
+    seconds, (_, kept) = timed(lambda: fn(tensors, tokens), args.repeats)
+    index = torch.tensor(kept)
+    floor, _ = timed(lambda: kv.index_select(2, index), args.repeats)
+    with PeakRSS() as mem:
+        fn(tensors, tokens)
+    input_bytes = kv.numel() * kv.element_size()
+    if info.needs_query:
+        input_bytes += query.numel() * query.element_size()
+    return {
+        "policy": name,
+        "T": num_tokens,
+        "kept": len(kept),
+        "seconds": seconds,
+        "ms_per_1k_tokens": 1000 * seconds / (num_tokens / 1000),
+        "index_select_s": floor,
+        "x_floor": seconds / floor,
+        "peak_mb": mem.peak / 2**20,
+        "input_mb": input_bytes / 2**20,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--q-heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--keep-ratio", type=float, default=0.5)
+    parser.add_argument("--policies", nargs="+", default=None, help="default: every policy")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    names = args.policies or kvdrop.available()
+    rows = []
+    for num_tokens in args.tokens:
+        gen = torch.Generator().manual_seed(0)
+        width = args.kv_heads * args.head_dim
+        kv = torch.randn(2, args.layers, num_tokens, width, generator=gen).to(dtype)
+        query = torch.randn(
+            1, args.layers, num_tokens, args.q_heads * args.head_dim, generator=gen
+        ).to(dtype)
+        for name in names:
+            rows.append(bench_policy(name, kv, query, args))
+            print(f"  {name} T={num_tokens}: {rows[-1]['seconds']:.3f}s", file=sys.stderr)
+        del kv, query
+    setup = {
+        "kv_shape": f"[2, {args.layers}, T, {args.kv_heads * args.head_dim}]",
+        "query_shape": f"[1, {args.layers}, T, {args.q_heads * args.head_dim}]",
+        "dtype": args.dtype,
+        "torch_threads": torch.get_num_threads(),
+        "keep_ratio": args.keep_ratio,
+        "repeats": args.repeats,
+    }
+    if args.json:
+        print(json.dumps({"setup": setup, "results": rows}, indent=2))
+    else:
+        print(", ".join(f"{k}={v}" for k, v in setup.items()))
+        print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
