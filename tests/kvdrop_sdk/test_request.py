@@ -23,7 +23,7 @@ from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context, connect
 from kvdrop_sdk.engines.toy import ToyEngine, encode_rows, positions_of
 from kvdrop_sdk.errors import RequestStreamError
-from kvdrop_sdk.events import TokenEvent
+from kvdrop_sdk.events import PostCompletion, TokenEvent
 from kvdrop_sdk.layout import CacheLayout
 from kvdrop_sdk.request import (
     LMCacheRequestStream,
@@ -32,6 +32,7 @@ from kvdrop_sdk.request import (
     create_request,
 )
 from kvdrop_sdk.server.testing import spawn_server
+from kvdrop_sdk.types import ModifyFnType
 
 CHUNK = 16
 KV_LAYOUT = CacheLayout(num_layers=2, num_heads=2, head_dim=4, dtype=torch.float32)
@@ -93,7 +94,7 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(1, 30000) for _ in range(n)]
 
 
-def drop_chunk(index: int):
+def drop_chunk(index: int) -> ModifyFnType:
     """An edit that drops one whole chunk (by index) from the cached prefix."""
 
     def fn(tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]) -> tuple[torch.Tensor, list]:
@@ -385,7 +386,7 @@ def test_done_rules(setup: Setup) -> None:
         s.generate({"max_tokens": 1})
 
     # Without a finish_reason the upstream rule applies: fewer tokens than max_tokens -> done.
-    def bare(n: int):
+    def bare(n: int) -> PostCompletion:
         def call(ids: list[int], params: dict[str, Any], salt: str) -> Iterator[TokenEvent]:
             for i in range(n):
                 yield TokenEvent(i)
@@ -478,7 +479,9 @@ def kept_rows(keep_mask: Sequence[bool], t: int) -> list[int]:
     return [i for c in chunks for i in range(c * CHUNK, (c + 1) * CHUNK)]
 
 
-def keep_chunks(expected_tokens: list[int], expected_positions: list[int], keep_mask: list[bool]):
+def keep_chunks(
+    expected_tokens: list[int], expected_positions: list[int], keep_mask: list[bool]
+) -> ModifyFnType:
     """An edit keeping the masked chunks that first checks what it is handed."""
 
     def fn(tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]) -> tuple:
