@@ -599,8 +599,12 @@ class _Handler(BaseHTTPRequestHandler):
         app = self.server.app
         path = self.path.split("?", 1)[0].rstrip("/")
         if path != "/v1/completions":
-            # Drain the body so the connection stays usable, then refuse.
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            # Drain a sane body so the connection stays usable; otherwise close it after refusing.
+            length = self.headers.get("Content-Length") or "0"
+            if length.isdigit() and int(length) <= MAX_BODY_BYTES:
+                self.rfile.read(int(length))
+            else:
+                self.close_connection = True
             status = 405 if path in ("/health", "/v1/models") else 404
             self._send_error(status, f"no POST route {path or '/'}; POST /v1/completions")
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -379,6 +380,26 @@ def test_invalid_json_body(server: CompletionHTTPServer) -> None:
         timeout=10,
     )
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+def _raw_request(srv: CompletionHTTPServer, head: str) -> tuple[int, dict[str, Any]]:
+    """Send a hand-written request head (no body) and parse the JSON error that comes back."""
+    with socket.create_connection((srv.host, srv.port), timeout=10) as sock:
+        sock.sendall(head.encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    status_line, _, rest = data.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+def test_body_framing_errors(server: CompletionHTTPServer) -> None:
+    status, body = _raw_request(server, "POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status == 411 and "Content-Length" in body["error"]["message"]
+    status, body = _raw_request(
+        server, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n\r\n"
+    )
+    assert status == 413 and "over the limit" in body["error"]["message"]
 
 
 def test_context_length_check(engine: CountingEngine) -> None:
