@@ -155,9 +155,18 @@ def _entry(name: str) -> Factory:
     return factory
 
 
-def get(name: str, **params: Any) -> ModifyFnType:
-    """Build policy ``name``'s edit function; ``params`` are validated now, not at first use."""
-    return _entry(name)(**params)
+def get(name: str, *, rerotate: Any = None, **params: Any) -> ModifyFnType:
+    """Build policy ``name``'s edit function; ``params`` are validated now, not at first use.
+
+    ``rerotate`` (a ``kvdrop_sdk.rope.RopeConfig`` or an HF ``config.json`` dict) wraps any
+    policy so its kept keys are re-rotated to positions ``0..k-1`` (see :mod:`kvdrop.rerotate`).
+    """
+    fn = _entry(name)(**params)
+    if rerotate is not None:
+        from kvdrop.rerotate import rerotated
+
+        fn = rerotated(fn, rerotate, name)
+    return fn
 
 
 def describe(name: str) -> PolicyInfo:
