@@ -239,3 +239,66 @@ def test_engine_with_kvdrop_server_through_the_sdk(tmp_path: Path) -> None:
             if proc.proc.poll() is None:
                 proc.proc.kill()
                 proc.proc.wait()
+
+
+def _hf_folder(root: Path) -> Path:
+    """A tiny random Llama checkpoint saved by transformers, plus a byte-level tokenizer.json."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    folder = root / "tiny-llama"
+    cfg = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        bos_token_id=256,
+        eos_token_id=257,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_engine_serves_an_hf_folder_with_text_prompts(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    from kvdrop_sdk.engines.engine import Engine
+    from kvdrop_sdk.engines.model import Transformer
+
+    folder = _hf_folder(tmp_path)
+    proc = EngineProcess(tmp_path, "--model", str(folder), "--return-tokens-as-token-ids")
+    try:
+        proc.wait_healthy()
+        models = requests.get(proc.url + "/v1/models", timeout=10).json()
+        assert models["data"][0]["id"] == "tiny-llama"
+        assert models["data"][0]["max_model_len"] == 1024
+        body = requests.post(
+            proc.url + "/v1/completions",
+            json={"prompt": "héllo wörld", "max_tokens": 6, "temperature": 0, "logprobs": 0},
+            timeout=60,
+        ).json()
+        assert proc.stop() == 0
+    finally:
+        if proc.proc.poll() is None:
+            proc.proc.kill()
+            proc.proc.wait()
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    prompt = tok.encode("héllo wörld").ids
+    with Engine(Transformer.from_pretrained(folder)) as eng:
+        want = eng.generate(prompt, {"max_tokens": 6, "temperature": 0})
+    (choice,) = body["choices"]
+    assert body["usage"]["prompt_tokens"] == len(prompt)
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in want]
+    # Text comes from the folder's tokenizer.json (the engine decodes with it).
+    assert choice["text"] == tok.decode(want)
