@@ -430,8 +430,9 @@ class Transformer(nn.Module):
 class DenseAttention:
     """One sequence's KV cache as a contiguous growing tensor per layer (tests, simple generate).
 
-    Stores post-RoPE keys, like the paged engine; ``keys(layer)`` / ``values(layer)`` expose them
-    as ``[T, Hkv, d]``.
+    Stores post-RoPE keys, like the paged engine, head-major (``[Hkv, capacity, d]``) so attention
+    reads each head's keys without copying; ``keys(layer)`` / ``values(layer)`` return
+    ``[T, Hkv, d]`` views.
     """
 
     def __init__(self, config: ModelConfig, capacity: int = 256) -> None:
@@ -440,7 +441,6 @@ class DenseAttention:
         self._capacity = max(1, capacity)
         self._k: list[torch.Tensor | None] = [None] * config.num_layers
         self._v: list[torch.Tensor | None] = [None] * config.num_layers
-        self._pending = 0
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -449,52 +449,48 @@ class DenseAttention:
         n, start = q.shape[0], self.length
         end = start + n
         kc, vc = self._k[layer], self._v[layer]
-        if kc is None or kc.shape[0] < end or kc.dtype != k.dtype:
+        if kc is None or vc is None or kc.shape[1] < end or kc.dtype != k.dtype:
             cap = max(self._capacity, end)
             while cap < end:
                 cap *= 2
-            new_k = k.new_empty(cap, *k.shape[1:])
-            new_v = v.new_empty(cap, *v.shape[1:])
+            hkv, d = k.shape[1], k.shape[2]
+            new_k, new_v = k.new_empty(hkv, cap, d), v.new_empty(hkv, cap, d)
             if kc is not None and vc is not None:
-                new_k[:start], new_v[:start] = kc[:start], vc[:start]
+                new_k[:, :start], new_v[:, :start] = kc[:, :start], vc[:, :start]
             self._k[layer], self._v[layer] = kc, vc = new_k, new_v
             self._capacity = cap
-        assert kc is not None and vc is not None
-        kc[start:end], vc[start:end] = k, v
-        out = causal_attention(q, kc[:end], vc[:end], start)
+        kc[:, start:end] = k.transpose(0, 1)
+        vc[:, start:end] = v.transpose(0, 1)
+        out = causal_attention(q, kc[:, :end], vc[:, :end], start)
         if layer == self.config.num_layers - 1:
             self.length = end
         return out
 
     def keys(self, layer: int) -> torch.Tensor:
-        """The cached post-RoPE keys of ``layer``: ``[length, Hkv, d]``."""
+        """The cached post-RoPE keys of ``layer``: ``[length, Hkv, d]`` (a view)."""
         k = self._k[layer]
-        return k[: self.length] if k is not None else torch.empty(0)
+        return k[:, : self.length].transpose(0, 1) if k is not None else torch.empty(0)
 
     def values(self, layer: int) -> torch.Tensor:
-        """The cached values of ``layer``: ``[length, Hkv, d]``."""
+        """The cached values of ``layer``: ``[length, Hkv, d]`` (a view)."""
         v = self._v[layer]
-        return v[: self.length] if v is not None else torch.empty(0)
+        return v[:, : self.length].transpose(0, 1) if v is not None else torch.empty(0)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """Attention of ``q [N, Hq, d]`` (tokens ``start .. start+N-1``) over ``k``/``v
-    [start+N, Hkv, d]`` with a causal mask; grouped-query heads; float32 softmax."""
+    """Attention of ``q [N, Hq, d]`` (tokens ``start .. start+N-1`` of one sequence) over its
+    head-major ``k``/``v [Hkv, start+N, d]``, causal. The query heads of a GQA group are stacked
+    as extra rows of their KV head, so K/V are never repeated."""
     n, hq, d = q.shape
-    hkv = k.shape[1]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    gqa = hq != hkv
-    if n == 1 or (start == 0 and n == k.shape[0]):
-        out = F.scaled_dot_product_attention(
-            qh, kh, vh, is_causal=n > 1, scale=1.0 / math.sqrt(d), enable_gqa=gqa
-        )
-    else:
+    hkv, t = k.shape[0], k.shape[1]
+    g = hq // hkv
+    qh = q.reshape(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
+    mask = None
+    if n > 1:
         rows = torch.arange(start, start + n, device=q.device)[:, None]
-        mask = torch.arange(k.shape[0], device=q.device)[None, :] <= rows
-        out = F.scaled_dot_product_attention(
-            qh, kh, vh, attn_mask=mask, scale=1.0 / math.sqrt(d), enable_gqa=gqa
-        )
-    return out.transpose(0, 1)
+        mask = (torch.arange(t, device=q.device)[None, :] <= rows).repeat(g, 1)
+    out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=1.0 / math.sqrt(d))
+    return out.reshape(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
 
 
 @torch.inference_mode()
