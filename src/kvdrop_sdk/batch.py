@@ -11,6 +11,9 @@ Differences from the upstream batched stream, on purpose:
 * An optional ``progress(done, total, phase)`` callback, called from the calling thread with
   ``done == 0`` when a phase starts and again as each stream finishes (``ProgressBar`` fits).
 * Streams that are done (the engine said "stop") are skipped by prefill and decode.
+
+Each phase returns a ``Metrics`` with a "config" section (``num_streams``) and a "results"
+section (counts, ``duration``, token totals, throughputs, TTFT/TPOT percentiles).
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ T = TypeVar("T")
 ProgressCallback = Callable[[int, int, str], None]
 
 DEFAULT_MAX_CONCURRENCY = 64
+# Report sections, named as upstream so ``to_dict()["metrics"]["results"]["output_tput"]`` works.
+CONFIG = "config"
+RESULTS = "results"
 
 
 class BatchedStreamFailures(BatchedStreamError):
@@ -168,13 +174,14 @@ class BatchedStream:
         kept = sum(r.kept_tokens for r in edited)
         total = sum(r.total_tokens for r in edited)
         metrics = Metrics("Batched Stream Modify Metrics")
-        metrics.add("num_requests", len(edited))
-        metrics.add("num_skipped", len(results) - len(edited))
-        metrics.add("num_failed", len(failures))
-        metrics.add("duration", duration)
-        metrics.add("kept_tokens", kept)
-        metrics.add("total_tokens", total)
-        metrics.add("kept_fraction", kept / total if total else float("nan"))
+        metrics.add("num_streams", len(streams), CONFIG)
+        metrics.add("num_requests", len(edited), RESULTS)
+        metrics.add("num_skipped", len(results) - len(edited), RESULTS)
+        metrics.add("num_failed", len(failures), RESULTS)
+        metrics.add("duration", duration, RESULTS)
+        metrics.add("kept_tokens", kept, RESULTS)
+        metrics.add("total_tokens", total, RESULTS)
+        metrics.add("kept_fraction", kept / total if total else float("nan"), RESULTS)
         return self._finish("modify", metrics, failures, fmt)
 
     # ----------------------------------------------------------------- internals
@@ -201,23 +208,24 @@ class BatchedStream:
         self.perf_metrics.update(results)
         perf = list(results.values())
         metrics = Metrics(f"Batched Stream Metrics ({phase})")
-        metrics.add("num_requests", len(perf))
-        metrics.add("num_skipped", len(streams) - len(active))
-        metrics.add("num_failed", len(failures))
-        metrics.add("duration", duration)
+        metrics.add("num_streams", len(streams), CONFIG)
+        metrics.add("num_requests", len(perf), RESULTS)
+        metrics.add("num_skipped", len(streams) - len(active), RESULTS)
+        metrics.add("num_failed", len(failures), RESULTS)
+        metrics.add("duration", duration, RESULTS)
         if phase == "prefill":
             input_tokens = sum(p.input_tokens for p in perf)
-            metrics.add("input_tokens", input_tokens)
-            metrics.add("input_tput", input_tokens / duration if duration > 0 else 0.0)
+            metrics.add("input_tokens", input_tokens, RESULTS)
+            metrics.add("input_tput", input_tokens / duration if duration > 0 else 0.0, RESULTS)
             for name, value in summarize("ttft", [p.ttft for p in perf]).items():
-                metrics.add(name, value)
+                metrics.add(name, value, RESULTS)
         else:
             output_tokens = sum(p.output_tokens for p in perf)
-            metrics.add("output_tokens", output_tokens)
-            metrics.add("output_tput", output_tokens / duration if duration > 0 else 0.0)
+            metrics.add("output_tokens", output_tokens, RESULTS)
+            metrics.add("output_tput", output_tokens / duration if duration > 0 else 0.0, RESULTS)
             tpot = [gap for p in perf for gap in p.tpot]
             for name, value in summarize("tpot", tpot).items():
-                metrics.add(name, value)
+                metrics.add(name, value, RESULTS)
         return self._finish(phase, metrics, failures, fmt)
 
     def _finish(

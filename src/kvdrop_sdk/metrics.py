@@ -88,7 +88,14 @@ def _json_safe(value: Any) -> Any:
 
 
 class Metrics:
-    """A titled report of named values (token counts, throughputs, durations, percentiles)."""
+    """A titled report of named values (token counts, throughputs, durations, percentiles).
+
+    Values live in the top level or in named sections (``add(name, value, section="results")``).
+    ``to_dict()`` nests each section under its key like the upstream report, so
+    ``report.to_dict()["metrics"]["results"]["output_tput"]`` works as there; ``report[name]``
+    finds a metric in any section (names are unique within a report) and ``report[section]``
+    returns that section as a dict.
+    """
 
     _default_handlers: ClassVar[list[MetricsHandler]] = []
     _defaults_lock: ClassVar[threading.Lock] = threading.Lock()
@@ -97,50 +104,85 @@ class Metrics:
         if not isinstance(title, str) or not title:
             raise ValueError(f"Metrics title must be a non-empty string, got {title!r}")
         self.title = title
-        self.metrics: dict[str, MetricValue] = {}
+        # None = the top level; then named sections in the order they were first used.
+        self._sections: dict[str | None, dict[str, MetricValue]] = {None: {}}
         self._handlers: list[MetricsHandler] = []
         for name, value in (metrics or {}).items():
             self.add(name, value)
 
-    def add(self, name: str, value: MetricValue) -> Metrics:
-        """Set one metric (insertion order is kept for display); returns self for chaining."""
+    def add(self, name: str, value: MetricValue, section: str | None = None) -> Metrics:
+        """Set one metric, at the top level or in ``section``; returns self for chaining."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"metric name must be a non-empty string, got {name!r}")
         if value is not None and not isinstance(value, (int, float, str)):
             raise TypeError(
                 f"metric {name!r} must be int, float, str or None, got {type(value).__name__}"
             )
-        self.metrics[name] = value
+        if section is not None and (not isinstance(section, str) or not section):
+            raise ValueError(f"section must be a non-empty string or None, got {section!r}")
+        if name in self._sections:
+            raise ValueError(f"metric name {name!r} is already a section of {self.title!r}")
+        if section in self._sections[None]:
+            raise ValueError(f"section name {section!r} is already a metric of {self.title!r}")
+        for key, values in self._sections.items():
+            if key != section and name in values:
+                where = "the top level" if key is None else f"section {key!r}"
+                raise ValueError(f"metric {name!r} is already in {where} of {self.title!r}")
+        self._sections.setdefault(section, {})[name] = value
         return self
 
-    def __getitem__(self, name: str) -> MetricValue:
-        try:
-            return self.metrics[name]
-        except KeyError:
-            known = ", ".join(self.metrics) or "none"
-            raise KeyError(f"no metric {name!r} in {self.title!r}; known: {known}") from None
+    @property
+    def metrics(self) -> dict[str, MetricValue]:
+        """Every metric by name, all sections flattened (a copy)."""
+        out: dict[str, MetricValue] = {}
+        for values in self._sections.values():
+            out.update(values)
+        return out
+
+    @property
+    def sections(self) -> dict[str, dict[str, MetricValue]]:
+        """The named sections (a copy)."""
+        return {k: dict(v) for k, v in self._sections.items() if k is not None}
+
+    def __getitem__(self, name: str) -> Any:
+        if name in self._sections and name is not None:
+            return dict(self._sections[name])
+        for values in self._sections.values():
+            if name in values:
+                return values[name]
+        known = ", ".join(self.metrics) or "none"
+        raise KeyError(f"no metric {name!r} in {self.title!r}; known: {known}")
 
     def __contains__(self, name: object) -> bool:
-        return name in self.metrics
+        return any(name in values for values in self._sections.values()) or (
+            name is not None and name in self._sections
+        )
 
     def __repr__(self) -> str:
-        return f"Metrics(title={self.title!r}, metrics={self.metrics!r})"
+        return f"Metrics(title={self.title!r}, metrics={self.to_dict()['metrics']!r})"
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable ``{"title": ..., "metrics": {...}}`` (nan/inf become ``None``)."""
-        return {
-            "title": self.title,
-            "metrics": {k: _json_safe(v) for k, v in self.metrics.items()},
-        }
+        """JSON-serialisable ``{"title": ..., "metrics": {...}}``: top-level metrics, then one
+        nested dict per section; nan/inf become ``None``."""
+        metrics: dict[str, Any] = {k: _json_safe(v) for k, v in self._sections[None].items()}
+        for key, values in self._sections.items():
+            if key is not None:
+                metrics[key] = {k: _json_safe(v) for k, v in values.items()}
+        return {"title": self.title, "metrics": metrics}
 
     def to_json(self, indent: int | None = None) -> str:
         """``to_dict()`` as a JSON string."""
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
     def format(self) -> str:
-        """The report as a plain-text table: metric, value, unit."""
-        rows = [{"metric": k, "value": v, "unit": _unit(k)} for k, v in self.metrics.items()]
-        return format_table(rows, ["metric", "value", "unit"], title=self.title)
+        """The report as plain text: one metric/value/unit table per section, under the title."""
+        parts = [self.title]
+        for key, values in self._sections.items():
+            if not values:
+                continue
+            rows = [{"metric": k, "value": v, "unit": _unit(k)} for k, v in values.items()]
+            parts.append(format_table(rows, ["metric", "value", "unit"], title=key and f"[{key}]"))
+        return "\n".join(parts)
 
     def add_handler(self, handler: MetricsHandler) -> Metrics:
         """Send this report's ``emit()`` to ``handler`` (instead of the defaults); returns self."""

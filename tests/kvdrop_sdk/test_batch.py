@@ -154,11 +154,15 @@ def test_prefill_modify_decode_batch(engine_and_ctx: tuple[ToyEngine, Context]) 
     # Progress: 0 at each phase start, then one increasing count per finished stream.
     for phase in ("prefill", "modify", "decode"):
         assert progress.phase(phase) == [(i, 8) for i in range(9)]
-    # Every report prints as a table and converts to the documented dict.
+    # Every report prints as a table and converts to the upstream-shaped dict.
     for m in (pre, mod, dec):
         d = m.to_dict()
         assert set(d) == {"title", "metrics"} and d["title"] == m.title
-        assert m.format().splitlines()[0] == m.title
+        assert set(d["metrics"]) == {"config", "results"}
+        assert d["metrics"]["config"] == {"num_streams": 8}
+        assert m.format().splitlines()[:2] == [m.title, "[config]"]
+    assert dec.to_dict()["metrics"]["results"]["output_tput"] == dec["output_tput"]
+    assert pre.to_dict()["metrics"]["results"]["input_tokens"] == sum(lengths)
 
 
 def test_failing_stream_does_not_lose_the_others(

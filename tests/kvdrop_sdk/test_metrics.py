@@ -115,3 +115,36 @@ def test_get_handler_by_name() -> None:
     assert buf.getvalue().startswith("x\nmetric")
     with pytest.raises(ValueError, match="unknown metrics format 'yaml'; expected one of"):
         get_handler("yaml")
+
+
+def test_sections_nest_in_to_dict_and_stay_reachable_by_name() -> None:
+    m = Metrics("Batched Stream Metrics (decode)", {"note": "x"})
+    m.add("num_streams", 30, section="config")
+    m.add("duration", 2.0, section="results").add("output_tput", 236.5, section="results")
+    # The shape upstream notebooks read: to_dict()["metrics"]["results"]["output_tput"].
+    assert m.to_dict() == {
+        "title": "Batched Stream Metrics (decode)",
+        "metrics": {
+            "note": "x",
+            "config": {"num_streams": 30},
+            "results": {"duration": 2.0, "output_tput": 236.5},
+        },
+    }
+    assert m["output_tput"] == 236.5 and m["results"] == {"duration": 2.0, "output_tput": 236.5}
+    assert m.metrics == {"note": "x", "num_streams": 30, "duration": 2.0, "output_tput": 236.5}
+    assert m.sections == {"config": {"num_streams": 30}, "results": m["results"]}
+    assert "config" in m and "duration" in m and "missing" not in m
+    m.add("duration", 3.0, section="results")  # updating in place is fine
+    assert m["duration"] == 3.0
+    with pytest.raises(ValueError, match="already in section 'results'"):
+        m.add("duration", 1.0)
+    with pytest.raises(ValueError, match="already in the top level"):
+        m.add("note", "y", section="results")
+    with pytest.raises(ValueError, match="already a section"):
+        m.add("results", 1)
+    with pytest.raises(ValueError, match="already a metric"):
+        m.add("z", 1, section="note")
+    lines = m.format().splitlines()
+    assert lines[0] == "Batched Stream Metrics (decode)"
+    assert "[config]" in lines and "[results]" in lines
+    assert lines.index("[config]") < lines.index("[results]")
