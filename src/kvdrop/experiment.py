@@ -1,0 +1,211 @@
+"""Baseline vs dropped, side by side: the measurement behind ``kvdrop demo`` and the decode-gain
+benchmark.
+
+One engine (one fixed KV budget) and one kvdrop server serve both runs; each run prefills the
+same prompts (max_tokens=1; the engine stores KV and queries in the server), the dropped run then
+edits every request's cache with a policy, and both decode the same number of tokens. The runs use
+different cache salts so the second never reuses the first one's cache.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvdrop.selector import Selector
+from kvdrop_sdk.batch import BatchedStream, ProgressCallback
+from kvdrop_sdk.context import Context
+from kvdrop_sdk.metrics import Metrics
+from kvdrop_sdk.request import create_request
+from kvdrop_sdk.types import ModifyFnType
+
+__all__ = [
+    "Prompt",
+    "RunResult",
+    "engine_budget",
+    "passkey_prompts",
+    "random_prompts",
+    "run_pipeline",
+    "summarize_runs",
+]
+
+_FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt's token ids and, when checkable, the answer a correct output contains."""
+
+    token_ids: list[int]
+    answer: str | None = None
+    depth: float | None = None  # where the answer was hidden (0 = start, 1 = end)
+
+
+def passkey_prompts(tokenizer: Any, n: int, prompt_tokens: int, seed: int = 0) -> list[Prompt]:
+    """Pass-key retrieval prompts (a 5-digit key hidden at a random depth in filler text).
+
+    Each prompt is about ``prompt_tokens`` long after the chat template; the answer is the key.
+    """
+    rng = random.Random(seed)
+    filler_ids = len(tokenizer.encode(_FILLER, add_bos=False))
+    question = "What is the pass key? Answer with the number only."
+    prompts = []
+    for _ in range(n):
+        key = str(rng.randint(10000, 99999))
+        needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+        repeats = max(1, (prompt_tokens - 60) // filler_ids)
+        depth = rng.random()
+        at = round(depth * repeats)
+        text = (
+            "There is important information hidden in this text. Find it and remember it. "
+            + _FILLER * at
+            + needle
+            + _FILLER * (repeats - at)
+            + question
+        )
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        prompts.append(Prompt(ids, key, depth))
+    return prompts
+
+
+def random_prompts(vocab_size: int, n: int, prompt_tokens: int, seed: int = 0) -> list[Prompt]:
+    """Random token prompts (for random-weight models; no checkable answer)."""
+    rng = random.Random(seed)
+    return [Prompt([rng.randrange(vocab_size) for _ in range(prompt_tokens)]) for _ in range(n)]
+
+
+def kept_count(num_tokens: int, keep_ratio: float, chunk_size: int) -> int:
+    """Tokens a policy keeps of a prompt's cached (chunk-aligned) prefix, per the selector."""
+    cached = num_tokens - num_tokens % chunk_size
+    return Selector(keep_ratio=keep_ratio, chunk_size=chunk_size).budget(cached) if cached else 0
+
+
+def engine_budget(
+    prompt_lengths: Sequence[int],
+    max_tokens: int,
+    keep_ratio: float,
+    chunk_size: int,
+    block_size: int,
+) -> tuple[int, int, int]:
+    """An engine KV budget (tokens) that fits every dropped request at once but not the baseline.
+
+    Returns ``(budget, baseline_fit, dropped_fit)``: how many requests fit at once in each run
+    (requests reserve blocks for prompt + max_tokens on admission).
+    """
+
+    def blocks(tokens: int) -> int:
+        return -(-tokens // block_size)
+
+    def need_dropped(n: int) -> int:
+        return blocks(kept_count(n, keep_ratio, chunk_size) + n % chunk_size + 1 + max_tokens)
+
+    full = [blocks(n + 1 + max_tokens) for n in prompt_lengths]
+    dropped = [need_dropped(n) for n in prompt_lengths]
+    budget_blocks = max(sum(dropped), max(full))
+    baseline_fit, used = 0, 0
+    for b in sorted(full):
+        if used + b > budget_blocks:
+            break
+        used, baseline_fit = used + b, baseline_fit + 1
+    return budget_blocks * block_size, baseline_fit, len(prompt_lengths)
+
+
+@dataclass
+class RunResult:
+    """One run's metric reports, outputs and engine counters."""
+
+    name: str
+    prefill: Metrics
+    decode: Metrics
+    modify: Metrics | None = None
+    outputs: list[list[int]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    correct: int | None = None
+    engine: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def decode_tput(self) -> float:
+        return float(self.decode["output_tput"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "prefill": self.prefill.to_dict(),
+            "modify": self.modify.to_dict() if self.modify is not None else None,
+            "decode": self.decode.to_dict(),
+            "correct": self.correct,
+            "engine": self.engine,
+            "texts": self.texts,
+        }
+
+
+def run_pipeline(
+    name: str,
+    engine: Any,
+    contexts: Sequence[Context],
+    prompts: Sequence[Prompt],
+    sampling: dict[str, Any],
+    *,
+    modify_fn: ModifyFnType | None = None,
+    cache_salt: str = "",
+    progress: Callable[[str], ProgressCallback | None] = lambda phase: None,
+) -> RunResult:
+    """Prefill, optionally modify, then decode ``prompts`` through ``engine``'s post_completion."""
+    batch = BatchedStream(max_concurrency=max(1, len(prompts)))
+    streams = []
+    for p in prompts:
+        stream = create_request(contexts, engine.post_completion, p.token_ids, cache_salt)
+        batch.add(stream)
+        streams.append(stream)
+    batch.progress = progress(f"{name}: prefill")
+    prefill = batch.prefill(sampling)
+    modify = None
+    if modify_fn is not None:
+        batch.progress = progress(f"{name}: modify")
+        modify = batch.modify(modify_fn)
+    engine.reset_stats()
+    batch.progress = progress(f"{name}: decode")
+    decode = batch.decode(sampling)
+    tokenizer = getattr(engine, "tokenizer", None)
+    outputs = [list(s.output_tokens) for s in streams]
+    texts = [tokenizer.decode(o) if tokenizer is not None else "" for o in outputs]
+    result = RunResult(
+        name, prefill, decode, modify, outputs, texts, engine=engine.stats().to_dict()
+    )
+    if all(p.answer is not None for p in prompts) and tokenizer is not None:
+        result.correct = sum(p.answer in t for p, t in zip(prompts, texts))
+    return result
+
+
+def agreement(a: RunResult, b: RunResult) -> tuple[float, float]:
+    """(fraction of requests with identical outputs, mean fraction of matching leading tokens)."""
+    same = [x == y for x, y in zip(a.outputs, b.outputs)]
+    prefix = []
+    for x, y in zip(a.outputs, b.outputs):
+        n = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        prefix.append(n / max(len(x), len(y), 1))
+    return sum(same) / max(len(same), 1), statistics.fmean(prefix) if prefix else 0.0
+
+
+def summarize_runs(baseline: RunResult, dropped: RunResult, n: int) -> dict[str, Any]:
+    """The side-by-side summary: throughputs, gain, kept fraction, answers and agreement."""
+    identical, prefix = agreement(baseline, dropped)
+    kept = dropped.modify["kept_fraction"] if dropped.modify is not None else 1.0
+    return {
+        "baseline_decode_tput": baseline.decode_tput,
+        "dropped_decode_tput": dropped.decode_tput,
+        "decode_gain": dropped.decode_tput / baseline.decode_tput,
+        "kept_fraction": float(kept),
+        "baseline_peak_running": baseline.engine.get("peak_running"),
+        "dropped_peak_running": dropped.engine.get("peak_running"),
+        "baseline_correct": baseline.correct,
+        "dropped_correct": dropped.correct,
+        "num_requests": n,
+        "identical_outputs": identical,
+        "matching_prefix": prefix,
+    }
