@@ -22,6 +22,7 @@ __all__ = [
     "UNITS",
     "JSONHandler",
     "Metrics",
+    "MetricsDict",
     "MetricsHandler",
     "TerminalHandler",
     "get_handler",
@@ -85,6 +86,27 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+class MetricsDict(dict):  # type: ignore[type-arg]
+    """The ``"metrics"`` dict of ``to_dict()``: sections nested, as upstream, and every metric
+    also reachable by its bare name (``d["kept_fraction"]`` finds it in ``d["results"]``).
+
+    Only lookups fall through; iteration, equality and JSON see the nested structure alone.
+    """
+
+    def __missing__(self, key: Any) -> Any:
+        for value in self.values():
+            if isinstance(value, dict) and key in value:
+                return value[key]
+        raise KeyError(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        """Like ``dict.get``, with the same fall-through into sections as ``d[key]``."""
+        try:
+            return self[key]
+        except KeyError:
+            return default
 
 
 class Metrics:
@@ -163,8 +185,9 @@ class Metrics:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable ``{"title": ..., "metrics": {...}}``: top-level metrics, then one
-        nested dict per section; nan/inf become ``None``."""
-        metrics: dict[str, Any] = {k: _json_safe(v) for k, v in self._sections[None].items()}
+        nested dict per section (bare names still resolve, see ``MetricsDict``); nan/inf become
+        ``None``."""
+        metrics = MetricsDict((k, _json_safe(v)) for k, v in self._sections[None].items())
         for key, values in self._sections.items():
             if key is not None:
                 metrics[key] = {k: _json_safe(v) for k, v in values.items()}

@@ -130,6 +130,14 @@ def test_sections_nest_in_to_dict_and_stay_reachable_by_name() -> None:
             "results": {"duration": 2.0, "output_tput": 236.5},
         },
     }
+    # Bare names still resolve in the dict (code written against a flat report keeps working),
+    # while iteration and JSON show only the nested structure.
+    d = m.to_dict()["metrics"]
+    assert d["output_tput"] == 236.5 and d.get("num_streams") == 30 and d.get("nope", 7) == 7
+    assert list(d) == ["note", "config", "results"]
+    assert json.loads(m.to_json()) == m.to_dict()
+    with pytest.raises(KeyError):
+        d["nope"]
     assert m["output_tput"] == 236.5 and m["results"] == {"duration": 2.0, "output_tput": 236.5}
     assert m.metrics == {"note": "x", "num_streams": 30, "duration": 2.0, "output_tput": 236.5}
     assert m.sections == {"config": {"num_streams": 30}, "results": m["results"]}
