@@ -4,7 +4,8 @@ On a TTY it redraws one line in place (``\\r``) at most every ``min_interval`` s
 (CI logs, pipes) it prints a plain line at most every ``line_interval`` seconds plus the final one,
 so logs stay short. ``silent=True`` turns it off without changing the caller. A new phase (e.g.
 prefill -> modify -> decode) finishes the previous line and restarts the clock, so the rate and
-ETA are per phase.
+ETA are per phase. The line starts with the fixed ``label`` if one was given (plus the phase when
+the label does not already name it), else with the phase.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class ProgressBar:
             raise ValueError(f"progress total must be >= 0, got {total}")
         self.total = total
         self.label = label
+        self.phase = ""
         self.stream = stream if stream is not None else sys.stderr
         self.width = width
         self.silent = silent
@@ -75,9 +77,9 @@ class ProgressBar:
     def update(self, done: int, total: int | None = None, phase: str | None = None) -> None:
         """Record progress and redraw if due (always on completion or a phase change)."""
         with self._lock:
-            if phase is not None and phase != self.label:
+            if phase is not None and phase != self.phase:
                 self._finish_line()
-                self.label = phase
+                self.phase = phase
                 self._start = self.clock()
                 self._last_draw = None
             if total is not None:
@@ -95,7 +97,7 @@ class ProgressBar:
         now = self.clock() if now is None else now
         elapsed = max(now - self._start, 0.0)
         rate = self.done / elapsed if elapsed > 0 else 0.0
-        parts = [self.label] if self.label else []
+        parts = [self.title] if self.title else []
         if self.total:
             frac = min(self.done / self.total, 1.0)
             filled = int(frac * self.width)
@@ -113,6 +115,13 @@ class ProgressBar:
         else:
             parts.append(f"ETA {format_duration(remaining)}")
         return " ".join(parts)
+
+    @property
+    def title(self) -> str:
+        """What the line starts with: the label, the phase, or both."""
+        if self.label and self.phase and self.phase not in self.label:
+            return f"{self.label} {self.phase}"
+        return self.label or self.phase
 
     def close(self) -> None:
         """End the current line (on a TTY) so later output starts on a fresh line."""

@@ -82,6 +82,17 @@ def test_phase_change_restarts_clock_and_line() -> None:
     assert "1/2" in out.getvalue().split("\n")[0]
 
 
+def test_label_and_phase_make_the_title() -> None:
+    clock = FakeClock()
+    bar = ProgressBar(label="baseline: prefill", stream=io.StringIO(), clock=clock)
+    assert bar.title == "baseline: prefill"
+    bar(0, 2, "prefill")  # the label already names the phase
+    assert bar.render().startswith("baseline: prefill [")
+    bar(0, 2, "decode")
+    assert bar.render().startswith("baseline: prefill decode [")
+    assert ProgressBar(stream=io.StringIO()).title == ""
+
+
 def test_silent_writes_nothing() -> None:
     out = io.StringIO()
     with ProgressBar(stream=out, silent=True, is_tty=True, min_interval=0.0) as bar:
