@@ -74,7 +74,8 @@ class BatchedStream:
     """A set of request streams run together, with bounded concurrency and metrics per phase.
 
     ``max_concurrency`` bounds engine calls (prefill/decode); ``modify_concurrency`` bounds edits
-    (default ``min(4, cpu count, max_concurrency)``: edits are CPU- and memory-heavy).
+    (default ``min(4, cpu count, max_concurrency)``: edits are CPU- and memory-heavy). Drive a
+    batch from one thread; the streams' own work runs on the batch's pool.
     """
 
     def __init__(
@@ -190,6 +191,9 @@ class BatchedStream:
             return list(self.request_streams.values())
         if isinstance(stream_ids, str):
             raise TypeError("stream_ids must be a sequence of ids, not a single string")
+        dupes = sorted({sid for sid in stream_ids if list(stream_ids).count(sid) > 1})
+        if dupes:
+            raise BatchedStreamError(f"stream_ids lists {dupes} more than once")
         return [self.get_request_stream(sid) for sid in stream_ids]
 
     def _generate_phase(

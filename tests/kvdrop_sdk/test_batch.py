@@ -281,6 +281,10 @@ def test_membership_and_arguments(engine_and_ctx: tuple[ToyEngine, Context]) -> 
         BatchedStream(modify_concurrency=-2)
     with pytest.raises(BatchedStreamError, match="no request stream 'x'"):
         batch.decode({}, stream_ids=["x"])
+    with pytest.raises(BatchedStreamError, match="more than once"):
+        batch.prefill({}, stream_ids=[s.request_stream_id, s.request_stream_id])
+    with pytest.raises(TypeError, match="not a single string"):
+        batch.prefill({}, stream_ids=s.request_stream_id)
     # A subset runs only the chosen streams; perf_metrics holds only the latest phase.
     batch.prefill({}, stream_ids=[t.request_stream_id])
     assert list(batch.perf_metrics) == [t.request_stream_id]
