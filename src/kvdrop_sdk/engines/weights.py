@@ -8,6 +8,7 @@ tensors are dequantized to float32 and llama.cpp's Q/K row permutation for llama
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -155,18 +156,29 @@ def _field_value(field: Any) -> Any:
 
 
 def _reader(path: str | Path) -> Any:
-    """Open a GGUF file with the ``gguf`` package, with a clear error when it is missing."""
+    """Open a GGUF file with the ``gguf`` package, with a clear error when it is missing. The
+    last file opened is cached (keyed by path, size and mtime): parsing the header of a file with
+    a 49K-token vocabulary takes seconds, and the model and its tokenizer read the same file."""
     try:
-        import gguf
+        import gguf  # noqa: F401
     except ImportError as e:
         raise ImportError(
             "loading a .gguf file needs the 'gguf' package: pip install 'kvdrop[model]'"
         ) from e
-    path = Path(path)
+    path = Path(path).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
+    stat = path.stat()
+    return _cached_reader(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_reader(path: str, size: int, mtime_ns: int) -> Any:
+    """One parsed GGUF header (and memory map); see :func:`_reader`."""
+    import gguf
+
     try:
-        return gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(path)
     except (ValueError, OSError) as e:
         raise WeightsError(f"{path}: not a readable GGUF file ({e})") from e
 
