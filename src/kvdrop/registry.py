@@ -140,6 +140,10 @@ def available() -> list[str]:
 def _entry(name: str) -> Factory:
     entries = _discover()
     entry = entries.get(name)
+    if entry is None and ("+" in name or "(" in name):  # a spec such as "streaming+snapkv"
+        from kvdrop.compose import spec_factory
+
+        return spec_factory(name)
     if entry is None:
         close = difflib.get_close_matches(name, list(entries), n=3, cutoff=0.5)
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
@@ -177,4 +181,5 @@ def describe(name: str) -> PolicyInfo:
 def source(name: str) -> str:
     """Where policy ``name`` comes from (distribution and object, or register() call site)."""
     _entry(name)
-    return _discover()[name].source
+    entry = _discover().get(name)
+    return entry.source if entry is not None else "composition spec (kvdrop.compose)"

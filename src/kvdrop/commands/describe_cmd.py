@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         info = kvdrop.describe(args.name)
-    except (kvdrop.PolicyNotFoundError, kvdrop.PolicyConflictError) as exc:
+    except (kvdrop.PolicyNotFoundError, kvdrop.PolicyConflictError, kvdrop.PolicyParamError) as exc:
         print(f"kvdrop describe: {exc}", file=sys.stderr)
         return 2
     if args.json:
