@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
 __all__ = [
     "BlockAllocator",
@@ -305,7 +306,17 @@ class PagedAttention:
             kb = kc[g.blocks].reshape(b, -1, hkv, d)[:, : g.length].transpose(1, 2)
             vb = vc[g.blocks].reshape(b, -1, hkv, d)[:, : g.length].transpose(1, 2)
             qg = q[g.rows]  # [rows, Hq, d]
-            if g.prefill:
+            if g.prefill and q.is_cuda:
+                # Flash attention with bottom-right causal alignment (new tokens are the last
+                # rows of the sequence) and native GQA: no mask tensor, no repeated K/V.
+                rows = qg.shape[0]
+                qh = qg.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, d]
+                bias = causal_lower_right(rows, g.length)
+                o = F.scaled_dot_product_attention(
+                    qh, kb, vb, attn_mask=bias, scale=scale, enable_gqa=group > 1
+                )
+                o = o[0].transpose(0, 1)
+            elif g.prefill:
                 # One sequence: rows ordered (token, group member) so one [n*G, T] mask serves.
                 rows = qg.shape[0]
                 qh = qg.view(rows, hkv, group, d).permute(1, 0, 2, 3)
