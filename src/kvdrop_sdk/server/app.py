@@ -32,6 +32,7 @@ from kvdrop_sdk.protocol import (
 from kvdrop_sdk.server.config import ServerConfig
 from kvdrop_sdk.server.pool import HEADER_BYTES, Pool
 from kvdrop_sdk.server.store import ChunkStore, StoreError
+from kvdrop_sdk.wrapper.contiguous import copy_rows
 
 __all__ = ["QUERY_SUFFIX", "Server"]
 
@@ -72,6 +73,7 @@ class Server:
         self._requests = 0
         self._errors = 0
         self._count_lock = threading.Lock()
+        self._tls = threading.local()
         self._ops: dict[str, Callable[[dict[str, Any], list[zmq.Frame]], Reply]] = {
             "ping": self._op_ping,
             "register": self._op_register,
@@ -185,16 +187,36 @@ class Server:
         sock = self._zctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(_BACKEND)
+        # Replies sent straight from pinned pool slots: (tracker, unpin) until ZMQ is done.
+        pending: list[tuple[zmq.MessageTracker, Callable[[], None]]] = []
         try:
             while not self._stop.is_set():
-                if not sock.poll(100, zmq.POLLIN):
+                for item in [p for p in pending if p[0].done]:
+                    pending.remove(item)
+                    item[1]()
+                if not sock.poll(5 if pending else 100, zmq.POLLIN):
                     continue
                 parts = sock.recv_multipart(copy=False)
                 if len(parts) < 2:
                     continue  # no identity + header: nothing to answer
-                sock.send_multipart([parts[0], *self.handle(parts[1:])], copy=False)
+                self._tls.after_send = None
+                reply = self.handle(parts[1:])
+                after_send = self._tls.after_send
+                if after_send is None:
+                    sock.send_multipart([parts[0], *reply], copy=False)
+                    continue
+                try:
+                    frames = [zmq.Frame(f, copy=False, track=True) for f in reply[1:]]
+                    tracker = zmq.MessageTracker(*frames)
+                    sock.send_multipart([parts[0], reply[0], *frames], copy=False)
+                except BaseException:
+                    after_send()
+                    raise
+                pending.append((tracker, after_send))
         finally:
             sock.close(0)
+            for _, after_send in pending:
+                after_send()
 
     # -- request handling ----------------------------------------------------------------------
     def handle(self, parts: list[zmq.Frame]) -> list[Any]:
@@ -369,34 +391,38 @@ class Server:
         return {}, []
 
     def _op_get(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
-        assert self.store is not None
+        assert self.store is not None and self.pool is not None
         model, kind = self._model_kind(header)
         layout = self._layout(model, kind)
         keys, _ = self._keys(header, frames, model, kind)
-        lid, slots = self.store.pin(keys, self.config.max_lease_s)
+        # Pinned until ZMQ has sent the slots' bytes (no expiry: the worker unpins them).
+        lid, slots = self.store.pin(keys, float("inf"))
         if lid is None:
             return {"num_tokens": 0}, []
         try:
-            c = self.config.chunk_size
-            shape = layout.shape(kind, len(slots) * c)
-            out = bytearray(layout.nbytes(kind, len(slots) * c))
-            dst = torch.frombuffer(out, dtype=layout.dtype).view(shape)
-            for j, (off, _) in enumerate(slots):
-                dst[:, :, j * c : (j + 1) * c].copy_(self._slot(off, layout, kind))
-        finally:
+            mem = memoryview(self.pool.buffer)
+            out = [mem[off : off + nbytes] for off, nbytes in slots]
+        except BaseException:
             self.store.release(lid)
-        return {"num_tokens": shape[2], "shape": list(shape), "dtype": dtype_name(layout.dtype)}, [
-            out
-        ]
+            raise
+        self._tls.after_send = lambda: self.store.release(lid) if self.store else None
+        shape = layout.shape(kind, len(slots) * self.config.chunk_size)
+        return {
+            "num_tokens": shape[2],
+            "shape": list(shape),
+            "dtype": dtype_name(layout.dtype),
+        }, out
 
     def _op_put(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
         assert self.store is not None
         model, kind = self._model_kind(header)
         layout = self._layout(model, kind)
         keys, num_tokens = self._keys(header, frames, model, kind)
-        if len(frames) != 2:
+        c = self.config.chunk_size
+        if num_tokens % c:
             raise ProtocolError(
-                "bad_frames", f"put takes 2 payload frames (tokens, data), got {len(frames)}"
+                "bad_tokens",
+                f"put takes whole chunks: {num_tokens} tokens is not a multiple of {c}",
             )
         if header.get("dtype") != dtype_name(layout.dtype):
             raise ProtocolError(
@@ -409,21 +435,27 @@ class Server:
             raise ProtocolError(
                 "shape_mismatch", f"data shape {header.get('shape')!r}, expected {shape}"
             )
-        data = frames[1].buffer
-        expected = layout.nbytes(kind, num_tokens)
-        if len(data) != expected or expected == 0:
+        num_rows = shape[0] * shape[1]
+        span = c * shape[3] * layout.itemsize
+        data = frames[1:]
+        if len(data) != len(keys) * num_rows or any(len(f.buffer) != span for f in data):
             raise ProtocolError(
-                "bad_data", f"data frame has {len(data)} bytes, expected {expected}"
+                "bad_data",
+                f"put takes {len(keys) * num_rows} data frames (one per chunk and kv/layer row) "
+                f"of {span} bytes each; got {len(data)} frames",
             )
-        nbytes = layout.nbytes(kind, self.config.chunk_size)
+        if not keys:
+            return {"stored": 0, "duplicates": 0, "dropped": 0}, []
+        nbytes = layout.nbytes(kind, c)
         lid, slots, dup, dropped = self.store.reserve(keys, nbytes, self.config.max_lease_s)
         if lid is None:
             return {"stored": 0, "duplicates": dup, "dropped": dropped}, []
         try:
-            src = torch.frombuffer(data, dtype=layout.dtype).view(shape)
-            c = self.config.chunk_size
             for i, off in slots:
-                self._slot(off, layout, kind).copy_(src[:, :, i * c : (i + 1) * c])
+                slot_rows = self._slot(off, layout, kind).view(num_rows, -1)
+                for r in range(num_rows):
+                    src = torch.frombuffer(data[i * num_rows + r].buffer, dtype=layout.dtype)
+                    copy_rows(slot_rows[r], src)
         except BaseException:
             self.store.abort(lid)
             raise

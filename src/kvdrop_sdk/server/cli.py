@@ -109,7 +109,9 @@ def run(args: argparse.Namespace) -> int:
     import threading
 
     from kvdrop_sdk.server.app import Server
+    from kvdrop_sdk.wrapper.contiguous import tune_malloc
 
+    tune_malloc()  # our own process: keep freed frame buffers for reuse
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )

@@ -34,7 +34,13 @@ class Pool:
         self._mm: mmap.mmap | None = None
         self._path: str | None = None
         if shm_name is None:
-            self.data = torch.empty(self.nbytes, dtype=torch.uint8)
+            self._mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                try:
+                    self._mm.madvise(mmap.MADV_HUGEPAGE)
+                except OSError:
+                    pass
+            self.data = torch.frombuffer(self._mm, dtype=torch.uint8)
         else:
             path = shm_path(shm_name)
             try:
@@ -61,6 +67,12 @@ class Pool:
             self.data.zero_()
         header = MAGIC + self.instance_id.encode("ascii")
         self.data[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+
+    @property
+    def buffer(self) -> mmap.mmap:
+        """The pool's memory as a buffer (for zero-copy sends of pinned slots)."""
+        assert self._mm is not None
+        return self._mm
 
     def unlink(self) -> None:
         """Remove the shared-memory file (idempotent); mapped clients keep their mapping."""

@@ -3,16 +3,21 @@
 Shared memory: the server's pool is a /dev/shm file this process maps; a store reserves slots,
 copies each chunk straight into its slot (``torch`` ``copy_``, multi-threaded) and commits; a
 retrieve pins the slots, copies them out into one contiguous tensor and releases them.
-Socket: the tensor's bytes travel as one zero-copy ZMQ frame each way.
+Socket: the bytes travel as ZMQ frames of bounded size (one per chunk and kv/layer row on store,
+sent straight from the caller's tensor; one per chunk on retrieve), so large transfers reuse heap
+memory instead of faulting in fresh pages.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import mmap
 import os
+import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -23,13 +28,23 @@ from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.layout import CacheLayout, dtype_name
 from kvdrop_sdk.protocol import RpcClient
 
-__all__ = ["MODES", "ContiguousTransferWrapper", "TransferHelper", "tensor_buffer"]
+__all__ = [
+    "MODES",
+    "BufferCache",
+    "ContiguousTransferWrapper",
+    "TransferHelper",
+    "copy_rows",
+    "empty_tensor",
+    "tensor_buffer",
+    "tune_malloc",
+]
 
 log = logging.getLogger("kvdrop_sdk.transfer")
 
 MODES = ("auto", "shm", "socket")
 _MAGIC = b"KVDROPL1"
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", ""}
+_RECYCLE_MIN_BYTES = 4 << 20
 
 
 def tensor_buffer(t: torch.Tensor) -> memoryview:
@@ -46,6 +61,140 @@ def tensor_buffer(t: torch.Tensor) -> memoryview:
     return memoryview(holder).cast("B")
 
 
+class BufferCache:
+    """Recycles the memory of large tensors this module handed out, once their owner drops them.
+
+    Fresh pages cost a fault (and zeroing) each on first touch, which on small VMs makes a 256 MB
+    allocation slower than the copy into it. A retrieved tensor is backed by an anonymous mapping;
+    when the last reference to it (or any view of it) dies, the mapping goes back here and the
+    next large retrieve reuses it. At most ``max_bytes`` are kept (env ``KVDROP_RECYCLE_BYTES``,
+    default 1 GiB; 0 disables recycling).
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes currently kept for reuse."""
+        with self._lock:
+            return sum(len(m) for m in self._free)
+
+    def take(self, nbytes: int) -> mmap.mmap:
+        """A mapping of at least ``nbytes`` (reused if one of a similar size is free)."""
+        size = -(-nbytes // _GRAIN) * _GRAIN
+        with self._lock:
+            fits = [m for m in self._free if size <= len(m) <= 2 * size]
+            if fits:
+                best = min(fits, key=len)
+                self._free.remove(best)
+                return best
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+    def give(self, mm: mmap.mmap) -> None:
+        """Keep ``mm`` for reuse if there is room (never blocks: may run inside a finaliser)."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if sum(len(m) for m in self._free) + len(mm) <= self.max_bytes:
+                self._free.append(mm)
+        finally:
+            self._lock.release()
+
+
+def _recycle(holder: Any) -> None:
+    holder._cache.give(holder._mm)
+
+
+_CACHE = BufferCache(int(os.environ.get("KVDROP_RECYCLE_BYTES", str(1 << 30))))
+_GRAIN = 2 << 20
+_HOLDER_TYPES: dict[int, type] = {}
+
+
+def empty_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor; large ones reuse recycled memory (see ``BufferCache``)."""
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes < _RECYCLE_MIN_BYTES or _CACHE.max_bytes <= 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    mm = _CACHE.take(nbytes)
+    holder_type = _HOLDER_TYPES.get(len(mm))
+    if holder_type is None:
+        holder_type = type("_Recycled", (ctypes.c_ubyte * len(mm),), {"__del__": _recycle})
+        _HOLDER_TYPES[len(mm)] = holder_type
+    holder = holder_type.from_buffer(mm)
+    holder._mm = mm
+    holder._cache = _CACHE
+    return torch.frombuffer(holder, dtype=dtype, count=numel).view(tuple(shape))
+
+
+_MALLOC_TUNED = False
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels answer EINVAL and we fault lazily
+
+
+def tune_malloc() -> bool:
+    """Raise glibc's heap trim threshold so freed ZMQ frame buffers are reused, not re-faulted.
+
+    ZMQ allocates each received frame; with glibc's default the freed heap is handed back to the
+    OS after every transfer and the next one faults in fresh pages (slower than the copy itself).
+    Called once when a context uses the socket transport; set ``KVDROP_TUNE_MALLOC=0`` to skip.
+    Returns whether the setting was applied.
+    """
+    global _MALLOC_TUNED
+    if _MALLOC_TUNED or os.environ.get("KVDROP_TUNE_MALLOC", "1") == "0":
+        return _MALLOC_TUNED
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of free heap
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: buffers up to 32 MiB come from the heap
+    except (OSError, AttributeError):
+        return False
+    _MALLOC_TUNED = True
+    return True
+
+
+def rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``(lead, L, T, W)`` as ``(lead * L, T * W)`` without copying, or None if strides forbid."""
+    try:
+        return t.view(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])
+    except RuntimeError:
+        return None
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for ``(lead, L, T, W)`` CPU views, one contiguous row at a time.
+
+    Token slices of a ``[2, L, T, W]`` tensor are contiguous per (kv, layer) row, so the copy is
+    a handful of ``memmove`` calls (ctypes releases the GIL). That is as fast as torch's
+    multi-threaded ``copy_`` on an idle machine and much steadier on a loaded one: each parallel
+    ``copy_`` is an OpenMP region whose barrier waits for descheduled threads.
+    """
+    if (
+        dst.shape != src.shape
+        or dst.dtype != src.dtype
+        or dst.device.type != "cpu"
+        or src.device.type != "cpu"
+    ):
+        dst.copy_(src)
+        return
+    if dst.numel() == 0:
+        return
+    es = dst.element_size()
+    if dst.is_contiguous() and src.is_contiguous():
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * es)
+        return
+    d, s = rows(dst), rows(src)
+    if d is None or s is None or d.stride(1) != 1 or s.stride(1) != 1:
+        dst.copy_(src)
+        return
+    nbytes = d.shape[1] * es
+    dp, sp, dstep, sstep = d.data_ptr(), s.data_ptr(), d.stride(0) * es, s.stride(0) * es
+    for r in range(d.shape[0]):
+        ctypes.memmove(dp + r * dstep, sp + r * sstep, nbytes)
+
+
 class ContiguousTransferWrapper:
     """The transfer helper a context holds (``ctx.transfer_ctx``); ``mode`` is "shm" or "socket"."""
 
@@ -58,16 +207,19 @@ class ContiguousTransferWrapper:
         self._mm: mmap.mmap | None = None
         self._pool: torch.Tensor | None = None
         self.chunk_size = int(server_config["chunk_size"])
+        self._populated: set[int] = set()
+        self._populated_lock = threading.Lock()
         self.mode = "socket"
-        if transport == "socket":
-            return
-        reason = self._map(server_config, url)
+        reason = "transport='socket' was requested"
+        if transport != "socket":
+            reason = self._map(server_config, url)
         if reason is None:
             self.mode = "shm"
         elif transport == "shm":
             raise SDKError(f"transport='shm' was requested but {reason}")
         else:
             log.debug("using the socket transport: %s", reason)
+            tune_malloc()
 
     def _map(self, cfg: dict[str, Any], url: str) -> str | None:
         """Map the server's pool; returns None on success, else why it cannot be used."""
@@ -105,6 +257,14 @@ class ContiguousTransferWrapper:
         assert self._pool is not None
         if not isinstance(offset, int) or offset < 0 or offset + nbytes > self._pool.numel():
             raise SDKError(f"server returned slot offset {offset!r} outside the shared pool")
+        if offset not in self._populated and self._mm is not None:
+            # Map the slot's pages in one call instead of one fault per 4 KiB page.
+            try:
+                self._mm.madvise(_MADV_POPULATE_WRITE, offset, nbytes)
+            except (OSError, ValueError):
+                pass
+            with self._populated_lock:
+                self._populated.add(offset)
         flat = self._pool[offset : offset + nbytes].view(layout.dtype)
         return flat.view(layout.shape(kind, self.chunk_size))
 
@@ -119,28 +279,40 @@ class ContiguousTransferWrapper:
         lease_s: float,
     ) -> int:
         """Store the whole chunks of ``kv`` (shape already checked); returns chunks newly stored."""
+        c = self.chunk_size
         if self.mode == "socket":
+            n = kv.shape[2] // c
             kv = kv.contiguous()
+            # One zero-copy frame per (chunk, kv/layer row): each is contiguous in ``kv``.
+            row_bytes = kv.shape[2] * kv.shape[3] * kv.element_size()
+            span = c * kv.shape[3] * kv.element_size()
+            base = tensor_buffer(kv)
+            frames = [
+                base[r * row_bytes + i * span : r * row_bytes + (i + 1) * span]
+                for i in range(n)
+                for r in range(kv.shape[0] * kv.shape[1])
+            ]
             header = {
                 **fields,
                 "dtype": dtype_name(layout.dtype),
-                "shape": list(kv.shape),
+                "shape": list(layout.shape(kind, n * c)),
             }
-            reply, _ = self._rpc.call("put", header, [token_bytes, tensor_buffer(kv)])
+            reply, _ = self._rpc.call("put", header, [token_bytes[: n * c * 8], *frames])
             return int(reply["stored"])
         reply, _ = self._rpc.call("reserve", {**fields, "lease_s": lease_s}, [token_bytes])
         lease = reply.get("lease")
         if lease is None:
             return 0
         started = time.monotonic()
-        c = self.chunk_size
         try:
             if reply.get("nbytes") != layout.nbytes(kind, c):
                 raise SDKError(f"server slot size {reply.get('nbytes')} does not match the layout")
             for i, off in zip(reply["chunks"], reply["offsets"]):
                 if time.monotonic() - started > 0.8 * lease_s:
                     raise SDKError(f"store took longer than its {lease_s:g} s reservation")
-                self._slot(off, reply["nbytes"], layout, kind).copy_(kv[:, :, i * c : (i + 1) * c])
+                copy_rows(
+                    self._slot(off, reply["nbytes"], layout, kind), kv[:, :, i * c : (i + 1) * c]
+                )
         except BaseException:
             self._rpc.call("abort", {"lease": lease})
             raise
@@ -157,30 +329,42 @@ class ContiguousTransferWrapper:
         lease_s: float,
     ) -> torch.Tensor | None:
         """The longest cached chunk-aligned prefix as one contiguous tensor, or None."""
+        c = self.chunk_size
         if self.mode == "socket":
             reply, frames = self._rpc.call("get", fields, [token_bytes])
             n = int(reply.get("num_tokens", 0))
             if n == 0:
                 return None
             shape = layout.shape(kind, n)
-            if reply.get("shape") != list(shape) or len(frames) != 1:
-                raise SDKError(f"server sent shape {reply.get('shape')}, expected {list(shape)}")
-            buf = frames[0].buffer
-            if len(buf) != layout.nbytes(kind, n):
-                raise SDKError(f"server sent {len(buf)} bytes, expected {layout.nbytes(kind, n)}")
-            return torch.frombuffer(buf, dtype=layout.dtype).view(shape)
+            chunk_bytes = layout.nbytes(kind, c)
+            if (
+                reply.get("shape") != list(shape)
+                or len(frames) != n // c
+                or any(len(f.buffer) != chunk_bytes for f in frames)
+            ):
+                raise SDKError(
+                    f"server sent shape {reply.get('shape')} in {len(frames)} frames, "
+                    f"expected {list(shape)} in {n // c} frames of {chunk_bytes} bytes"
+                )
+            out = empty_tensor(shape, layout.dtype)
+            chunk_shape = layout.shape(kind, c)
+            for j, frame in enumerate(frames):
+                src = torch.frombuffer(frame.buffer, dtype=layout.dtype).view(chunk_shape)
+                copy_rows(out[:, :, j * c : (j + 1) * c], src)
+            return out
         reply, _ = self._rpc.call("pin", {**fields, "lease_s": lease_s}, [token_bytes])
         lease = reply.get("lease")
         if lease is None:
             return None
-        c = self.chunk_size
         offsets = reply["offsets"]
-        out = torch.empty(layout.shape(kind, len(offsets) * c), dtype=layout.dtype)
+        out = empty_tensor(layout.shape(kind, len(offsets) * c), layout.dtype)
         try:
             if reply.get("nbytes") != layout.nbytes(kind, c):
                 raise SDKError(f"server slot size {reply.get('nbytes')} does not match the layout")
             for j, off in enumerate(offsets):
-                out[:, :, j * c : (j + 1) * c].copy_(self._slot(off, reply["nbytes"], layout, kind))
+                copy_rows(
+                    out[:, :, j * c : (j + 1) * c], self._slot(off, reply["nbytes"], layout, kind)
+                )
         finally:
             released, _ = self._rpc.call("release", {"lease": lease})
         valid = int(released["valid_chunks"])

@@ -1,0 +1,168 @@
+"""Store/retrieve throughput through shared memory and the socket path vs an in-process copy_.
+
+Starts its own kvdrop server subprocess (with --shm-name and --no-l1-use-lazy), stores and
+retrieves one ``[2, L, T, W]`` tensor through each transport, and reports GB/s (median of
+``--repeats``) and the ratio to ``dst.copy_(src)`` of the same tensor measured in the same run.
+
+    python benchmarks/transfer.py                       # [2, 8, 8192, 1024] bfloat16
+    python benchmarks/transfer.py --tokens 2048 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import kvdrop_sdk as sdk
+from kvdrop_sdk.layout import DTYPES
+from kvdrop_sdk.server.testing import spawn_server
+from kvdrop_sdk.table import format_table
+
+
+def _median_s(
+    fn: Callable[[], Any], repeats: int, setup: Callable[[int], None] | None = None
+) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs (after one warm-up run)."""
+    times = []
+    for i in range(repeats + 1):
+        if setup is not None:
+            setup(i)
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        if i:
+            times.append(dt)
+    return statistics.median(times)
+
+
+def _measure(
+    ctx: sdk.Context, src: torch.Tensor, args: argparse.Namespace, base: int
+) -> tuple[float, float]:
+    """Median store and retrieve seconds of ``src`` through ``ctx`` (checks the bytes once)."""
+    tokens: list[int] = []
+
+    def fresh(i: int) -> None:
+        # New token ids per run so every store writes every chunk.
+        start = (base + i) * args.tokens
+        tokens[:] = range(start, start + args.tokens)
+
+    def store() -> None:
+        if not ctx.store(src, tokens):
+            raise RuntimeError("store wrote nothing")
+
+    store_s = _median_s(store, args.repeats, fresh)
+    out = ctx.retrieve(tokens)
+    whole = args.tokens // args.chunk_size * args.chunk_size
+    if out is None or not torch.equal(out, src[:, :, :whole]):
+        raise RuntimeError(f"{ctx.transfer_ctx.mode}: retrieved tensor differs from the stored one")
+    del out
+    retrieve_s = _median_s(lambda: ctx.retrieve(tokens), args.repeats)
+    return store_s, retrieve_s
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure everything; returns the report dict (rows + setup)."""
+    dtype = DTYPES[args.dtype]
+    heads = 8 if args.width % 8 == 0 else 1
+    layout = sdk.CacheLayout(args.layers, heads, args.width // heads, dtype)
+    shape = layout.shape(sdk.CacheKind.KV, args.tokens)
+    src = torch.randn(shape, dtype=torch.float32).to(dtype)
+    nbytes = src.numel() * src.element_size()
+    gb = nbytes / 1e9
+
+    dst = torch.empty_like(src)
+    copy_s = _median_s(lambda: dst.copy_(src), args.repeats)
+    clone_s = _median_s(src.clone, args.repeats)
+    rows: list[dict[str, Any]] = [
+        {
+            "transport": "in-process",
+            "op": "copy_",
+            "median_ms": copy_s * 1e3,
+            "GB/s": gb / copy_s,
+            "x copy_": 1.0,
+        },
+        {
+            "transport": "in-process",
+            "op": "clone",
+            "median_ms": clone_s * 1e3,
+            "GB/s": gb / clone_s,
+            "x copy_": copy_s / clone_s,
+        },
+    ]
+    pool_gb = nbytes * 3 / 1024**3 + 0.01
+    with spawn_server(
+        l1_size_gb=round(pool_gb, 3),
+        chunk_size=args.chunk_size,
+        no_l1_use_lazy=True,
+        startup_timeout=120,
+    ) as server:
+        for n, transport in enumerate(args.transports):
+            with sdk.kvcache.connect(
+                server.url,
+                server.http_url,
+                f"bench-{transport}",
+                120,
+                layout=layout,
+                transport=transport,
+            ) as ctx:
+                store_s, retrieve_s = _measure(ctx, src, args, base=1000 * n)
+                for op, sec in (("store", store_s), ("retrieve", retrieve_s)):
+                    rows.append(
+                        {
+                            "transport": ctx.transfer_ctx.mode,
+                            "op": op,
+                            "median_ms": sec * 1e3,
+                            "GB/s": gb / sec,
+                            "x copy_": copy_s / sec,
+                        }
+                    )
+    return {
+        "shape": list(shape),
+        "dtype": args.dtype,
+        "bytes": nbytes,
+        "chunk_size": args.chunk_size,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "load_avg_1min": os.getloadavg()[0],
+        "repeats": args.repeats,
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, run, print a table (or JSON with --json)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--width", type=int, default=1024, help="num_kv_heads * head_dim")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--transports", default="shm,socket", help="comma-separated: shm, socket")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = p.parse_args(argv)
+    args.transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    report = run(args)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(
+        f"shape {report['shape']} {report['dtype']} ({report['bytes'] / 1e6:.1f} MB), "
+        f"chunk {report['chunk_size']}, torch threads {report['torch_threads']}, "
+        f"cpus {report['cpu_count']}, load avg {report['load_avg_1min']:.1f}, "
+        f"median of {report['repeats']}"
+    )
+    print(format_table(report["rows"], ["transport", "op", "median_ms", "GB/s", "x copy_"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
