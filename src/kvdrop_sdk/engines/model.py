@@ -97,6 +97,16 @@ class ModelConfig:
             )
         if cfg.get("mlp_bias"):
             raise ValueError("config 'mlp_bias': true is not supported (expected false)")
+        window = cfg.get("sliding_window")
+        if cfg.get("use_sliding_window") or (
+            model_type == "mistral"
+            and window is not None
+            and window < cfg.get("max_position_embeddings", 0)
+        ):
+            raise ValueError(
+                f"config 'sliding_window' attention ({window}) is not supported (expected "
+                "use_sliding_window false / sliding_window null)"
+            )
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config 'hidden_act' must be 'silu', got {cfg.get('hidden_act')!r}")
 

@@ -171,6 +171,10 @@ def test_presets_and_config_validation() -> None:
         ModelConfig.from_hf({**good, "num_key_value_heads": 3})
     with pytest.raises(ValueError, match="mlp_bias"):
         ModelConfig.from_hf({**good, "mlp_bias": True})
+    with pytest.raises(ValueError, match="sliding_window"):
+        ModelConfig.from_hf({**good, "model_type": "qwen2", "use_sliding_window": True})
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelConfig.from_hf({**good, "hidden_act": "gelu"})
 
 
 def test_forward_rejects_bad_input() -> None:
