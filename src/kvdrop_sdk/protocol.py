@@ -180,6 +180,12 @@ class RpcClient:
             raise RpcError(code, f"server error ({code}): {reply.get('error', 'unknown error')}")
         return reply, list(parts[1:])
 
+    def __enter__(self) -> RpcClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         """Close every pooled socket and the ZMQ context (idempotent)."""
         with self._lock:

@@ -195,6 +195,19 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
         ctypes.memmove(dp + r * dstep, sp + r * sstep, nbytes)
 
 
+def _stored(reply: dict[str, Any]) -> int:
+    """Chunks stored according to a put/commit reply; SDKError when the pool had no room."""
+    stored, dropped = int(reply.get("stored", 0)), int(reply.get("dropped", 0))
+    if dropped and not stored:
+        raise SDKError(
+            f"the server pool is full of pinned or reserved chunks: {dropped} chunk(s) were not "
+            "stored; retry later or start the server with a larger --l1-size-gb"
+        )
+    if dropped:
+        log.warning("server pool full: stored %d chunk(s), dropped the last %d", stored, dropped)
+    return stored
+
+
 class ContiguousTransferWrapper:
     """The transfer helper a context holds (``ctx.transfer_ctx``); ``mode`` is "shm" or "socket"."""
 
@@ -298,11 +311,11 @@ class ContiguousTransferWrapper:
                 "shape": list(layout.shape(kind, n * c)),
             }
             reply, _ = self._rpc.call("put", header, [token_bytes[: n * c * 8], *frames])
-            return int(reply["stored"])
+            return _stored(reply)
         reply, _ = self._rpc.call("reserve", {**fields, "lease_s": lease_s}, [token_bytes])
         lease = reply.get("lease")
         if lease is None:
-            return 0
+            return _stored({"stored": 0, **reply})
         started = time.monotonic()
         try:
             if reply.get("nbytes") != layout.nbytes(kind, c):
@@ -316,8 +329,8 @@ class ContiguousTransferWrapper:
         except BaseException:
             self._rpc.call("abort", {"lease": lease})
             raise
-        reply, _ = self._rpc.call("commit", {"lease": lease})
-        return int(reply["stored"])
+        committed, _ = self._rpc.call("commit", {"lease": lease})
+        return _stored({**reply, "stored": committed["stored"]})
 
     # -- retrieve ----------------------------------------------------------------------------------
     def retrieve(
