@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -198,9 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_budget_tokens:
         num_blocks = args.kv_budget_tokens // args.block_size
     else:
-        # Largest budget that still holds only `fit` of the longest baseline requests.
+        # About `fit` baseline requests of average length at once (half a request of slack, so
+        # requests that shrink to keep_ratio fit about fit / keep_ratio at once).
         fit = max(1, math.floor(args.num_requests * args.fit_fraction))
-        num_blocks = (fit + 1) * probe_need[-1] - 1
+        num_blocks = max(probe_need[-1], math.floor((fit + 0.5) * statistics.mean(probe_need)))
     gb = server_gb(cfg, dtype, prompts, args)
     flags: dict[str, Any] = {"chunk_size": args.chunk_size, "l1_size_gb": round(gb, 3)}
     if info.needs_query:
