@@ -238,6 +238,7 @@ class ChunkStore:
     def release(self, lid: int) -> int:
         """Unpin a read lease; returns how many leading chunks were still intact (not evicted)."""
         with self._lock:
+            self._expire()
             lease = self._leases.get(lid)
             if lease is not None and lease.write:
                 raise StoreError("bad_lease", f"lease {lid} is a write reservation, not a pin")
@@ -290,6 +291,7 @@ class ChunkStore:
     def commit(self, lid: int) -> int:
         """Make a reservation's chunks visible; returns how many were committed."""
         with self._lock:
+            self._expire()
             lease = self._leases.get(lid)
             if lease is None or not lease.write:
                 raise StoreError(
