@@ -30,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="extra policy parameter (JSON value), e.g. --policy-arg window=32",
     )
+    run_.add_argument(
+        "--no-rerotate",
+        action="store_true",
+        help="keep kept keys at their old RoPE positions (default: re-rotate them "
+        "to 0..k-1, as the engine reads the kept prefix)",
+    )
     run_.add_argument("--num-requests", type=int, default=8, help="prompts in the batch")
     run_.add_argument("--prompt-tokens", type=int, default=1024, help="approximate prompt length")
     run_.add_argument("--max-tokens", type=int, default=32, help="tokens decoded per request")
@@ -135,7 +141,8 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
     )
     if "head_dim" in {p.name for p in kvdrop.describe(args.policy).params}:
         params.setdefault("head_dim", cfg.head_dim)
-    modify_fn = kvdrop.get(args.policy, **params)
+    rerotate = None if args.no_rerotate else cfg.rope
+    modify_fn = kvdrop.get(args.policy, rerotate=rerotate, **params)
 
     if tokenizer is not None:
         prompts = passkey_prompts(tokenizer, args.num_requests, args.prompt_tokens, args.seed)
@@ -211,8 +218,9 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
             "model": model_name,
             "policy": args.policy,
             "policy_params": params,
+            "rerotate": rerotate is not None,
             "num_requests": len(prompts),
-            "prompt_tokens_mean": sum(lengths) / len(lengths),
+            "prompt_lengths": lengths,
             "max_tokens": args.max_tokens,
             "engine_kv_budget_tokens": budget,
             "baseline_fits_at_once": baseline_fit,

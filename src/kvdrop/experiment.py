@@ -49,7 +49,8 @@ class Prompt:
 def passkey_prompts(tokenizer: Any, n: int, prompt_tokens: int, seed: int = 0) -> list[Prompt]:
     """Pass-key retrieval prompts (a 5-digit key hidden at a random depth in filler text).
 
-    Each prompt is about ``prompt_tokens`` long after the chat template; the answer is the key.
+    Each prompt is at least ``prompt_tokens`` long after the chat template (at most one filler
+    sentence group more), so its cached chunk count is predictable; the answer is the key.
     """
     rng = random.Random(seed)
     filler_ids = len(tokenizer.encode(_FILLER, add_bos=False))
@@ -58,17 +59,21 @@ def passkey_prompts(tokenizer: Any, n: int, prompt_tokens: int, seed: int = 0) -
     for _ in range(n):
         key = str(rng.randint(10000, 99999))
         needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-        repeats = max(1, (prompt_tokens - 60) // filler_ids)
+        repeats = max(1, (prompt_tokens - 80) // filler_ids)
         depth = rng.random()
-        at = round(depth * repeats)
-        text = (
-            "There is important information hidden in this text. Find it and remember it. "
-            + _FILLER * at
-            + needle
-            + _FILLER * (repeats - at)
-            + question
-        )
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        while True:
+            at = round(depth * repeats)
+            text = (
+                "There is important information hidden in this text. Find it and remember it. "
+                + _FILLER * at
+                + needle
+                + _FILLER * (repeats - at)
+                + question
+            )
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+            if len(ids) >= prompt_tokens:
+                break
+            repeats += 1
         prompts.append(Prompt(ids, key, depth))
     return prompts
 
@@ -127,6 +132,7 @@ class RunResult:
     texts: list[str] = field(default_factory=list)
     correct: int | None = None
     engine: dict[str, int] = field(default_factory=dict)
+    decode_prompt_lengths: list[int] = field(default_factory=list)
 
     @property
     def decode_tput(self) -> float:
@@ -140,6 +146,7 @@ class RunResult:
             "decode": self.decode.to_dict(),
             "correct": self.correct,
             "engine": self.engine,
+            "decode_prompt_lengths": self.decode_prompt_lengths,
             "texts": self.texts,
         }
 
@@ -169,13 +176,21 @@ def run_pipeline(
         batch.progress = progress(f"{name}: modify")
         modify = batch.modify(modify_fn)
     engine.reset_stats()
+    decode_lengths = [len(s.tokens) for s in streams]
     batch.progress = progress(f"{name}: decode")
     decode = batch.decode(sampling)
     tokenizer = getattr(engine, "tokenizer", None)
     outputs = [list(s.output_tokens) for s in streams]
     texts = [tokenizer.decode(o) if tokenizer is not None else "" for o in outputs]
     result = RunResult(
-        name, prefill, decode, modify, outputs, texts, engine=engine.stats().to_dict()
+        name,
+        prefill,
+        decode,
+        modify,
+        outputs,
+        texts,
+        engine=engine.stats().to_dict(),
+        decode_prompt_lengths=decode_lengths,
     )
     if all(p.answer is not None for p in prompts) and tokenizer is not None:
         result.correct = sum(p.answer in t for p, t in zip(prompts, texts))
