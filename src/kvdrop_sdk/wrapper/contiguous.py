@@ -105,7 +105,10 @@ class BufferCache:
 
 
 def _recycle(holder: Any) -> None:
-    holder._cache.give(holder._mm)
+    try:
+        holder._cache.give(holder._mm)
+    except Exception:  # finaliser: e.g. at interpreter shutdown; the mapping is simply freed
+        pass
 
 
 _CACHE = BufferCache(int(os.environ.get("KVDROP_RECYCLE_BYTES", str(1 << 30))))
