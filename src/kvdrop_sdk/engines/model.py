@@ -360,8 +360,6 @@ class Transformer(nn.Module):
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
-                elif name.endswith("bias"):
-                    p.normal_(0.0, 0.02, generator=gen)
                 else:
                     p.normal_(0.0, 0.02, generator=gen)
         if config.tie_word_embeddings:
@@ -430,8 +428,13 @@ class Transformer(nn.Module):
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise FileNotFoundError(f"{cfg_file} not found: expected an HF model folder")
-        config = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
-        config = replace(config, name=config.name if config.name != "llama" else path.name)
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{cfg_file}: not valid JSON ({e})") from e
+        config = ModelConfig.from_hf(cfg)
+        if not cfg.get("_name_or_path"):
+            config = replace(config, name=path.name)
         tensors = weights.load_safetensors_folder(path)
         hf = {k.removeprefix("model."): v for k, v in tensors.items()}
         return cls.from_state_dict(config, hf, dtype=dtype, device=device)

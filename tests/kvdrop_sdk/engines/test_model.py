@@ -199,6 +199,15 @@ def test_from_pretrained_errors_are_clear(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(cfg)
     with pytest.raises(ValueError, match=r"missing \['layers\.3"):
         Transformer.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Transformer.from_pretrained(tmp_path)
+
+
+def test_folder_model_is_named_after_the_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "my-tiny-llama"
+    model = _ours_from_hf(_hf_model("Llama"), folder)
+    assert model.config.name == "my-tiny-llama"
 
 
 SMOLLM2 = find_smollm2_gguf()
