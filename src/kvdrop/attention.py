@@ -73,7 +73,7 @@ def attention_mass(
         q_pos = torch.full((num_queries,), num_keys - 1, dtype=torch.int64)
     q_pos = q_pos.to(torch.int64).cpu().clamp(max=num_keys - 1)
     block = max(1, block_bytes // (4 * num_q_heads * num_keys))
-    key_index = torch.arange(num_keys, device=k.device)
+    ones = torch.ones(num_q_heads, 1, min(block, num_queries), dtype=torch.float32, device=k.device)
     for start in range(0, num_queries, block):
         pos = q_pos[start : start + block]
         b = pos.numel()
@@ -81,13 +81,16 @@ def attention_mass(
         qb = q[:, start : start + b].to(torch.float32) * scale
         qb = qb.reshape(num_kv_heads, group * b, head_dim)
         s = torch.matmul(qb, k[:, :limit].transpose(1, 2))  # [Hkv, G*b, limit]
-        s = s.view(num_kv_heads, group, b, limit)
-        if int(pos.min()) + 1 < limit:
-            hidden = key_index[:limit][None, :] > pos.to(k.device)[:, None]  # [b, limit]
-            s.masked_fill_(hidden, -torch.inf)
-        s.sub_(s.amax(dim=-1, keepdim=True)).exp_()
-        s.div_(s.sum(dim=-1, keepdim=True))
-        out[:, :limit] += s.sum(dim=2).view(num_q_heads, limit)
+        first_hidden = int(pos.min()) + 1
+        if first_hidden < limit:  # only keys after the earliest query's position can be hidden
+            cols = torch.arange(first_hidden, limit)
+            hidden = (cols[None, :] > pos[:, None]).to(k.device)  # [b, limit - first_hidden]
+            s.view(num_kv_heads, group, b, limit)[..., first_hidden:].masked_fill_(
+                hidden, -torch.inf
+            )
+        p = torch.softmax(s, dim=-1).view(num_q_heads, b, limit)
+        # Sum over the block's queries as a batched mat-vec (faster than a strided reduction).
+        out[:, :limit] += torch.bmm(ones[:, :, :b], p).squeeze(1)
     return out
 
 
@@ -121,8 +124,8 @@ def key_redundancy(
     kn: torch.Tensor,
     threshold: float = 0.5,
     *,
-    row_block: int = 256,
-    col_block: int = 4096,
+    row_block: int = 512,
+    col_block: int = 1024,
 ) -> torch.Tensor:
     """R-KV redundancy of every key, ``[H, T]`` float32 (softmax over T per head).
 
@@ -138,6 +141,7 @@ def key_redundancy(
     col_sum = torch.einsum("hd,htd->ht", kn.sum(dim=1), kn)
     col_sum -= (kn * kn).sum(dim=-1)  # the diagonal is zeroed before anything else
     last = torch.zeros(num_heads, num_keys, dtype=torch.int64, device=kn.device)
+    zeroed = torch.zeros(num_heads, num_keys, dtype=torch.float32, device=kn.device)
     for r0 in range(0, num_keys, row_block):
         rows = kn[:, r0 : r0 + row_block]
         nr = rows.shape[1]
@@ -148,21 +152,26 @@ def key_redundancy(
         while c1 > 0 and not bool(found.all()):
             c0 = max(0, c1 - col_block)
             sim = torch.matmul(rows, kn[:, c0:c1].transpose(1, 2))  # [H, nr, c1 - c0]
-            cols = torch.arange(c0, c1, device=kn.device)
-            similar = sim > threshold
-            similar &= cols[None, None, :] != row_index[None, :, None]  # diagonal is 0
-            any_hit = similar.any(dim=-1)
-            # Last True column: argmax over reversed columns finds the first from the right.
-            last_in_block = (c1 - c0 - 1) - similar.flip(-1).to(torch.uint8).argmax(dim=-1)
-            new = any_hit & ~found
-            hit_col = torch.where(new, last_in_block + c0, hit_col)
-            found |= any_hit
+            lo, hi = max(r0, c0), min(r0 + nr, c1)
+            if lo < hi:  # the block crosses the diagonal: it never counts as a similar key
+                diag = torch.arange(lo, hi, device=kn.device)
+                sim[:, diag - r0, diag - c0] = -torch.inf
+            # One cheap pass finds the rows with a hit; only those are searched for the last one.
+            new = (sim.amax(dim=-1) > threshold) & ~found
+            if bool(new.any()):
+                hh, rr = new.nonzero(as_tuple=True)
+                similar = sim[hh, rr] > threshold  # [hits, c1 - c0]
+                last_in_block = (c1 - c0 - 1) - similar.flip(-1).to(torch.uint8).argmax(dim=-1)
+                hit_col[hh, rr] = last_in_block + c0
+                found[hh, rr] = True
             c1 = c0
         if threshold < 0:  # the zeroed diagonal itself (0 > threshold) may be the last hit
             hit_col = torch.where(found, torch.maximum(hit_col, row_index), row_index)
         last[:, r0 : r0 + nr] = hit_col
-    # Subtract each row's zeroed entry S[i, last[i]] from column last[i] (nothing when i == last).
-    zeroed = (kn * torch.gather(kn, 1, last[..., None].expand_as(kn))).sum(dim=-1)
-    zeroed = torch.where(last == torch.arange(num_keys, device=kn.device), 0.0, zeroed)
+        # The entry each row zeroes, S[i, last[i]] (0 when last[i] == i: the diagonal).
+        partner = torch.gather(kn, 1, hit_col[..., None].expand(-1, -1, kn.shape[-1]))
+        entry = (rows * partner).sum(dim=-1)
+        zeroed[:, r0 : r0 + nr] = torch.where(hit_col == row_index, 0.0, entry)
+    # Subtract each row's zeroed entry from the column it sits in.
     col_sum.scatter_add_(1, last, -zeroed)
     return torch.softmax(col_sum / num_keys, dim=-1)

@@ -278,7 +278,8 @@ class RKVScorer(Scorer):
             importance = pool1d(
                 _group(importance, keys.shape[0], self.group_agg), self.kernel, self.pooling
             )
-            redundancy = key_redundancy(unit_keys(keys), self.threshold)[:, :obs]
+            keys = unit_keys(keys)  # the raw float32 keys are no longer needed
+            redundancy = key_redundancy(keys, self.threshold)[:, :obs]
             mixed = self.mix_lambda * importance - (1 - self.mix_lambda) * redundancy
             per_layer.append(reduce(mixed, 0, self.head_agg))
         return _window_fill(reduce(torch.stack(per_layer), 0, self.layer_agg), num_tokens)

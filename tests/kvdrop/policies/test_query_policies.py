@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import gc
 import math
+import os
 from typing import Any
 
 import pytest
@@ -260,3 +262,50 @@ def test_h2o_recent_window_takes_its_share_of_the_budget() -> None:
     kv, q = make_inputs(4, 100, 1, 1, 1, 8)
     _, kept = fn({CacheKind.KV: kv, CacheKind.QUERY: q}, list(range(100)))
     assert len(kept) == 40 and kept[-20:] == list(range(80, 100))
+
+
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "rkv"])
+def test_peak_memory_at_32k_tokens_is_under_twice_the_input(
+    name: str, record_property: Any
+) -> None:
+    """Peak RSS increase (kernel high-water mark, reset before the call) < 2x the KV + Q size.
+
+    Keys are clustered (like real keys, many pairs with cosine > 0.5) so R-KV's scan for the
+    last similar key stops early; its buffers are the same size either way.
+    """
+    t, layers, kv_heads, q_heads, d = 32768, 2, 8, 16, 128
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.empty(2, layers, t, kv_heads * d, dtype=torch.bfloat16)
+    centres = torch.randn(layers, kv_heads, 4, d, generator=gen)
+    for layer in range(layers):
+        for h in range(kv_heads):
+            which = torch.randint(0, 4, (t,), generator=gen)
+            block = centres[layer, h][which] + 0.6 * torch.randn(t, d, generator=gen)
+            kv[0, layer, :, h * d : (h + 1) * d] = block
+        kv[1, layer].normal_(generator=gen)
+    query = torch.empty(1, layers, t, q_heads * d, dtype=torch.bfloat16).normal_(generator=gen)
+    fn = kvdrop.get(name, keep_ratio=0.5, head_dim=d)
+    input_bytes = kv.numel() * kv.element_size() + query.numel() * query.element_size()
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as fh:  # reset VmHWM to the current RSS
+        fh.write("5")
+    start = _proc_status("VmRSS")
+    out, kept = fn({CacheKind.KV: kv, CacheKind.QUERY: query}, list(range(t)))
+    peak = _proc_status("VmHWM") - start
+    assert len(kept) == t // 2 and out.shape == (2, layers, t // 2, kv_heads * d)
+    record_property(f"peak_mb_{name}", peak / 2**20)
+    print(
+        f"{name} T={t} L={layers}: peak +{peak / 2**20:.0f} MiB for {input_bytes / 2**20:.0f} "
+        f"MiB of KV + Q ({peak / input_bytes:.2f}x)"
+    )
+    assert peak < 2 * input_bytes
