@@ -5,8 +5,10 @@ T in 2K and 8K; ``--tokens 2048 8192 16384 32768`` for the full sweep. Query pol
 [1, 28, T, 2048] query tensor (16 query heads x 128, GQA group 2) and ``head_dim=128``.
 
 Each policy is timed (median of ``--repeats``) against the floor every policy pays: a plain
-``index_select`` of the same number of rows. Peak memory is the peak RSS increase while the policy
-runs (kvdrop.profiling.PeakRSS), beside the input size.
+``index_select`` of the same number of rows, and against what moving the same KV costs on this
+machine: one ``store`` + one ``retrieve`` through a real kvdrop server (shared memory), measured
+in the same run (``x_store_retrieve``; ``--no-store-retrieve`` skips it). Peak memory is the peak
+RSS increase while the policy runs (kvdrop.profiling.PeakRSS), beside the input size.
 
     python benchmarks/policies.py [--tokens 2048 8192] [--policies knorm snapkv] [--json]
 """
@@ -40,6 +42,38 @@ def timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     return statistics.median(times), result
 
 
+def store_retrieve_s(kv: torch.Tensor, args: argparse.Namespace) -> float:
+    """Median seconds of store(kv) + retrieve through a real server on 127.0.0.1 (fresh tokens
+    each time so every store really writes)."""
+    from kvdrop_sdk import kvcache
+    from kvdrop_sdk.layout import CacheLayout
+    from kvdrop_sdk.server.testing import spawn_server
+
+    _, layers, num_tokens, width = kv.shape
+    layout = CacheLayout(layers, width // args.head_dim, args.head_dim, kv.dtype)
+    nbytes = kv.numel() * kv.element_size()
+    times = []
+    with spawn_server(
+        l1_size_gb=round(nbytes * 1.1 / 1024**3 + 0.01, 3),
+        chunk_size=256,
+        no_l1_use_lazy=True,
+        startup_timeout=120,
+    ) as server:
+        with kvcache.connect(server.url, server.http_url, "bench", 120, layout=layout) as ctx:
+            for i in range(args.repeats + 1):  # the first round warms up
+                tokens = list(range(i * num_tokens, (i + 1) * num_tokens))
+                t0 = time.perf_counter()
+                ctx.store(kv, tokens)
+                out = ctx.retrieve(tokens)
+                elapsed = time.perf_counter() - t0
+                if out is None or out.shape != kv.shape:
+                    raise RuntimeError("store+retrieve baseline: retrieve missed")
+                del out
+                if i:
+                    times.append(elapsed)
+    return statistics.median(times)
+
+
 def bench_policy(
     name: str, kv: torch.Tensor, query: torch.Tensor, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -69,6 +103,7 @@ def bench_policy(
         "ms_per_1k_tokens": 1000 * seconds / (num_tokens / 1000),
         "index_select_s": floor,
         "x_floor": seconds / floor,
+        "x_store_retrieve": None,
         "peak_mb": mem.peak / 2**20,
         "input_mb": input_bytes / 2**20,
     }
@@ -88,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
+    parser.add_argument(
+        "--no-store-retrieve",
+        action="store_true",
+        help="skip the store+retrieve baseline (needs no server then)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     if args.threads:
@@ -102,10 +142,18 @@ def main(argv: list[str] | None = None) -> int:
         query = torch.randn(
             1, args.layers, num_tokens, args.q_heads * args.head_dim, generator=gen
         ).to(dtype)
+        first = len(rows)
         for name in names:
             rows.append(bench_policy(name, kv, query, args))
             print(f"  {name} T={num_tokens}: {rows[-1]['seconds']:.3f}s", file=sys.stderr)
-        del kv, query
+        del query  # keep the peak low: the server holds another copy of the KV
+        if not args.no_store_retrieve:
+            baseline = store_retrieve_s(kv, args)
+            print(f"  store+retrieve T={num_tokens}: {baseline:.3f}s", file=sys.stderr)
+            for row in rows[first:]:
+                row["store_retrieve_s"] = baseline
+                row["x_store_retrieve"] = row["seconds"] / baseline
+        del kv
     setup = {
         "kv_shape": f"[2, {args.layers}, T, {args.kv_heads * args.head_dim}]",
         "query_shape": f"[1, {args.layers}, T, {args.q_heads * args.head_dim}]",
