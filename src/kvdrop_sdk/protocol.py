@@ -22,6 +22,7 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "OPS",
     "PROTOCOL_VERSION",
+    "SOCKET_BUFFER_BYTES",
     "ProtocolError",
     "RpcClient",
     "RpcError",
@@ -34,6 +35,8 @@ __all__ = [
 PROTOCOL_VERSION = 1
 #: Largest accepted JSON header; headers carry no bulk data.
 MAX_HEADER_BYTES = 64 * 1024
+#: Kernel socket buffer size for both ends (bulk transfers stream better with larger buffers).
+SOCKET_BUFFER_BYTES = 4 << 20
 #: Operations the server understands (see docs/sdk.md for each one's frames).
 OPS = (
     "ping",
@@ -127,6 +130,8 @@ class RpcClient:
                 return self._free.pop()
         sock = self._zctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
+        sock.setsockopt(zmq.RCVBUF, SOCKET_BUFFER_BYTES)
         try:
             sock.connect(self.url)
         except zmq.ZMQError as exc:

@@ -24,6 +24,7 @@ from kvdrop_sdk.hashing import TOKEN_BYTES, chunk_keys, root_hash
 from kvdrop_sdk.layout import CacheLayout, dtype_name
 from kvdrop_sdk.protocol import (
     PROTOCOL_VERSION,
+    SOCKET_BUFFER_BYTES,
     ProtocolError,
     decode_header,
     encode_header,
@@ -108,6 +109,8 @@ class Server:
             self._zctx = zmq.Context()
             frontend = self._zctx.socket(zmq.ROUTER)
             frontend.setsockopt(zmq.LINGER, 0)
+            frontend.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
+            frontend.setsockopt(zmq.RCVBUF, SOCKET_BUFFER_BYTES)
             # A frame bigger than the whole pool can never be stored: drop such peers early.
             frontend.setsockopt(zmq.MAXMSGSIZE, max(cfg.pool_bytes, 1 << 26) + (1 << 20))
             frontend.bind(f"tcp://{cfg.host}:{cfg.port or '*'}")
@@ -400,8 +403,15 @@ class Server:
         if lid is None:
             return {"num_tokens": 0}, []
         try:
+            # One frame per (chunk, kv/layer row): bounded frame sizes stream best over TCP.
             mem = memoryview(self.pool.buffer)
-            out = [mem[off : off + nbytes] for off, nbytes in slots]
+            num_rows = layout.shape(kind, 1)[0] * layout.num_layers
+            span = self.config.chunk_size * layout.width * layout.itemsize
+            out = [
+                mem[off + r * span : off + (r + 1) * span]
+                for off, _ in slots
+                for r in range(num_rows)
+            ]
         except BaseException:
             self.store.release(lid)
             raise

@@ -352,21 +352,25 @@ class ContiguousTransferWrapper:
             if n == 0:
                 return None
             shape = layout.shape(kind, n)
-            chunk_bytes = layout.nbytes(kind, c)
+            num_rows = shape[0] * shape[1]
+            span = c * shape[3] * layout.itemsize
             if (
                 reply.get("shape") != list(shape)
-                or len(frames) != n // c
-                or any(len(f.buffer) != chunk_bytes for f in frames)
+                or len(frames) != n // c * num_rows
+                or any(len(f.buffer) != span for f in frames)
             ):
                 raise SDKError(
                     f"server sent shape {reply.get('shape')} in {len(frames)} frames, "
-                    f"expected {list(shape)} in {n // c} frames of {chunk_bytes} bytes"
+                    f"expected {list(shape)} in {n // c * num_rows} frames of {span} bytes"
                 )
             out = empty_tensor(shape, layout.dtype)
-            chunk_shape = layout.shape(kind, c)
-            for j, frame in enumerate(frames):
-                src = torch.frombuffer(frame.buffer, dtype=layout.dtype).view(chunk_shape)
-                copy_rows(out[:, :, j * c : (j + 1) * c], src)
+            # Frame (chunk i, row r) goes to row r, tokens [i*c, (i+1)*c) of ``out``.
+            row_bytes = n * shape[3] * layout.itemsize
+            base = out.data_ptr()
+            for k, frame in enumerate(frames):
+                i, r = divmod(k, num_rows)
+                src = torch.frombuffer(frame.buffer, dtype=torch.uint8)
+                ctypes.memmove(base + r * row_bytes + i * span, src.data_ptr(), span)
             return out
         reply, _ = self._rpc.call("pin", {**fields, "lease_s": lease_s}, [token_bytes])
         lease = reply.get("lease")
