@@ -431,3 +431,46 @@ def test_kvdrop_server_command_serves(tmp_path: Any) -> None:
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
     assert "kvdrop server: zmq tcp://127.0.0.1:" in out
+
+
+def test_reader_whose_pin_lapsed_gets_a_miss_not_other_data(
+    tiny_server: ServerHandle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shared-memory reader stalls past its lease while a writer reuses the slots."""
+    import kvdrop_sdk.wrapper.contiguous as contiguous
+
+    model = "lapse"
+    reader = sdk.kvcache.connect(
+        tiny_server.url, tiny_server.http_url, model, 10, layout=LAYOUT, transport="shm"
+    )
+    writer = sdk.kvcache.connect(
+        tiny_server.url, tiny_server.http_url, model, 10, layout=LAYOUT, transport="socket"
+    )
+    real_copy = contiguous.copy_rows
+    stalled = []
+
+    def stalling_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        if not stalled:
+            stalled.append(True)
+            time.sleep(0.4)  # the 0.2 s pin lapses; the writer then evicts and reuses the slots
+            for i in range(50, 54):
+                assert writer.store(kv_for(i), toks(i))
+        real_copy(dst, src)
+
+    try:
+        assert reader.store(kv_for(49), toks(49))
+        monkeypatch.setattr(contiguous, "copy_rows", stalling_copy)
+        out = reader.transfer_ctx.retrieve(
+            {"model": model, "kind": "kv", "salt": ""},
+            encode_tokens(toks(49)),
+            LAYOUT,
+            CacheKind.KV,
+            lease_s=0.2,
+        )
+        assert stalled and out is None
+        monkeypatch.setattr(contiguous, "copy_rows", real_copy)
+        assert reader.retrieve(toks(49)) is None  # evicted
+        assert torch.equal(reader.retrieve(toks(53)), kv_for(53))
+    finally:
+        reader.close()
+        writer.close()
