@@ -1,7 +1,9 @@
 """Decode-throughput gain of token dropping, measured side by side in one run.
 
 Starts a kvdrop server (subprocess, 127.0.0.1, free ports) and the reference engine with a KV
-budget that fits about half of the baseline requests at once (``--fit-fraction``), then runs:
+budget that holds every request once it is cut to ``--keep-ratio`` (so, at keep 0.5, about half
+of the baseline requests at once; ``--fit-fraction`` or ``--kv-budget-tokens`` set it instead),
+then runs:
 
 * baseline: prefill every prompt (KV stored in the server), decode ``--max-tokens`` each;
 * dropped:  prefill, modify with ``kvdrop.get(--policy, keep_ratio=--keep-ratio)``, decode.
@@ -66,7 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-rerotate", action="store_true", help="keep kept keys at old positions")
     p.add_argument("--chunk-size", type=int, default=256, help="server chunk size")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--fit-fraction", type=float, default=0.5, help="baseline requests that fit")
+    p.add_argument(
+        "--fit-fraction",
+        type=float,
+        default=None,
+        help="size the budget for this fraction of baseline requests instead",
+    )
     p.add_argument("--kv-budget-tokens", type=int, default=None, help="overrides --fit-fraction")
     p.add_argument("--max-prefill-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -81,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if len(args.prompt_tokens) not in (1, 2) or min(args.prompt_tokens) < 1:
         p.error("--prompt-tokens takes one length or MIN MAX (positive ints)")
-    if not 0 < args.keep_ratio <= 1 or not 0 < args.fit_fraction <= 1:
+    if not 0 < args.keep_ratio <= 1 or not 0 < (args.fit_fraction or 1) <= 1:
         p.error("--keep-ratio and --fit-fraction must be in (0, 1]")
     if args.num_requests < 1 or args.max_tokens < 1:
         p.error("--num-requests and --max-tokens must be >= 1")
@@ -125,6 +132,23 @@ def server_gb(cfg: ModelConfig, dtype: torch.dtype, prompts: list[list[int]], ar
     runs = 1 if args.share_prefill else 2
     total = sum(len(p) + 1 + args.max_tokens for p in prompts) * per_token
     return max(0.25, (runs + args.keep_ratio) * total * 1.15 / 2**30)
+
+
+def budget_blocks(prompts: list[list[int]], args: argparse.Namespace) -> int:
+    """KV budget in blocks: every request after dropping fits at once (upper estimate of its
+    kept chunks, its tail, the prefill token and ``max_tokens``), or ``--fit-fraction`` of the
+    baseline requests of average size. A decode request is prompt + 1 token + max_tokens - 1."""
+    bs, chunk = args.block_size, args.chunk_size
+    base = [math.ceil((len(p) + args.max_tokens) / bs) for p in prompts]
+    if args.fit_fraction is not None:
+        fit = max(1, math.floor(len(prompts) * args.fit_fraction))
+        return max(max(base), math.floor((fit + 0.5) * statistics.mean(base)))
+    dropped = []
+    for p in prompts:
+        chunks = len(p) // chunk
+        kept = math.ceil(chunks * args.keep_ratio) * chunk + len(p) % chunk
+        dropped.append(math.ceil((kept + args.max_tokens) / bs) + 1)
+    return max(max(base), sum(dropped))
 
 
 def run(
@@ -193,16 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     policy_fn = kvdrop.get(args.policy, rerotate=rerotate, **params)
 
     # Budget: the decode request is prompt + 1 prefill token, then max_tokens more.
-    probe_need = [
-        math.ceil((len(p) + args.max_tokens) / args.block_size) for p in sorted(prompts, key=len)
-    ]
     if args.kv_budget_tokens:
         num_blocks = args.kv_budget_tokens // args.block_size
     else:
-        # About `fit` baseline requests of average length at once (half a request of slack, so
-        # requests that shrink to keep_ratio fit about fit / keep_ratio at once).
-        fit = max(1, math.floor(args.num_requests * args.fit_fraction))
-        num_blocks = max(probe_need[-1], math.floor((fit + 0.5) * statistics.mean(probe_need)))
+        num_blocks = budget_blocks(prompts, args)
     gb = server_gb(cfg, dtype, prompts, args)
     flags: dict[str, Any] = {"chunk_size": args.chunk_size, "l1_size_gb": round(gb, 3)}
     if info.needs_query:
