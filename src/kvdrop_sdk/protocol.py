@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -159,9 +160,10 @@ class RpcClient:
         ok = False
         try:
             sock.send_multipart([encode_header(header), *frames], copy=False)
-            deadline_ms = int(wait * 1000)
+            deadline = time.monotonic() + wait
             while True:
-                if not sock.poll(deadline_ms, zmq.POLLIN):
+                left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+                if not sock.poll(left_ms, zmq.POLLIN):
                     raise SDKError(
                         f"no reply from kvdrop server at {self.url} within {wait:g} s "
                         f"(op {op!r}); {self._hint}"
@@ -171,6 +173,10 @@ class RpcClient:
                 if reply.get("rid") == rid:
                     break
             ok = True
+        except zmq.ZMQError as exc:
+            raise SDKError(f"transport error talking to {self.url} (op {op!r}): {exc}") from None
+        except ProtocolError as exc:
+            raise SDKError(f"{self.url} sent a malformed reply to {op!r}: {exc}") from None
         finally:
             if ok:
                 with self._lock:
