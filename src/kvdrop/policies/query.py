@@ -188,7 +188,7 @@ class H2OScorer(Scorer):
         budget = Selector(self.keep_ratio, self.keep_tokens, self.chunk_size).budget(num_tokens)
         recent = min(int(self.recent_ratio * budget + 1e-9), num_tokens)
         if recent:
-            scores[num_tokens - recent :] = _KEEP + torch.arange(recent, dtype=torch.float32)
+            scores[num_tokens - recent :] = _KEEP
         return scores
 
 

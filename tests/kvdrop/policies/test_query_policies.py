@@ -92,7 +92,7 @@ def ref_h2o(kv: torch.Tensor, q: torch.Tensor, p: dict[str, Any]) -> torch.Tenso
     budget = Selector(p.get("keep_ratio"), p.get("keep_tokens"), p["chunk_size"]).budget(t)
     recent = int(p["recent_ratio"] * budget + 1e-9)
     if recent:
-        scores[t - recent :] = 1e30 + torch.arange(recent, dtype=torch.float64)
+        scores[t - recent :] = 1e30
     return scores
 
 
@@ -178,7 +178,10 @@ def test_scores_equal_float64_reference(name: str, extra: dict[str, Any], group:
     defaults = {p.name: p.default for p in kvdrop.describe(name).params}
     ref = REFERENCES[name](kv, q, {**defaults, **params})
     assert got.shape == (41,) and got.dtype == torch.float32
-    assert float((got.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    forced = ref >= 1e29  # H2O's recent share: forced by a huge score, compared on its own
+    assert torch.equal(got >= 1e29, forced)
+    got, ref = got[~forced].double(), ref[~forced]
+    assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
 
 
 @pytest.mark.parametrize("name", ["snapkv", "h2o", "tova", "rkv"])
