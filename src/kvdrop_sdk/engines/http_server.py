@@ -177,7 +177,14 @@ def _prompt_ids(prompt: Any, tokenizer: TextTokenizer | None, vocab_size: int | 
                 "'prompt' is text but this server has no tokenizer; send a list of token ids",
                 param="prompt",
             )
-        ids = list(tokenizer.encode(prompt))
+        ids = [int(t) for t in tokenizer.encode(prompt)]
+        bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if bad:
+            raise BadRequestError(
+                f"the tokenizer turned 'prompt' into token id {bad[0]}, outside the model's "
+                f"vocabulary [0, {vocab_size}); the tokenizer does not match the model",
+                param="prompt",
+            )
     elif isinstance(prompt, list):
         ids = _token_ids(prompt, vocab_size, "prompt")
     else:

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import requests
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvdrop_sdk.engines.http_server import (
     BadRequestError,
@@ -310,6 +312,16 @@ def test_text_prompt_and_detokenized_output(engine: CountingEngine) -> None:
         assert engine.calls[-1][0] == [104, 105]
 
 
+def test_tokenizer_larger_than_the_model_vocabulary(engine: CountingEngine) -> None:
+    with CompletionHTTPServer(
+        engine, model_name="m", port=0, tokenizer=CharTokenizer(), vocab_size=100
+    ) as srv:
+        assert post(srv, {"prompt": "AB", "max_tokens": 1}).status_code == 200
+        r = post(srv, {"prompt": "é", "max_tokens": 1})  # code point 233 >= 100
+        assert r.status_code == 400
+        assert "does not match the model" in r.json()["error"]["message"]
+
+
 def test_engine_generator_without_finish_reason(engine: CountingEngine) -> None:
     def quiet(prompt: list[int], params: dict[str, Any], salt: str) -> Iterator[TokenEvent]:
         yield TokenEvent(7, "x")  # ends early (say, an unlabelled EOS)
@@ -547,3 +559,46 @@ def test_server_rejects_bad_configuration(engine: CountingEngine) -> None:
         CompletionHTTPServer(engine, model_name="", port=0)
     with pytest.raises(ValueError, match="needs a tokenizer"):
         CompletionHTTPServer(engine, model_name="m", port=0, detokenize=True)
+
+
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+_field_names = st.sampled_from(
+    ["prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+     "stream", "stream_options", "logprobs", "n", "echo", "cache_salt", "model", "ignore_eos",
+     "presence_penalty", "user", "return_tokens_as_token_ids", "max_token"]
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    body=st.dictionaries(_field_names, _json, max_size=6)
+    | st.fixed_dictionaries(
+        {"prompt": st.lists(st.integers(-5, 2000), max_size=5)},
+        optional={"max_tokens": _json, "seed": _json, "top_p": _json, "stop_token_ids": _json},
+    )
+    | _json
+)
+def test_parse_never_fails_with_anything_but_bad_request(body: Any) -> None:
+    """Whatever JSON arrives, validation either accepts it or raises BadRequestError."""
+    try:
+        req = parse_completion_request(
+            body, model_name="m", tokenizer=CharTokenizer(), vocab_size=VOCAB, max_model_len=4096
+        )
+    except BadRequestError as exc:
+        assert str(exc) and 400 <= exc.status < 500
+        return
+    assert req.prompt_token_ids and all(0 <= t < VOCAB for t in req.prompt_token_ids)
+    assert req.max_tokens >= 1 and req.sampling_params["max_tokens"] == req.max_tokens
+    assert set(req.sampling_params) <= {
+        "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop_token_ids"
+    }  # fmt: skip
