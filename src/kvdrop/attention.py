@@ -73,6 +73,8 @@ def attention_mass(
         q_pos = torch.full((num_queries,), num_keys - 1, dtype=torch.int64)
     q_pos = q_pos.to(torch.int64).cpu().clamp(max=num_keys - 1)
     block = max(1, block_bytes // (4 * num_q_heads * num_keys))
+    if causal:  # smaller blocks let early queries skip the keys they cannot see
+        block = min(block, 64)
     ones = torch.ones(num_q_heads, 1, min(block, num_queries), dtype=torch.float32, device=k.device)
     for start in range(0, num_queries, block):
         pos = q_pos[start : start + block]
