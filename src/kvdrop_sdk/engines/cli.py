@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineSetupError", "add_arguments", "run"]
+__all__ = ["EngineSetupError", "add_arguments", "load_model", "run"]
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -203,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         model, tokenizer, default_name = load_model(args)
-    except (EngineSetupError, FileNotFoundError, ValueError, ImportError) as exc:
+    except (EngineSetupError, OSError, ValueError, ImportError, RuntimeError) as exc:
+        # Missing files, bad checkpoints, missing extras, an unavailable --device.
         print(f"kvdrop engine: error: {exc}", file=sys.stderr)
         return 2
     name = args.served_model_name or default_name

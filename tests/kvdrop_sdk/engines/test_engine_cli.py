@@ -145,6 +145,7 @@ def test_engine_subprocess_stops_on_sigint_mid_stream(engine_proc: EngineProcess
         (["--random-preset", "tiny", "--kv-budget-tokens", "8"], "at least one block"),
         (["--random-preset", "tiny", "--port", "70000"], "--port must be in 0..65535"),
         (["--random-preset", "tiny", "--served-model-name", " "], "must not be empty"),
+        (["--random-preset", "tiny", "--device", "nonsense"], "nonsense"),
     ],
 )
 def test_bad_flags(flags: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
