@@ -153,6 +153,15 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any, str]:
     from kvdrop_sdk.engines.model import ModelConfig, Transformer
 
     dtype = getattr(torch, args.dtype)
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError) as exc:
+        raise EngineSetupError(f"--device {args.device!r}: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EngineSetupError(
+            f"--device {args.device}: CUDA is not available (torch {torch.__version__}, "
+            "no GPU or a CPU-only build); use --device cpu"
+        )
     if args.random_preset is not None:
         try:
             config = ModelConfig.preset(args.random_preset)

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import requests
+import torch
 
 from kvdrop.cli import main
 from kvdrop_sdk.engines.openai import make_post_completion
@@ -146,6 +147,11 @@ def test_engine_subprocess_stops_on_sigint_mid_stream(engine_proc: EngineProcess
         (["--random-preset", "tiny", "--port", "70000"], "--port must be in 0..65535"),
         (["--random-preset", "tiny", "--served-model-name", " "], "must not be empty"),
         (["--random-preset", "tiny", "--device", "nonsense"], "nonsense"),
+        pytest.param(
+            ["--random-preset", "tiny", "--device", "cuda"],
+            "CUDA is not available",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present"),
+        ),
     ],
 )
 def test_bad_flags(flags: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -177,8 +183,6 @@ def test_port_in_use(capsys: pytest.CaptureFixture[str]) -> None:
 def test_engine_with_kvdrop_server_through_the_sdk(tmp_path: Path) -> None:
     """Server + `kvdrop engine --kvdrop-url` + SDK batch over HTTP: prefill stores KV and queries,
     a chunk-dropping edit is stored, decode continues from the edited cache."""
-    import torch
-
     from kvdrop_sdk import qcache
     from kvdrop_sdk.batch import BatchedStream
     from kvdrop_sdk.cache_kind import CacheKind
@@ -245,7 +249,6 @@ def test_engine_with_kvdrop_server_through_the_sdk(tmp_path: Path) -> None:
 def _hf_folder(root: Path) -> Path:
     """A tiny random Llama checkpoint saved by transformers, plus a byte-level tokenizer.json."""
     transformers = pytest.importorskip("transformers")
-    import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     folder = root / "tiny-llama"
