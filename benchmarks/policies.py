@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         "query_shape": f"[1, {args.layers}, T, {args.q_heads * args.head_dim}]",
         "dtype": args.dtype,
         "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "load_avg_1min": round(os.getloadavg()[0], 1),
         "keep_ratio": args.keep_ratio,
         "repeats": args.repeats,
     }
