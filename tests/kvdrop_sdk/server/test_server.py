@@ -358,17 +358,29 @@ def test_existing_shm_name_is_refused(tmp_path: Any) -> None:
         (["--l1-size-gb", "0"], "--l1-size-gb must be > 0"),
         (["--shm-name", "a/b"], "--shm-name 'a/b'"),
         (["--chunk-size", "-4"], "--chunk-size must be a positive int"),
+        (["--port", "65536"], "--port must be 0..65535"),
     ],
 )
-def test_bad_flags_exit_2_with_message(args: list[str], message: str) -> None:
+def test_bad_flags_are_rejected_with_message(args: list[str], message: str) -> None:
+    import argparse
+
+    from kvdrop_sdk.server.cli import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(ValueError) as info:
+        config_from_args(parser.parse_args(args))
+    assert message in str(info.value)
+
+
+def test_bad_flag_exits_2() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "kvdrop_sdk.server", "--port", "0", "--http-port", "0", *args],
+        [sys.executable, "-m", "kvdrop_sdk.server", "--port", "0", "--enable", "bogus"],
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr
+    assert proc.returncode == 2 and "unknown feature" in proc.stderr
 
 
 def test_cli_help_lists_the_documented_flags() -> None:
