@@ -38,7 +38,7 @@ def server_has_transfer_query(http_url: str, timeout: float = 10.0) -> bool:
         raise SDKError(f"could not read the kvdrop server's config from {url}: {exc}") from exc
     enabled = body.get("features", body.get("enabled", [])) if isinstance(body, dict) else None
     if not isinstance(enabled, list):
-        raise SDKError(f"{url} answered {body!r}; expected a JSON object with an 'enabled' list")
+        raise SDKError(f"{url} answered {body!r}; expected a JSON object with a 'features' list")
     return "transfer_query" in enabled
 
 
