@@ -76,7 +76,7 @@ class EngineConnector(Protocol):
         """Store whole chunks of ``kv`` (and ``queries`` ``[1, L, T, Hq*d]``) under ``tokens``."""
 
 
-_TOLERATED_KEYS = frozenset({"stream", "logprobs", "model", "user", "echo"})
+_TOLERATED_KEYS = frozenset({"stream", "logprobs", "model", "user", "echo", "n"})
 
 
 @dataclass(frozen=True)
