@@ -34,12 +34,8 @@ class Pool:
         self._mm: mmap.mmap | None = None
         self._path: str | None = None
         if shm_name is None:
+            # No MADV_HUGEPAGE: with THP defrag=madvise, faults may stall for seconds compacting.
             self._mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            if hasattr(mmap, "MADV_HUGEPAGE"):
-                try:
-                    self._mm.madvise(mmap.MADV_HUGEPAGE)
-                except OSError:
-                    pass
             self.data = torch.frombuffer(self._mm, dtype=torch.uint8)
         else:
             path = shm_path(shm_name)
