@@ -351,20 +351,29 @@ class Transformer(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> Transformer:
-        """Random weights from ``seed`` (normal, std 0.02; norms 1), reproducible across runs."""
-        gen = torch.Generator().manual_seed(seed)
+        """Random weights from ``seed`` (normal, std 0.02; norms 1), reproducible across runs.
+
+        Allocated directly in ``dtype`` on ``device`` (an 8B model never exists in float32 on the
+        host). On CPU the values are drawn in float32 and rounded, so a bfloat16 model is the
+        float32 one rounded; other devices draw with their own generator (same seed, same
+        device kind -> same weights)."""
+        device = torch.device(device)
         with torch.device("meta"):
             model = cls(config)
-        model = model.to_empty(device="cpu")
+        model = model.to(dtype=dtype).to_empty(device=device)
+        on_cpu = device.type == "cpu"
+        gen = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
+                elif on_cpu and p.dtype != torch.float32:
+                    p.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=gen))
                 else:
                     p.normal_(0.0, 0.02, generator=gen)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        return model.to(device=device, dtype=dtype).eval()
+        return model.eval()
 
     @classmethod
     def from_state_dict(

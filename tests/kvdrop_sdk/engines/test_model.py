@@ -135,6 +135,8 @@ def test_bfloat16_model_runs_and_tracks_float32() -> None:
         lf = f32(ids, torch.arange(40), DenseAttention(cfg))
         lb = b16(ids, torch.arange(40), DenseAttention(cfg))
     assert lb.dtype == torch.float32 and b16.dtype == torch.bfloat16
+    w = f32.layers[1].mlp.up_proj.weight
+    assert torch.equal(b16.layers[1].mlp.up_proj.weight, w.bfloat16())  # same draws, rounded
     assert (lf - lb).abs().max() < 0.05 * lf.abs().max() + 0.02
 
 
