@@ -511,6 +511,7 @@ def _handler_for(server: Server) -> type[BaseHTTPRequestHandler]:
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            """Answer /config, /status or /health as JSON; 404 with the known paths otherwise."""
             path = self.path.split("?", 1)[0].rstrip("/")
             routes: dict[str, Callable[[], dict[str, Any]]] = {
                 "/config": server.config_json,
@@ -524,6 +525,7 @@ def _handler_for(server: Server) -> type[BaseHTTPRequestHandler]:
                 self._send(200, route())
 
         def _send(self, status: int, body: dict[str, Any]) -> None:
+            """Write ``body`` as a JSON response."""
             raw = json.dumps(body).encode("utf-8")
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -532,6 +534,7 @@ def _handler_for(server: Server) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(raw)
 
         def log_message(self, format: str, *args: Any) -> None:
+            """Route access logs to the server logger at DEBUG (no stderr noise)."""
             log.debug("http: " + format, *args)
 
     return Handler

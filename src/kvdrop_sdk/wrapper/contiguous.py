@@ -1,7 +1,7 @@
 """Moves a context's tensors to and from the server: shared memory when possible, else the socket.
 
 Shared memory: the server's pool is a /dev/shm file this process maps; a store reserves slots,
-copies each chunk straight into its slot (``torch`` ``copy_``, multi-threaded) and commits; a
+copies each chunk straight into its slot (row ``memmove``s, see ``copy_rows``) and commits; a
 retrieve pins the slots, copies them out into one contiguous tensor and releases them.
 Socket: the bytes travel as ZMQ frames of bounded size (one per chunk and kv/layer row on store,
 sent straight from the caller's tensor; one per chunk on retrieve), so large transfers reuse heap
