@@ -328,20 +328,38 @@ class Transformer(nn.Module):
             )
         if tokens.dtype.is_floating_point or positions.dtype.is_floating_point:
             raise ValueError("tokens and positions must be integer tensors")
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= c.vocab_size):
-            raise ValueError(
-                f"token ids must be in [0, {c.vocab_size}), got min {int(tokens.min())} "
-                f"max {int(tokens.max())}"
-            )
+        # Checked where it costs no device sync (ids built on the host, the usual case).
+        if tokens.device.type == "cpu" and tokens.numel():
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= c.vocab_size:
+                raise ValueError(f"token ids must be in [0, {c.vocab_size}), got min {lo} max {hi}")
         tokens, positions = tokens.to(self.device), positions.to(self.device)
-        cos, sin = c.rope.cos_sin(positions)
-        attn_factor = c.rope.inv_freq()[1] if c.rope.rope_type == "yarn" else 1.0
+        cos, sin, attn_factor = self._cos_sin(positions)
         h = self.embed_tokens(tokens)
         for i, block in enumerate(self.layers):
             h = block(i, h, cos, sin, attn_factor, attn)
         if logits_rows is not None:
             h = h[logits_rows.to(self.device)]
         return self.lm_head(self.norm(h)).float()
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """``RopeConfig.cos_sin`` with the inverse frequencies cached on the model's device (they
+        depend on the call only for dynamic NTK), plus the attention factor."""
+        rope = self.config.rope
+        if rope.rope_type == "dynamic":
+            cos, sin = rope.cos_sin(positions)
+            return cos, sin, 1.0
+        cached = getattr(self, "_inv_freq_cache", None)
+        if cached is None or cached[0] is not rope or cached[1].device != positions.device:
+            inv, factor = rope.inv_freq()
+            cached = (rope, inv.to(positions.device), factor)
+            self._inv_freq_cache = cached
+        _, inv, factor = cached
+        freqs = positions.to(torch.float32)[..., None] * inv
+        cos, sin = freqs.cos(), freqs.sin()
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        return cos, sin, factor
 
     @classmethod
     def random(
