@@ -153,30 +153,51 @@ class RpcClient:
 
         Raises RpcError for an error reply and SDKError when no reply arrives in time.
         """
-        rid = next(self._rids)
-        header = {"v": PROTOCOL_VERSION, "op": op, "rid": rid, **(fields or {})}
+        return self.call_many([(op, fields or {}, frames)], timeout)[0]
+
+    def call_many(
+        self,
+        calls: Sequence[tuple[str, dict[str, Any], Sequence[Any]]],
+        timeout: float | None = None,
+    ) -> list[tuple[dict[str, Any], list[zmq.Frame]]]:
+        """Send several requests back to back on one socket, then collect every reply.
+
+        The server's workers handle them in parallel, so a large transfer split into several
+        requests overlaps the server's copies with the network. Replies come back in request
+        order; the first error reply (after all replies arrived) raises RpcError.
+        """
+        ops = [op for op, _, _ in calls]
         sock = self._socket()
         wait = self.timeout if timeout is None else timeout
+        replies: dict[int, tuple[dict[str, Any], list[zmq.Frame]]] = {}
+        rids: list[int] = []
         ok = False
         try:
-            sock.send_multipart([encode_header(header), *frames], copy=False)
+            for op, fields, frames in calls:
+                rid = next(self._rids)
+                rids.append(rid)
+                header = {"v": PROTOCOL_VERSION, "op": op, "rid": rid, **fields}
+                sock.send_multipart([encode_header(header), *frames], copy=False)
             deadline = time.monotonic() + wait
-            while True:
+            while len(replies) < len(rids):
                 left_ms = max(0, int((deadline - time.monotonic()) * 1000))
                 if not sock.poll(left_ms, zmq.POLLIN):
                     raise SDKError(
                         f"no reply from kvdrop server at {self.url} within {wait:g} s "
-                        f"(op {op!r}); {self._hint}"
+                        f"(op {ops[0]!r}); {self._hint}"
                     )
                 parts = sock.recv_multipart(copy=False)
                 reply = decode_header(parts[0].buffer)
-                if reply.get("rid") == rid:
-                    break
+                rid = reply.get("rid")
+                if isinstance(rid, int) and rid in rids:
+                    replies[rid] = (reply, list(parts[1:]))
             ok = True
         except zmq.ZMQError as exc:
-            raise SDKError(f"transport error talking to {self.url} (op {op!r}): {exc}") from None
+            raise SDKError(
+                f"transport error talking to {self.url} (op {ops[0]!r}): {exc}"
+            ) from None
         except ProtocolError as exc:
-            raise SDKError(f"{self.url} sent a malformed reply to {op!r}: {exc}") from None
+            raise SDKError(f"{self.url} sent a malformed reply to {ops[0]!r}: {exc}") from None
         finally:
             if ok:
                 with self._lock:
@@ -186,10 +207,13 @@ class RpcClient:
                         self._free.append(sock)
             else:
                 sock.close(0)
-        if not reply.get("ok"):
-            code = str(reply.get("code", "error"))
-            raise RpcError(code, f"server error ({code}): {reply.get('error', 'unknown error')}")
-        return reply, list(parts[1:])
+        ordered = [replies[rid] for rid in rids]
+        for reply, _ in ordered:
+            if not reply.get("ok"):
+                code = str(reply.get("code", "error"))
+                message = reply.get("error", "unknown error")
+                raise RpcError(code, f"server error ({code}): {message}")
+        return ordered
 
     def __enter__(self) -> RpcClient:
         return self

@@ -380,3 +380,25 @@ def test_many_contexts_in_threads(kv_server: ServerHandle, model_name: str) -> N
     for t in threads:
         t.join(60)
     assert not errors, errors
+
+
+def test_socket_store_split_into_pipelined_requests(
+    kv_server: ServerHandle, model_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvdrop_sdk.wrapper.contiguous as contiguous
+
+    monkeypatch.setattr(contiguous, "PUT_BATCH_BYTES", 1)  # one chunk per request
+    with sdk.kvcache.connect(
+        kv_server.url, kv_server.http_url, model_name, 30, layout=LAYOUT, transport="socket"
+    ) as ctx:
+        tokens = tokens_for(5 * CHUNK + 17, 300)
+        kv = make(CacheKind.KV, LAYOUT, len(tokens), seed=21)
+        assert ctx.store(kv[:, :, : 2 * CHUNK], tokens[: 2 * CHUNK])
+        before = kv_server.status()
+        assert ctx.store(kv, tokens) is True
+        after = kv_server.status()
+        assert after["stores"] - before["stores"] == 3
+        assert after["duplicate_chunks"] - before["duplicate_chunks"] == 2
+        assert after["requests"] - before["requests"] >= 5  # one put per chunk
+        assert bits_equal(ctx.retrieve(tokens), kv[:, :, : 5 * CHUNK])
+        assert ctx.store(kv, tokens) is False

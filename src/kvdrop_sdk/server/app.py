@@ -434,6 +434,18 @@ class Server:
                 "bad_tokens",
                 f"put takes whole chunks: {num_tokens} tokens is not a multiple of {c}",
             )
+        if not keys:
+            raise ProtocolError("bad_tokens", "put needs at least one whole chunk of tokens")
+        # ``first_chunk``: the tokens frame holds the whole prefix (for the key chain) but data
+        # only for chunks [first_chunk, end), so one store can be split into pipelined requests.
+        first = header.get("first_chunk", 0)
+        if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < len(keys):
+            raise ProtocolError(
+                "bad_field",
+                f"field 'first_chunk' must be an int in [0, {len(keys)}), got {first!r}",
+            )
+        keys = keys[first:]
+        num_tokens = len(keys) * c
         if header.get("dtype") != dtype_name(layout.dtype):
             raise ProtocolError(
                 "dtype_mismatch",
@@ -454,8 +466,6 @@ class Server:
                 f"put takes {len(keys) * num_rows} data frames (one per chunk and kv/layer row) "
                 f"of {span} bytes each; got {len(data)} frames",
             )
-        if not keys:
-            return {"stored": 0, "duplicates": 0, "dropped": 0}, []
         nbytes = layout.nbytes(kind, c)
         lid, slots, dup, dropped = self.store.reserve(keys, nbytes, self.config.max_lease_s)
         if lid is None:

@@ -45,6 +45,8 @@ MODES = ("auto", "shm", "socket")
 _MAGIC = b"KVDROPL1"
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", ""}
 _RECYCLE_MIN_BYTES = 4 << 20
+#: Socket stores are split into pipelined requests of about this many bytes.
+PUT_BATCH_BYTES = 32 << 20
 
 
 def tensor_buffer(t: torch.Tensor) -> memoryview:
@@ -310,13 +312,27 @@ class ContiguousTransferWrapper:
                 for i in range(n)
                 for r in range(kv.shape[0] * kv.shape[1])
             ]
-            header = {
-                **fields,
-                "dtype": dtype_name(layout.dtype),
-                "shape": list(layout.shape(kind, n * c)),
-            }
-            reply, _ = self._rpc.call("put", header, [token_bytes[: n * c * 8], *frames])
-            return _stored(reply)
+            # Several pipelined requests of ~PUT_BATCH_BYTES each: server workers copy one batch
+            # into the pool while the next is still on the wire.
+            rows_per_chunk = kv.shape[0] * kv.shape[1]
+            per_msg = max(1, PUT_BATCH_BYTES // layout.nbytes(kind, c))
+            calls = []
+            for first in range(0, n, per_msg):
+                m = min(per_msg, n - first)
+                header = {
+                    **fields,
+                    "dtype": dtype_name(layout.dtype),
+                    "shape": list(layout.shape(kind, m * c)),
+                    "first_chunk": first,
+                }
+                data = frames[first * rows_per_chunk : (first + m) * rows_per_chunk]
+                calls.append(("put", header, [token_bytes[: (first + m) * c * 8], *data]))
+            replies = self._rpc.call_many(calls)
+            total = {"stored": 0, "dropped": 0}
+            for reply, _ in replies:
+                total["stored"] += int(reply.get("stored", 0))
+                total["dropped"] += int(reply.get("dropped", 0))
+            return _stored(total)
         reply, _ = self._rpc.call("reserve", {**fields, "lease_s": lease_s}, [token_bytes])
         lease = reply.get("lease")
         if lease is None:

@@ -250,6 +250,9 @@ def test_malformed_requests_get_error_replies_and_change_nothing(
             ([_hdr(**put_ok), t512, *[b"\0" * row] * 7], "bad_data"),
             ([_hdr(**put_ok), t512, *[b"\0" * (row - 4)] * 8], "bad_data"),
             ([_hdr(**put_ok), t512[:-8], *[b"\0" * row] * 8], "bad_tokens"),
+            ([_hdr(**put_ok, first_chunk=2), t512, *[b"\0" * row] * 8], "bad_field"),
+            ([_hdr(**put_ok, first_chunk=1), t512, *[b"\0" * row] * 8], "shape_mismatch"),
+            ([_hdr(**put_ok), b"", *[b"\0" * row] * 8], "bad_tokens"),
         ]
         zctx = zmq.Context()
         sock = zctx.socket(zmq.DEALER)
