@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def tokens_for(n: int, start: int = 0) -> list[int]:
 
 
 @pytest.fixture
-def kv_ctx(kv_server: ServerHandle, model_name: str):
+def kv_ctx(kv_server: ServerHandle, model_name: str) -> Iterator[sdk.Context]:
     with sdk.kvcache.connect(kv_server.url, kv_server.http_url, model_name, 30, layout=LAYOUT) as c:
         yield c
 
