@@ -131,6 +131,13 @@ class ServerConnector:
         ctx = self._ctx()
         return int(ctx.lookup(list(tokens), cache_salt))
 
+    def lookup_queries(self, tokens: Sequence[int], cache_salt: str = "") -> int:
+        """Length of the longest cached chunk-aligned query prefix (0 without transfer_query)."""
+        self._ctx()
+        if self._q_ctx is None:
+            return 0
+        return int(self._q_ctx.lookup(list(tokens), cache_salt))
+
     def load(self, tokens: Sequence[int], cache_salt: str = "") -> Tensor | None:
         """KV ``[2, L, T, Hkv*d]`` (CPU) of the longest cached prefix of ``tokens``, or None."""
         ctx = self._ctx()
@@ -152,16 +159,33 @@ class ServerConnector:
         queries: Tensor | None,
         tokens: Sequence[int],
         cache_salt: str = "",
-    ) -> None:
-        """Store whole chunks of ``kv`` ``[2, L, T, Hkv*d]`` and ``queries`` ``[1, L, T, Hq*d]``.
+        *,
+        query_offset: int = 0,
+    ) -> int:
+        """Store whole chunks of ``kv`` ``[2, L, T, Hkv*d]`` and of the queries; returns how
+        many query tokens were stored.
 
-        Queries are skipped when the server has no ``transfer_query``.
+        ``queries`` ``[1, L, T - query_offset, Hq*d]`` are those of tokens ``query_offset..``;
+        the first ``query_offset`` (a prefix shared with an earlier prompt) are read back from
+        the server to complete them. Queries are skipped when the server has no
+        ``transfer_query`` or no longer holds that prefix.
         """
         ctx = self._ctx()
         toks = list(tokens)
         ctx.store(kv, toks, cache_salt)
-        if queries is not None and self._q_ctx is not None:
-            self._q_ctx.store(queries, toks, cache_salt)
+        if queries is None or self._q_ctx is None:
+            return 0
+        if query_offset:
+            head = self._q_ctx.retrieve(toks[:query_offset], cache_salt)
+            if head is None or head.shape[2] < query_offset:
+                return 0  # evicted meanwhile: a partial query prefix would mislead policies
+            queries = torch.cat([head[:, :, :query_offset].to(queries.dtype), queries], dim=2)
+        if queries.shape[2] != len(toks):
+            raise SDKError(
+                f"queries cover {queries.shape[2]} tokens but {len(toks)} tokens are stored"
+            )
+        self._q_ctx.store(queries, toks, cache_salt)
+        return len(toks) // self.chunk_size * self.chunk_size
 
     def close(self) -> None:
         """Close the contexts (idempotent)."""

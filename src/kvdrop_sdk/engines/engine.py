@@ -70,10 +70,21 @@ class EngineConnector(Protocol):
     def load(self, tokens: Sequence[int], cache_salt: str) -> Tensor | None:
         """KV ``[2, L, T, Hkv*d]`` of the longest cached chunk-aligned prefix, or None."""
 
+    def lookup_queries(self, tokens: Sequence[int], cache_salt: str) -> int:
+        """Length of the longest cached chunk-aligned query prefix of ``tokens``."""
+
     def store(
-        self, kv: Tensor, queries: Tensor | None, tokens: Sequence[int], cache_salt: str
-    ) -> None:
-        """Store whole chunks of ``kv`` (and ``queries`` ``[1, L, T, Hq*d]``) under ``tokens``."""
+        self,
+        kv: Tensor,
+        queries: Tensor | None,
+        tokens: Sequence[int],
+        cache_salt: str,
+        *,
+        query_offset: int = 0,
+    ) -> int:
+        """Store whole chunks of ``kv`` (and ``queries`` ``[1, L, T - query_offset, Hq*d]`` of
+        tokens ``query_offset..``, the cached query prefix completing them) under ``tokens``;
+        returns how many query tokens were stored."""
 
 
 _TOLERATED_KEYS = frozenset({"stream", "logprobs", "model", "user", "echo", "n"})
@@ -176,6 +187,7 @@ class _StoreJob:
     queries: Tensor | None
     tokens: list[int]
     cache_salt: str
+    query_offset: int = 0
 
 
 @dataclass
@@ -192,6 +204,7 @@ class _Request:
     output: list[int] = field(default_factory=list)
     text: str = ""
     capture_queries: bool = False
+    query_offset: int = 0  # captured queries start here; the server holds the ones before
     store_upto: int = 0  # whole-chunk prompt tokens to store after prefill (0 = none)
     query_parts: list[Tensor] = field(default_factory=list)
     cancelled: bool = False
@@ -411,15 +424,16 @@ class Engine:
     def _run_store(self, job: _StoreJob) -> None:
         assert self.connector is not None
         try:
-            self.connector.store(job.kv, job.queries, job.tokens, job.cache_salt)
+            q_stored = self.connector.store(
+                job.kv, job.queries, job.tokens, job.cache_salt, query_offset=job.query_offset
+            )
         except Exception as exc:  # surface to the caller: the prompt is not in the server
             raise EngineError(
                 f"storing the prompt's KV in the kvdrop server failed: {exc}"
             ) from exc
         with self._cv:
             self._stats.kv_tokens_stored += job.kv.shape[2]
-            if job.queries is not None:
-                self._stats.query_tokens_stored += job.queries.shape[2]
+            self._stats.query_tokens_stored += int(q_stored or 0)
 
     def _check_prompt(self, tokens: Sequence[int]) -> list[int]:
         if isinstance(tokens, Tensor):
@@ -508,8 +522,17 @@ class Engine:
         aligned = len(req.prompt) // conn.chunk_size * conn.chunk_size
         if aligned > cached:
             req.store_upto = aligned
-            # Queries exist only for computed tokens; with a loaded prefix they are incomplete.
-            req.capture_queries = conn.transfer_query and n == 0
+            # Queries are captured for the computed tokens; a loaded prefix (shared with an
+            # earlier prompt) must have its queries cached too, or the query cache would hold
+            # a hole. After a modify the kept tokens have none: their prompt stores KV only.
+            if conn.transfer_query:
+                try:
+                    q_cached = conn.lookup_queries(req.prompt, req.cache_salt) if n else 0
+                except Exception as exc:
+                    self._fail(req, EngineError(f"query lookup in the server failed: {exc}"))
+                    return
+                req.capture_queries = n == 0 or q_cached >= n
+                req.query_offset = n
         with self._cv:
             self._stats.tokens_loaded += n
 
@@ -581,7 +604,9 @@ class Engine:
         if req.capture_queries and req.query_parts:
             queries = torch.cat(req.query_parts, dim=1).unsqueeze(0)
         req.query_parts = []
-        return _StoreJob(kv, queries, req.prompt[: req.store_upto], req.cache_salt)
+        return _StoreJob(
+            kv, queries, req.prompt[: req.store_upto], req.cache_salt, req.query_offset
+        )
 
     def _sample(self, logits: Tensor, reqs: list[_Request]) -> list[int]:
         if not reqs:

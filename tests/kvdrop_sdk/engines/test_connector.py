@@ -209,12 +209,64 @@ def test_edited_kv_under_kept_tokens_is_what_decode_uses(
     conn.close()
 
 
+def test_shared_prefix_completes_queries_from_the_server(
+    model: Transformer, server: ServerHandle
+) -> None:
+    """A prompt whose first chunks were stored by another prompt loads their KV, computes the
+    rest, and still leaves complete KV and queries for all its chunks (no hole in the query
+    cache, e.g. for prompts sharing a system prompt)."""
+    shared = tokens(2 * CHUNK, seed=20)
+    a = shared + tokens(CHUNK + 3, seed=21)
+    b = shared + tokens(2 * CHUNK + 5, seed=22)
+    conn = ServerConnector(server.url, server.http_url, "shared-model")
+    with Engine(model, num_blocks=16, connector=conn) as eng:
+        eng.generate(a, {**GREEDY, "max_tokens": 2})
+        eng.reset_stats()
+        out = eng.generate(b, {**GREEDY, "max_tokens": 4})
+        st = eng.stats()
+    conn.close()
+    assert st.tokens_loaded == 2 * CHUNK and st.prefill_tokens_computed == len(b) - 2 * CHUNK
+    assert st.query_tokens_stored == 4 * CHUNK
+    assert out == generate(model, b, 4, stop_at_eos=False)
+    kv_ref, q_ref = reference(model, b)
+    kv_ctx, q_ctx = contexts(server, "shared-model")
+    kv, q = kv_ctx.retrieve(b), q_ctx.retrieve(b)
+    assert kv is not None and q is not None and q.shape[2] == 4 * CHUNK
+    torch.testing.assert_close(kv, kv_ref[:, :, : 4 * CHUNK], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(q, q_ref[:, :, : 4 * CHUNK], atol=1e-5, rtol=1e-5)
+    kv_ctx.close()
+    q_ctx.close()
+
+
+def test_kv_prefix_without_queries_stores_kv_only(model: Transformer, server: ServerHandle) -> None:
+    """After a modify the kept tokens have KV but no queries: the next prompt stores KV only
+    rather than queries with a hole."""
+    prefix = tokens(2 * CHUNK, seed=23)
+    longer = prefix + tokens(CHUNK + 2, seed=24)
+    kv_only = ServerConnector(server.url, server.http_url, "hole-model", transfer_query=False)
+    with Engine(model, num_blocks=16, connector=kv_only) as eng:
+        eng.generate([*prefix, 7], {**GREEDY, "max_tokens": 1})
+    kv_only.close()
+    conn = ServerConnector(server.url, server.http_url, "hole-model")
+    with Engine(model, num_blocks=16, connector=conn) as eng:
+        eng.generate(longer, {**GREEDY, "max_tokens": 2})
+        st = eng.stats()
+    assert conn.transfer_query
+    assert st.tokens_loaded == 2 * CHUNK and st.kv_tokens_stored == 3 * CHUNK
+    assert st.query_tokens_stored == 0
+    assert conn.lookup(longer) == 3 * CHUNK and conn.lookup_queries(longer) == 0
+    conn.close()
+
+
 def test_eight_concurrent_requests_store_their_own_kv_and_queries(
     model: Transformer, server: ServerHandle
 ) -> None:
     """The upstream bug: queries attributed by batch position. Here every request's stored
     queries and KV equal those of the same request run alone."""
-    prompts = [tokens(CHUNK * (2 + i % 3) + i, seed=100 + i) for i in range(8)]
+    common = tokens(CHUNK, seed=99)  # half of the prompts share their first chunk
+    prompts = [
+        (common if i % 2 else []) + tokens(CHUNK * (2 + i % 3) + i, seed=100 + i) for i in range(8)
+    ]
     conn = ServerConnector(server.url, server.http_url, "conc-model")
     # small prefill chunks and a budget for ~5 requests: prefill chunks of different requests
     # share steps with each other and with decodes, and some requests wait for admission.
