@@ -70,8 +70,26 @@ def _ours_from_hf(hf: Any, tmp_path: Path) -> Transformer:
         ("Llama", {"rope_parameters": LLAMA3}),
         ("Llama", {"rope_parameters": YARN}),
         ("Qwen3", {"rope_parameters": {**YARN, "rope_theta": 1e6}}),
+        ("Llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}),
+        (
+            "Llama",
+            {
+                "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
+                "max_position_embeddings": 64,  # the 90-token prompt makes NTK rescale
+            },
+        ),
     ],
-    ids=["llama", "llama-tied-bias", "qwen3", "qwen2", "llama3-scaling", "yarn", "qwen3-yarn"],
+    ids=[
+        "llama",
+        "llama-tied-bias",
+        "qwen3",
+        "qwen2",
+        "llama3-scaling",
+        "yarn",
+        "qwen3-yarn",
+        "linear",
+        "dynamic-ntk",
+    ],
 )
 def test_logits_equal_transformers(arch: str, overrides: dict[str, Any], tmp_path: Path) -> None:
     hf = _hf_model(arch, **overrides)
