@@ -202,7 +202,8 @@ class _Request:
     num_computed: int = 0  # tokens whose KV is in the blocks
     num_loaded: int = 0
     output: list[int] = field(default_factory=list)
-    text: str = ""
+    text_from: int = 0  # detokenisation window: output[text_from:text_upto] is emitted text
+    text_upto: int = 0
     capture_queries: bool = False
     query_offset: int = 0  # captured queries start here; the server holds the ones before
     store_upto: int = 0  # whole-chunk prompt tokens to store after prefill (0 = none)
@@ -652,14 +653,21 @@ class Engine:
             self._free(req)
 
     def _text_delta(self, req: _Request, final: bool) -> str:
+        """Text of the newest token(s), decoding only a short window (not the whole output).
+
+        The window starts at the last emitted boundary (``text_from``); text is held back while
+        it ends in an incomplete UTF-8 sequence, and flushed on the last token.
+        """
         tok = self.tokenizer
         if tok is None:
             return ""
-        text = tok.decode(req.output)
-        if not final and text.endswith("\ufffd"):
-            return ""  # an incomplete UTF-8 sequence; wait for the next token
-        delta = text[len(req.text) :] if text.startswith(req.text) else text
-        req.text = text
+        ids = req.output
+        before = tok.decode(ids[req.text_from : req.text_upto])
+        now = tok.decode(ids[req.text_from :])
+        if len(now) <= len(before) or (not final and now.endswith("\ufffd")):
+            return ""
+        delta = now[len(before) :] if now.startswith(before) else now
+        req.text_from, req.text_upto = req.text_upto, len(ids)
         return delta
 
     def _free(self, req: _Request) -> None:

@@ -165,6 +165,21 @@ def test_text_from_tokenizer(model: Transformer) -> None:
     assert "".join(e.text for e in ev) == Tok().decode([e.token_id for e in ev])
 
 
+def test_text_of_multibyte_characters_split_over_tokens(model: Transformer) -> None:
+    """Byte-level tokens: a character split over several tokens is emitted once complete."""
+
+    class ByteTok:
+        def decode(self, ids: Sequence[int]) -> str:
+            return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
+
+    (p,) = prompts(1, 8, 8, seed=7)
+    with Engine(model, tokenizer=ByteTok(), num_blocks=8) as eng:
+        ev = list(eng.post_completion(p, {**GREEDY, "max_tokens": 24}))
+    ids = [e.token_id for e in ev]
+    assert "".join(e.text for e in ev) == ByteTok().decode(ids)
+    assert not any(e.text.endswith("\ufffd") for e in ev[:-1] if e.text)
+
+
 def test_bad_requests_raise_typed_errors(model: Transformer) -> None:
     with Engine(model, num_blocks=8) as eng:
         for bad, match in [
