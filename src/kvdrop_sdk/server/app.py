@@ -205,17 +205,18 @@ class Server:
                 self._tls.after_send = None
                 reply = self.handle(parts[1:])
                 after_send = self._tls.after_send
-                if after_send is None:
-                    sock.send_multipart([parts[0], *reply], copy=False)
-                    continue
                 try:
+                    if after_send is None:
+                        sock.send_multipart([parts[0], *reply], copy=False)
+                        continue
                     frames = [zmq.Frame(f, copy=False, track=True) for f in reply[1:]]
                     tracker = zmq.MessageTracker(*frames)
                     sock.send_multipart([parts[0], reply[0], *frames], copy=False)
-                except BaseException:
-                    after_send()
-                    raise
-                pending.append((tracker, after_send))
+                    pending.append((tracker, after_send))
+                except zmq.ZMQError:
+                    log.exception("could not send a reply")  # the worker keeps serving
+                    if after_send is not None:
+                        after_send()
         finally:
             sock.close(0)
             for _, after_send in pending:
