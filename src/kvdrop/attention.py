@@ -17,13 +17,16 @@ quadratic in compute but linear in memory, and equals the quadratic reference ex
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 __all__ = [
+    "BF16_FILTER_MARGIN",
     "DEFAULT_BLOCK_BYTES",
     "attention_mass",
+    "fast_bf16_matmul",
     "heads_f32",
     "key_redundancy",
     "pool1d",
@@ -122,12 +125,30 @@ def unit_keys(k: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return k / (k.norm(dim=-1, keepdim=True) + eps)
 
 
+#: Bound on |S_bf16 - S| for unit-norm keys: bf16 inputs (2u + u^2 with u = 2^-8, by
+#: Cauchy-Schwarz), float32 accumulation (~d * 2^-24) and the bf16 output (u * |S|) add up to
+#: < 0.012; 0.02 leaves room. A bf16 value below ``threshold - margin`` proves S <= threshold.
+BF16_FILTER_MARGIN = 0.02
+
+
+@functools.cache
+def fast_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 / AMX), so a bf16 pre-filter pays."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            flags = fh.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def key_redundancy(
     kn: torch.Tensor,
     threshold: float = 0.5,
     *,
     row_block: int = 512,
     col_block: int = 1024,
+    bf16_filter: bool | None = None,
 ) -> torch.Tensor:
     """R-KV redundancy of every key, ``[H, T]`` float32 (softmax over T per head).
 
@@ -138,12 +159,19 @@ def key_redundancy(
     minus the diagonal and the zeroed entries; finding the last similar column scans blocks of
     ``S`` from the right and stops as soon as every row of the block has a hit. Compute is
     ``O(T^2 d)`` in the worst case (no similar keys), memory ``O(row_block * col_block)``.
+
+    ``bf16_filter`` (default: when the CPU has native bf16) first multiplies the block in bf16;
+    blocks where no row can exceed ``threshold - BF16_FILTER_MARGIN`` are skipped, the others are
+    recomputed in float32, so the result stays exact.
     """
     num_heads, num_keys, _ = kn.shape
     col_sum = torch.einsum("hd,htd->ht", kn.sum(dim=1), kn)
     col_sum -= (kn * kn).sum(dim=-1)  # the diagonal is zeroed before anything else
     last = torch.zeros(num_heads, num_keys, dtype=torch.int64, device=kn.device)
     zeroed = torch.zeros(num_heads, num_keys, dtype=torch.float32, device=kn.device)
+    if bf16_filter is None:
+        bf16_filter = kn.device.type == "cpu" and fast_bf16_matmul()
+    kn_bf16 = kn.to(torch.bfloat16) if bf16_filter else None
     for r0 in range(0, num_keys, row_block):
         rows = kn[:, r0 : r0 + row_block]
         nr = rows.shape[1]
@@ -153,11 +181,17 @@ def key_redundancy(
         c1 = num_keys
         while c1 > 0 and not bool(found.all()):
             c0 = max(0, c1 - col_block)
-            sim = torch.matmul(rows, kn[:, c0:c1].transpose(1, 2))  # [H, nr, c1 - c0]
             lo, hi = max(r0, c0), min(r0 + nr, c1)
-            if lo < hi:  # the block crosses the diagonal: it never counts as a similar key
-                diag = torch.arange(lo, hi, device=kn.device)
-                sim[:, diag - r0, diag - c0] = -torch.inf
+            diag = torch.arange(lo, max(lo, hi), device=kn.device)  # empty unless it crosses
+            if kn_bf16 is not None:
+                rough = torch.matmul(kn_bf16[:, r0 : r0 + nr], kn_bf16[:, c0:c1].transpose(1, 2))
+                rough[:, diag - r0, diag - c0] = -torch.inf
+                maybe = rough.amax(dim=-1).float() > threshold - BF16_FILTER_MARGIN
+                if not bool((maybe & ~found).any()):
+                    c1 = c0
+                    continue
+            sim = torch.matmul(rows, kn[:, c0:c1].transpose(1, 2))  # [H, nr, c1 - c0]
+            sim[:, diag - r0, diag - c0] = -torch.inf  # the diagonal never counts as similar
             # One cheap pass finds the rows with a hit; only those are searched for the last one.
             new = (sim.amax(dim=-1) > threshold) & ~found
             if bool(new.any()):

@@ -103,16 +103,37 @@ def clustered_keys(gen: torch.Generator, h: int, t: int, d: int) -> torch.Tensor
 @pytest.mark.parametrize("threshold", [0.5, 0.9, 0.0, -0.2])
 @pytest.mark.parametrize("blocks", [(256, 4096), (7, 5), (1, 1)])
 @pytest.mark.parametrize("clustered", [False, True])
+@pytest.mark.parametrize("bf16_filter", [False, True])
 def test_blocked_redundancy_equals_quadratic(
-    threshold: float, blocks: tuple[int, int], clustered: bool
+    threshold: float, blocks: tuple[int, int], clustered: bool, bf16_filter: bool
 ) -> None:
     gen = torch.Generator().manual_seed(int(threshold * 10) + 3 * blocks[0] + clustered)
     h, t, d = 3, 37, 8
     k = clustered_keys(gen, h, t, d) if clustered else torch.randn(h, t, d, generator=gen)
-    got = key_redundancy(unit_keys(k), threshold, row_block=blocks[0], col_block=blocks[1])
+    got = key_redundancy(
+        unit_keys(k), threshold, row_block=blocks[0], col_block=blocks[1], bf16_filter=bf16_filter
+    )
     ref = ref_redundancy(k, threshold)
     assert got.shape == (h, t)
     assert rel_err(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize("bf16_filter", [False, True])
+def test_redundancy_is_exact_at_the_threshold(bf16_filter: bool) -> None:
+    """Pairs whose cosine is within 1e-5..1e-3 of the threshold, on either side: the bf16
+    pre-filter may not decide them, the float32 check must (same result as float64)."""
+    threshold = 0.5
+    base = math.acos(threshold)
+    angles = []
+    for m, delta in enumerate([1e-3, -1e-3, 1e-5, -1e-5, 3e-4, -3e-4]):
+        start = 1.7 * m
+        angles += [start, start + base + delta]  # cos(difference) = threshold -/+ ~delta
+    a = torch.tensor(angles, dtype=torch.float64)
+    k = torch.zeros(1, len(angles), 4, dtype=torch.float64)
+    k[0, :, 0], k[0, :, 1] = a.cos(), a.sin()
+    k = k.float()
+    got = key_redundancy(unit_keys(k), threshold, row_block=3, col_block=2, bf16_filter=bf16_filter)
+    assert rel_err(got, ref_redundancy(k, threshold)) < 1e-5
 
 
 def test_redundancy_penalises_duplicates_but_spares_the_latest_copy() -> None:
