@@ -109,7 +109,9 @@ class Context:
     def _http_json(self, path: str) -> dict[str, Any]:
         address = self.http_url + path
         try:
-            resp = requests.get(address, timeout=self.timeout)
+            with requests.Session() as session:
+                session.trust_env = False  # talk to the server directly, never via HTTP(S)_PROXY
+                resp = session.get(address, timeout=self.timeout)
             resp.raise_for_status()
             body = resp.json()
         except requests.RequestException as exc:

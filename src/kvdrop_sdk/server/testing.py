@@ -51,7 +51,9 @@ class ServerHandle:
 
     def status(self) -> dict[str, Any]:
         """``GET /status``."""
-        return requests.get(f"{self.http_url}/status", timeout=10).json()
+        with requests.Session() as session:
+            session.trust_env = False
+            return session.get(f"{self.http_url}/status", timeout=10).json()
 
     def log(self) -> str:
         """Everything the server printed so far."""
@@ -125,8 +127,10 @@ def spawn_server(
             with open(ready, encoding="utf-8") as fh:
                 info = json.load(fh)
             http_url = f"http://127.0.0.1:{info['http_port']}"
-            config = requests.get(f"{http_url}/config", timeout=10).json()
-            health = requests.get(f"{http_url}/health", timeout=10).json()
+            with requests.Session() as session:
+                session.trust_env = False  # never through HTTP(S)_PROXY
+                config = session.get(f"{http_url}/config", timeout=10).json()
+                health = session.get(f"{http_url}/health", timeout=10).json()
             if health.get("status") != "ok":
                 raise RuntimeError(f"server unhealthy: {health}")
             handle = ServerHandle(
