@@ -15,13 +15,13 @@ import os
 # subprocesses inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import re  # noqa: E402
-from collections.abc import Callable, Iterator  # noqa: E402
-from typing import Any  # noqa: E402
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
 
-import pytest  # noqa: E402
+import pytest
 
-from kvdrop_sdk.server.testing import ServerHandle, spawn_server  # noqa: E402
+from kvdrop_sdk.server.testing import ServerHandle, spawn_server
 
 
 @pytest.fixture(scope="session")
