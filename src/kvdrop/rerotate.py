@@ -60,6 +60,9 @@ def rerotate_keys(
     matter only for dynamic NTK scaling (default: largest position + 1).
     """
     out = keys.clone()
+    if old.numel():
+        old_seq_len = int(old.max()) + 1 if old_seq_len is None else old_seq_len
+        new_seq_len = int(new.max()) + 1 if new_seq_len is None else new_seq_len
     _rerotate_(out, old, new, rope, old_seq_len, new_seq_len)
     return out
 
