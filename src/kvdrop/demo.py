@@ -22,7 +22,7 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``kvdrop demo`` (heavy imports stay in ``run``)."""
     run_ = parser.add_argument_group("experiment")
-    run_.add_argument("--policy", default="snapkv", help="drop policy (see `kvdrop list`)")
+    run_.add_argument("--policy", default="rkv", help="drop policy (see `kvdrop list`)")
     run_.add_argument("--keep-ratio", type=float, default=0.5, help="fraction kept (default 0.5)")
     run_.add_argument(
         "--policy-arg",
@@ -162,7 +162,9 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
         budget = args.kv_budget_tokens
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
     q_bytes = cfg.num_layers * cfg.num_heads * cfg.head_dim * model.dtype.itemsize
-    pool_gb = 2.5 * sum(lengths) * (kv_bytes + (q_bytes if needs_query else 0)) / 1e9 + 0.05
+    # Room for both runs' prompts (KV and queries) plus the kept copies, with slack: an eviction
+    # here would shorten a request's cached prefix and blur the comparison.
+    pool_gb = 4.0 * sum(lengths) * (kv_bytes + (q_bytes if needs_query else 0)) / 1e9 + 0.05
     server = Server(
         ServerConfig(
             port=0,
@@ -210,6 +212,7 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
                 cache_salt="dropped",
                 progress=progress,
             )
+            server_status = server.status_json()
         finally:
             engine.stop()
             for ctx in contexts:
@@ -234,6 +237,7 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
             "device": args.device,
             "torch_threads": torch.get_num_threads(),
             "wall_seconds": time.perf_counter() - t0,
+            "server_evictions": server_status.get("evictions"),
         },
         "baseline": baseline.to_dict(),
         "dropped": dropped.to_dict(),

@@ -22,7 +22,7 @@ def demo(*args: str, timeout: float = 600) -> dict[str, Any]:
 
 
 def test_small_demo_run_reports_a_decode_gain() -> None:
-    report = demo(
+    args = (
         "--random-preset",
         "tiny",
         "--policy",
@@ -34,6 +34,7 @@ def test_small_demo_run_reports_a_decode_gain() -> None:
         "--max-tokens",
         "24",
     )
+    report = demo(*args)
     setup, summary = report["setup"], report["summary"]
     n = setup["num_requests"]
     # The budget is what makes the gain: baseline cannot run every request at once, dropped can.
@@ -44,7 +45,13 @@ def test_small_demo_run_reports_a_decode_gain() -> None:
     assert report["dropped"]["modify"]["metrics"]["results"]["kept_tokens"] == n * 512
     for run in ("baseline", "dropped"):
         assert report[run]["decode"]["metrics"]["results"]["output_tokens"] == n * 24
-    assert summary["decode_gain"] > 1.0
+    # The mechanism, deterministic: the dropped decode needs about half the engine steps.
+    assert report["dropped"]["engine"]["steps"] < 0.75 * report["baseline"]["engine"]["steps"]
+    # The reported gain is a timing: on a busy machine one run can be unlucky, so allow 3 tries.
+    gains = [summary["decode_gain"]]
+    while max(gains) <= 1.0 and len(gains) < 3:
+        gains.append(demo(*args)["summary"]["decode_gain"])
+    assert max(gains) > 1.0, gains
 
 
 def test_bad_flags_fail_with_a_clear_message() -> None:
