@@ -181,7 +181,7 @@ def run_pipeline(
     decode = batch.decode(sampling)
     tokenizer = getattr(engine, "tokenizer", None)
     outputs = [list(s.output_tokens) for s in streams]
-    texts = [tokenizer.decode(o) if tokenizer is not None else "" for o in outputs]
+    texts = [_detokenize(tokenizer, o) for o in outputs]
     result = RunResult(
         name,
         prefill,
@@ -195,6 +195,16 @@ def run_pipeline(
     if all(p.answer is not None for p in prompts) and tokenizer is not None:
         result.correct = sum(p.answer in t for p, t in zip(prompts, texts))
     return result
+
+
+def _detokenize(tokenizer: Any, ids: list[int]) -> str:
+    """Output text without special tokens (e.g. <|im_end|>) when the tokenizer can skip them."""
+    if tokenizer is None:
+        return ""
+    try:
+        return str(tokenizer.decode(ids, skip_special_tokens=True))
+    except TypeError:
+        return str(tokenizer.decode(ids))
 
 
 def agreement(a: RunResult, b: RunResult) -> tuple[float, float]:
