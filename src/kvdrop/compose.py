@@ -32,8 +32,8 @@ import torch
 
 from kvdrop.errors import PolicyInputError, PolicyParamError
 from kvdrop.params import Param, validate_params
-from kvdrop.policy import PolicyInfo, ScorerFactory, ScorerPolicy, check_inputs
-from kvdrop.selector import SELECTOR_PARAMS, Selector, _first_unique, gather
+from kvdrop.policy import IndexPolicy, PolicyInfo, ScorerFactory, ScorerPolicy, check_inputs
+from kvdrop.selector import SELECTOR_PARAMS, Selector, _first_unique
 
 __all__ = [
     "BudgetPolicy",
@@ -217,7 +217,7 @@ def _token_ranking(scores: torch.Tensor, n_sink: int, window: int) -> torch.Tens
 # compose
 
 
-class ComposePolicy:
+class ComposePolicy(IndexPolicy):
     """Union of scorer policies under one budget (see the module docstring)."""
 
     def __init__(
@@ -271,14 +271,6 @@ class ComposePolicy:
             picked = order[~chosen[order]][:quota]
             chosen[picked] = True
         return kv, chosen.nonzero().squeeze(1)
-
-    def __call__(
-        self, tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]
-    ) -> tuple[torch.Tensor, list[int]]:
-        kv, index = self.select_indices(tensors, tokens)
-        if index.numel() == kv.shape[2]:
-            return kv, [int(t) for t in tokens]
-        return gather(kv, tokens, index)
 
 
 def _part_list(policies: Any) -> list[tuple[str, dict[str, Any]]]:

@@ -21,6 +21,7 @@ from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.types import ModifyFnType, get_tensor
 
 __all__ = [
+    "IndexPolicy",
     "PolicyInfo",
     "Scorer",
     "ScorerFactory",
@@ -110,7 +111,27 @@ def check_inputs(
     return kv, (query if needs_query else None)
 
 
-class ScorerPolicy:
+class IndexPolicy:
+    """An edit function defined by the indices it keeps: subclasses give ``select_indices``.
+
+    Calling it gathers the kept KV rows and token ids; within budget the input comes back as is.
+    """
+
+    def select_indices(
+        self, tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def __call__(
+        self, tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]
+    ) -> tuple[torch.Tensor, list[int]]:
+        kv, index = self.select_indices(tensors, tokens)
+        if index.numel() == kv.shape[2]:
+            return kv, [int(t) for t in tokens]
+        return gather(kv, tokens, index)
+
+
+class ScorerPolicy(IndexPolicy):
     """The edit function (ModifyFnType) of a scorer + selector pair."""
 
     def __init__(self, name: str, scorer: Scorer, selector: Selector) -> None:
@@ -153,14 +174,6 @@ class ScorerPolicy:
     def with_selector(self, selector: Selector) -> ScorerPolicy:
         """The same scorer under another selector (e.g. a per-request budget)."""
         return ScorerPolicy(self.name, _sync_scorer(self.scorer, selector), selector)
-
-    def __call__(
-        self, tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]
-    ) -> tuple[torch.Tensor, list[int]]:
-        kv, index = self.select_indices(tensors, tokens)
-        if index.numel() == kv.shape[2]:
-            return kv, [int(t) for t in tokens]
-        return gather(kv, tokens, index)
 
 
 def _sync_scorer(scorer: Scorer, selector: Selector) -> Scorer:
