@@ -28,7 +28,10 @@ def format_table(
     cells = [[format_value(row.get(c)) for c in columns] for row in rows]
     widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
     numeric = [
-        all(isinstance(row.get(c), (int, float)) and not isinstance(row.get(c), bool) for row in rows)
+        all(
+            isinstance(row.get(c), (int, float)) and not isinstance(row.get(c), bool)
+            for row in rows
+        )
         and bool(rows)
         for c in columns
     ]

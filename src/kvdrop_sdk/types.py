@@ -14,7 +14,9 @@ __all__ = ["ModifyFnType", "get_tensor"]
 #: An edit function: given the retrieved tensors of one request (``{KV: [2, L, T, D]}`` and
 #: optionally ``{QUERY: [1, L, T, Dq]}``) and its T chunk-aligned token ids, return the edited KV
 #: ``[2, L, T', D]`` and the T' token ids it is stored under.
-ModifyFnType = Callable[[Mapping[CacheKind, torch.Tensor], Sequence[int]], tuple[torch.Tensor, Sequence[int]]]
+ModifyFnType = Callable[
+    [Mapping[CacheKind, torch.Tensor], Sequence[int]], tuple[torch.Tensor, Sequence[int]]
+]
 
 
 def get_tensor(tensors: Mapping[Any, torch.Tensor], kind: CacheKind) -> torch.Tensor | None:
