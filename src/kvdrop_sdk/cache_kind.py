@@ -16,7 +16,7 @@ class CacheKind(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: Any) -> CacheKind:
-        """Accept a ``CacheKind``, any enum whose ``.value`` is "kv"/"query", or the string itself."""
+        """A ``CacheKind`` from itself, any enum whose ``.value`` is "kv"/"query", or the value."""
         raw = kind_value(value)
         try:
             return cls(raw)

@@ -23,7 +23,7 @@ def format_table(
     *,
     title: str | None = None,
 ) -> str:
-    """Format ``rows`` (dicts) as an aligned text table; numbers right-aligned, text left-aligned."""
+    """``rows`` (dicts) as an aligned text table: numbers right-aligned, text left-aligned."""
     columns = list(columns if columns is not None else (rows[0].keys() if rows else []))
     cells = [[format_value(row.get(c)) for c in columns] for row in rows]
     widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
