@@ -30,13 +30,12 @@ from typing import Any
 import torch
 
 import kvdrop
-from kvdrop_sdk.batch import BatchedStream
+from kvdrop.experiment import Prompt, engine_budget, run_pipeline
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
 from kvdrop_sdk.engines.connector import ServerConnector
 from kvdrop_sdk.engines.engine import Engine
 from kvdrop_sdk.engines.model import ModelConfig, Transformer
-from kvdrop_sdk.request import create_request
 from kvdrop_sdk.server.testing import spawn_server
 from kvdrop_sdk.table import format_table
 
@@ -143,12 +142,10 @@ def budget_blocks(prompts: list[list[int]], args: argparse.Namespace) -> int:
     if args.fit_fraction is not None:
         fit = max(1, math.floor(len(prompts) * args.fit_fraction))
         return max(max(base), math.floor((fit + 0.5) * statistics.mean(base)))
-    dropped = []
-    for p in prompts:
-        chunks = len(p) // chunk
-        kept = math.ceil(chunks * args.keep_ratio) * chunk + len(p) % chunk
-        dropped.append(math.ceil((kept + args.max_tokens) / bs) + 1)
-    return max(max(base), sum(dropped))
+    budget, _, _ = engine_budget(
+        [len(p) for p in prompts], args.max_tokens, args.keep_ratio, chunk, bs
+    )
+    return budget // bs
 
 
 def run(
@@ -161,43 +158,41 @@ def run(
     policy_fn: Any,
     needs_query: bool,
 ) -> dict[str, Any]:
-    """One side of the comparison: prefill, optional modify, decode; metrics and engine stats."""
+    """One side of the comparison (kvdrop.experiment.run_pipeline, as the demo): a table row."""
     kinds = [CacheKind.KV] + ([CacheKind.QUERY] if needs_query and policy_fn else [])
     ctxs = [connect(k, server.url, server.http_url, model_name) for k in kinds]
     salt = "shared" if args.share_prefill else name
-    batch = BatchedStream(max_concurrency=max(1, len(prompts)))
-    for p in prompts:
-        batch.add(create_request(ctxs, engine.post_completion, p, cache_salt=salt))
-    greedy = {"temperature": 0.0, "ignore_eos": True}
-    row: dict[str, Any] = {"run": name}
-    engine.reset_stats()
-    log(f"{name}: prefill {len(prompts)} prompts")
-    pre = batch.prefill(greedy)
-    row["prefill_tokens"] = pre["input_tokens"]
-    row["prefill_s"] = pre["duration"]
-    row["prefill_tok_s"] = pre["input_tput"]
-    row["modify_s"] = None
-    row["kept_fraction"] = 1.0
-    if policy_fn is not None:
-        log(f"{name}: modify with {args.policy} keep_ratio={args.keep_ratio}")
-        mod = batch.modify(policy_fn, timeout=600.0)
-        row["modify_s"] = mod["duration"]
-        row["kept_fraction"] = mod["kept_fraction"]
-    engine.reset_stats()
-    log(f"{name}: decode {args.max_tokens} tokens each")
-    dec = batch.decode({**greedy, "max_tokens": args.max_tokens})
-    st = engine.stats()
-    row["decode_tokens"] = dec["output_tokens"]
-    row["decode_s"] = dec["duration"]
-    row["decode_tok_s"] = dec["output_tput"]
-    row["peak_running"] = st.peak_running
-    row["decode_steps"] = st.steps
-    row["loaded_tokens"] = st.tokens_loaded
-    row["recomputed_tokens"] = st.prefill_tokens_computed
-    row["outputs"] = [s.output_tokens for s in batch]
-    for c in ctxs:
-        c.close()
-    return row
+    greedy = {"temperature": 0.0, "ignore_eos": True, "max_tokens": args.max_tokens}
+    log(f"{name}: prefill, {'modify, ' if policy_fn else ''}decode {len(prompts)} prompts")
+    try:
+        res = run_pipeline(
+            name,
+            engine,
+            ctxs,
+            [Prompt(p) for p in prompts],
+            greedy,
+            modify_fn=policy_fn,
+            cache_salt=salt,
+        )
+    finally:
+        for c in ctxs:
+            c.close()
+    return {
+        "run": name,
+        "prefill_tokens": res.prefill["input_tokens"],
+        "prefill_s": res.prefill["duration"],
+        "prefill_tok_s": res.prefill["input_tput"],
+        "modify_s": res.modify["duration"] if res.modify is not None else None,
+        "kept_fraction": res.modify["kept_fraction"] if res.modify is not None else 1.0,
+        "decode_tokens": res.decode["output_tokens"],
+        "decode_s": res.decode["duration"],
+        "decode_tok_s": res.decode_tput,
+        "peak_running": res.engine["peak_running"],
+        "decode_steps": res.engine["steps"],
+        "loaded_tokens": res.engine["tokens_loaded"],
+        "recomputed_tokens": res.engine["prefill_tokens_computed"],
+        "outputs": res.outputs,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

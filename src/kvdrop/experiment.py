@@ -161,6 +161,7 @@ def run_pipeline(
     modify_fn: ModifyFnType | None = None,
     cache_salt: str = "",
     progress: Callable[[str], ProgressCallback | None] = lambda phase: None,
+    modify_timeout: float = 600.0,
 ) -> RunResult:
     """Prefill, optionally modify, then decode ``prompts`` through ``engine``'s post_completion."""
     batch = BatchedStream(max_concurrency=max(1, len(prompts)))
@@ -174,7 +175,7 @@ def run_pipeline(
     modify = None
     if modify_fn is not None:
         batch.progress = progress(f"{name}: modify")
-        modify = batch.modify(modify_fn)
+        modify = batch.modify(modify_fn, timeout=modify_timeout)
     engine.reset_stats()
     decode_lengths = [len(s.tokens) for s in streams]
     batch.progress = progress(f"{name}: decode")
