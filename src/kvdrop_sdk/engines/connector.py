@@ -172,7 +172,16 @@ class ServerConnector:
         """
         ctx = self._ctx()
         toks = list(tokens)
+        # Queries go in BEFORE the KV: another request that finds this KV prefix (and loads it
+        # instead of computing it) then always finds its queries too. Storing KV first left a
+        # window in which that request stored no queries, and the query cache had a hole.
+        stored = self._store_queries(queries, toks, cache_salt, query_offset)
         ctx.store(kv, toks, cache_salt)
+        return stored
+
+    def _store_queries(
+        self, queries: Tensor | None, toks: list[int], cache_salt: str, query_offset: int
+    ) -> int:
         if queries is None or self._q_ctx is None:
             return 0
         if query_offset:
