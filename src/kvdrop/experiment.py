@@ -181,7 +181,10 @@ def run_pipeline(
     batch.progress = progress(f"{name}: decode")
     decode = batch.decode(sampling)
     tokenizer = getattr(engine, "tokenizer", None)
-    outputs = [list(s.output_tokens) for s in streams]
+    # Runs decode with ignore_eos (equal work in both runs); what follows the first EOS is not
+    # part of the answer, so outputs are compared and shown up to it.
+    eos = frozenset(getattr(engine, "eos_token_ids", ()) or ())
+    outputs = [_until_eos(list(s.output_tokens), eos) for s in streams]
     texts = [_detokenize(tokenizer, o) for o in outputs]
     result = RunResult(
         name,
@@ -198,6 +201,11 @@ def run_pipeline(
     return result
 
 
+def _until_eos(ids: list[int], eos: frozenset[int]) -> list[int]:
+    """``ids`` up to (not including) the first end-of-sequence token."""
+    return next((ids[:i] for i, t in enumerate(ids) if t in eos), ids)
+
+
 def _detokenize(tokenizer: Any, ids: list[int]) -> str:
     """Output text without special tokens (e.g. <|im_end|>) when the tokenizer can skip them."""
     if tokenizer is None:
@@ -209,7 +217,10 @@ def _detokenize(tokenizer: Any, ids: list[int]) -> str:
 
 
 def agreement(a: RunResult, b: RunResult) -> tuple[float, float]:
-    """(fraction of requests with identical outputs, mean fraction of matching leading tokens)."""
+    """(fraction of requests with identical answers, mean fraction of matching leading tokens).
+
+    Outputs are compared up to their first EOS token (see :func:`run_pipeline`).
+    """
     same = [x == y for x, y in zip(a.outputs, b.outputs)]
     prefix = []
     for x, y in zip(a.outputs, b.outputs):
