@@ -19,7 +19,21 @@ import requests
 
 from kvdrop_sdk.server.pool import shm_path
 
-__all__ = ["ServerHandle", "spawn_server", "unique_shm_name"]
+__all__ = ["ServerHandle", "spawn_server", "stop_process", "unique_shm_name"]
+
+
+def stop_process(proc: subprocess.Popen[Any], sig: int, timeout: float) -> int:
+    """Send ``sig`` to a running ``proc`` and wait for its exit code; after ``timeout`` seconds
+    kill it and raise ``TimeoutError`` (a process that ignores SIGTERM is a bug under test)."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise TimeoutError(f"process {proc.pid} ignored {sig!r} for {timeout} s") from None
+    return int(proc.returncode)
 
 
 def unique_shm_name(prefix: str = "kvdrop_test") -> str:
@@ -62,15 +76,10 @@ class ServerHandle:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
         """Send ``sig`` and wait for the exit; returns the exit code (kills after ``timeout``)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise RuntimeError(f"server did not exit within {timeout} s of {sig}") from None
-        return int(self.proc.returncode)
+        try:
+            return stop_process(self.proc, sig, timeout)
+        except TimeoutError:
+            raise RuntimeError(f"server did not exit within {timeout} s of {sig}") from None
 
 
 def _flag_args(flags: dict[str, Any]) -> list[str]:

@@ -18,6 +18,7 @@ import torch
 
 from kvdrop.cli import main
 from kvdrop_sdk.engines.openai import make_post_completion
+from kvdrop_sdk.server.testing import stop_process
 
 # Generous: each test starts real processes, which is slow on a loaded 2-core CI machine.
 pytestmark = pytest.mark.timeout(300)
@@ -62,17 +63,10 @@ class EngineProcess:
         raise AssertionError(f"engine not healthy after {timeout} s:\n{self.log()}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError(
-                    f"engine ignored {sig!r} for {timeout} s:\n{self.log()}"
-                ) from None
-        return int(self.proc.returncode)
+        try:
+            return stop_process(self.proc, sig, timeout)
+        except TimeoutError:
+            raise AssertionError(f"engine ignored {sig!r} for {timeout} s:\n{self.log()}") from None
 
 
 @pytest.fixture
