@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import kvdrop
-from kvdrop.experiment import Prompt, engine_budget, run_pipeline
+from kvdrop.experiments.pipeline import Prompt, engine_budget, run_pipeline
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
 from kvdrop_sdk.engines.connector import ServerConnector
@@ -158,7 +158,7 @@ def run(
     policy_fn: Any,
     needs_query: bool,
 ) -> dict[str, Any]:
-    """One side of the comparison (kvdrop.experiment.run_pipeline, as the demo): a table row."""
+    """One side of the comparison (`run_pipeline`, as the demo uses it): a table row."""
     kinds = [CacheKind.KV] + ([CacheKind.QUERY] if needs_query and policy_fn else [])
     ctxs = [connect(k, server.url, server.http_url, model_name) for k in kinds]
     salt = "shared" if args.share_prefill else name

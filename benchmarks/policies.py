@@ -8,7 +8,7 @@ Each policy is timed (median of ``--repeats``) against the floor every policy pa
 ``index_select`` of the same number of rows, and against what moving the same KV costs on this
 machine: one ``store`` + one ``retrieve`` through a real kvdrop server (shared memory), measured
 in the same run (``x_store_retrieve``; ``--no-store-retrieve`` skips it). Peak memory is the peak
-RSS increase while the policy runs (kvdrop.profiling.PeakRSS), beside the input size.
+RSS increase while the policy runs (kvdrop.experiments.profiling.PeakRSS), beside the input size.
 
     python benchmarks/policies.py [--tokens 2048 8192] [--policies knorm snapkv] [--json]
 """
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 import kvdrop
-from kvdrop.profiling import PeakRSS
+from kvdrop.experiments.profiling import PeakRSS
 from kvdrop_sdk import CacheKind
 from kvdrop_sdk.table import format_table
 

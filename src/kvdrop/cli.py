@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvdrop_sdk.engines.cli",
         "run the reference engine (OpenAI-compatible HTTP)",
     ),
-    "demo": ("kvdrop.demo", "prefill, drop, decode: baseline vs dropped, side by side"),
+    "demo": ("kvdrop.experiments.demo", "prefill, drop, decode: baseline vs dropped, side by side"),
 }
 
 

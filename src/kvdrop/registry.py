@@ -141,7 +141,7 @@ def _entry(name: str) -> Factory:
     entries = _discover()
     entry = entries.get(name)
     if entry is None and ("+" in name or "(" in name):  # a spec such as "streaming+snapkv"
-        from kvdrop.compose import spec_factory
+        from kvdrop.spec import spec_factory
 
         return spec_factory(name)
     if entry is None:
@@ -163,11 +163,12 @@ def get(name: str, *, rerotate: Any = None, **params: Any) -> ModifyFnType:
     """Build policy ``name``'s edit function; ``params`` are validated now, not at first use.
 
     ``rerotate`` (a ``kvdrop_sdk.rope.RopeConfig`` or an HF ``config.json`` dict) wraps any
-    policy so its kept keys are re-rotated to positions ``0..k-1`` (see :mod:`kvdrop.rerotate`).
+    policy so its kept keys are re-rotated to positions ``0..k-1``
+    (see :mod:`kvdrop.combinators.rerotate`).
     """
     fn = _entry(name)(**params)
     if rerotate is not None:
-        from kvdrop.rerotate import rerotated
+        from kvdrop.combinators.rerotate import rerotated
 
         fn = rerotated(fn, rerotate, name)
     return fn
@@ -182,4 +183,4 @@ def source(name: str) -> str:
     """Where policy ``name`` comes from (distribution and object, or register() call site)."""
     _entry(name)
     entry = _discover().get(name)
-    return entry.source if entry is not None else "composition spec (kvdrop.compose)"
+    return entry.source if entry is not None else "composition spec (kvdrop.spec)"

@@ -70,7 +70,7 @@ def test_broken_plugin_warns_and_the_others_keep_working(plugin_path: Path) -> N
 
 
 def test_two_distributions_claiming_one_name_is_an_error_naming_both(plugin_path: Path) -> None:
-    fake_distribution(plugin_path, "kvdrop-impostor", {"knorm": "kvdrop.policies.kv_only:random"})
+    fake_distribution(plugin_path, "kvdrop-impostor", {"knorm": "kvdrop.policies.random:random"})
     with pytest.raises(kvdrop.PolicyConflictError) as err:
         kvdrop.get("knorm")
     assert "kvdrop-impostor" in str(err.value) and "'kvdrop'" in str(err.value)

@@ -11,9 +11,9 @@ import torch
 import kvdrop
 from kvdrop import registry
 from kvdrop.cli import main
-from kvdrop.compose import BudgetPolicy, ComposePolicy, parse_spec, parse_tiers, ranking
-from kvdrop.rerotate import RerotatedPolicy
+from kvdrop.combinators.rerotate import RerotatedPolicy
 from kvdrop.selector import Selector
+from kvdrop.spec import BudgetPolicy, ComposePolicy, parse_spec, parse_tiers, ranking
 from kvdrop_sdk import CacheKind
 from kvdrop_sdk.rope import RopeConfig
 

@@ -111,7 +111,7 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
     import torch
 
     import kvdrop
-    from kvdrop.experiment import (
+    from kvdrop.experiments.pipeline import (
         engine_budget,
         passkey_prompts,
         random_prompts,

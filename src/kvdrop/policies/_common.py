@@ -1,21 +1,85 @@
-"""Combining per-head and per-layer token scores into the one ``[T]`` score a request keeps.
+"""Helpers shared by the built-in policies (private): parameter declarations, shape checks and
+how per-head and per-layer scores combine into the one ``[T]`` score a request keeps.
 
 The cache is keyed by token ids, so every layer and head must keep the same tokens; how their
-scores are combined is a documented, configurable choice of each scorer.
+scores are combined is a documented, configurable choice of each scorer. The attention math
+itself (blocked softmax mass, R-KV's redundancy, pooling) is the public :mod:`kvdrop.attention`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from kvdrop.errors import PolicyInputError
+from kvdrop.params import param
 
-__all__ = ["HEAD_AGG", "LAYER_AGG", "check_head_dim", "heads", "reduce"]
+__all__ = [
+    "HEAD_AGG",
+    "KEEP",
+    "KEEP_LAST",
+    "LAYER_AGG",
+    "check_head_dim",
+    "check_query_shapes",
+    "group_heads",
+    "head_agg_param",
+    "heads",
+    "kv_head_dim",
+    "layer_agg_param",
+    "odd_kernel",
+    "per_layer",
+    "query_head_dim",
+    "reduce",
+    "window_fill",
+]
 
 HEAD_AGG = ("mean", "max")
 LAYER_AGG = ("mean", "max", "sum")
+
+#: A score that outranks every real score (tokens a scorer wants kept under any budget).
+KEEP = 1e30
+#: Outranks :data:`KEEP` (e.g. chunk-halving's last chunk over its first).
+KEEP_LAST = 2e30
+
+
+def kv_head_dim() -> Any:
+    """The ``head_dim`` parameter of KV-only scorers (None: each D row is one vector)."""
+    return param(
+        None,
+        "per-head dimension (D = heads * head_dim); None treats each D row as one vector",
+        allowed="None or an int >= 1 dividing D",
+        check=lambda d: d >= 1,
+    )
+
+
+def query_head_dim() -> Any:
+    """The ``head_dim`` parameter of query scorers (D and Dq are multiples of it)."""
+    return param(
+        128,
+        "per-head dimension: D and Dq must be multiples of it (GQA group = Dq / D)",
+        allowed="an int >= 1 dividing D and Dq",
+        check=lambda d: d >= 1,
+    )
+
+
+def head_agg_param(default: str = "mean", help: str = "how per-head scores combine") -> Any:
+    return param(default, help, choices=HEAD_AGG)
+
+
+def layer_agg_param(default: str = "mean", help: str = "how per-layer scores combine") -> Any:
+    return param(default, help, choices=LAYER_AGG)
+
+
+def odd_kernel(default: int) -> Any:
+    """A 1-D pooling kernel parameter (odd, >= 1)."""
+    return param(
+        default,
+        "1-D pooling kernel over token scores (same-size, padding kernel // 2); 1 = none",
+        allowed="an odd int >= 1",
+        check=lambda k: k >= 1 and k % 2 == 1,
+    )
 
 
 def reduce(x: torch.Tensor, dim: int, how: str) -> torch.Tensor:
@@ -40,6 +104,26 @@ def check_head_dim(policy: str, width: int, head_dim: int | None, what: str = "K
         )
 
 
+def check_query_shapes(
+    policy: str, kv: torch.Tensor, query: torch.Tensor | None, head_dim: int
+) -> None:
+    """Raise PolicyInputError unless D, Dq are multiples of head_dim and Hq of Hkv."""
+    if query is None:  # check_inputs already raised MissingQueryError; be defensive
+        raise PolicyInputError(f"{policy}: needs the query tensor")
+    width, q_width = kv.shape[3], query.shape[3]
+    for what, w in (("KV", width), ("query", q_width)):
+        if w % head_dim:
+            raise PolicyInputError(
+                f"{policy}: {what} width {w} is not a multiple of head_dim={head_dim}; "
+                "expected num_heads * head_dim"
+            )
+    if (q_width // head_dim) % (width // head_dim):
+        raise PolicyInputError(
+            f"{policy}: {q_width // head_dim} query heads (Dq={q_width}) are not a multiple of "
+            f"{width // head_dim} KV heads (D={width}); GQA needs Dq a multiple of D"
+        )
+
+
 def heads(x: torch.Tensor, head_dim: int | None) -> torch.Tensor:
     """View ``[T, D]`` as ``[H, T, d]`` (HND order inside D); ``head_dim=None`` means one head."""
     num_tokens, width = x.shape
@@ -51,3 +135,18 @@ def per_layer(kv_or_q: torch.Tensor, index: int = 0) -> Iterator[torch.Tensor]:
     """Yield ``[T, D]`` slices of ``kv_or_q[index]`` layer by layer (bounded float32 memory)."""
     for layer in range(kv_or_q.shape[1]):
         yield kv_or_q[index, layer]
+
+
+def group_heads(x: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
+    """``[Hq, ...]`` -> ``[Hkv, ...]`` by ``how`` over each GQA group."""
+    return reduce(x.view(num_kv_heads, x.shape[0] // num_kv_heads, *x.shape[1:]), 1, how)
+
+
+def window_fill(prefix_scores: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``[T]`` scores: the prefix's, then the window (always kept by the selector) at the max."""
+    out = torch.zeros(num_tokens, dtype=torch.float32)
+    n = prefix_scores.numel()
+    out[:n] = prefix_scores
+    if n:
+        out[n:] = prefix_scores.max()
+    return out

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvdrop
-from kvdrop.rerotate import RerotatedPolicy, rerotate_keys, rerotated
+from kvdrop.combinators.rerotate import RerotatedPolicy, rerotate_keys, rerotated
 from kvdrop_sdk import CacheKind
 from kvdrop_sdk.rope import RopeConfig
 

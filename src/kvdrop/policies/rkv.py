@@ -1,0 +1,92 @@
+"""``rkv``: SnapKV-style importance minus key redundancy (R-KV, Cai et al., 2025)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvdrop.attention import attention_mass, heads_f32, key_redundancy, pool1d, unit_keys
+from kvdrop.params import param
+from kvdrop.policies._common import (
+    HEAD_AGG,
+    LAYER_AGG,
+    check_query_shapes,
+    group_heads,
+    odd_kernel,
+    query_head_dim,
+    reduce,
+    window_fill,
+)
+from kvdrop.policy import Scorer, ScorerFactory
+
+__all__ = ["RKVScorer", "rkv"]
+
+
+@dataclass(frozen=True)
+class RKVScorer(Scorer):
+    """R-KV (Cai et al., 2025): SnapKV-style importance minus key redundancy.
+
+    Per layer, for the tokens before the observation window (the last ``window`` tokens, always
+    kept): importance = softmax attention of the window queries over those earlier keys only,
+    averaged over the window, combined over each GQA group (``group_agg``, default max), then
+    max-pooled (``kernel`` 7); redundancy = R-KV's key similarity per KV head: cosine matrix of
+    ``k / (||k|| + 1e-8)`` over all T keys with the diagonal zeroed, in each row the entry of the
+    last key more similar than ``threshold`` zeroed, mean over rows, softmax over keys.
+    score = ``mix_lambda`` * importance - (1 - ``mix_lambda``) * redundancy, combined over KV
+    heads then layers. The redundancy is computed blockwise (no T x T matrix), exactly.
+    """
+
+    needs_query = True
+    head_dim: int = query_head_dim()
+    kernel: int = odd_kernel(7)
+    pooling: str = param("max", "pooling of importance scores", choices=("avg", "max"))
+    group_agg: str = param("max", "how the query heads of a GQA group combine", choices=HEAD_AGG)
+    head_agg: str = param("mean", "how KV heads combine", choices=HEAD_AGG)
+    layer_agg: str = param("mean", "how layers combine", choices=LAYER_AGG)
+    threshold: float = param(
+        0.5,
+        "cosine similarity above which a key counts as a duplicate",
+        allowed="-1 <= t <= 1",
+        check=lambda t: -1 <= t <= 1,
+    )
+    mix_lambda: float = param(
+        0.25,
+        "weight of importance; redundancy gets 1 - mix_lambda",
+        allowed="0 <= l <= 1",
+        check=lambda x: 0 <= x <= 1,
+    )
+    window: int = field(default=16, repr=False)  # the selector's window = observation window
+
+    def check(self, kv: torch.Tensor, query: torch.Tensor | None) -> None:
+        check_query_shapes("rkv", kv, query, self.head_dim)
+
+    def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
+        assert query is not None
+        num_tokens = kv.shape[2]
+        obs = max(num_tokens - max(self.window, 1), 0)
+        if obs == 0:
+            return torch.zeros(num_tokens)
+        window = num_tokens - obs
+        per_layer = []
+        for layer in range(kv.shape[1]):
+            keys = heads_f32(kv[0, layer], self.head_dim)
+            q = heads_f32(query[0, layer, obs:], self.head_dim)
+            # Every window query sees every earlier key: no mask, softmax over the prefix only.
+            importance = attention_mass(q, keys[:, :obs], None) / window
+            importance = pool1d(
+                group_heads(importance, keys.shape[0], self.group_agg), self.kernel, self.pooling
+            )
+            keys = unit_keys(keys)  # the raw float32 keys are no longer needed
+            redundancy = key_redundancy(keys, self.threshold)[:, :obs]
+            mixed = self.mix_lambda * importance - (1 - self.mix_lambda) * redundancy
+            per_layer.append(reduce(mixed, 0, self.head_agg))
+        return window_fill(reduce(torch.stack(per_layer), 0, self.layer_agg), num_tokens)
+
+
+rkv = ScorerFactory(
+    "rkv",
+    RKVScorer,
+    "R-KV: SnapKV-style importance minus key redundancy",
+    defaults={"window": 16},
+)
