@@ -1,8 +1,15 @@
 """kvdrop: pluggable KV-cache token-dropping policies.
 
 >>> import kvdrop
->>> fn = kvdrop.get("knorm", keep_ratio=0.5)          # a ModifyFnType for batch.modify(fn)
+>>> fn = kvdrop.get("knorm", keep_ratio=0.5)          # a Policy: a ModifyFnType for batch.modify
 >>> kvdrop.available()                                 # every registered policy
+>>> kvdrop.get("streaming+snapkv", head_dim=64)        # spec strings build combinators
+
+Layout: :mod:`kvdrop.policy` (the Policy protocol, scorers, factories), :mod:`kvdrop.selector`
+(budget and ranking), :mod:`kvdrop.policies` (one module per built-in), :mod:`kvdrop.combinators`
+(Compose, Chunk, Budget, Rerotate over built policies), :mod:`kvdrop.registry` (names, plugins),
+:mod:`kvdrop.spec` (spec strings, ``get``/``describe``), :mod:`kvdrop.experiments` (demo and
+benchmark pipeline; the only part that uses the engine and server).
 
 Importing the package is light: torch and the registry load on first use of a name below, so
 ``kvdrop --help`` stays fast and a process can configure torch's threads before it starts.
@@ -19,39 +26,57 @@ from kvdrop.errors import (
     PolicyInputError,
     PolicyNotFoundError,
     PolicyParamError,
+    PolicyWarning,
 )
 from kvdrop.params import Param, param
 
 if TYPE_CHECKING:
-    from kvdrop.policy import PolicyInfo, Scorer, ScorerFactory, ScorerPolicy
-    from kvdrop.registry import PluginWarning, available, describe, get, register
-    from kvdrop.selector import Selector
+    from kvdrop.combinators import Budget, Chunk, Compose, Rerotate
+    from kvdrop.policy import Policy, PolicyFactory, PolicyInfo, Scorer, ScorerFactory, ScorerPolicy
+    from kvdrop.registry import PluginWarning, available, register
+    from kvdrop.selector import Selection, Selector
+    from kvdrop.spec import describe, get
 
 _LAZY = {
+    "Budget": "kvdrop.combinators",
+    "Chunk": "kvdrop.combinators",
+    "Compose": "kvdrop.combinators",
+    "Rerotate": "kvdrop.combinators",
+    "Policy": "kvdrop.policy",
+    "PolicyFactory": "kvdrop.policy",
     "PolicyInfo": "kvdrop.policy",
     "Scorer": "kvdrop.policy",
     "ScorerFactory": "kvdrop.policy",
     "ScorerPolicy": "kvdrop.policy",
     "PluginWarning": "kvdrop.registry",
     "available": "kvdrop.registry",
-    "describe": "kvdrop.registry",
-    "get": "kvdrop.registry",
     "register": "kvdrop.registry",
+    "Selection": "kvdrop.selector",
     "Selector": "kvdrop.selector",
+    "describe": "kvdrop.spec",
+    "get": "kvdrop.spec",
 }
 
 __all__ = [
+    "Budget",
+    "Chunk",
+    "Compose",
     "MissingQueryError",
     "Param",
     "PluginWarning",
+    "Policy",
     "PolicyConflictError",
+    "PolicyFactory",
     "PolicyInfo",
     "PolicyInputError",
     "PolicyNotFoundError",
     "PolicyParamError",
+    "PolicyWarning",
+    "Rerotate",
     "Scorer",
     "ScorerFactory",
     "ScorerPolicy",
+    "Selection",
     "Selector",
     "available",
     "describe",

@@ -8,6 +8,7 @@ __all__ = [
     "PolicyInputError",
     "PolicyNotFoundError",
     "PolicyParamError",
+    "PolicyWarning",
 ]
 
 
@@ -40,3 +41,7 @@ class PolicyNotFoundError(KeyError):
 
 class PolicyConflictError(RuntimeError):
     """Two sources (distributions or register() calls) claim the same policy name."""
+
+
+class PolicyWarning(UserWarning):
+    """A policy ran, but not as its parameters suggest (e.g. a composition part got no budget)."""

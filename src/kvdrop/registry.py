@@ -1,10 +1,13 @@
-"""The policy registry: names -> factories, from entry points (group ``kvdrop.policies``) and
-:func:`register`.
+"""The policy registry: plain names -> factories, from entry points (group ``kvdrop.policies``)
+and :func:`register`.
 
 Entry points are listed once, lazily, on first use; each is imported only when its policy is
-needed (``get``/``describe``) or when everything is listed. Built-in policies come through the
-same entry points as third-party ones. A plugin that fails to import is reported with a warning
-naming its distribution and error, and every other policy keeps working.
+needed (:func:`factory`) or when everything is listed. Built-in policies come through the same
+entry points as third-party ones. A plugin that fails to import is reported with a warning naming
+its distribution and error, and every other policy keeps working. Every loaded object is held as
+a :class:`~kvdrop.policy.PolicyFactory` (a plain callable is adapted by
+:class:`~kvdrop.policy.FunctionFactory`). Spec strings (``"streaming+snapkv"``) are the business
+of :mod:`kvdrop.spec`, one layer up; ``kvdrop.get`` and ``kvdrop.describe`` live there.
 """
 
 from __future__ import annotations
@@ -20,13 +23,23 @@ from typing import Any
 from importlib_metadata import EntryPoint, entry_points
 
 from kvdrop.errors import PolicyConflictError, PolicyNotFoundError
-from kvdrop.policy import PolicyInfo, info_of
-from kvdrop_sdk.types import ModifyFnType
+from kvdrop.policy import PolicyFactory, PolicyInfo, as_factory
 
-__all__ = ["ENTRY_POINT_GROUP", "PluginWarning", "available", "describe", "get", "register"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "PluginWarning",
+    "available",
+    "describe",
+    "factory",
+    "register",
+    "source",
+]
 
 ENTRY_POINT_GROUP = "kvdrop.policies"
-Factory = Callable[..., ModifyFnType]
+#: What may be registered: a PolicyFactory, or any callable ``factory(**params) -> edit fn``.
+Factory = Callable[..., Any]
+#: Characters a policy name cannot hold (they make it a spec string).
+SPEC_CHARS = "+()"
 
 
 class PluginWarning(UserWarning):
@@ -37,7 +50,7 @@ class PluginWarning(UserWarning):
 class _Entry:
     name: str
     source: str  # "distribution <name> (<module:attr>)" or "register() in <file>:<line>"
-    factory: Factory | None = None
+    factory: PolicyFactory | None = None
     entry_point: EntryPoint | None = None
     conflicts: list[str] = field(default_factory=list)
     failed: str | None = None
@@ -75,7 +88,7 @@ def _reset() -> None:
         _entries = None
 
 
-def _load(entry: _Entry) -> Factory | None:
+def _load(entry: _Entry) -> PolicyFactory | None:
     """Import an entry's factory once; on failure warn (naming the distribution) and return None."""
     if entry.conflicts:
         sources = " and ".join([entry.source, *entry.conflicts])
@@ -90,7 +103,7 @@ def _load(entry: _Entry) -> Factory | None:
         obj = entry.entry_point.load()
         if not callable(obj):
             raise TypeError(f"{entry.entry_point.value} is a {type(obj).__name__}, not a factory")
-        entry.factory = obj
+        entry.factory = as_factory(entry.name, obj)
     except Exception as exc:  # a broken plugin must not break the others
         entry.failed = f"{type(exc).__name__}: {exc}"
         warnings.warn(
@@ -107,10 +120,13 @@ def register(name: str, factory: Factory, *, replace: bool = False) -> None:
     Registering a name that exists raises :class:`PolicyConflictError` naming both sources, unless
     ``replace=True``.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"policy name must be a non-empty string; got {name!r}")
+    if not isinstance(name, str) or not name or any(c in name for c in SPEC_CHARS):
+        raise ValueError(
+            f"policy name must be a non-empty string without {', '.join(SPEC_CHARS)}; got {name!r}"
+        )
     if not callable(factory):
         raise TypeError(f"factory for {name!r} must be callable; got {type(factory).__name__}")
+    wrapped = as_factory(name, factory)
     frame = inspect.stack()[1]
     source = f"register() in {frame.filename}:{frame.lineno}"
     entries = _discover()
@@ -121,7 +137,7 @@ def register(name: str, factory: Factory, *, replace: bool = False) -> None:
                 f"policy name {name!r} is already registered by {old.source}; cannot register it "
                 f"again from {source} (pass replace=True to override)"
             )
-        entries[name] = _Entry(name, source, factory=factory)
+        entries[name] = _Entry(name, source, factory=wrapped)
 
 
 def available() -> list[str]:
@@ -137,13 +153,10 @@ def available() -> list[str]:
     return names
 
 
-def _entry(name: str) -> Factory:
+def factory(name: str) -> PolicyFactory:
+    """The factory registered under ``name``; PolicyNotFoundError (with close matches) if none."""
     entries = _discover()
     entry = entries.get(name)
-    if entry is None and ("+" in name or "(" in name):  # a spec such as "streaming+snapkv"
-        from kvdrop.spec import spec_factory
-
-        return spec_factory(name)
     if entry is None:
         close = difflib.get_close_matches(name, list(entries), n=3, cutoff=0.5)
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
@@ -151,36 +164,20 @@ def _entry(name: str) -> Factory:
             f"no drop policy named {name!r}.{hint} Available: {', '.join(sorted(entries))} "
             "(`kvdrop list` shows them)."
         )
-    factory = _load(entry)
-    if factory is None:
+    loaded = _load(entry)
+    if loaded is None:
         raise PolicyNotFoundError(
             f"policy {name!r} from {entry.source} failed to load: {entry.failed}"
         )
-    return factory
-
-
-def get(name: str, *, rerotate: Any = None, **params: Any) -> ModifyFnType:
-    """Build policy ``name``'s edit function; ``params`` are validated now, not at first use.
-
-    ``rerotate`` (a ``kvdrop_sdk.rope.RopeConfig`` or an HF ``config.json`` dict) wraps any
-    policy so its kept keys are re-rotated to positions ``0..k-1``
-    (see :mod:`kvdrop.combinators.rerotate`).
-    """
-    fn = _entry(name)(**params)
-    if rerotate is not None:
-        from kvdrop.combinators.rerotate import rerotated
-
-        fn = rerotated(fn, rerotate, name)
-    return fn
+    return loaded
 
 
 def describe(name: str) -> PolicyInfo:
-    """Summary, whether query tensors are needed, and each parameter (type, default, meaning)."""
-    return info_of(name, _entry(name))
+    """What ``kvdrop describe NAME`` shows for a registered name."""
+    return factory(name).info
 
 
 def source(name: str) -> str:
     """Where policy ``name`` comes from (distribution and object, or register() call site)."""
-    _entry(name)
-    entry = _discover().get(name)
-    return entry.source if entry is not None else "composition spec (kvdrop.spec)"
+    factory(name)
+    return _discover()[name].source

@@ -11,6 +11,10 @@ keyed by token ids, so per-head selection cannot be stored):
 3. the rest of the budget goes to the highest-scoring remaining tokens (ties: earlier token first);
    with ``chunked=True`` whole chunks are picked by the sum of their token scores (ChunkKV-style);
 4. kept indices are sorted, and KV rows and token ids are gathered at exactly those indices.
+
+Steps 2-3 are one order over all tokens, :meth:`Selector.ranking`; the kept tokens are its first
+``k``. Compositions cut several rankings at their shares of one budget, so there is exactly one
+implementation of the order.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 from kvdrop.errors import PolicyParamError
 from kvdrop.params import Param
 
-__all__ = ["SELECTOR_PARAMS", "Selector", "gather"]
+__all__ = ["SELECTOR_PARAMS", "Selection", "Selector", "gather"]
 
 
 def _positive(x: int) -> bool:
@@ -107,43 +111,71 @@ class Selector:
         aligned = max(self.chunk_size, raw - raw % self.chunk_size)
         return min(aligned, num_tokens)
 
+    def selection(self, num_tokens: int, budget: int | None = None) -> Selection:
+        """What this selector keeps of a ``num_tokens`` request (``budget``: this many instead)."""
+        return Selection(
+            num_tokens=num_tokens,
+            budget=self.budget(num_tokens) if budget is None else budget,
+            chunk_size=self.chunk_size,
+            n_sink=self.n_sink,
+            window=self.window,
+            chunked=self.chunked,
+        )
+
+    def ranking(self, scores: torch.Tensor) -> torch.Tensor:
+        """Every token index in the order this selector keeps them, given ``[T]`` scores.
+
+        Forced recent tokens first (most recent first), then sinks, then by score (ties: earlier
+        first; NaN ranks lowest). Chunked selectors rank whole chunks the same way by the sum of
+        their token scores; a partial tail chunk comes last. :meth:`select` keeps a prefix of it.
+        """
+        scores = torch.nan_to_num(scores.detach().to(torch.float32).cpu(), nan=-torch.inf)
+        if not self.chunked:
+            return _token_ranking(scores, self.n_sink, self.window)
+        c = self.chunk_size
+        n_chunks = scores.shape[0] // c
+        full = n_chunks * c
+        chunk_scores = scores[:full].view(n_chunks, c).sum(dim=1)
+        sink_chunks = -(-min(self.n_sink, full) // c)
+        window_chunks = -(-min(self.window, full) // c)
+        order = _token_ranking(chunk_scores, sink_chunks, window_chunks)
+        tokens = (order[:, None] * c + torch.arange(c)).reshape(-1)
+        return torch.cat([tokens, torch.arange(full, scores.shape[0])])
+
     def select(self, scores: torch.Tensor, budget: int | None = None) -> torch.Tensor:
-        """Sorted int64 indices of the kept tokens, given ``[T]`` scores (higher = keep)."""
+        """Sorted int64 indices of the kept tokens: the first ``budget`` of :meth:`ranking`."""
         num_tokens = scores.shape[0]
         k = self.budget(num_tokens) if budget is None else budget
         if k >= num_tokens:
             return torch.arange(num_tokens)
-        scores = torch.nan_to_num(scores.detach().to(torch.float32).cpu(), nan=-torch.inf)
-        if self.chunked:
-            return self._select_chunks(scores, k)
-        return self._select_tokens(scores, k, self.n_sink, self.window)
+        return torch.sort(self.ranking(scores)[:k]).values
 
-    def _select_tokens(
-        self, scores: torch.Tensor, k: int, n_sink: int, window: int
-    ) -> torch.Tensor:
-        num_tokens = scores.shape[0]
-        recent = torch.arange(num_tokens - 1, max(num_tokens - window, 0) - 1, -1)
-        sinks = torch.arange(min(n_sink, num_tokens))
-        forced = _first_unique(torch.cat([recent, sinks]))[:k]
-        if forced.numel() < k:
-            free = torch.ones(num_tokens, dtype=torch.bool)
-            free[forced] = False
-            candidates = free.nonzero().squeeze(1)
-            order = torch.sort(scores[candidates], descending=True, stable=True).indices
-            forced = torch.cat([forced, candidates[order[: k - forced.numel()]]])
-        return torch.sort(forced).values
 
-    def _select_chunks(self, scores: torch.Tensor, k: int) -> torch.Tensor:
-        # Only whole chunks are candidates; a partial tail chunk is never kept in chunked mode
-        # (the SDK hands policies chunk-aligned prefixes, so there is none in practice).
-        c = self.chunk_size
-        n_chunks = scores.shape[0] // c
-        chunk_scores = scores[: n_chunks * c].view(n_chunks, c).sum(dim=1)
-        full = n_chunks * c
-        sink_chunks = -(-min(self.n_sink, full) // c)
-        window_chunks = -(-min(self.window, full) // c)
-        chosen = self._select_tokens(chunk_scores, k // c, sink_chunks, window_chunks)
-        return (chosen[:, None] * c + torch.arange(c)).reshape(-1)
+@dataclass(frozen=True)
+class Selection:
+    """What the selector keeps of one request, handed to scorers that declare
+    ``needs_selection = True`` (e.g. H2O gives a share of ``budget`` to recent tokens, SnapKV
+    observes the last ``window`` queries). ``budget`` is the number of tokens this scorer's
+    ranking will be cut at (in a composition: the part's share)."""
+
+    num_tokens: int
+    budget: int
+    chunk_size: int
+    n_sink: int
+    window: int
+    chunked: bool
+
+
+def _token_ranking(scores: torch.Tensor, n_sink: int, window: int) -> torch.Tensor:
+    num_tokens = scores.shape[0]
+    recent = torch.arange(num_tokens - 1, max(num_tokens - window, 0) - 1, -1)
+    sinks = torch.arange(min(n_sink, num_tokens))
+    forced = _first_unique(torch.cat([recent, sinks]))
+    free = torch.ones(num_tokens, dtype=torch.bool)
+    free[forced] = False
+    candidates = free.nonzero().squeeze(1)
+    order = torch.sort(scores[candidates], descending=True, stable=True).indices
+    return torch.cat([forced, candidates[order]])
 
 
 def _first_unique(x: torch.Tensor) -> torch.Tensor:

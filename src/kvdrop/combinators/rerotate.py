@@ -3,7 +3,7 @@
 Cached keys are post-RoPE at their original positions. After dropping, the engine reads the kept
 prefix as positions ``0..k-1`` and appends new tokens at ``k, k+1, ...``; without re-rotation the
 kept keys keep their old (larger, gappy) positions and relative distances are wrong. The wrapper
-built by :func:`rerotated` (``kvdrop.get(name, ..., rerotate=RopeConfig(...))``) works for every
+:class:`Rerotate` (``kvdrop.get(name, ..., rerotate=RopeConfig(...))``) works for every
 policy: after the inner policy selects, each moved key is rotated back by its old angle and
 forward by its new one (``kvdrop_sdk.rope``: theta, partial rotary dim, NeoX or interleaved
 layout, HF scalings), in float32, and cast back to the cache dtype once. Keys that do not move
@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from kvdrop.errors import PolicyInputError, PolicyParamError
-from kvdrop.policy import check_inputs
+from kvdrop.policy import Policy, as_policy
 from kvdrop_sdk.rope import RopeConfig, rotate
 from kvdrop_sdk.types import ModifyFnType
 
-__all__ = ["RerotatedPolicy", "rerotate_keys", "rerotated", "rope_config"]
+__all__ = ["Rerotate", "RerotatedPolicy", "rerotate_keys", "rerotated", "rope_config"]
 
 
 def rope_config(value: RopeConfig | Mapping[str, Any], *, policy: str = "rerotate") -> RopeConfig:
@@ -102,53 +102,33 @@ def _rerotate_(
         keys[layer].index_copy_(0, index, x.view(-1, width).to(keys.dtype))
 
 
-def _match_indices(
-    kv: torch.Tensor, tokens: Sequence[int], out: torch.Tensor, kept: Sequence[int]
-) -> torch.Tensor:
-    """Indices of ``kept`` rows in the input, for policies that only return tokens.
+class Rerotate(Policy):
+    """``policy``'s selection, with kept keys moved to positions ``0..k-1`` (``rope``: a
+    :class:`RopeConfig` or an HF ``config.json`` dict). A plain edit function is adapted by
+    :func:`kvdrop.policy.as_policy` (kept rows found by matching token ids and key rows)."""
 
-    Greedy in order, matching both the token id and the layer-0 key row (post-RoPE keys at
-    different positions differ), so repeated token ids are told apart.
-    """
-    found: list[int] = []
-    i = 0
-    for j, tok in enumerate(kept):
-        while i < len(tokens) and not (
-            int(tokens[i]) == int(tok) and torch.equal(kv[0, 0, i], out[0, 0, j])
-        ):
-            i += 1
-        if i == len(tokens):
-            raise PolicyInputError(
-                f"rerotate: kept row {j} (token {tok}) is not an input row at a later index; "
-                "re-rotation needs a policy that keeps input rows in order"
-            )
-        found.append(i)
-        i += 1
-    return torch.tensor(found, dtype=torch.int64)
-
-
-class RerotatedPolicy:
-    """An edit function: the inner policy's selection, with kept keys moved to ``0..k-1``."""
-
-    def __init__(self, inner: ModifyFnType, rope: RopeConfig, name: str = "") -> None:
-        self.inner = inner
-        self.rope = rope
-        self.name = name or getattr(inner, "name", type(inner).__name__)
-        self.needs_query = bool(getattr(getattr(inner, "scorer", None), "needs_query", False))
+    def __init__(
+        self,
+        policy: Policy | ModifyFnType,
+        rope: RopeConfig | Mapping[str, Any],
+        name: str = "",
+    ) -> None:
+        self.policy = as_policy(policy, name or "rerotate")
+        self.rope = rope_config(rope, policy=name or self.policy.name)
+        self.name = name or self.policy.name
 
     def __repr__(self) -> str:
-        return f"RerotatedPolicy({self.inner!r}, {self.rope!r})"
+        return f"Rerotate({self.policy!r}, {self.rope!r})"
+
+    @property
+    def needs_query(self) -> bool:
+        return self.policy.needs_query
 
     def select_indices(
         self, tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The validated KV and the sorted indices the inner policy keeps."""
-        select = getattr(self.inner, "select_indices", None)
-        if callable(select):
-            return select(tensors, tokens)
-        kv, _ = check_inputs(tensors, tokens, policy=self.name, needs_query=False)
-        out, kept = self.inner(tensors, tokens)
-        return kv, _match_indices(kv, tokens, out, kept)
+        return self.policy.select_indices(tensors, tokens)
 
     def __call__(
         self,
@@ -180,8 +160,12 @@ class RerotatedPolicy:
         return out, kept_tokens
 
 
+#: The name of :class:`Rerotate` before the combinators took built policies.
+RerotatedPolicy = Rerotate
+
+
 def rerotated(
-    inner: ModifyFnType, rope: RopeConfig | Mapping[str, Any], name: str = ""
-) -> RerotatedPolicy:
-    """Wrap any edit function so its kept keys are re-rotated to positions ``0..k-1``."""
-    return RerotatedPolicy(inner, rope_config(rope, policy=name or "rerotate"), name)
+    inner: Policy | ModifyFnType, rope: RopeConfig | Mapping[str, Any], name: str = ""
+) -> Rerotate:
+    """Wrap any policy or edit function so its kept keys are re-rotated to ``0..k-1``."""
+    return Rerotate(inner, rope, name)

@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import kvdrop
-    from kvdrop.registry import source
+    from kvdrop.spec import source
     from kvdrop_sdk.table import format_table
 
     try:

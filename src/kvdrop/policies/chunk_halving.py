@@ -8,6 +8,7 @@ import torch
 
 from kvdrop.policies._common import KEEP, KEEP_LAST
 from kvdrop.policy import Scorer, ScorerFactory
+from kvdrop.selector import Selection
 
 __all__ = ["ChunkHalvingScorer", "chunk_halving"]
 
@@ -21,12 +22,14 @@ class ChunkHalvingScorer(Scorer):
     n//2 chunks as upstream does, when n is even; for odd n the budget is floored to whole chunks.
     """
 
-    chunk_size: int = 256
+    needs_selection = True  # ranks the selector's chunks
 
-    def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
+    def score(
+        self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection
+    ) -> torch.Tensor:
         num_tokens = kv.shape[2]
-        n_chunks = max(num_tokens // self.chunk_size, 1)
-        chunk = torch.arange(num_tokens) // self.chunk_size
+        n_chunks = max(num_tokens // selection.chunk_size, 1)
+        chunk = torch.arange(num_tokens) // selection.chunk_size
         scores = (chunk.to(torch.float32) - (n_chunks - 1) / 2).abs()
         scores[chunk == 0] = KEEP
         scores[chunk == n_chunks - 1] = KEEP_LAST

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -18,7 +18,7 @@ from kvdrop.policies._common import (
     reduce,
 )
 from kvdrop.policy import Scorer, ScorerFactory
-from kvdrop.selector import Selector
+from kvdrop.selector import Selection
 
 __all__ = ["H2OScorer", "h2o"]
 
@@ -45,6 +45,7 @@ class H2OScorer(Scorer):
     """
 
     needs_query = True
+    needs_selection = True  # gives a share of the budget to recent tokens
     head_dim: int = query_head_dim()
     num_queries: int | None = param(
         128,
@@ -62,14 +63,13 @@ class H2OScorer(Scorer):
     group_agg: str = param("mean", "how the query heads of a GQA group combine", choices=HEAD_AGG)
     head_agg: str = param("mean", "how KV heads combine", choices=HEAD_AGG)
     layer_agg: str = param("mean", "how layers combine", choices=LAYER_AGG)
-    keep_ratio: float | None = field(default=None, repr=False)  # from the selector
-    keep_tokens: int | None = field(default=None, repr=False)
-    chunk_size: int = field(default=256, repr=False)
 
     def check(self, kv: torch.Tensor, query: torch.Tensor | None) -> None:
         check_query_shapes("h2o", kv, query, self.head_dim)
 
-    def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
+    def score(
+        self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection
+    ) -> torch.Tensor:
         assert query is not None
         num_tokens = kv.shape[2]
         positions = _strided_positions(num_tokens, self.num_queries)
@@ -84,8 +84,7 @@ class H2OScorer(Scorer):
             grouped = group_heads(mass, keys.shape[0], self.group_agg)
             per_layer.append(reduce(grouped, 0, self.head_agg))
         scores = reduce(torch.stack(per_layer), 0, self.layer_agg)
-        budget = Selector(self.keep_ratio, self.keep_tokens, self.chunk_size).budget(num_tokens)
-        recent = min(int(self.recent_ratio * budget + 1e-9), num_tokens)
+        recent = min(int(self.recent_ratio * selection.budget + 1e-9), num_tokens)
         if recent:
             scores[num_tokens - recent :] = KEEP
         return scores

@@ -9,6 +9,7 @@ import torch
 from kvdrop.params import param
 from kvdrop.policies._common import KEEP_LAST
 from kvdrop.policy import Scorer, ScorerFactory
+from kvdrop.selector import Selection
 
 __all__ = ["RandomScorer", "random"]
 
@@ -18,13 +19,15 @@ class RandomScorer(Scorer):
     """Uniformly random tokens (seeded, reproducible); the last chunk is always kept."""
 
     seed: int = param(0, "random seed: same seed, same kept tokens")
-    chunk_size: int = 256
+    needs_selection = True  # keeps the selector's last chunk
 
-    def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
+    def score(
+        self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection
+    ) -> torch.Tensor:
         num_tokens = kv.shape[2]
         gen = torch.Generator().manual_seed(self.seed)
         scores = torch.rand(num_tokens, generator=gen)
-        scores[max(num_tokens - self.chunk_size, 0) :] = KEEP_LAST
+        scores[max(num_tokens - selection.chunk_size, 0) :] = KEEP_LAST
         return scores
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +19,7 @@ from kvdrop.policies._common import (
     window_fill,
 )
 from kvdrop.policy import Scorer, ScorerFactory
+from kvdrop.selector import Selection
 
 __all__ = ["RKVScorer", "rkv"]
 
@@ -38,6 +39,7 @@ class RKVScorer(Scorer):
     """
 
     needs_query = True
+    needs_selection = True  # observes the selector's window
     head_dim: int = query_head_dim()
     kernel: int = odd_kernel(7)
     pooling: str = param("max", "pooling of importance scores", choices=("avg", "max"))
@@ -56,15 +58,16 @@ class RKVScorer(Scorer):
         allowed="0 <= l <= 1",
         check=lambda x: 0 <= x <= 1,
     )
-    window: int = field(default=16, repr=False)  # the selector's window = observation window
 
     def check(self, kv: torch.Tensor, query: torch.Tensor | None) -> None:
         check_query_shapes("rkv", kv, query, self.head_dim)
 
-    def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
+    def score(
+        self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection
+    ) -> torch.Tensor:
         assert query is not None
         num_tokens = kv.shape[2]
-        obs = max(num_tokens - max(self.window, 1), 0)
+        obs = max(num_tokens - max(selection.window, 1), 0)
         if obs == 0:
             return torch.zeros(num_tokens)
         window = num_tokens - obs

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +19,7 @@ from kvdrop.policies._common import (
     window_fill,
 )
 from kvdrop.policy import Scorer, ScorerFactory
+from kvdrop.selector import Selection
 
 __all__ = ["SnapKVScorer", "snapkv"]
 
@@ -38,22 +39,24 @@ class SnapKVScorer(Scorer):
     """
 
     needs_query = True
+    needs_selection = True  # observes the selector's window
     head_dim: int = query_head_dim()
     kernel: int = odd_kernel(5)
     pooling: str = param("avg", "pooling of token scores", choices=("avg", "max"))
     group_agg: str = param("mean", "how the query heads of a GQA group combine", choices=HEAD_AGG)
     head_agg: str = param("mean", "how KV heads combine", choices=HEAD_AGG)
     layer_agg: str = param("mean", "how layers combine", choices=LAYER_AGG)
-    window: int = field(default=64, repr=False)  # the selector's window = observation window
 
     def check(self, kv: torch.Tensor, query: torch.Tensor | None) -> None:
         check_query_shapes("snapkv", kv, query, self.head_dim)
 
-    def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
+    def score(
+        self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection
+    ) -> torch.Tensor:
         assert query is not None
         num_tokens = kv.shape[2]
         # Tokens before the observation window (window 0 observes the last query alone).
-        obs = max(num_tokens - max(self.window, 1), 0)
+        obs = max(num_tokens - max(selection.window, 1), 0)
         if obs == 0:
             return torch.zeros(num_tokens)
         positions = torch.arange(obs, num_tokens)

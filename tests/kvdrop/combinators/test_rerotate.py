@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytest
 import torch
 
 import kvdrop
-from kvdrop.combinators.rerotate import RerotatedPolicy, rerotate_keys, rerotated
+from kvdrop.combinators.rerotate import Rerotate, RerotatedPolicy, rerotate_keys, rerotated
 from kvdrop_sdk import CacheKind
 from kvdrop_sdk.rope import RopeConfig
 
@@ -222,3 +222,33 @@ def test_every_registered_policy_accepts_rerotate(name: str) -> None:
     assert list(kept) == list(plain_kept) and torch.equal(out[1], plain_out[1])
     ref = keys_at(raw[:, list(kept)], torch.arange(len(kept)), cfg, len(kept))
     assert float((out[0].double() - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
+
+
+def test_compositions_can_be_rerotated(inputs: Callable[..., dict[Any, torch.Tensor]]) -> None:
+    cfg = RopeConfig(8)
+    tensors = inputs(64, seed=6)
+    for spec in ["streaming+snapkv", "budget(policy=snapkv, tiers='*:0.25')"]:
+        plain = kvdrop.get(spec, chunk_size=8, head_dim=8)(tensors, list(range(64)))
+        fn = kvdrop.get(spec, chunk_size=8, head_dim=8, rerotate=cfg)
+        assert isinstance(fn, RerotatedPolicy)
+        out, kept = fn(tensors, list(range(64)))
+        assert kept == plain[1] and torch.equal(out[1], plain[0][1])
+
+
+@pytest.mark.parametrize(
+    ("spec", "needs_query"),
+    [
+        ("streaming+snapkv", True),
+        ("streaming+knorm", False),
+        ("chunk(policy=tova)", True),
+        ("budget(policy='streaming+snapkv')", True),
+        ("budget(policy=knorm)", False),
+    ],
+)
+def test_rerotate_needs_queries_exactly_when_its_policy_does(spec: str, needs_query: bool) -> None:
+    fn = kvdrop.get(spec, head_dim=8, rerotate=RopeConfig(8))
+    assert isinstance(fn, Rerotate)
+    assert fn.needs_query is needs_query is kvdrop.describe(spec).needs_query
+    if needs_query:
+        with pytest.raises(kvdrop.MissingQueryError):
+            fn({CacheKind.KV: torch.randn(2, 1, 600, 16)}, list(range(600)))

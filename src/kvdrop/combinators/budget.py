@@ -1,0 +1,165 @@
+"""``Budget``: a policy whose budget is picked per request from its length."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvdrop.errors import PolicyInputError, PolicyParamError
+from kvdrop.policy import Policy, SelectorPolicy
+
+__all__ = ["Budget", "Rule", "TierRule", "parse_tiers"]
+
+#: ``rule(T)`` -> a keep ratio in (0, 1] (float) or a token count >= 1 (int).
+Rule = Callable[[int], "int | float"]
+
+
+def parse_tiers(tiers: str | Sequence[Any]) -> list[tuple[int | None, int | float]]:
+    """``"4096:1.0,16384:0.5,*:8192"`` -> ``[(4096, 1.0), (16384, 0.5), (None, 8192)]``.
+
+    Each tier applies to prompts of at most that many tokens (``*``: any length); a value with a
+    decimal point is a keep ratio in (0, 1], an int a token count >= 1. Tiers must grow and end
+    with ``*``. A list of ``(bound, value)`` pairs (bound ``None`` for ``*``) works too.
+    """
+    items: list[tuple[Any, Any]]
+    if isinstance(tiers, str):
+        items = []
+        for part in tiers.split(","):
+            bound, sep, value = part.strip().partition(":")
+            if not sep:
+                raise PolicyParamError(
+                    f"budget: tier {part.strip()!r} in {tiers!r} has no ':'; expected "
+                    "MAX_TOKENS:VALUE or *:VALUE"
+                )
+            b = None if bound.strip() == "*" else _int_or_fail(bound, tiers)
+            v = value.strip()
+            items.append((b, float(v) if "." in v else _int_or_fail(v, tiers)))
+    else:
+        items = [tuple(x) for x in tiers]
+    out: list[tuple[int | None, int | float]] = []
+    last = 0
+    for b, v in items:
+        ok_v = (isinstance(v, float) and 0 < v <= 1) or (
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1
+        )
+        if not ok_v:
+            raise PolicyParamError(
+                f"budget: tier value {v!r} in {tiers!r}; expected a ratio 0 < r <= 1 (with a "
+                "decimal point) or a token count >= 1"
+            )
+        if b is not None and (not isinstance(b, int) or b <= last):
+            raise PolicyParamError(
+                f"budget: tier bound {b!r} in {tiers!r}; bounds must be increasing ints"
+            )
+        if out and out[-1][0] is None:
+            raise PolicyParamError(f"budget: tiers {tiers!r} continue after '*'")
+        out.append((b, v))
+        last = b if b is not None else last
+    if not out or out[-1][0] is not None:
+        raise PolicyParamError(
+            f"budget: tiers {tiers!r} must end with a '*' tier covering any length"
+        )
+    return out
+
+
+def _int_or_fail(text: str, tiers: Any) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise PolicyParamError(
+            f"budget: cannot read {text.strip()!r} in tiers {tiers!r}; expected an int"
+        ) from None
+
+
+class TierRule:
+    """A :data:`Rule` from length tiers (see :func:`parse_tiers`)."""
+
+    def __init__(self, tiers: str | Sequence[Any]) -> None:
+        self.tiers = parse_tiers(tiers)
+
+    def __call__(self, num_tokens: int) -> int | float:
+        for bound, value in self.tiers:
+            if bound is None or num_tokens <= bound:
+                return value
+        raise AssertionError("tiers end with '*'")
+
+    def __repr__(self) -> str:
+        return ",".join(f"{'*' if b is None else b}:{v}" for b, v in self.tiers)
+
+
+class _FixedRule:
+    """The inner policy's own budget, for every length."""
+
+    def __init__(self, value: int | float) -> None:
+        self.value = value
+
+    def __call__(self, num_tokens: int) -> int | float:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class Budget(Policy):
+    """``policy`` (a scorer policy or a composition) with its budget set per request by
+    ``rule(T)`` or ``tiers`` (``"4096:1.0,16384:0.5,*:0.25"``); with neither, its own budget.
+    The chosen budget is chunk-aligned as always."""
+
+    def __init__(
+        self,
+        policy: SelectorPolicy,
+        rule: Rule | None = None,
+        *,
+        tiers: str | Sequence[Any] | None = None,
+        name: str | None = None,
+    ) -> None:
+        if not isinstance(policy, SelectorPolicy):
+            raise PolicyParamError(
+                f"budget: policy {policy!r} is a {type(policy).__name__}; expected a scorer "
+                "policy or a composition (something with a selector)"
+            )
+        if tiers is not None and rule is not None:
+            raise PolicyParamError("budget: give tiers or rule, not both")
+        if rule is not None and not callable(rule):
+            raise PolicyParamError(
+                f"budget: parameter 'rule' got {rule!r}; expected a callable(T) -> ratio or tokens"
+            )
+        if tiers is not None:
+            rule = TierRule(tiers)
+        if rule is None:
+            sel = policy.selector
+            own = sel.keep_tokens if sel.keep_tokens is not None else sel.keep_ratio
+            assert own is not None  # the Selector fills keep_ratio when neither is given
+            rule = _FixedRule(own)
+        self.policy = policy
+        self.rule = rule
+        self.name = name or f"budget({policy.name})"
+
+    def __repr__(self) -> str:
+        return f"Budget({self.policy!r}, rule={self.rule!r})"
+
+    @property
+    def needs_query(self) -> bool:
+        return self.policy.needs_query
+
+    def for_length(self, num_tokens: int) -> SelectorPolicy:
+        """The inner policy with this request's budget."""
+        value = self.rule(num_tokens)
+        if isinstance(value, float) and 0 < value <= 1:
+            keep = {"keep_ratio": value, "keep_tokens": None}
+        elif isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            keep = {"keep_ratio": None, "keep_tokens": value}
+        else:
+            raise PolicyInputError(
+                f"{self.name}: budget rule returned {value!r} for {num_tokens} tokens; expected "
+                "a ratio 0 < r <= 1 (float) or a token count >= 1 (int)"
+            )
+        return self.policy.with_selector(dataclasses.replace(self.policy.selector, **keep))
+
+    def select_indices(
+        self, tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.for_length(len(tokens)).select_indices(tensors, tokens)

@@ -1,0 +1,119 @@
+"""``Compose``: a union of scorer policies sharing one chunk-aligned budget."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvdrop.errors import PolicyParamError, PolicyWarning
+from kvdrop.policy import ScorerPolicy, SelectorPolicy, check_inputs
+from kvdrop.selector import Selector
+
+__all__ = ["Compose"]
+
+
+class Compose(SelectorPolicy):
+    """Union of built scorer policies under one budget (like kvpress's ``ComposedPress``).
+
+    Each part gets a share of the chunk-aligned budget (``weights``, default equal, in whole
+    chunks, largest remainders first, ties to the earlier part) and, in order, takes its most
+    preferred tokens not taken yet -- its own forced tokens (sinks, recent window) first, then
+    its best scores, exactly its own selector's :meth:`~kvdrop.selector.Selector.ranking`. One
+    part alone equals that policy. The parts' own budgets are ignored; their chunk size must be
+    the composition's. A part whose share rounds to zero chunks (e.g. two parts, a one-chunk
+    budget) picks nothing, and a :class:`~kvdrop.PolicyWarning` says so.
+    """
+
+    def __init__(
+        self,
+        parts: Sequence[ScorerPolicy],
+        weights: Sequence[float] | None = None,
+        *,
+        keep_ratio: float | None = None,
+        keep_tokens: int | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.parts = list(parts)
+        self.name = name or "+".join(p.name for p in self.parts)
+        if not self.parts:
+            raise PolicyParamError("compose: no parts; expected one or more scorer policies")
+        for part in self.parts:
+            if not isinstance(part, ScorerPolicy):
+                raise PolicyParamError(
+                    f"compose: part {part!r} is a {type(part).__name__}, "
+                    "not a scorer policy; only policies built by ScorerFactory (every built-in) "
+                    "can be composed"
+                )
+        sizes = sorted({p.selector.chunk_size for p in self.parts})
+        if len(sizes) > 1:
+            raise PolicyParamError(
+                f"compose: parts use chunk sizes {sizes}; expected one chunk size for all parts"
+            )
+        weights = [1.0] * len(self.parts) if weights is None else list(weights)
+        if len(weights) != len(self.parts) or not all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in weights
+        ):
+            raise PolicyParamError(
+                f"compose: parameter 'weights' got {weights!r}; expected {len(self.parts)} "
+                "numbers > 0 (one per part)"
+            )
+        self.weights = [float(w) for w in weights]
+        try:
+            self.selector = Selector(
+                keep_ratio=keep_ratio, keep_tokens=keep_tokens, chunk_size=sizes[0]
+            )
+        except PolicyParamError as exc:
+            raise PolicyParamError(f"compose: {exc}") from None
+
+    def __repr__(self) -> str:
+        return f"Compose({self.name!r}, weights={self.weights}, {self.selector!r})"
+
+    @property
+    def needs_query(self) -> bool:
+        return any(p.needs_query for p in self.parts)
+
+    def quotas(self, budget: int) -> list[int]:
+        """Tokens each part picks: ``budget`` split by weight in whole chunks (largest remainders
+        first, ties to the earlier part)."""
+        c = self.selector.chunk_size
+        units, extra = divmod(budget, c)
+        total = sum(self.weights)
+        exact = [units * w / total for w in self.weights]
+        whole = [int(x) for x in exact]
+        left = units - sum(whole)
+        order = sorted(range(len(exact)), key=lambda i: (-(exact[i] - whole[i]), i))
+        for i in order[:left]:
+            whole[i] += 1
+        out = [w * c for w in whole]
+        out[0] += extra  # budget is chunk-aligned unless it is all of T
+        return out
+
+    def select_indices(
+        self, tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kv, query = check_inputs(tensors, tokens, policy=self.name, needs_query=self.needs_query)
+        num_tokens = kv.shape[2]
+        budget = self.selector.budget(num_tokens)
+        if budget >= num_tokens:
+            return kv, torch.arange(num_tokens)
+        quotas = self.quotas(budget)
+        idle = [p.name for p, q in zip(self.parts, quotas) if q == 0]
+        if idle:
+            warnings.warn(
+                f"{self.name}: a budget of {budget // self.selector.chunk_size} chunk(s) split "
+                f"by weights {self.weights} leaves {', '.join(idle)} without tokens; keep more "
+                "(keep_ratio/keep_tokens), use a smaller chunk_size or fewer parts",
+                PolicyWarning,
+                stacklevel=2,
+            )
+        chosen = torch.zeros(num_tokens, dtype=torch.bool)
+        for part, quota in zip(self.parts, quotas):
+            if quota == 0:
+                continue
+            order = part.ranking(kv, query if part.needs_query else None, quota)
+            picked = order[~chosen[order]][:quota]
+            chosen[picked] = True
+        return kv, chosen.nonzero().squeeze(1)

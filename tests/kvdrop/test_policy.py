@@ -1,0 +1,123 @@
+"""The policy contract: scorers, what reaches score(), factories for scorers and plain functions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+import kvdrop
+from kvdrop import Scorer, ScorerFactory, Selection, param, registry
+from kvdrop.policy import FunctionPolicy
+from kvdrop_sdk import CacheKind
+
+
+@dataclass(frozen=True)
+class WindowedScorer(Scorer):
+    """A plugin scorer with its own parameter named like a selector parameter."""
+
+    window: int = param(3, "how many of the last keys vote", check=lambda w: w >= 1)
+
+    def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
+        votes = kv[0, :, -self.window :].float().sum(dim=(0, 1))  # [D]
+        return kv[0].float().matmul(votes).mean(0)
+
+
+def test_a_scorer_field_named_window_is_its_own() -> None:
+    factory = ScorerFactory("windowed", WindowedScorer, "test")
+    names = [p.name for p in factory.params]
+    assert names.count("window") == 1 and "n_sink" in names
+    fn = factory(window=7, keep_tokens=4, chunk_size=4)
+    assert fn.scorer.window == 7 and fn.selector.window == 0
+    assert next(p for p in factory.params if p.name == "window").help.startswith("how many")
+    with pytest.raises(kvdrop.PolicyParamError, match="window"):
+        factory(window=0)
+
+
+def test_a_plain_field_named_like_a_selector_parameter_is_refused() -> None:
+    @dataclass(frozen=True)
+    class OldStyle(Scorer):
+        chunk_size: int = 256  # used to be overwritten from the selector
+
+        def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
+            return torch.zeros(kv.shape[2])
+
+    with pytest.raises(TypeError, match=r"OldStyle.chunk_size.*needs_selection"):
+        ScorerFactory("old", OldStyle, "test")
+
+
+SEEN: list[Selection] = []
+
+
+@dataclass(frozen=True)
+class RecordingScorer(Scorer):
+    """Scores by position and records the Selection it was handed."""
+
+    needs_selection = True
+
+    def score(
+        self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection
+    ) -> torch.Tensor:
+        SEEN.append(selection)
+        return torch.arange(kv.shape[2], dtype=torch.float32)
+
+
+def test_a_scorer_that_asks_gets_the_selection_of_its_own_budget() -> None:
+    factory = ScorerFactory("rec", RecordingScorer, "test")
+    kv = torch.randn(2, 1, 64, 4)
+    fn = factory(keep_tokens=24, chunk_size=8, n_sink=2, window=5)
+    fn({CacheKind.KV: kv}, list(range(64)))
+    assert SEEN[-1] == Selection(64, 24, 8, 2, 5, False)
+    kvdrop.Compose([fn, kvdrop.get("knorm", chunk_size=8)], keep_tokens=32)(
+        {CacheKind.KV: kv}, list(range(64))
+    )
+    assert SEEN[-1].budget == 16, "a composition part sees its share"
+
+
+def test_nan_scores_are_an_input_error_naming_the_policy() -> None:
+    kv = torch.randn(2, 1, 32, 8)
+    kv[0, 0, 5, 0] = float("nan")
+    with pytest.raises(kvdrop.PolicyInputError, match=r"knorm: the scorer returned 1 NaN"):
+        kvdrop.get("knorm", keep_tokens=8, chunk_size=8)({CacheKind.KV: kv}, list(range(32)))
+    # Within budget nothing is scored, so nothing is wrong.
+    kvdrop.get("knorm", keep_tokens=32, chunk_size=8)({CacheKind.KV: kv}, list(range(32)))
+
+
+def test_every_policy_kvdrop_builds_is_a_policy() -> None:
+    for name in ["knorm", "snapkv", "streaming+snapkv", "chunk(policy=h2o)", "budget"]:
+        assert isinstance(kvdrop.get(name), kvdrop.Policy)
+
+
+@pytest.fixture
+def plain() -> Iterator[str]:
+    def keep_first(keep_tokens: int, chunk_size: int = 1) -> Any:
+        """Keep the first keep_tokens tokens (a plain factory returning a plain function)."""
+
+        def fn(tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]) -> Any:
+            return tensors[CacheKind.KV][:, :, :keep_tokens], list(tokens[:keep_tokens])
+
+        return fn
+
+    kvdrop.register("test-keep-first", keep_first)
+    yield "test-keep-first"
+    registry._reset()
+
+
+def test_a_plain_function_plugin_gets_its_parameters_checked(plain: str) -> None:
+    with pytest.raises(
+        kvdrop.PolicyParamError, match=r"unknown parameter 'keep_token'.*keep_tokens"
+    ):
+        kvdrop.get(plain, keep_token=4)
+    with pytest.raises(kvdrop.PolicyParamError, match=r"missing parameter.*'keep_tokens'"):
+        kvdrop.get(plain)
+    fn = kvdrop.get(plain, keep_tokens=3)
+    assert isinstance(fn, FunctionPolicy) and not fn.needs_query
+    kv = torch.randn(2, 1, 8, 4)
+    out, kept = fn({CacheKind.KV: kv}, list(range(10, 18)))
+    assert kept == [10, 11, 12] and torch.equal(out, kv[:, :, :3])
+    _, index = fn.select_indices({CacheKind.KV: kv}, list(range(10, 18)))
+    assert index.tolist() == [0, 1, 2]
+    assert [p.type for p in kvdrop.describe(plain).params] == [int, int]

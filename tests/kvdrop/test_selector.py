@@ -1,0 +1,76 @@
+"""The selector: budget, forced tokens, one ranking order that selection is a prefix of."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+
+from kvdrop.selector import Selector
+
+
+def random_cases() -> Iterator[tuple[torch.Tensor, Selector]]:
+    gen = torch.Generator().manual_seed(11)
+    for i in range(60):
+        t = int(torch.randint(1, 90, (1,), generator=gen))
+        scores = torch.randint(0, 5, (t,), generator=gen).float()  # many ties
+        if i % 7 == 0:
+            scores[0] = float("nan")
+        chunk = [1, 4, 8, 16][i % 4]
+        yield (
+            scores,
+            Selector(
+                keep_tokens=int(torch.randint(1, 100, (1,), generator=gen)),
+                chunk_size=chunk,
+                n_sink=i % 5,
+                window=(3 * i) % 11,
+                chunked=i % 3 == 0,
+            ),
+        )
+
+
+def ref_token_ranking(scores: list[float], n_sink: int, window: int) -> list[int]:
+    """The documented order, written out: the last ``window`` tokens (most recent first), the
+    first ``n_sink`` not already among them, then by score (NaN lowest; ties: earlier first)."""
+    t = len(scores)
+    recent = list(range(t - 1, max(t - window, 0) - 1, -1))
+    sinks = [i for i in range(min(n_sink, t)) if i not in recent]
+    rest = [i for i in range(t) if i not in recent and i not in sinks]
+    rest.sort(key=lambda i: (-(-math.inf if math.isnan(scores[i]) else scores[i]), i))
+    return recent + sinks + rest
+
+
+def ref_ranking(scores: torch.Tensor, sel: Selector) -> list[int]:
+    values = scores.tolist()
+    if not sel.chunked:
+        return ref_token_ranking(values, sel.n_sink, sel.window)
+    c = sel.chunk_size
+    full = len(values) // c * c
+    sums = [sum(values[i : i + c]) for i in range(0, full, c)]
+    order = ref_token_ranking(sums, -(-min(sel.n_sink, full) // c), -(-min(sel.window, full) // c))
+    return [j * c + i for j in order for i in range(c)] + list(range(full, len(values)))
+
+
+def test_ranking_is_the_documented_order_and_selection_its_prefix() -> None:
+    for scores, sel in random_cases():
+        k = sel.budget(scores.numel())
+        expected = ref_ranking(scores, sel)
+        assert sel.ranking(scores).tolist() == expected
+        t = scores.numel()
+        want = sorted(expected[:k]) if k < t else list(range(t))
+        assert sel.select(scores, k).tolist() == want and len(want) == k
+
+
+def test_selection_reports_what_the_selector_keeps() -> None:
+    sel = Selector(keep_ratio=0.5, chunk_size=8, n_sink=2, window=5, chunked=True)
+    got = sel.selection(100)
+    assert (got.num_tokens, got.budget, got.chunk_size, got.n_sink, got.window, got.chunked) == (
+        100,
+        48,
+        8,
+        2,
+        5,
+        True,
+    )
+    assert sel.selection(100, budget=16).budget == 16
