@@ -324,7 +324,6 @@ class ComposeFactory(PolicyFactory):
             values["weights"],
             keep_ratio=values["keep_ratio"],
             keep_tokens=values["keep_tokens"],
-            name="+".join(n for n, _ in terms),
         )
 
 

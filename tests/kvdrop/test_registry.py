@@ -12,12 +12,55 @@ from pathlib import Path
 
 import pytest
 import torch
+from importlib_metadata import EntryPoint, entry_points
 
 import kvdrop
 from kvdrop import registry
 from kvdrop_sdk import CacheKind
 
 BUILTINS = {"chunk-halving", "random", "streaming", "knorm", "keydiff"}
+
+
+def installed_entry_points() -> list[EntryPoint]:
+    """Every entry point of the group, as the registry lists them (a distribution seen twice on
+    sys.path once)."""
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for ep in entry_points(group=registry.ENTRY_POINT_GROUP):
+        if (ep.name, ep.value) not in seen:
+            seen.add((ep.name, ep.value))
+            out.append(ep)
+    return out
+
+
+ENTRY_POINTS = installed_entry_points()
+
+
+@pytest.mark.parametrize("ep", ENTRY_POINTS, ids=[f"{ep.name}={ep.value}" for ep in ENTRY_POINTS])
+def test_every_installed_policy_loads_and_owns_its_name(ep: EntryPoint) -> None:
+    """One test per entry point: a plugin that fails to import, or two claiming one name, fails
+    the run here instead of dropping out of the property tests with a warning."""
+    claims = [
+        f"{o.dist.name if o.dist else '?'} ({o.value})" for o in ENTRY_POINTS if o.name == ep.name
+    ]
+    assert len(claims) == 1, f"policy name {ep.name!r} is claimed by {' and '.join(claims)}"
+    assert callable(ep.load())  # an import error fails here, with its traceback
+    assert ep.name in kvdrop.available()
+
+
+def test_a_broken_plugin_fails_the_test_run(tmp_path: Path) -> None:
+    fake_distribution(tmp_path, "kvdrop-broken-plugin", {"broken": "kvdrop_no_such_module:x"})
+    fake_distribution(tmp_path, "kvdrop-impostor", {"knorm": "kvdrop.policies.random:random"})
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "owns"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert run.returncode == 1, run.stdout[-2000:]
+    assert "ModuleNotFoundError" in run.stdout and "kvdrop-impostor" in run.stdout
+    assert "3 failed" in run.stdout  # the broken plugin and both claims on knorm
 
 
 @pytest.fixture
@@ -98,6 +141,12 @@ def test_register_at_run_time(fresh_registry: None) -> None:
         kvdrop.register("knorm", keep_first)
     kvdrop.register("knorm", keep_first, replace=True)
     assert kvdrop.describe("knorm").summary.startswith("Keep the first tokens")
+
+
+def test_names_that_read_as_specs_cannot_be_registered(fresh_registry: None) -> None:
+    for bad in ["a+b", "f(x)", ""]:
+        with pytest.raises(ValueError, match="non-empty string without"):
+            kvdrop.register(bad, lambda: None)
 
 
 def test_describe_documents_every_parameter() -> None:
