@@ -31,11 +31,11 @@ import torch
 
 import kvdrop
 from kvdrop.experiment import Prompt, engine_budget, run_pipeline
+from kvdrop_engine.connector import ServerConnector
+from kvdrop_engine.engine import Engine
+from kvdrop_engine.model import ModelConfig, Transformer
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
-from kvdrop_sdk.engines.connector import ServerConnector
-from kvdrop_sdk.engines.engine import Engine
-from kvdrop_sdk.engines.model import ModelConfig, Transformer
 from kvdrop_sdk.server.testing import spawn_server
 from kvdrop_sdk.table import format_table
 

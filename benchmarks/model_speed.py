@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from kvdrop_sdk.engines.model import DenseAttention, Transformer, generate
-from kvdrop_sdk.engines.tokenizer import Tokenizer
-from kvdrop_sdk.engines.weights import _cached_reader, find_smollm2_gguf
+from kvdrop_engine.model import DenseAttention, Transformer, generate
+from kvdrop_engine.tokenizer import Tokenizer
+from kvdrop_engine.weights import _cached_reader, find_smollm2_gguf
 from kvdrop_sdk.table import format_table
 
 FILLER = (

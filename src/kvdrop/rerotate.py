@@ -23,7 +23,7 @@ import torch
 
 from kvdrop.errors import PolicyInputError, PolicyParamError
 from kvdrop.policy import check_inputs
-from kvdrop_sdk.rope import RopeConfig, rotate
+from kvdrop_rope import RopeConfig, rotate
 from kvdrop_sdk.types import ModifyFnType
 
 __all__ = ["RerotatedPolicy", "rerotate_keys", "rerotated", "rope_config"]

@@ -19,8 +19,8 @@ from kvdrop_sdk.errors import LMCacheSDKError, SDKError
 from kvdrop_sdk.hashing import TOKEN_BYTES, encode_tokens
 from kvdrop_sdk.layout import CacheLayout, dtype_name
 from kvdrop_sdk.protocol import RpcClient, RpcError, server_hint
+from kvdrop_sdk.transport.contiguous import MODES, ContiguousTransferWrapper
 from kvdrop_sdk.types import ModifyFnType
-from kvdrop_sdk.wrapper.contiguous import MODES, ContiguousTransferWrapper
 
 __all__ = [
     "QUERY_SUFFIX",

@@ -14,8 +14,8 @@ from kvdrop.cli import main
 from kvdrop.compose import BudgetPolicy, ComposePolicy, parse_spec, parse_tiers, ranking
 from kvdrop.rerotate import RerotatedPolicy
 from kvdrop.selector import Selector
+from kvdrop_rope import RopeConfig
 from kvdrop_sdk import CacheKind
-from kvdrop_sdk.rope import RopeConfig
 
 
 def inputs(t: int, seed: int = 0, layers: int = 2) -> dict[Any, torch.Tensor]:

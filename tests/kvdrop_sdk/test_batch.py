@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import torch
 
+from kvdrop_sdk.adapters.toy import ToyEngine, positions_of
 from kvdrop_sdk.batch import BatchedStream, BatchedStreamFailures, LMCacheBatchedStream
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context, connect
-from kvdrop_sdk.engines.toy import ToyEngine, positions_of
 from kvdrop_sdk.errors import BatchedStreamError, RequestStreamError
 from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.layout import CacheLayout

@@ -33,7 +33,7 @@ from kvdrop_sdk.protocol import (
 from kvdrop_sdk.server.config import ServerConfig
 from kvdrop_sdk.server.pool import HEADER_BYTES, Pool
 from kvdrop_sdk.server.store import ChunkStore, StoreError
-from kvdrop_sdk.wrapper.contiguous import copy_rows
+from kvdrop_sdk.transport.contiguous import copy_rows
 
 __all__ = ["QUERY_SUFFIX", "Server"]
 

@@ -452,7 +452,7 @@ def test_reader_whose_pin_lapsed_gets_a_miss_not_other_data(
     tiny_server: ServerHandle, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A shared-memory reader stalls past its lease while a writer reuses the slots."""
-    import kvdrop_sdk.wrapper.contiguous as contiguous
+    import kvdrop_sdk.transport.contiguous as contiguous
 
     model = "lapse"
     reader = sdk.kvcache.connect(

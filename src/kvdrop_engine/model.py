@@ -1,6 +1,6 @@
 """The reference decoder (Llama / Qwen2 / Qwen3 / SmolLM family), gpt-fast style: one plain file.
 
-RMSNorm, RoPE (:mod:`kvdrop_sdk.rope`), grouped-query attention, SwiGLU MLP, optional per-head
+RMSNorm, RoPE (:mod:`kvdrop_rope`), grouped-query attention, SwiGLU MLP, optional per-head
 q/k RMSNorm (Qwen3), optional q/k/v bias (Qwen2), tied embeddings. The model never owns a KV
 cache: every forward hands post-RoPE q and k (and v) of each layer to an :class:`AttentionBackend`,
 which stores k/v wherever the engine keeps them (a paged cache, or :class:`DenseAttention`'s
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvdrop_sdk.rope import RopeConfig, rotate
+from kvdrop_rope import RopeConfig, rotate
 
 __all__ = [
     "AttentionBackend",
@@ -442,7 +442,7 @@ class Transformer(nn.Module):
     ) -> Transformer:
         """Load a local HF folder (``config.json`` + ``*.safetensors``) or a ``.gguf`` file.
         Never touches the network."""
-        from kvdrop_sdk.engines import weights
+        from kvdrop_engine import weights
 
         path = Path(path)
         if path.is_file() and path.suffix == ".gguf":

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvdrop_sdk.rope import RopeConfig
+from kvdrop_rope import RopeConfig
 
 __all__ = [
     "SMOLLM2_GGUF_NAME",
@@ -191,7 +191,7 @@ def gguf_metadata(path: str | Path, reader: Any = None) -> dict[str, Any]:
 
 def _config_from_metadata(meta: Mapping[str, Any], path: Path) -> Any:
     """Build a ModelConfig from GGUF metadata (``{arch}.block_count`` etc.)."""
-    from kvdrop_sdk.engines.model import ModelConfig
+    from kvdrop_engine.model import ModelConfig
 
     arch = meta.get("general.architecture")
     if arch not in ("llama", "qwen2", "qwen3"):
@@ -275,7 +275,7 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def load_gguf(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
     """Read a GGUF checkpoint: its ModelConfig (from metadata) and float32 tensors named as
-    :class:`~kvdrop_sdk.engines.model.Transformer` parameters."""
+    :class:`~kvdrop_engine.model.Transformer` parameters."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 

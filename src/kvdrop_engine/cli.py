@@ -150,7 +150,7 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any, str]:
     """The model, its tokenizer (or None) and a default served name, as the flags say."""
     import torch
 
-    from kvdrop_sdk.engines.model import ModelConfig, Transformer
+    from kvdrop_engine.model import ModelConfig, Transformer
 
     dtype = getattr(torch, args.dtype)
     try:
@@ -171,7 +171,7 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any, str]:
         return model, None, f"random-{args.random_preset}"
     path: Path | None = Path(args.model) if args.model is not None else None
     if path is None:
-        from kvdrop_sdk.engines.weights import find_smollm2_gguf
+        from kvdrop_engine.weights import find_smollm2_gguf
 
         path = find_smollm2_gguf()
         if path is None:
@@ -180,7 +180,7 @@ def load_model(args: argparse.Namespace) -> tuple[Any, Any, str]:
             )
     tokenizer: Any = None
     if path.is_file() and path.suffix == ".gguf":
-        from kvdrop_sdk.engines.tokenizer import Tokenizer
+        from kvdrop_engine.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf(path)
         name = path.name.removesuffix(".gguf")
@@ -204,8 +204,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from kvdrop_sdk.engines.engine import Engine
-    from kvdrop_sdk.engines.http_server import CompletionHTTPServer
+    from kvdrop_engine.engine import Engine
+    from kvdrop_engine.http import CompletionHTTPServer
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
 
     connector = None
     if args.kvdrop_url is not None:
-        from kvdrop_sdk.engines.connector import ServerConnector
+        from kvdrop_engine.connector import ServerConnector
 
         connector = ServerConnector(args.kvdrop_url, args.kvdrop_http_url, name)
     try:

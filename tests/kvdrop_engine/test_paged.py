@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdrop_sdk.engines.model import DenseAttention, ModelConfig, Transformer
-from kvdrop_sdk.engines.paged import (
+from kvdrop_engine.model import DenseAttention, ModelConfig, Transformer
+from kvdrop_engine.paged import (
     BlockAllocator,
     OutOfBlocksError,
     PagedAttention,

@@ -14,7 +14,7 @@ import requests
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdrop_sdk.engines.http_server import (
+from kvdrop_engine.http import (
     BadRequestError,
     CompletionHTTPServer,
     IncrementalDetokenizer,

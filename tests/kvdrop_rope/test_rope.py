@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvdrop_sdk.rope import RopeConfig, apply_rope
+from kvdrop_rope import RopeConfig, apply_rope
 
 SCALINGS: dict[str, dict[str, Any] | None] = {
     "default": None,

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from kvdrop_sdk.engines.http_server import CompletionHTTPServer
-from kvdrop_sdk.engines.openai import (
+from kvdrop_engine.http import CompletionHTTPServer
+from kvdrop_sdk.adapters.openai import (
     CompletionHTTPError,
     HTTPPostCompletion,
     MissingTokenIdsError,
@@ -288,8 +288,8 @@ def test_non_json_event() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_engine() -> Iterator[Any]:
-    from kvdrop_sdk.engines.engine import Engine
-    from kvdrop_sdk.engines.model import ModelConfig, Transformer
+    from kvdrop_engine.engine import Engine
+    from kvdrop_engine.model import ModelConfig, Transformer
 
     model = Transformer.random(ModelConfig.preset("tiny"), seed=0)
     with Engine(model, kv_budget_tokens=1024, block_size=16, max_prefill_tokens=128) as eng:

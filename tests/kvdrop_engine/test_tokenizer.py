@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from kvdrop_sdk.engines.tokenizer import Tokenizer, TokenizerError
-from kvdrop_sdk.engines.weights import find_smollm2_gguf
+from kvdrop_engine.tokenizer import Tokenizer, TokenizerError
+from kvdrop_engine.weights import find_smollm2_gguf
 
 SMOLLM2 = find_smollm2_gguf()
 needs_smollm2 = pytest.mark.skipif(

@@ -5,7 +5,7 @@ Serves ``POST /v1/completions`` (JSON or server-sent events, one event per token
 server: every request runs in its own thread, so concurrent requests reach the engine together and
 it can batch them. With ``return_tokens_as_token_ids`` (as vLLM's ``--return-tokens-as-token-ids``)
 the logprobs tokens read ``"token_id:N"``, which is how
-``kvdrop_sdk.engines.openai.make_post_completion`` learns the ids.
+``kvdrop_sdk.adapters.openai.make_post_completion`` learns the ids.
 
 Only standard-library networking; nothing here imports torch.
 """

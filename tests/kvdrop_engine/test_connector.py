@@ -9,12 +9,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kvdrop_engine.connector import ServerConnector
+from kvdrop_engine.engine import Engine
+from kvdrop_engine.model import DenseAttention, ModelConfig, Transformer, generate
+from kvdrop_engine.paged import PagedAttention, PagedKVCache, SeqStep, blocks_needed
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context, connect
-from kvdrop_sdk.engines.connector import ServerConnector
-from kvdrop_sdk.engines.engine import Engine
-from kvdrop_sdk.engines.model import DenseAttention, ModelConfig, Transformer, generate
-from kvdrop_sdk.engines.paged import PagedAttention, PagedKVCache, SeqStep, blocks_needed
 from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.server.testing import ServerHandle, spawn_server
 

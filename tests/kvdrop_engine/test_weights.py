@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvdrop_sdk.engines.model import DenseAttention, ModelConfig, Transformer
-from kvdrop_sdk.engines.weights import (
+from kvdrop_engine.model import DenseAttention, ModelConfig, Transformer
+from kvdrop_engine.weights import (
     SMOLLM2_GGUF_NAME,
     WeightsError,
     find_smollm2_gguf,

@@ -8,14 +8,14 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from kvdrop_sdk.engines.engine import (
+from kvdrop_engine.engine import (
     Engine,
     EngineError,
     InvalidRequestError,
     RequestTooLargeError,
     SamplingParams,
 )
-from kvdrop_sdk.engines.model import ModelConfig, Transformer, generate
+from kvdrop_engine.model import ModelConfig, Transformer, generate
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 

@@ -9,7 +9,7 @@ Admission reserves blocks for the whole request (prompt + ``max_tokens``) up fro
 request never waits for memory and nothing is ever preempted; a request that waits for blocks keeps
 its place in line (FIFO, no starvation). Finished requests free their blocks in the step they end.
 
-With a connector (``kvdrop_sdk.engines.connector.ServerConnector``) the engine loads the longest
+With a connector (``kvdrop_engine.connector.ServerConnector``) the engine loads the longest
 cached prefix of each prompt from the kvdrop server on admission and computes only the rest; when a
 prompt's prefill ends it stores the prompt's whole chunks of KV (and post-RoPE queries). The store
 runs on the caller's thread before the first token is handed over, so a caller that has seen a
@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from kvdrop_sdk.engines.paged import PagedAttention, PagedKVCache, SeqStep, blocks_needed
+from kvdrop_engine.paged import PagedAttention, PagedKVCache, SeqStep, blocks_needed
 from kvdrop_sdk.events import TokenEvent
 
 __all__ = [
@@ -218,7 +218,7 @@ class _Request:
 class Engine:
     """Continuous-batching engine over a paged KV cache of ``num_blocks`` blocks.
 
-    ``model`` is a ``kvdrop_sdk.engines.model.Transformer`` (anything with ``.config`` holding
+    ``model`` is a ``kvdrop_engine.model.Transformer`` (anything with ``.config`` holding
     ``num_layers``, ``num_heads``, ``num_kv_heads``, ``head_dim``, ``eos_token_ids`` and a
     ``forward(tokens, positions, attn, logits_rows)``). Give the budget as ``num_blocks`` or
     ``kv_budget_tokens`` (rounded down to whole blocks); default 65536 tokens.

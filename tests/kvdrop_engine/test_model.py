@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvdrop_sdk.engines.model import DenseAttention, ModelConfig, Transformer, generate
-from kvdrop_sdk.engines.weights import find_smollm2_gguf
+from kvdrop_engine.model import DenseAttention, ModelConfig, Transformer, generate
+from kvdrop_engine.weights import find_smollm2_gguf
 
 transformers = pytest.importorskip("transformers", reason="transformers is the test reference")
 
@@ -269,7 +269,7 @@ FILLER = (
 @needs_smollm2
 def test_smollm2_greedy_pass_key_retrieval(smollm2: Transformer) -> None:
     """End-to-end smoke test of model + tokenizer + chat template on ~500 tokens."""
-    from kvdrop_sdk.engines.tokenizer import Tokenizer
+    from kvdrop_engine.tokenizer import Tokenizer
 
     assert SMOLLM2 is not None
     tok = Tokenizer.from_gguf(SMOLLM2)

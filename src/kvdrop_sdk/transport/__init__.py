@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from kvdrop_sdk.wrapper.contiguous import ContiguousTransferWrapper, TransferHelper
+from kvdrop_sdk.transport.contiguous import ContiguousTransferWrapper, TransferHelper
 
 __all__ = ["ContiguousTransferWrapper", "TransferHelper"]

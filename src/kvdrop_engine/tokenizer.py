@@ -112,7 +112,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """Read the tokenizer metadata of a ``.gguf`` file."""
-        from kvdrop_sdk.engines.weights import gguf_metadata
+        from kvdrop_engine.weights import gguf_metadata
 
         return cls(gguf_metadata(path), name=Path(path).name)
 
