@@ -118,9 +118,9 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
         run_pipeline,
         summarize_runs,
     )
-    from kvdrop_engine.cli import load_model
     from kvdrop_engine.connector import ServerConnector
     from kvdrop_engine.engine import Engine
+    from kvdrop_engine.loading import load_model
     from kvdrop_sdk import kvcache, qcache
     from kvdrop_sdk.progress import ProgressBar
     from kvdrop_sdk.server.app import Server

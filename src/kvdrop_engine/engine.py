@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from kvdrop_engine.errors import EngineError, InvalidRequestError, RequestTooLargeError
 from kvdrop_engine.paged import PagedAttention, PagedKVCache, SeqStep, blocks_needed
 from kvdrop_sdk.events import TokenEvent
 
@@ -44,18 +45,6 @@ __all__ = [
 ]
 
 DEFAULT_BUDGET_TOKENS = 65536
-
-
-class EngineError(RuntimeError):
-    """The engine failed to serve a request (stopped, model or connector error)."""
-
-
-class InvalidRequestError(EngineError, ValueError):
-    """A request's prompt or sampling parameters are invalid; the message says what is expected."""
-
-
-class RequestTooLargeError(InvalidRequestError):
-    """A request needs more KV blocks than the engine's whole budget; it could never be admitted."""
 
 
 class EngineConnector(Protocol):

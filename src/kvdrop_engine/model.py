@@ -1,42 +1,74 @@
 """The reference decoder (Llama / Qwen2 / Qwen3 / SmolLM family), gpt-fast style: one plain file.
 
-RMSNorm, RoPE (:mod:`kvdrop_rope`), grouped-query attention, SwiGLU MLP, optional per-head
-q/k RMSNorm (Qwen3), optional q/k/v bias (Qwen2), tied embeddings. The model never owns a KV
-cache: every forward hands post-RoPE q and k (and v) of each layer to an :class:`AttentionBackend`,
-which stores k/v wherever the engine keeps them (a paged cache, or :class:`DenseAttention`'s
-contiguous one) and returns the attention output. Tokens of several sequences can therefore be
-packed into one flat forward; the backend knows which token belongs to which sequence.
+RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, optional per-head q/k RMSNorm
+(Qwen3), optional q/k/v bias (Qwen2), tied embeddings. This module imports only torch: the
+rotary-embedding math arrives in ``ModelConfig.rope`` (any :class:`Rope`; the loading code passes
+a ``kvdrop_rope.RopeConfig``), and checkpoints are read by :mod:`kvdrop_engine.loading`.
+
+The model never owns a KV cache: every forward hands post-RoPE q and k (and v) of each layer to an
+:class:`AttentionBackend`, which stores k/v wherever the engine keeps them (a paged cache, or
+:class:`DenseAttention`'s contiguous one) and returns the attention output. Tokens of several
+sequences can therefore be packed into one flat forward; the backend knows which token belongs
+to which sequence.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvdrop_rope import RopeConfig, rotate
-
 __all__ = [
     "AttentionBackend",
     "DenseAttention",
     "ModelConfig",
+    "Rope",
     "Transformer",
+    "causal_attention",
     "generate",
 ]
 
-_SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm", "smollm2")
+
+class Rope(Protocol):
+    """The rotary embedding the model applies to q and k (``kvdrop_rope.RopeConfig`` is one).
+
+    ``inv_freq`` gives the inverse frequencies ``[rotary_dim // 2]`` and the attention factor that
+    scales cos/sin; ``dynamic`` says whether they depend on the sequence length (dynamic NTK, then
+    the model asks ``cos_sin`` per call); ``rotate`` applies precomputed cos/sin to
+    ``x [..., T, H, head_dim]``.
+    """
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def dynamic(self) -> bool: ...
+
+    def inv_freq(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]: ...
+
+    def cos_sin(
+        self, positions: torch.Tensor, seq_len: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rotate(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        attention_factor: float = 1.0,
+    ) -> torch.Tensor: ...
 
 
 @dataclass
 class ModelConfig:
-    """Shapes and options of one decoder; built from an HF config.json, a GGUF file or a preset."""
+    """Shapes and options of one decoder. Built by :mod:`kvdrop_engine.loading` from an HF
+    ``config.json``, a GGUF file's metadata or a named preset."""
 
     vocab_size: int
     hidden_size: int
@@ -45,8 +77,8 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    rope: Rope
     rms_norm_eps: float = 1e-6
-    rope: RopeConfig = field(default_factory=lambda: RopeConfig(head_dim=64))
     tie_word_embeddings: bool = False
     qk_norm: bool = False
     attention_bias: bool = False
@@ -81,98 +113,6 @@ class ModelConfig:
                 f"({self.head_dim})"
             )
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
-
-    @classmethod
-    def from_hf(cls, cfg: Mapping[str, Any]) -> ModelConfig:
-        """Build from an HF ``config.json`` dict of a Llama / Mistral / Qwen2 / Qwen3 model."""
-        if not isinstance(cfg, Mapping):
-            raise ValueError(
-                f"config must be a mapping (config.json dict), got {type(cfg).__name__}"
-            )
-        model_type = str(cfg.get("model_type", "llama")).lower()
-        if model_type not in _SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"config 'model_type' {model_type!r} is not supported; expected one of "
-                f"{', '.join(_SUPPORTED_MODEL_TYPES)}"
-            )
-        if cfg.get("mlp_bias"):
-            raise ValueError("config 'mlp_bias': true is not supported (expected false)")
-        window = cfg.get("sliding_window")
-        if cfg.get("use_sliding_window") or (
-            model_type == "mistral"
-            and window is not None
-            and window < cfg.get("max_position_embeddings", 0)
-        ):
-            raise ValueError(
-                f"config 'sliding_window' attention ({window}) is not supported (expected "
-                "use_sliding_window false / sliding_window null)"
-            )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config 'hidden_act' must be 'silu', got {cfg.get('hidden_act')!r}")
-
-        def need(key: str) -> int:
-            value = cfg.get(key)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"config {key!r} must be an int, got {value!r}")
-            return value
-
-        heads = need("num_attention_heads")
-        head_dim = cfg.get("head_dim") or need("hidden_size") // heads
-        eos = cfg.get("eos_token_id")
-        eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
-        qwen2 = model_type == "qwen2"
-        bias = bool(cfg.get("attention_bias", False)) or qwen2
-        return cls(
-            vocab_size=need("vocab_size"),
-            hidden_size=need("hidden_size"),
-            intermediate_size=need("intermediate_size"),
-            num_layers=need("num_hidden_layers"),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=RopeConfig.from_hf_config({**cfg, "head_dim": int(head_dim)}),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qk_norm=model_type == "qwen3",
-            attention_bias=bias,
-            attention_out_bias=bias and not qwen2,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
-            name=str(cfg.get("_name_or_path") or cfg.get("name") or model_type),
-        )
-
-    @classmethod
-    def preset(cls, name: str) -> ModelConfig:
-        """Named shapes: ``tiny`` (tests), ``qwen3-8b`` (GPU benchmark), ``smollm2-135m``."""
-        presets: dict[str, dict[str, Any]] = {
-            "tiny": dict(
-                vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, theta=10000.0, qk_norm=False,
-                tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,),
-                max_position_embeddings=4096,
-            ),
-            "qwen3-8b": dict(
-                vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
-                num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, theta=1000000.0,
-                qk_norm=True, tie_word_embeddings=False, bos_token_id=151643,
-                eos_token_ids=(151645, 151643), max_position_embeddings=40960,
-            ),
-            "smollm2-135m": dict(
-                vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, theta=100000.0,
-                qk_norm=False, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
-                max_position_embeddings=8192,
-            ),
-        }  # fmt: skip
-        if name not in presets:
-            raise ValueError(f"unknown model preset {name!r}; expected one of {', '.join(presets)}")
-        p = dict(presets[name])
-        rope = RopeConfig(
-            head_dim=p["head_dim"], theta=p.pop("theta"),
-            max_position_embeddings=p["max_position_embeddings"],
-        )  # fmt: skip
-        return cls(rope=rope, name=name, **p)
 
     @property
     def kv_dim(self) -> int:
@@ -241,8 +181,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rotate(q, cos, sin, c.rope, attention_factor=attn_factor)
-        k = rotate(k, cos, sin, c.rope, attention_factor=attn_factor)
+        q = c.rope.rotate(q, cos, sin, attention_factor=attn_factor)
+        k = c.rope.rotate(k, cos, sin, attention_factor=attn_factor)
         out = attn(layer, q, k, v)
         return self.o_proj(out.reshape(n, c.q_dim))
 
@@ -343,10 +283,10 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(h)).float()
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """``RopeConfig.cos_sin`` with the inverse frequencies cached on the model's device (they
-        depend on the call only for dynamic NTK), plus the attention factor."""
+        """``rope.cos_sin`` with the inverse frequencies cached on the model's device (they depend
+        on the call only for a ``dynamic`` rope), plus the attention factor."""
         rope = self.config.rope
-        if rope.rope_type == "dynamic":
+        if rope.dynamic:
             cos, sin = rope.cos_sin(positions)
             return cos, sin, 1.0
         cached = getattr(self, "_inv_freq_cache", None)
@@ -392,79 +332,6 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         return model.eval()
-
-    @classmethod
-    def from_state_dict(
-        cls,
-        config: ModelConfig,
-        tensors: Mapping[str, torch.Tensor],
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-    ) -> Transformer:
-        """Build from tensors named as :class:`Transformer`'s parameters; every parameter must be
-        present (``lm_head.weight`` may be absent when embeddings are tied) and no extra ones."""
-        with torch.device("meta"):
-            model = cls(config)
-        expected = dict(model.named_parameters())
-        missing = [k for k in expected if k not in tensors]
-        if config.tie_word_embeddings and "lm_head.weight" in missing:
-            missing.remove("lm_head.weight")
-        unknown = sorted(k for k in tensors if k not in expected)
-        if missing or unknown:
-            raise ValueError(
-                f"checkpoint does not match the model config: missing {missing[:8]}"
-                f"{' ...' if len(missing) > 8 else ''}, unexpected {unknown[:8]}"
-                f"{' ...' if len(unknown) > 8 else ''}"
-            )
-        for name, p in expected.items():
-            t = tensors.get(name)
-            if t is None:
-                continue
-            if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected "
-                    f"{tuple(p.shape)}"
-                )
-        state = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
-        if config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        model.load_state_dict(state, strict=False, assign=True)
-        if config.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
-        return model.eval()
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str | Path,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-    ) -> Transformer:
-        """Load a local HF folder (``config.json`` + ``*.safetensors``) or a ``.gguf`` file.
-        Never touches the network."""
-        from kvdrop_engine import weights
-
-        path = Path(path)
-        if path.is_file() and path.suffix == ".gguf":
-            config, tensors = weights.load_gguf(path)
-            return cls.from_state_dict(config, tensors, dtype=dtype, device=device)
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"{path} is neither a .gguf file nor a folder with config.json + *.safetensors"
-            )
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"{cfg_file} not found: expected an HF model folder")
-        try:
-            cfg = json.loads(cfg_file.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{cfg_file}: not valid JSON ({e})") from e
-        config = ModelConfig.from_hf(cfg)
-        if not cfg.get("_name_or_path"):
-            config = replace(config, name=path.name)
-        tensors = weights.load_safetensors_folder(path)
-        hf = {k.removeprefix("model."): v for k, v in tensors.items()}
-        return cls.from_state_dict(config, hf, dtype=dtype, device=device)
 
 
 class DenseAttention:

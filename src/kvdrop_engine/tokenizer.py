@@ -1,18 +1,28 @@
-"""A tokenizer built from a GGUF file's metadata with the ``tokenizers`` package (no hub access).
+"""Tokenizers (text <-> token ids) and the one incremental detokenizer of the engine.
 
-Supports byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``: SmolLM, Qwen, Llama 3
-...): tokens and merges come from ``tokenizer.ggml.*``, tokens marked CONTROL become special
-tokens, and the pre-tokenizer follows ``tokenizer.ggml.pre`` as llama.cpp does. The chat template
-stored in the file is rendered with jinja2 in a sandbox, the way transformers renders it.
+:class:`Tokenizer` is built from a GGUF file's metadata with the ``tokenizers`` package (no hub
+access). It supports byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``: SmolLM,
+Qwen, Llama 3 ...): tokens and merges come from ``tokenizer.ggml.*``, tokens marked CONTROL become
+special tokens, and the pre-tokenizer follows ``tokenizer.ggml.pre`` as llama.cpp does. The chat
+template stored in the file is rendered with jinja2 in a sandbox, the way transformers renders it.
+:class:`JSONTokenizer` reads an HF ``tokenizer.json``. :class:`IncrementalDetokenizer` turns a
+growing list of generated ids into text deltas (used by the engine and by the HTTP server).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["Tokenizer", "TokenizerError"]
+__all__ = [
+    "IncrementalDetokenizer",
+    "JSONTokenizer",
+    "TextTokenizer",
+    "TokenDecoder",
+    "Tokenizer",
+    "TokenizerError",
+]
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -38,6 +48,67 @@ _PRE: dict[str, tuple[str, bool]] = {
     "qwen2": (_QWEN2_SPLIT, False),
     "deepseek-r1-qwen": (_QWEN2_SPLIT, False),
 }
+
+
+class TokenDecoder(Protocol):
+    """What detokenisation needs: token ids in, text out."""
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+class TextTokenizer(TokenDecoder, Protocol):
+    """What the HTTP server needs: text prompts in (``encode``), token text out (``decode``)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without splitting multi-byte characters.
+
+    Each :meth:`add` decodes a short window (the tokens since the last emitted boundary plus the
+    new one), never the whole output, and returns what the new token adds. A trailing U+FFFD means
+    an incomplete UTF-8 sequence: the text is held back until it completes, or until ``final``.
+    """
+
+    def __init__(self, tokenizer: TokenDecoder) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._start = 0  # the window: ids[start:emitted] is text already returned
+        self._emitted = 0
+
+    def add(self, token_id: int, *, final: bool = False) -> str:
+        """Append one token; return the new text it completes (possibly empty). ``final`` flushes
+        whatever is held back (the last token of a request)."""
+        self._ids.append(token_id)
+        before = self._tok.decode(self._ids[self._start : self._emitted])
+        now = self._tok.decode(self._ids[self._start :])
+        if len(now) <= len(before) or (not final and now.endswith("\ufffd")):
+            return ""
+        delta = now[len(before) :] if now.startswith(before) else now
+        self._start, self._emitted = self._emitted, len(self._ids)
+        return delta
+
+
+class JSONTokenizer:
+    """An HF ``tokenizer.json`` (via ``tokenizers``) with ``encode``/``decode``."""
+
+    def __init__(self, path: str | Path) -> None:
+        try:
+            from tokenizers import Tokenizer as HFTokenizer
+        except ImportError as e:
+            raise ImportError(
+                "the tokenizer needs 'tokenizers': pip install 'kvdrop[model]'"
+            ) from e
+        self._tk = HFTokenizer.from_file(str(path))
+        self.vocab_size = self._tk.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``."""
+        return list(self._tk.encode(text).ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` (special tokens kept)."""
+        return self._tk.decode([int(t) for t in token_ids], skip_special_tokens=False)
 
 
 class TokenizerError(ValueError):

@@ -1,4 +1,7 @@
-"""Weight loading for the reference model: a small safetensors reader and GGUF (via ``gguf``).
+"""Checkpoint files: a small safetensors reader and GGUF (via ``gguf``), as plain tensor dicts.
+
+Nothing here knows the model class: readers return tensors named as HF checkpoints name them
+(minus the leading ``model.``), and :mod:`kvdrop_engine.loading` turns them into a model.
 
 safetensors is simple enough to read directly (8-byte little-endian header length, a JSON header
 of ``name -> {dtype, shape, data_offsets}``, then raw little-endian bytes), so no dependency is
@@ -15,26 +18,26 @@ import json
 import math
 import re
 import struct
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvdrop_rope import RopeConfig
-
 __all__ = [
+    "GGUF_ARCHITECTURES",
     "SMOLLM2_GGUF_NAME",
     "WeightsError",
     "find_smollm2_gguf",
     "gguf_metadata",
-    "load_gguf",
     "load_safetensors",
     "load_safetensors_folder",
+    "read_gguf",
 ]
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: ``general.architecture`` values whose tensors :func:`read_gguf` can name.
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 _ST_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -189,63 +192,6 @@ def gguf_metadata(path: str | Path, reader: Any = None) -> dict[str, Any]:
     return {name: _field_value(f) for name, f in reader.fields.items()}
 
 
-def _config_from_metadata(meta: Mapping[str, Any], path: Path) -> Any:
-    """Build a ModelConfig from GGUF metadata (``{arch}.block_count`` etc.)."""
-    from kvdrop_engine.model import ModelConfig
-
-    arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3"):
-        raise WeightsError(
-            f"{path}: general.architecture {arch!r} is not supported (expected llama, qwen2, qwen3)"
-        )
-
-    def get(key: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise WeightsError(f"{path}: metadata {arch}.{key} is missing")
-        return value
-
-    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
-    rope_dim = int(meta.get(f"{arch}.rope.dimension_count") or head_dim)
-    max_pos = int(get("context_length", 8192))
-    scaling: dict[str, Any] | None = None
-    kind = meta.get(f"{arch}.rope.scaling.type")
-    if kind not in (None, "none"):
-        scaling = {"rope_type": kind, "factor": float(get("rope.scaling.factor"))}
-        orig = meta.get(f"{arch}.rope.scaling.original_context_length")
-        if orig:
-            scaling["original_max_position_embeddings"] = int(orig)
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    rope = RopeConfig(
-        head_dim=head_dim,
-        theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rotary_dim=rope_dim,
-        scaling=scaling,
-        max_position_embeddings=max_pos,
-    )
-    return ModelConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
-        head_dim=head_dim,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        rope=rope,
-        tie_word_embeddings=False,  # decided from the tensors present
-        qk_norm=arch == "qwen3",
-        attention_bias=arch == "qwen2",
-        attention_out_bias=False,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-        max_position_embeddings=max_pos,
-        name=str(meta.get("general.name") or path.stem),
-    )
-
-
 _GGUF_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -273,17 +219,23 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Read a GGUF checkpoint: its ModelConfig (from metadata) and float32 tensors named as
-    :class:`~kvdrop_engine.model.Transformer` parameters."""
+def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Read a GGUF checkpoint: its metadata and its tensors as float32, named as HF names them
+    (``embed_tokens.weight``, ``layers.{i}.self_attn.q_proj.weight``, ...)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     path = Path(path)
     reader = _reader(path)
     meta = gguf_metadata(path, reader)
-    config = _config_from_metadata(meta, path)
-    arch = meta["general.architecture"]
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise WeightsError(
+            f"{path}: general.architecture {arch!r} is not supported (expected "
+            f"{', '.join(GGUF_ARCHITECTURES)})"
+        )
+    heads = meta.get(f"{arch}.attention.head_count")
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv") or heads
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         if t.name in _GGUF_TOP:
@@ -302,11 +254,14 @@ def load_gguf(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
             arr = dequantize(t.data, t.tensor_type)
         w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = _unpermute(w, config.num_heads)
+            w = _unpermute(w, _head_count(heads, path, "attention.head_count"))
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = _unpermute(w, config.num_kv_heads)
+            w = _unpermute(w, _head_count(kv_heads, path, "attention.head_count_kv"))
         tensors[name] = w
-    config.tie_word_embeddings = "lm_head.weight" not in tensors
-    if "embed_tokens.weight" in tensors:
-        config.vocab_size = int(tensors["embed_tokens.weight"].shape[0])
-    return config, tensors
+    return meta, tensors
+
+
+def _head_count(value: Any, path: Path, key: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise WeightsError(f"{path}: metadata llama.{key} is missing or not a positive int")
+    return value

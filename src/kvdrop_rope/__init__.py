@@ -1,9 +1,11 @@
 """Rotary position embeddings (RoPE) with the scalings of HF transformers, forward and inverse.
 
-Used by the reference engine (rotate q/k before attention) and by kvdrop policies (re-rotate kept
-keys from their old positions to new ones: ``apply_rope(apply_rope(k, old, cfg, inverse=True),
-new, cfg)``). Frequencies are computed exactly as transformers' ``modeling_rope_utils`` does, so a
-key rotated here equals one rotated by an HF model with the same config.
+A neutral, pure-torch package with two users: the reference engine (``kvdrop_engine.loading`` puts
+a ``RopeConfig`` into the model config; the model rotates q/k through it) and kvdrop's
+``rerotate`` (re-rotate kept keys from their old positions to new ones:
+``apply_rope(apply_rope(k, old, cfg, inverse=True), new, cfg)``). Frequencies are computed exactly
+as transformers' ``modeling_rope_utils`` does, so a key rotated here equals one rotated by an HF
+model with the same config.
 """
 
 from __future__ import annotations
@@ -102,6 +104,11 @@ class RopeConfig:
     def rope_type(self) -> str:
         """The scaling in use: one of :data:`SCALING_TYPES`."""
         return _scaling_type(self.scaling)
+
+    @property
+    def dynamic(self) -> bool:
+        """True when the frequencies depend on the sequence length (dynamic NTK scaling)."""
+        return self.rope_type == "dynamic"
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> RopeConfig:
@@ -232,7 +239,7 @@ class RopeConfig:
         (HF recomputes its frequencies from the longest position seen in the call)."""
         if positions.dtype.is_floating_point or positions.dtype == torch.bool:
             raise ValueError(f"positions must be an integer tensor, got dtype {positions.dtype}")
-        if seq_len is None and self.rope_type == "dynamic" and positions.numel():
+        if seq_len is None and self.dynamic and positions.numel():
             seq_len = int(positions.max()) + 1
         inv, attn = self.inv_freq(seq_len)
         freqs = positions.to(torch.float32)[..., None] * inv.to(positions.device)
@@ -240,6 +247,18 @@ class RopeConfig:
         if attn != 1.0:
             cos, sin = cos * attn, sin * attn
         return cos, sin
+
+    def rotate(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        inverse: bool = False,
+        attention_factor: float = 1.0,
+    ) -> torch.Tensor:
+        """:func:`rotate` with this config (the form the engine's model calls)."""
+        return rotate(x, cos, sin, self, inverse=inverse, attention_factor=attention_factor)
 
 
 def rotate(

@@ -82,7 +82,8 @@ def engine_proc(tmp_path: Path) -> Iterator[EngineProcess]:
 
 def test_engine_subprocess_serves_and_stops_on_sigterm(engine_proc: EngineProcess) -> None:
     from kvdrop_engine.engine import Engine
-    from kvdrop_engine.model import ModelConfig, Transformer
+    from kvdrop_engine.loading import preset_config
+    from kvdrop_engine.model import Transformer
 
     engine_proc.wait_healthy()
     assert f"on {engine_proc.url}" in engine_proc.log()
@@ -94,7 +95,7 @@ def test_engine_subprocess_serves_and_stops_on_sigterm(engine_proc: EngineProces
     post = make_post_completion(engine_proc.url, "random-tiny", timeout=60)
     over_http = [e.token_id for e in post(prompt, params, "")]
     # The same preset and seed in-process gives the same tokens.
-    model = Transformer.random(ModelConfig.preset("tiny"), seed=0)
+    model = Transformer.random(preset_config("tiny"), seed=0)
     with Engine(model) as eng:
         assert over_http == eng.generate(prompt, params)
 
@@ -273,7 +274,7 @@ def test_engine_serves_an_hf_folder_with_text_prompts(tmp_path: Path) -> None:
     from tokenizers import Tokenizer
 
     from kvdrop_engine.engine import Engine
-    from kvdrop_engine.model import Transformer
+    from kvdrop_engine.loading import load_checkpoint
 
     folder = _hf_folder(tmp_path)
     proc = EngineProcess(tmp_path, "--model", str(folder), "--return-tokens-as-token-ids")
@@ -294,7 +295,7 @@ def test_engine_serves_an_hf_folder_with_text_prompts(tmp_path: Path) -> None:
             proc.proc.wait()
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     prompt = tok.encode("héllo wörld").ids
-    with Engine(Transformer.from_pretrained(folder)) as eng:
+    with Engine(load_checkpoint(folder)) as eng:
         want = eng.generate(prompt, {"max_tokens": 6, "temperature": 0})
     (choice,) = body["choices"]
     assert body["usage"]["prompt_tokens"] == len(prompt)

@@ -11,6 +11,7 @@ import torch
 
 from kvdrop_engine.connector import ServerConnector
 from kvdrop_engine.engine import Engine
+from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import DenseAttention, ModelConfig, Transformer, generate
 from kvdrop_engine.paged import PagedAttention, PagedKVCache, SeqStep, blocks_needed
 from kvdrop_sdk.cache_kind import CacheKind
@@ -24,7 +25,7 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def model() -> Transformer:
-    return Transformer.random(ModelConfig.preset("tiny"), seed=0)
+    return Transformer.random(preset_config("tiny"), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -322,7 +323,7 @@ def test_server_without_transfer_query(model: Transformer) -> None:
 
 
 def test_bf16_model_stores_bf16(server: ServerHandle) -> None:
-    cfg = ModelConfig.preset("tiny")
+    cfg = preset_config("tiny")
     m16 = Transformer.random(cfg, seed=0, dtype=torch.bfloat16)
     prompt = tokens(2 * CHUNK + 3, seed=6)
     conn = ServerConnector(server.url, server.http_url, "bf16-model")

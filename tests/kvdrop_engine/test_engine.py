@@ -15,14 +15,15 @@ from kvdrop_engine.engine import (
     RequestTooLargeError,
     SamplingParams,
 )
-from kvdrop_engine.model import ModelConfig, Transformer, generate
+from kvdrop_engine.loading import preset_config
+from kvdrop_engine.model import Transformer, generate
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def model() -> Transformer:
-    return Transformer.random(ModelConfig.preset("tiny"), seed=0)
+    return Transformer.random(preset_config("tiny"), seed=0)
 
 
 def prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
@@ -142,7 +143,7 @@ def test_sampling_seed_top_k_and_stops(model: Transformer) -> None:
 
 
 def test_eos_stops_unless_ignored() -> None:
-    cfg = ModelConfig.preset("tiny")
+    cfg = preset_config("tiny")
     m = Transformer.random(cfg, seed=0)
     (p,) = prompts(1, 10, 10, seed=6)
     ref = generate(m, p, 10, stop_at_eos=False)

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvdrop_engine.model import DenseAttention, ModelConfig, Transformer, generate
+from kvdrop_engine.loading import load_checkpoint, preset_config
+from kvdrop_engine.model import DenseAttention, Transformer, generate
 from kvdrop_engine.weights import find_smollm2_gguf
 
 transformers = pytest.importorskip("transformers", reason="transformers is the test reference")
@@ -57,7 +58,7 @@ def _hf_model(arch: str, **overrides: Any) -> Any:
 def _ours_from_hf(hf: Any, tmp_path: Path) -> Transformer:
     hf.save_pretrained(tmp_path)
     assert list(tmp_path.glob("*.safetensors")) and not list(tmp_path.glob("*.bin"))
-    return Transformer.from_pretrained(tmp_path)
+    return load_checkpoint(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -122,7 +123,7 @@ def test_incremental_decoding_equals_full_forward(tmp_path: Path) -> None:
 
 
 def test_logits_rows_selects_rows() -> None:
-    model = Transformer.random(ModelConfig.preset("tiny"), seed=1)
+    model = Transformer.random(preset_config("tiny"), seed=1)
     ids = torch.arange(3, 23)
     with torch.no_grad():
         full = model(ids, torch.arange(20), DenseAttention(model.config))
@@ -131,7 +132,7 @@ def test_logits_rows_selects_rows() -> None:
 
 
 def test_random_weights_are_reproducible_and_tied() -> None:
-    cfg = ModelConfig.preset("smollm2-135m")
+    cfg = preset_config("smollm2-135m")
     cfg.num_layers = 2
     a, b = Transformer.random(cfg, seed=7), Transformer.random(cfg, seed=7)
     c = Transformer.random(cfg, seed=8)
@@ -145,7 +146,7 @@ def test_random_weights_are_reproducible_and_tied() -> None:
 
 
 def test_bfloat16_model_runs_and_tracks_float32() -> None:
-    cfg = ModelConfig.preset("tiny")
+    cfg = preset_config("tiny")
     f32 = Transformer.random(cfg, seed=2)
     b16 = Transformer.random(cfg, seed=2, dtype=torch.bfloat16)
     ids = torch.arange(40) + 5
@@ -159,7 +160,7 @@ def test_bfloat16_model_runs_and_tracks_float32() -> None:
 
 
 def test_generate_is_greedy_argmax_of_recomputed_logits() -> None:
-    model = Transformer.random(ModelConfig.preset("tiny"), seed=3)
+    model = Transformer.random(preset_config("tiny"), seed=3)
     prompt = [5, 9, 11, 40, 7, 300]
     out = generate(model, prompt, 8, stop_at_eos=False, prefill_chunk=4)
     assert len(out) == 8
@@ -171,34 +172,8 @@ def test_generate_is_greedy_argmax_of_recomputed_logits() -> None:
             seq.append(tok)
 
 
-def test_presets_and_config_validation() -> None:
-    q = ModelConfig.preset("qwen3-8b")
-    assert (q.num_layers, q.num_heads, q.num_kv_heads, q.head_dim, q.qk_norm) == (
-        36,
-        32,
-        8,
-        128,
-        True,
-    )
-    with pytest.raises(ValueError, match="unknown model preset"):
-        ModelConfig.preset("gpt-5")
-    good = {**TINY, "model_type": "llama", "num_attention_heads": 4}
-    with pytest.raises(ValueError, match="model_type"):
-        ModelConfig.from_hf({**good, "model_type": "gpt2"})
-    with pytest.raises(ValueError, match="num_hidden_layers"):
-        ModelConfig.from_hf({k: v for k, v in good.items() if k != "num_hidden_layers"})
-    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        ModelConfig.from_hf({**good, "num_key_value_heads": 3})
-    with pytest.raises(ValueError, match="mlp_bias"):
-        ModelConfig.from_hf({**good, "mlp_bias": True})
-    with pytest.raises(ValueError, match="sliding_window"):
-        ModelConfig.from_hf({**good, "model_type": "qwen2", "use_sliding_window": True})
-    with pytest.raises(ValueError, match="hidden_act"):
-        ModelConfig.from_hf({**good, "hidden_act": "gelu"})
-
-
 def test_forward_rejects_bad_input() -> None:
-    model = Transformer.random(ModelConfig.preset("tiny"))
+    model = Transformer.random(preset_config("tiny"))
     cache = DenseAttention(model.config)
     with pytest.raises(ValueError, match="token ids must be in"):
         model(torch.tensor([1, 600]), torch.arange(2), cache)
@@ -208,7 +183,7 @@ def test_forward_rejects_bad_input() -> None:
 
 def test_from_pretrained_errors_are_clear(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
-        Transformer.from_pretrained(tmp_path)
+        load_checkpoint(tmp_path)
     hf = _hf_model("Llama")
     hf.save_pretrained(tmp_path)
     cfg = (
@@ -218,10 +193,10 @@ def test_from_pretrained_errors_are_clear(tmp_path: Path) -> None:
     )
     (tmp_path / "config.json").write_text(cfg)
     with pytest.raises(ValueError, match=r"missing \['layers\.3"):
-        Transformer.from_pretrained(tmp_path)
+        load_checkpoint(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        Transformer.from_pretrained(tmp_path)
+        load_checkpoint(tmp_path)
 
 
 def test_folder_model_is_named_after_the_folder(tmp_path: Path) -> None:
@@ -239,7 +214,7 @@ needs_smollm2 = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def smollm2() -> Transformer:
     assert SMOLLM2 is not None
-    return Transformer.from_pretrained(SMOLLM2)
+    return load_checkpoint(SMOLLM2)
 
 
 @needs_smollm2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import DenseAttention, ModelConfig, Transformer
 from kvdrop_engine.paged import (
     BlockAllocator,
@@ -18,7 +19,7 @@ from kvdrop_engine.paged import (
 
 @pytest.fixture(scope="module")
 def model() -> Transformer:
-    return Transformer.random(ModelConfig.preset("tiny"), seed=0)
+    return Transformer.random(preset_config("tiny"), seed=0)
 
 
 def make_cache(cfg: ModelConfig, num_blocks: int = 64, block_size: int = 4) -> PagedKVCache:
@@ -66,7 +67,7 @@ def test_blocks_needed() -> None:
 
 
 def test_load_then_read_round_trips_server_layout() -> None:
-    cfg = ModelConfig.preset("tiny")
+    cfg = preset_config("tiny")
     cache = make_cache(cfg, num_blocks=8, block_size=4)
     table = [5, 2, 7]
     kv = torch.randn(2, cfg.num_layers, 11, cfg.kv_dim)

@@ -1,23 +1,25 @@
-"""Weight loading: our safetensors reader, GGUF (written with gguf's writer), SmolLM2 lookup."""
+"""Checkpoint files: our safetensors reader, GGUF (written with gguf's writer), SmolLM2 lookup."""
 
 from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from kvdrop_engine.model import DenseAttention, ModelConfig, Transformer
+from kvdrop_engine.loading import preset_config
+from kvdrop_engine.model import Transformer
 from kvdrop_engine.weights import (
     SMOLLM2_GGUF_NAME,
     WeightsError,
     find_smollm2_gguf,
-    load_gguf,
     load_safetensors,
     load_safetensors_folder,
+    read_gguf,
 )
 
 
@@ -93,105 +95,14 @@ def test_folder_merges_shards_and_refuses_pickles(tmp_path: Path) -> None:
         load_safetensors_folder(tmp_path)
 
 
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's convert script reorders Q/K rows for llama (NeoX halves -> pairs)."""
-    return (
-        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
-def _write_gguf(path: Path, model: Transformer, arch: str, q8_names: tuple[str, ...] = ()) -> None:
-    """Write ``model`` as llama.cpp would: metadata, GGUF tensor names, permuted Q/K for llama."""
+def test_gguf_quantized_tensors_are_dequantized(
+    tmp_path: Path, write_gguf: Callable[..., None]
+) -> None:
     gguf = pytest.importorskip("gguf")
-    c = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_heads)
-    w.add_head_count_kv(c.num_kv_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(c.rope.theta)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    names = {
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "self_attn.q_norm": "attn_q_norm",
-        "self_attn.k_norm": "attn_k_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
-    top = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
-    if not c.tie_word_embeddings:
-        top["lm_head.weight"] = "output.weight"
-    for name, p in model.state_dict().items():
-        if name in top:
-            gname = top[name]
-        elif name.startswith("layers."):
-            _, i, rest = name.split(".", 2)
-            module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{i}.{names[module]}.{kind}"
-        else:
-            continue
-        arr = p.detach().float().numpy().copy()
-        if arch == "llama" and gname.endswith("attn_q.weight"):
-            arr = _llama_cpp_permute(arr, c.num_heads)
-        if arch == "llama" and gname.endswith("attn_k.weight"):
-            arr = _llama_cpp_permute(arr, c.num_kv_heads)
-        if gname in q8_names:
-            q = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(gname, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_gguf_roundtrip_gives_the_same_model(arch: str, tmp_path: Path) -> None:
-    cfg = ModelConfig.preset("tiny")
-    cfg.qk_norm = arch == "qwen3"
-    cfg.tie_word_embeddings = arch == "llama"
-    model = Transformer.random(cfg, seed=4)
-    with torch.no_grad():  # norms away from 1 so a mix-up would show
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(torch.randn_like(p) * 0.2)
-    _write_gguf(tmp_path / "m.gguf", model, arch)
-    loaded = Transformer.from_pretrained(tmp_path / "m.gguf")
-    lc = loaded.config
-    assert (lc.num_layers, lc.num_heads, lc.num_kv_heads, lc.head_dim) == (2, 4, 2, 16)
-    assert lc.qk_norm == (arch == "qwen3") and lc.tie_word_embeddings == (arch == "llama")
-    assert lc.eos_token_ids == (2,) and lc.bos_token_id == 1
-    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
-        assert torch.equal(a, b), name
-    ids = torch.arange(30) * 11 % cfg.vocab_size
-    with torch.no_grad():
-        ref = model(ids, torch.arange(30), DenseAttention(cfg))
-        got = loaded(ids, torch.arange(30), DenseAttention(lc))
-    assert torch.equal(ref, got)
-
-
-def test_gguf_quantized_tensors_are_dequantized(tmp_path: Path) -> None:
-    gguf = pytest.importorskip("gguf")
-    cfg = ModelConfig.preset("tiny")
+    cfg = preset_config("tiny")
     model = Transformer.random(cfg, seed=5)
-    _write_gguf(tmp_path / "q.gguf", model, "llama", q8_names=("blk.0.ffn_down.weight",))
-    _, tensors = load_gguf(tmp_path / "q.gguf")
+    write_gguf(tmp_path / "q.gguf", model, "llama", q8_names=("blk.0.ffn_down.weight",))
+    _, tensors = read_gguf(tmp_path / "q.gguf")
     ref = model.layers[0].mlp.down_proj.weight.detach().numpy()
     q = gguf.quants.quantize(ref, gguf.GGMLQuantizationType.Q8_0)
     expect = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)
@@ -209,12 +120,12 @@ def test_gguf_unsupported_architecture_is_named(tmp_path: Path) -> None:
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(WeightsError, match=r"general\.architecture 'gpt2'"):
-        load_gguf(tmp_path / "x.gguf")
+        read_gguf(tmp_path / "x.gguf")
     (tmp_path / "garbage.gguf").write_bytes(b"GGUF" + b"\0" * 10)
     with pytest.raises(WeightsError, match="not a readable GGUF"):
-        load_gguf(tmp_path / "garbage.gguf")
+        read_gguf(tmp_path / "garbage.gguf")
     with pytest.raises(FileNotFoundError):
-        load_gguf(tmp_path / "missing.gguf")
+        read_gguf(tmp_path / "missing.gguf")
 
 
 def test_find_smollm2_gguf() -> None:

@@ -289,9 +289,10 @@ def test_non_json_event() -> None:
 @pytest.fixture(scope="module")
 def tiny_engine() -> Iterator[Any]:
     from kvdrop_engine.engine import Engine
-    from kvdrop_engine.model import ModelConfig, Transformer
+    from kvdrop_engine.loading import preset_config
+    from kvdrop_engine.model import Transformer
 
-    model = Transformer.random(ModelConfig.preset("tiny"), seed=0)
+    model = Transformer.random(preset_config("tiny"), seed=0)
     with Engine(model, kv_budget_tokens=1024, block_size=16, max_prefill_tokens=128) as eng:
         yield eng
 
