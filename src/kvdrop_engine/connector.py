@@ -1,5 +1,10 @@
 """Connects the reference engine to a kvdrop server: load cached prefixes, store prompts.
 
+:class:`EngineConnector` is what the engine needs from a connector; :class:`ServerConnector` is
+the one that talks to a kvdrop server through ``kvdrop_sdk`` contexts. :func:`plan_prefix` (on
+admission: what to load, what to store after prefill) and :class:`StoreJob` (after prefill, run on
+the caller's thread) are the engine's two uses of it.
+
 The engine calls ``bind`` once with its model config and dtype; the connector then registers the
 model's KV layout ``[2, L, T, Hkv*d]`` (and, when the server runs with ``transfer_query``, the query
 layout ``[1, L, T, Hq*d]`` of all query heads, post-RoPE) by opening one SDK ``Context`` per kind.
@@ -13,17 +18,121 @@ socket), so any number of concurrent requests can go through one connector.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import requests
 import torch
 from torch import Tensor
 
+from kvdrop_engine.errors import EngineError
 from kvdrop_sdk.cache_kind import CacheKind
+from kvdrop_sdk.context import connect
 from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.layout import CacheLayout
 
-__all__ = ["ServerConnector", "server_has_transfer_query"]
+__all__ = [
+    "EngineConnector",
+    "PrefixPlan",
+    "ServerConnector",
+    "StoreJob",
+    "plan_prefix",
+    "server_has_transfer_query",
+]
+
+
+class EngineConnector(Protocol):
+    """What the engine needs from a KV-cache connector (see ``ServerConnector``)."""
+
+    chunk_size: int
+    transfer_query: bool
+
+    def bind(self, config: Any, dtype: torch.dtype) -> None:
+        """Register the model's KV (and query) layout; called once by the engine."""
+
+    def load(self, tokens: Sequence[int], cache_salt: str) -> Tensor | None:
+        """KV ``[2, L, T, Hkv*d]`` of the longest cached chunk-aligned prefix, or None."""
+
+    def lookup_queries(self, tokens: Sequence[int], cache_salt: str) -> int:
+        """Length of the longest cached chunk-aligned query prefix of ``tokens``."""
+
+    def store(
+        self,
+        kv: Tensor,
+        queries: Tensor | None,
+        tokens: Sequence[int],
+        cache_salt: str,
+        *,
+        query_offset: int = 0,
+    ) -> int:
+        """Store whole chunks of ``kv`` (and ``queries`` ``[1, L, T - query_offset, Hq*d]`` of
+        tokens ``query_offset..``, the cached query prefix completing them) under ``tokens``;
+        returns how many query tokens were stored."""
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """What admission does with a prompt: copy ``kv`` (its first ``num_loaded`` tokens, or None)
+    into the request's blocks; after prefill store the first ``store_upto`` prompt tokens (0 =
+    nothing new to store), with queries captured from token ``query_offset`` on when
+    ``capture_queries``."""
+
+    kv: Tensor | None
+    num_loaded: int
+    store_upto: int = 0
+    capture_queries: bool = False
+    query_offset: int = 0
+
+
+def plan_prefix(conn: EngineConnector, prompt: list[int], cache_salt: str) -> PrefixPlan:
+    """Look up ``prompt``'s cached prefix and decide what to load and store; ``EngineError`` when
+    the server cannot be asked."""
+    try:
+        kv = conn.load(prompt, cache_salt)
+    except Exception as exc:
+        raise EngineError(f"loading the cached prefix from the server failed: {exc}") from exc
+    cached = 0 if kv is None else int(kv.shape[2])
+    # At least the last prompt token is computed: its logits pick the first output token.
+    n = min(cached, len(prompt) - 1)
+    loaded = kv[:, :, :n] if kv is not None and n > 0 else None
+    aligned = len(prompt) // conn.chunk_size * conn.chunk_size
+    if aligned <= cached:
+        return PrefixPlan(loaded, n)
+    # Queries are captured for the computed tokens; a loaded prefix (shared with an earlier
+    # prompt) must have its queries cached too, or the query cache would hold a hole. After a
+    # modify the kept tokens have none: their prompt stores KV only.
+    if not conn.transfer_query:
+        return PrefixPlan(loaded, n, store_upto=aligned)
+    try:
+        q_cached = conn.lookup_queries(prompt, cache_salt) if n else 0
+    except Exception as exc:
+        raise EngineError(f"query lookup in the server failed: {exc}") from exc
+    capture = n == 0 or q_cached >= n
+    return PrefixPlan(loaded, n, store_upto=aligned, capture_queries=capture, query_offset=n)
+
+
+@dataclass
+class StoreJob:
+    """A prompt's KV (and queries) to push to the server, from the caller's thread."""
+
+    kv: Tensor
+    queries: Tensor | None
+    tokens: list[int]
+    cache_salt: str
+    query_offset: int = 0
+
+    def run(self, conn: EngineConnector) -> int:
+        """Store it; returns the query tokens stored. ``EngineError`` when the store fails (the
+        prompt is then not in the server, which the caller must hear about)."""
+        try:
+            stored = conn.store(
+                self.kv, self.queries, self.tokens, self.cache_salt, query_offset=self.query_offset
+            )
+        except Exception as exc:
+            raise EngineError(
+                f"storing the prompt's KV in the kvdrop server failed: {exc}"
+            ) from exc
+        return int(stored or 0)
 
 
 def server_has_transfer_query(http_url: str, timeout: float = 10.0) -> bool:
@@ -78,8 +187,6 @@ class ServerConnector:
 
     def bind(self, config: Any, dtype: torch.dtype) -> None:
         """Register the layouts of a model with ``config`` (L, heads, head_dim) in ``dtype``."""
-        from kvdrop_sdk.context import connect
-
         if self._kv_ctx is not None:
             raise SDKError("this connector is already bound to an engine; make one per engine")
         self.kv_layout = CacheLayout(config.num_layers, config.num_kv_heads, config.head_dim, dtype)

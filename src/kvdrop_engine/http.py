@@ -1,11 +1,12 @@
-"""An OpenAI-compatible HTTP server around any ``PostCompletion`` callable.
+"""An OpenAI-compatible HTTP server around any ``PostCompletion`` callable: the transport only.
 
 Serves ``POST /v1/completions`` (JSON or server-sent events, one event per token), ``GET
 /v1/models``, ``GET /health`` and optionally ``GET /stats`` with the stdlib's threading HTTP
 server: every request runs in its own thread, so concurrent requests reach the engine together and
-it can batch them. With ``return_tokens_as_token_ids`` (as vLLM's ``--return-tokens-as-token-ids``)
-the logprobs tokens read ``"token_id:N"``, which is how
-``kvdrop_sdk.adapters.openai.make_post_completion`` learns the ids.
+it can batch them. What a request may contain and what a response holds is
+:mod:`kvdrop_engine.completions`; with ``return_tokens_as_token_ids`` (as vLLM's
+``--return-tokens-as-token-ids``) the logprobs tokens carry the token ids, which is how
+``kvdrop_sdk.adapters.openai.make_post_completion`` learns them.
 
 Only standard-library networking; nothing here imports torch.
 """
@@ -14,352 +15,29 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Protocol
+from typing import Any
 
+from kvdrop_engine.completions import (
+    BadRequestError,
+    CompletionBuilder,
+    CompletionRequest,
+    error_body,
+    models_body,
+    parse_completion_request,
+)
+from kvdrop_engine.tokenizer import TextTokenizer
 from kvdrop_sdk.events import PostCompletion, TokenEvent
 
-__all__ = [
-    "MAX_BODY_BYTES",
-    "BadRequestError",
-    "CompletionHTTPServer",
-    "CompletionRequest",
-    "IncrementalDetokenizer",
-    "TextTokenizer",
-    "parse_completion_request",
-]
+__all__ = ["MAX_BODY_BYTES", "CompletionHTTPServer"]
 
 logger = logging.getLogger(__name__)
 
 #: Largest request body accepted (a 100K-token prompt as JSON ids is about 0.7 MB).
 MAX_BODY_BYTES = 32 * 1024 * 1024
-
-#: Request fields that are understood (others are rejected so a typo does not pass silently).
-_KNOWN_FIELDS = frozenset(
-    {
-        "model",
-        "prompt",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seed",
-        "ignore_eos",
-        "stop",
-        "stop_token_ids",
-        "stream",
-        "stream_options",
-        "logprobs",
-        "echo",
-        "n",
-        "best_of",
-        "user",
-        "presence_penalty",
-        "frequency_penalty",
-        "cache_salt",
-        "return_tokens_as_token_ids",
-    }
-)
-
-#: OpenAI's default for ``max_tokens`` on the completions endpoint.
-DEFAULT_MAX_TOKENS = 16
-
-
-class TextTokenizer(Protocol):
-    """What the server needs from a tokenizer: text prompts in, token text out."""
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, token_ids: Sequence[int]) -> str: ...
-
-
-class BadRequestError(ValueError):
-    """A request the server rejects; ``status`` is the HTTP status, the message says what to fix."""
-
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
-
-
-@dataclass(frozen=True)
-class CompletionRequest:
-    """A validated ``/v1/completions`` request, ready for the engine."""
-
-    prompt_token_ids: list[int]
-    sampling_params: dict[str, Any]
-    cache_salt: str
-    max_tokens: int
-    stream: bool
-    include_usage: bool
-    logprobs: int | None
-    tokens_as_token_ids: bool
-
-
-# ---------------------------------------------------------------------------------------------
-# Request validation
-# ---------------------------------------------------------------------------------------------
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _get_int(body: dict[str, Any], name: str, *, minimum: int | None = None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise BadRequestError(f"'{name}' must be an integer, got {value!r}", param=name)
-    if minimum is not None and value < minimum:
-        raise BadRequestError(f"'{name}' must be >= {minimum}, got {value}", param=name)
-    return int(value)
-
-
-def _get_float(
-    body: dict[str, Any], name: str, *, low: float, high: float, low_open: bool = False
-) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
-        raise BadRequestError(f"'{name}' must be a finite number, got {value!r}", param=name)
-    value = float(value)
-    if value > high or value < low or (low_open and value == low):
-        bracket = "(" if low_open else "["
-        raise BadRequestError(
-            f"'{name}' must be in {bracket}{low}, {high}], got {value}", param=name
-        )
-    return value
-
-
-def _get_bool(body: dict[str, Any], name: str) -> bool | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, bool):
-        raise BadRequestError(f"'{name}' must be true or false, got {value!r}", param=name)
-    return value
-
-
-def _token_ids(value: list[Any], vocab_size: int | None, name: str) -> list[int]:
-    for i, tok in enumerate(value):
-        if not _is_int(tok) or tok < 0:
-            raise BadRequestError(
-                f"'{name}[{i}]' must be a non-negative integer token id, got {tok!r}", param=name
-            )
-        if vocab_size is not None and tok >= vocab_size:
-            raise BadRequestError(
-                f"'{name}[{i}]' = {tok} is outside the vocabulary [0, {vocab_size})", param=name
-            )
-    return [int(t) for t in value]
-
-
-def _prompt_ids(prompt: Any, tokenizer: TextTokenizer | None, vocab_size: int | None) -> list[int]:
-    """Accept a string, a list of token ids, or a list holding exactly one of those."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise BadRequestError(
-                f"'prompt' holds {len(prompt)} prompts; this server takes one prompt per request "
-                "(send concurrent requests instead)",
-                param="prompt",
-            )
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise BadRequestError(
-                "'prompt' is text but this server has no tokenizer; send a list of token ids",
-                param="prompt",
-            )
-        ids = [int(t) for t in tokenizer.encode(prompt)]
-        bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
-        if bad:
-            raise BadRequestError(
-                f"the tokenizer turned 'prompt' into token id {bad[0]}, outside the model's "
-                f"vocabulary [0, {vocab_size}); the tokenizer does not match the model",
-                param="prompt",
-            )
-    elif isinstance(prompt, list):
-        ids = _token_ids(prompt, vocab_size, "prompt")
-    else:
-        raise BadRequestError(
-            "'prompt' must be a string, a list of token ids, or a list of one of those; "
-            f"got {type(prompt).__name__}",
-            param="prompt",
-        )
-    if not ids:
-        raise BadRequestError("'prompt' is empty; send at least one token", param="prompt")
-    return ids
-
-
-def parse_completion_request(
-    body: Any,
-    *,
-    model_name: str,
-    tokenizer: TextTokenizer | None = None,
-    vocab_size: int | None = None,
-    max_model_len: int | None = None,
-    return_tokens_as_token_ids: bool = False,
-) -> CompletionRequest:
-    """Validate a decoded JSON body of ``POST /v1/completions``; raise ``BadRequestError``.
-
-    The engine gets ``max_tokens`` always and each other sampling field only when the client set
-    it, so the engine's own defaults apply otherwise. ``top_k`` of 0 or -1 means "disabled" (as in
-    vLLM) and is not passed on.
-    """
-    if not isinstance(body, dict):
-        raise BadRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - _KNOWN_FIELDS)
-    if unknown:
-        raise BadRequestError(
-            f"unknown field(s) {', '.join(map(repr, unknown))}; supported: "
-            + ", ".join(sorted(_KNOWN_FIELDS)),
-            param=unknown[0],
-        )
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise BadRequestError(
-            f"the model {model!r} does not exist; this server serves {model_name!r}",
-            status=404,
-            param="model",
-        )
-    if "prompt" not in body:
-        raise BadRequestError("'prompt' is required", param="prompt")
-    prompt_ids = _prompt_ids(body["prompt"], tokenizer, vocab_size)
-
-    for name, only in (("n", 1), ("best_of", 1)):
-        value = _get_int(body, name, minimum=1)
-        if value is not None and value != only:
-            raise BadRequestError(f"'{name}' must be 1 on this server, got {value}", param=name)
-    if _get_bool(body, "echo"):
-        raise BadRequestError("'echo' is not supported; leave it false", param="echo")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = _get_float(body, name, low=-2.0, high=2.0)
-        if value not in (None, 0.0):
-            raise BadRequestError(f"'{name}' is not supported; leave it 0", param=name)
-    stop = body.get("stop")
-    if stop not in (None, [], ""):
-        raise BadRequestError(
-            "stop strings are not supported; use 'stop_token_ids' instead", param="stop"
-        )
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise BadRequestError("'user' must be a string", param="user")
-
-    max_tokens = _get_int(body, "max_tokens", minimum=1)
-    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    if max_model_len is not None and len(prompt_ids) + max_tokens > max_model_len:
-        raise BadRequestError(
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-            f"context length {max_model_len}; shorten the prompt or lower max_tokens",
-            param="max_tokens",
-        )
-    params: dict[str, Any] = {"max_tokens": max_tokens}
-    temperature = _get_float(body, "temperature", low=0.0, high=100.0)
-    if temperature is not None:
-        params["temperature"] = temperature
-    top_p = _get_float(body, "top_p", low=0.0, high=1.0, low_open=True)
-    if top_p is not None:
-        params["top_p"] = top_p
-    top_k = _get_int(body, "top_k", minimum=-1)
-    if top_k is not None and top_k > 0:
-        params["top_k"] = top_k
-    seed = _get_int(body, "seed", minimum=-(2**63))
-    if seed is not None:
-        if seed >= 2**64:
-            raise BadRequestError(f"'seed' must be < 2**64, got {seed}", param="seed")
-        params["seed"] = seed
-    ignore_eos = _get_bool(body, "ignore_eos")
-    if ignore_eos is not None:
-        params["ignore_eos"] = ignore_eos
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None:
-        if not isinstance(stop_ids, list):
-            raise BadRequestError(
-                "'stop_token_ids' must be a list of token ids", param="stop_token_ids"
-            )
-        params["stop_token_ids"] = _token_ids(stop_ids, vocab_size, "stop_token_ids")
-
-    cache_salt = body.get("cache_salt")
-    if cache_salt is None:
-        cache_salt = ""
-    if not isinstance(cache_salt, str):
-        raise BadRequestError(
-            f"'cache_salt' must be a string, got {cache_salt!r}", param="cache_salt"
-        )
-
-    stream = bool(_get_bool(body, "stream"))
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise BadRequestError(
-                "'stream_options' must be an object with only 'include_usage'",
-                param="stream_options",
-            )
-        if not stream:
-            raise BadRequestError(
-                "'stream_options' is only allowed with 'stream': true", param="stream_options"
-            )
-        include_usage = bool(_get_bool(options, "include_usage"))
-    logprobs = _get_int(body, "logprobs", minimum=0)
-    if logprobs is not None and logprobs > 0:
-        raise BadRequestError(
-            "only 'logprobs': 0 is supported (the sampled token, no alternatives)",
-            param="logprobs",
-        )
-    as_ids = _get_bool(body, "return_tokens_as_token_ids")
-    return CompletionRequest(
-        prompt_token_ids=prompt_ids,
-        sampling_params=params,
-        cache_salt=cache_salt,
-        max_tokens=max_tokens,
-        stream=stream,
-        include_usage=include_usage,
-        logprobs=logprobs,
-        tokens_as_token_ids=return_tokens_as_token_ids if as_ids is None else as_ids,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Token text
-# ---------------------------------------------------------------------------------------------
-
-
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas without splitting multi-byte characters.
-
-    Decodes a short window (the previous token(s) plus the new ones) and emits what it adds; a
-    trailing U+FFFD means an incomplete UTF-8 sequence, so the text is held until it completes.
-    """
-
-    def __init__(self, tokenizer: TextTokenizer) -> None:
-        self._tok = tokenizer
-        self._ids: list[int] = []
-        self._prefix = 0
-        self._read = 0
-
-    def add(self, token_id: int) -> str:
-        """Append one token; return the new text it completes (possibly empty)."""
-        self._ids.append(token_id)
-        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
-        new_text = self._tok.decode(self._ids[self._prefix :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text) :]
-            self._prefix = self._read
-            self._read = len(self._ids)
-            return delta
-        return ""
-
-
-# ---------------------------------------------------------------------------------------------
-# HTTP server
-# ---------------------------------------------------------------------------------------------
 
 
 class _Server(ThreadingHTTPServer):
@@ -469,16 +147,7 @@ class CompletionHTTPServer:
 
     def models_payload(self) -> dict[str, Any]:
         """Body of ``GET /v1/models``."""
-        card: dict[str, Any] = {
-            "id": self.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "kvdrop",
-            "root": self.model_name,
-        }
-        if self.max_model_len is not None:
-            card["max_model_len"] = self.max_model_len
-        return {"object": "list", "data": [card]}
+        return models_body(self.model_name, self.created, self.max_model_len)
 
     def parse(self, body: Any) -> CompletionRequest:
         """Validate a completion request with this server's settings."""
@@ -490,41 +159,6 @@ class CompletionHTTPServer:
             max_model_len=self.max_model_len,
             return_tokens_as_token_ids=self.return_tokens_as_token_ids,
         )
-
-
-def _error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed"}.get(
-        status, "InternalServerError" if status >= 500 else "InvalidRequestError"
-    )
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
-
-
-class _ChoiceBuilder:
-    """Builds the per-token pieces of a choice: text delta, logprobs token and finish reason."""
-
-    def __init__(self, app: CompletionHTTPServer, req: CompletionRequest) -> None:
-        self.app = app
-        self.req = req
-        self.detok = (
-            IncrementalDetokenizer(app.tokenizer) if app.detokenize and app.tokenizer else None
-        )
-        self.count = 0
-        self.offset = 0
-
-    def text_of(self, event: TokenEvent) -> str:
-        return self.detok.add(event.token_id) if self.detok is not None else event.text
-
-    def logprob_token(self, event: TokenEvent, text: str) -> str:
-        if self.req.tokens_as_token_ids:
-            return f"token_id:{event.token_id}"
-        if self.app.tokenizer is not None:
-            return self.app.tokenizer.decode([event.token_id])
-        return text
-
-    def finish_of(self, event: TokenEvent) -> str | None:
-        if event.finish_reason is not None:
-            return event.finish_reason
-        return "length" if self.count >= self.req.max_tokens else None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -546,7 +180,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _send_error(self, status: int, message: str, param: str | None = None) -> None:
-        self._send_json(status, _error_body(message, status, param))
+        self._send_json(status, error_body(message, status, param))
 
     def _write_chunk(self, data: bytes) -> None:
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
@@ -659,6 +293,11 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             _close(events)
 
+    def _builder(self, app: CompletionHTTPServer, req: CompletionRequest) -> CompletionBuilder:
+        return CompletionBuilder(
+            req, app.model_name, tokenizer=app.tokenizer, detokenize=app.detokenize
+        )
+
     def _stream(
         self,
         app: CompletionHTTPServer,
@@ -671,62 +310,25 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        build = _ChoiceBuilder(app, req)
-
-        def chunk(text: str, logprobs: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": app.model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": text,
-                        "logprobs": logprobs,
-                        "finish_reason": finish,
-                        "stop_reason": None,
-                    }
-                ],
-            }
-
-        finish: str | None = None
+        build = self._builder(app, req)
         event = first
         try:
             while event is not None:
-                build.count += 1
-                text = build.text_of(event)
-                finish = build.finish_of(event)
-                logprobs = None
-                if req.logprobs is not None:
-                    logprobs = {
-                        "text_offset": [build.offset],
-                        "token_logprobs": [None],
-                        "tokens": [build.logprob_token(event, text)],
-                        "top_logprobs": [None],
-                    }
-                build.offset += len(text)
-                self._sse(chunk(text, logprobs, finish))
-                if finish is not None or app.closing:
+                piece = build.add(event)
+                self._sse(build.chunk(piece))
+                if piece.finish is not None or app.closing:
                     break
                 event = next(events, None)
-            if finish is None:
+            if build.finish is None:
                 # The engine ended without a reason: an EOS it did not label, or server shutdown.
-                finish = "stop"
-                self._sse(chunk("", None, finish))
+                self._sse(build.chunk(finish="stop"))
         except (BrokenPipeError, ConnectionResetError):
             raise
         except Exception as exc:
             logger.exception("engine failed while streaming")
-            self._sse(_error_body(f"the engine failed: {type(exc).__name__}: {exc}", 500))
+            self._sse(error_body(f"the engine failed: {type(exc).__name__}: {exc}", 500))
         if req.include_usage:
-            usage = {
-                "prompt_tokens": len(req.prompt_token_ids),
-                "completion_tokens": build.count,
-                "total_tokens": len(req.prompt_token_ids) + build.count,
-            }
-            self._sse({**chunk("", None, None), "choices": [], "usage": usage})
+            self._sse(build.usage_chunk())
         self._sse("[DONE]")
         self._write_chunk(b"")
 
@@ -737,60 +339,19 @@ class _Handler(BaseHTTPRequestHandler):
         first: TokenEvent | None,
         events: Iterator[TokenEvent],
     ) -> None:
-        build = _ChoiceBuilder(app, req)
-        texts: list[str] = []
-        tokens: list[str] = []
-        offsets: list[int] = []
-        finish: str | None = None
+        build = self._builder(app, req)
         event = first
         try:
             while event is not None:
-                build.count += 1
-                text = build.text_of(event)
-                finish = build.finish_of(event)
-                tokens.append(build.logprob_token(event, text))
-                offsets.append(build.offset)
-                build.offset += len(text)
-                texts.append(text)
-                if finish is not None or app.closing:
+                piece = build.add(event)
+                if piece.finish is not None or app.closing:
                     break
                 event = next(events, None)
         except Exception as exc:
             logger.exception("engine failed while generating")
             self._send_error(500, f"the engine failed: {type(exc).__name__}: {exc}")
             return
-        logprobs = None
-        if req.logprobs is not None:
-            logprobs = {
-                "text_offset": offsets,
-                "token_logprobs": [None] * len(tokens),
-                "tokens": tokens,
-                "top_logprobs": [None] * len(tokens),
-            }
-        n_prompt = len(req.prompt_token_ids)
-        self._send_json(
-            200,
-            {
-                "id": f"cmpl-{uuid.uuid4().hex}",
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": app.model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": "".join(texts),
-                        "logprobs": logprobs,
-                        "finish_reason": finish or "stop",
-                        "stop_reason": None,
-                    }
-                ],
-                "usage": {
-                    "prompt_tokens": n_prompt,
-                    "completion_tokens": build.count,
-                    "total_tokens": n_prompt + build.count,
-                },
-            },
-        )
+        self._send_json(200, build.body())
 
 
 def _close(events: Iterator[TokenEvent] | None) -> None:

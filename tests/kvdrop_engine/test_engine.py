@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Sequence
 
 import pytest
 import torch
 
-from kvdrop_engine.engine import (
-    Engine,
-    EngineError,
-    InvalidRequestError,
-    RequestTooLargeError,
-    SamplingParams,
-)
+from kvdrop_engine.engine import Engine, _Request, plan_step
+from kvdrop_engine.errors import EngineError, InvalidRequestError, RequestTooLargeError
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer, generate
+from kvdrop_engine.sampling import SamplingParams
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -194,7 +191,7 @@ def test_bad_requests_raise_typed_errors(model: Transformer) -> None:
                 eng.post_completion([5, 6], bad)
         with pytest.raises(InvalidRequestError, match="empty"):
             eng.post_completion([], {})
-        with pytest.raises(InvalidRequestError, match="prompt token 600"):
+        with pytest.raises(InvalidRequestError, match=r"prompt_token_ids\[1\] = 600 is outside"):
             eng.post_completion([5, 600], {})
         with pytest.raises(InvalidRequestError, match="list of ints"):
             eng.post_completion("hello", {})  # type: ignore[arg-type]
@@ -228,3 +225,22 @@ def test_stop_fails_running_and_waiting_requests(model: Transformer) -> None:
     with pytest.raises(EngineError, match="stopped"):
         list(second)
     assert eng.num_free_blocks == 64
+
+
+def test_plan_step_puts_decodes_first_and_caps_prefill_tokens() -> None:
+    def req(rid: int, prompt_len: int, computed: int, output: list[int]) -> _Request:
+        r = _Request(rid, list(range(1, prompt_len + 1)), SamplingParams(), "", queue.Queue(),
+                     None, None)  # fmt: skip
+        r.num_computed, r.output = computed, output
+        return r
+
+    a = req(0, 10, 0, [])  # prefilling, 10 tokens
+    b = req(1, 4, 5, [7])  # decoding: prompt + 1 generated token computed
+    c = req(2, 6, 2, [])  # prefilling, 4 tokens left
+    plan = plan_step([a, b, c], max_prefill_tokens=12)
+    assert [s.seq_id for s in plan.seqs] == [1, 0, 2]
+    assert plan.tokens[:1] == [7] and plan.positions[:1] == [5]
+    assert (plan.num_decode, plan.num_prefill) == (1, 12)
+    assert plan.stepped == [(b, 1), (a, 10), (c, 2)]  # c gets what is left of the budget
+    assert plan.sampled == [b, a]  # a's prompt ends in this step, c's does not
+    assert plan.sample_rows == [0, 10]

@@ -11,15 +11,8 @@ from typing import Any
 
 import pytest
 import requests
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from kvdrop_engine.http import (
-    BadRequestError,
-    CompletionHTTPServer,
-    IncrementalDetokenizer,
-    parse_completion_request,
-)
+from kvdrop_engine.http import CompletionHTTPServer
 from kvdrop_sdk.events import TokenEvent
 
 VOCAB = 1000
@@ -71,16 +64,6 @@ class CharTokenizer:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return "".join(chr(t) for t in token_ids)
-
-
-class ByteTokenizer:
-    """One token per UTF-8 byte: multi-byte characters span several tokens."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return bytes(token_ids).decode("utf-8", errors="replace")
 
 
 @pytest.fixture
@@ -346,9 +329,9 @@ def test_engine_generator_without_finish_reason(engine: CountingEngine) -> None:
     [
         ({"max_tokens": 3}, 400, "'prompt' is required"),
         ({"prompt": []}, 400, "'prompt' is empty"),
-        ({"prompt": [1, -2]}, 400, "'prompt[1]' must be a non-negative integer"),
-        ({"prompt": [1, 2.5]}, 400, "'prompt[1]'"),
-        ({"prompt": [1, True]}, 400, "'prompt[1]'"),
+        ({"prompt": [1, -2]}, 400, "prompt[1] must be a non-negative integer"),
+        ({"prompt": [1, 2.5]}, 400, "prompt[1] must be an int token id"),
+        ({"prompt": [1, True]}, 400, "prompt[1] must be an int token id"),
         ({"prompt": [VOCAB]}, 400, "outside the vocabulary [0, 1000)"),
         ({"prompt": [[1], [2]]}, 400, "holds 2 prompts"),
         ({"prompt": 5}, 400, "'prompt' must be a string, a list of token ids"),
@@ -536,69 +519,8 @@ def test_keep_alive_connection_serves_several_requests(server: CompletionHTTPSer
 # ---------------------------------------------------------------------------------------------
 
 
-def test_incremental_detokenizer_never_splits_characters() -> None:
-    text = "héllo → wörld ✓ 日本"
-    tok = ByteTokenizer()
-    detok = IncrementalDetokenizer(tok)
-    deltas = [detok.add(b) for b in tok.encode(text)]
-    assert "".join(deltas) == text
-    assert all("\ufffd" not in d for d in deltas)
-    assert deltas.count("") > 0  # multi-byte characters were held back at least once
-
-
-def test_parse_rejects_non_dict_and_reports_param() -> None:
-    with pytest.raises(BadRequestError, match="JSON object"):
-        parse_completion_request("x", model_name="m")
-    with pytest.raises(BadRequestError) as info:
-        parse_completion_request({"prompt": [1], "seed": 1.5}, model_name="m")
-    assert info.value.param == "seed" and info.value.status == 400
-
-
 def test_server_rejects_bad_configuration(engine: CountingEngine) -> None:
     with pytest.raises(ValueError, match="model_name"):
         CompletionHTTPServer(engine, model_name="", port=0)
     with pytest.raises(ValueError, match="needs a tokenizer"):
         CompletionHTTPServer(engine, model_name="m", port=0, detokenize=True)
-
-
-_json = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**70), 2**70)
-    | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=5),
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4)
-    ),
-    max_leaves=12,
-)
-_field_names = st.sampled_from(
-    ["prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-     "stream", "stream_options", "logprobs", "n", "echo", "cache_salt", "model", "ignore_eos",
-     "presence_penalty", "user", "return_tokens_as_token_ids", "max_token"]
-)  # fmt: skip
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    body=st.dictionaries(_field_names, _json, max_size=6)
-    | st.fixed_dictionaries(
-        {"prompt": st.lists(st.integers(-5, 2000), max_size=5)},
-        optional={"max_tokens": _json, "seed": _json, "top_p": _json, "stop_token_ids": _json},
-    )
-    | _json
-)
-def test_parse_never_fails_with_anything_but_bad_request(body: Any) -> None:
-    """Whatever JSON arrives, validation either accepts it or raises BadRequestError."""
-    try:
-        req = parse_completion_request(
-            body, model_name="m", tokenizer=CharTokenizer(), vocab_size=VOCAB, max_model_len=4096
-        )
-    except BadRequestError as exc:
-        assert str(exc) and 400 <= exc.status < 500
-        return
-    assert req.prompt_token_ids and all(0 <= t < VOCAB for t in req.prompt_token_ids)
-    assert req.max_tokens >= 1 and req.sampling_params["max_tokens"] == req.max_tokens
-    assert set(req.sampling_params) <= {
-        "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop_token_ids"
-    }  # fmt: skip

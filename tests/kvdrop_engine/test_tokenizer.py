@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
-from kvdrop_engine.tokenizer import Tokenizer, TokenizerError
+from kvdrop_engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 from kvdrop_engine.weights import find_smollm2_gguf
 
 SMOLLM2 = find_smollm2_gguf()
@@ -139,3 +140,23 @@ def test_template_runs_sandboxed() -> None:
     tok = Tokenizer(_tiny_meta(**{"tokenizer.chat_template": evil}))
     with pytest.raises(TokenizerError, match=r"unsafe"):
         tok.render_chat([{"role": "user", "content": "x"}])
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte: multi-byte characters span several tokens."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return bytes(token_ids).decode("utf-8", errors="replace")
+
+
+def test_incremental_detokenizer_never_splits_characters() -> None:
+    text = "héllo → wörld ✓ 日本"
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(b) for b in tok.encode(text)]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert deltas.count("") > 0  # multi-byte characters were held back at least once

@@ -2,8 +2,9 @@
 
 The SDK keys the cache by token ids, so every generated token's id must come back. vLLM returns
 them when started with ``--return-tokens-as-token-ids``: with ``"logprobs": 0`` each streamed
-chunk's ``choices[0].logprobs.tokens`` reads ``["token_id:123"]``. ``kvdrop engine`` does the same
-with its own ``--return-tokens-as-token-ids`` flag.
+chunk's ``choices[0].logprobs.tokens`` holds the ids as text (:func:`token_id_text`, read back by
+:func:`parse_token_id_text`). ``kvdrop engine`` writes the same form with its own
+``--return-tokens-as-token-ids`` flag.
 """
 
 from __future__ import annotations
@@ -21,13 +22,18 @@ from kvdrop_sdk.errors import RequestStreamError
 from kvdrop_sdk.events import TokenEvent
 
 __all__ = [
+    "TOKEN_ID_PREFIX",
     "CompletionHTTPError",
     "HTTPPostCompletion",
     "MissingTokenIdsError",
     "make_post_completion",
+    "parse_token_id_text",
+    "token_id_text",
 ]
 
-_TOKEN_ID = re.compile(r"token_id:(-?\d+)")
+#: A token id written as text in ``logprobs.tokens`` (vLLM's ``--return-tokens-as-token-ids``).
+TOKEN_ID_PREFIX = "token_id:"
+_TOKEN_ID = re.compile(re.escape(TOKEN_ID_PREFIX) + r"(-?\d+)")
 
 _FIX_TOKEN_IDS = (
     "start the server with --return-tokens-as-token-ids (vllm serve ... "
@@ -35,12 +41,24 @@ _FIX_TOKEN_IDS = (
 )
 
 
+def token_id_text(token_id: int) -> str:
+    """``token_id`` as a server writes it in ``logprobs.tokens``: ``"token_id:123"``."""
+    return f"{TOKEN_ID_PREFIX}{token_id}"
+
+
+def parse_token_id_text(token: Any) -> int | None:
+    """The id in a :func:`token_id_text` string, or None when ``token`` is not one."""
+    match = _TOKEN_ID.fullmatch(token) if isinstance(token, str) else None
+    return None if match is None else int(match.group(1))
+
+
 class CompletionHTTPError(RequestStreamError):
     """The completions server could not be reached, refused the request, or broke the stream."""
 
 
 class MissingTokenIdsError(CompletionHTTPError):
-    """The server streamed tokens without ``"token_id:N"`` entries; the cache cannot be keyed."""
+    """The server streamed tokens without their ids (:func:`token_id_text`); the cache cannot be
+    keyed."""
 
 
 def _normalise_base_url(base_url: str) -> str:
@@ -62,13 +80,13 @@ def _token_ids_of(choice: dict[str, Any], endpoint: str) -> list[int]:
         )
     ids: list[int] = []
     for token in tokens:
-        match = _TOKEN_ID.fullmatch(token) if isinstance(token, str) else None
-        if match is None:
+        token_id = parse_token_id_text(token)
+        if token_id is None:
             raise MissingTokenIdsError(
-                f"{endpoint} returned the token {token!r} instead of 'token_id:N'; "
+                f"{endpoint} returned the token {token!r} instead of '{TOKEN_ID_PREFIX}N'; "
                 + _FIX_TOKEN_IDS
             )
-        ids.append(int(match.group(1)))
+        ids.append(token_id)
     return ids
 
 
