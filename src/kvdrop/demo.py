@@ -125,7 +125,7 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
     from kvdrop_sdk.progress import ProgressBar
     from kvdrop_sdk.server.app import Server
     from kvdrop_sdk.server.config import ServerConfig
-    from kvdrop_sdk.server.testing import unique_shm_name
+    from kvdrop_sdk.server.pool import unique_shm_name
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvdrop_sdk.validate import is_int
+
 __all__ = [
     "GGUF_ARCHITECTURES",
     "SMOLLM2_GGUF_NAME",
@@ -262,6 +264,6 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
 
 
 def _head_count(value: Any, path: Path, key: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise WeightsError(f"{path}: metadata llama.{key} is missing or not a positive int")
     return value

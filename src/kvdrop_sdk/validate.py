@@ -52,7 +52,7 @@ def token_ids(value: Any, what: str, *, vocab_size: int | None = None) -> list[i
         if not is_int(t):
             raise TypeError(f"{what}[{i}] must be an int token id, got {type(t).__name__} {t!r}")
         if t < 0:
-            raise ValueError(f"{what}[{i}] must be a non-negative integer token id, got {t}")
+            raise ValueError(f"{what}[{i}] must be a non-negative token id, got {t}")
         if vocab_size is not None and t >= vocab_size:
             raise ValueError(f"{what}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
         out.append(int(t))

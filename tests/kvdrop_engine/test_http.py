@@ -329,7 +329,7 @@ def test_engine_generator_without_finish_reason(engine: CountingEngine) -> None:
     [
         ({"max_tokens": 3}, 400, "'prompt' is required"),
         ({"prompt": []}, 400, "'prompt' is empty"),
-        ({"prompt": [1, -2]}, 400, "prompt[1] must be a non-negative integer"),
+        ({"prompt": [1, -2]}, 400, "prompt[1] must be a non-negative token id"),
         ({"prompt": [1, 2.5]}, 400, "prompt[1] must be an int token id"),
         ({"prompt": [1, True]}, 400, "prompt[1] must be an int token id"),
         ({"prompt": [VOCAB]}, 400, "outside the vocabulary [0, 1000)"),

@@ -33,6 +33,7 @@ import torch
 
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.events import TokenEvent
+from kvdrop_sdk.validate import token_ids
 
 if TYPE_CHECKING:
     from kvdrop_sdk.context import Context
@@ -189,11 +190,10 @@ class ToyEngine:
     ) -> Iterator[TokenEvent]:
         if not prompt:
             raise ToyEngineError("empty prompt")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ToyEngineError(
-                f"token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
-            )
+        try:
+            token_ids(prompt, "prompt_token_ids", vocab_size=self.vocab_size)
+        except (TypeError, ValueError) as exc:
+            raise ToyEngineError(str(exc)) from None
         call = ToyCall(prompt=list(prompt), sampling_params=dict(params), cache_salt=cache_salt)
         with self._lock:
             self.calls.append(call)
