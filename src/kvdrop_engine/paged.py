@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
+from kvdrop_sdk.validate import positive_int
+
 __all__ = [
     "BlockAllocator",
     "OutOfBlocksError",
@@ -52,8 +54,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int) -> None:
-        if not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        positive_int(num_blocks, "num_blocks")
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() from the end
         self._owned = [False] * num_blocks
@@ -107,8 +108,7 @@ class PagedKVCache:
             ("num_blocks", num_blocks),
             ("block_size", block_size),
         ):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            positive_int(value, name)
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

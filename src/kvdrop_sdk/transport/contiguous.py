@@ -27,6 +27,7 @@ from kvdrop_sdk.layout import CacheLayout, dtype_name
 from kvdrop_sdk.protocol import RpcClient
 from kvdrop_sdk.server.pool import MAGIC, shm_path
 from kvdrop_sdk.transport.buffers import copy_rows, empty_tensor, tensor_buffer, tune_malloc
+from kvdrop_sdk.validate import is_int
 
 __all__ = ["MODES", "PUT_BATCH_BYTES", "ContiguousTransferWrapper", "TransferHelper"]
 
@@ -94,7 +95,7 @@ class ContiguousTransferWrapper:
         except OSError as exc:
             return f"shared memory {path} cannot be opened ({exc})"
         try:
-            if not isinstance(size, int) or os.fstat(fd).st_size != size:
+            if not is_int(size) or os.fstat(fd).st_size != size:
                 return f"shared memory {path} has an unexpected size"
             mm = mmap.mmap(fd, size)
         except (OSError, ValueError) as exc:
@@ -111,7 +112,7 @@ class ContiguousTransferWrapper:
 
     def _slot(self, offset: Any, nbytes: int, layout: CacheLayout, kind: CacheKind) -> torch.Tensor:
         assert self._pool is not None
-        if not isinstance(offset, int) or offset < 0 or offset + nbytes > self._pool.numel():
+        if not is_int(offset) or offset < 0 or offset + nbytes > self._pool.numel():
             raise SDKError(f"server returned slot offset {offset!r} outside the shared pool")
         if offset not in self._populated and self._mm is not None:
             # Map the slot's pages in one call instead of one fault per 4 KiB page.
