@@ -25,8 +25,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from kvdrop_sdk.validate import positive_int
-
 __all__ = [
     "BlockAllocator",
     "OutOfBlocksError",
@@ -54,7 +52,8 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int) -> None:
-        positive_int(num_blocks, "num_blocks")
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() from the end
         self._owned = [False] * num_blocks
@@ -108,7 +107,8 @@ class PagedKVCache:
             ("num_blocks", num_blocks),
             ("block_size", block_size),
         ):
-            positive_int(value, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

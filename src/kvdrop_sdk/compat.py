@@ -45,7 +45,13 @@ MODULE_ALIASES: dict[str, tuple[str, ...]] = {
     "errors": ("LMCacheSDKError", "LMCacheRequestStreamError", "LMCacheBatchedStreamError"),
 }
 
-for _module, _names in MODULE_ALIASES.items():
-    _target = importlib.import_module(f"kvdrop_sdk.{_module}")
-    for _name in _names:
-        setattr(_target, _name, globals()[_name])
+
+def _attach() -> None:
+    """Make each alias an attribute of its upstream module (see the module docstring)."""
+    for module, names in MODULE_ALIASES.items():
+        target = importlib.import_module(f"kvdrop_sdk.{module}")
+        for name in names:
+            setattr(target, name, globals()[name])
+
+
+_attach()
