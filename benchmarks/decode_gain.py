@@ -31,11 +31,12 @@ import torch
 
 import kvdrop
 from kvdrop.experiments.pipeline import Prompt, engine_budget, run_pipeline
+from kvdrop_engine.connector import ServerConnector
+from kvdrop_engine.engine import Engine
+from kvdrop_engine.loading import load_checkpoint, preset_config
+from kvdrop_engine.model import ModelConfig, Transformer
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
-from kvdrop_sdk.engines.connector import ServerConnector
-from kvdrop_sdk.engines.engine import Engine
-from kvdrop_sdk.engines.model import ModelConfig, Transformer
 from kvdrop_sdk.server.testing import spawn_server
 from kvdrop_sdk.table import format_table
 
@@ -98,8 +99,8 @@ def build_model(args: argparse.Namespace) -> Transformer:
     """Random weights initialised directly on the target device (fast for 8B shapes)."""
     dtype, device = DTYPES[args.dtype], torch.device(args.device)
     if args.model_path:
-        return Transformer.from_pretrained(args.model_path, dtype=dtype, device=device)
-    cfg = ModelConfig.preset(args.model_preset)
+        return load_checkpoint(args.model_path, dtype=dtype, device=device)
+    cfg = preset_config(args.model_preset)
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device=device).to(dtype)

@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
-from kvdrop_sdk.engines.model import DenseAttention, Transformer, generate
-from kvdrop_sdk.engines.tokenizer import Tokenizer
-from kvdrop_sdk.engines.weights import _cached_reader, find_smollm2_gguf
+from kvdrop_engine.loading import load_checkpoint
+from kvdrop_engine.model import DenseAttention, generate
+from kvdrop_engine.tokenizer import Tokenizer
+from kvdrop_engine.weights import _cached_reader, find_smollm2_gguf
 from kvdrop_sdk.table import format_table
 
 FILLER = (
@@ -43,7 +44,7 @@ class _Side:
 def _ours(path: Any, ids: torch.Tensor, steps: int) -> _Side:
     _cached_reader.cache_clear()  # cold header parse, as a fresh process would
     t0 = time.perf_counter()
-    model = Transformer.from_pretrained(path)
+    model = load_checkpoint(path)
     load = time.perf_counter() - t0
     n = ids.numel()
     last = torch.tensor([n - 1])
@@ -116,7 +117,7 @@ def _measure(sides: list[_Side], n: int, steps: int, repeats: int) -> dict[str, 
 
 def _passkey(path: Any, tokens: int, trials: int, seed: int) -> dict[str, Any]:
     """Greedy pass-key retrieval at about ``tokens`` prompt tokens, key at a random depth."""
-    model, tok = Transformer.from_pretrained(path), Tokenizer.from_gguf(path)
+    model, tok = load_checkpoint(path), Tokenizer.from_gguf(path)
     rng = random.Random(seed)
     per_filler = len(tok.encode(FILLER))
     reps = max(1, (tokens - 80) // per_filler)

@@ -15,7 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "describe": ("kvdrop.commands.describe_cmd", "show a policy's summary and parameters"),
     "server": ("kvdrop_sdk.server.cli", "run the KV cache server (ZMQ + HTTP)"),
     "engine": (
-        "kvdrop_sdk.engines.cli",
+        "kvdrop_engine.cli",
         "run the reference engine (OpenAI-compatible HTTP)",
     ),
     "demo": ("kvdrop.experiments.demo", "prefill, drop, decode: baseline vs dropped, side by side"),

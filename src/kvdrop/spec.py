@@ -67,7 +67,7 @@ def get(name: str, *, rerotate: Any = None, **params: Any) -> Policy:
     """Build policy ``name`` (a registered name or a spec string); ``params`` are validated now,
     not at first use.
 
-    ``rerotate`` (a ``kvdrop_sdk.rope.RopeConfig`` or an HF ``config.json`` dict) wraps the policy
+    ``rerotate`` (a ``kvdrop_rope.RopeConfig`` or an HF ``config.json`` dict) wraps the policy
     in :class:`~kvdrop.combinators.Rerotate`, so its kept keys are re-rotated to positions
     ``0..k-1``.
     """

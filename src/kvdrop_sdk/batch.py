@@ -25,19 +25,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from typing import Any, TypeVar
 
-from kvdrop_sdk.errors import BatchedStreamError, LMCacheBatchedStreamError
+from kvdrop_sdk.errors import BatchedStreamError
 from kvdrop_sdk.metrics import Metrics, get_handler, summarize
 from kvdrop_sdk.request import ModifyResult, RequestStream, StreamPerfMetrics
 from kvdrop_sdk.types import ModifyFnType
+from kvdrop_sdk.validate import positive_int
 
-__all__ = [
-    "BatchedStream",
-    "BatchedStreamError",
-    "BatchedStreamFailures",
-    "LMCacheBatchedStream",
-    "LMCacheBatchedStreamError",
-    "ProgressCallback",
-]
+__all__ = ["BatchedStream", "BatchedStreamError", "BatchedStreamFailures", "ProgressCallback"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +58,6 @@ class BatchedStreamFailures(BatchedStreamError):
         super().__init__("\n".join(lines))
 
 
-def _check_bound(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
-
-
 class BatchedStream:
     """A set of request streams run together, with bounded concurrency and metrics per phase.
 
@@ -85,10 +73,10 @@ class BatchedStream:
         modify_concurrency: int | None = None,
         progress: ProgressCallback | None = None,
     ) -> None:
-        self.max_concurrency = _check_bound("max_concurrency", max_concurrency)
+        self.max_concurrency = positive_int(max_concurrency, "max_concurrency")
         if modify_concurrency is None:
             modify_concurrency = min(4, os.cpu_count() or 1, self.max_concurrency)
-        self.modify_concurrency = _check_bound("modify_concurrency", modify_concurrency)
+        self.modify_concurrency = positive_int(modify_concurrency, "modify_concurrency")
         if progress is not None and not callable(progress):
             raise TypeError(f"progress must be callable, got {type(progress).__name__}")
         self.progress = progress
@@ -294,6 +282,3 @@ class BatchedStream:
                 logger.warning("progress callback failed; disabled for this phase", exc_info=True)
 
         return report
-
-
-LMCacheBatchedStream = BatchedStream

@@ -1,4 +1,4 @@
-"""A connection to one kvdrop server for one model and one cache kind (``LMCacheSDKContext``).
+"""A connection to one kvdrop server for one model and one cache kind.
 
 The context reads the server's settings over HTTP (``/config``), the model's layout over ZMQ, and
 moves tensors through its transfer helper (``transfer_ctx``: shared memory or socket). It is safe
@@ -14,34 +14,16 @@ from typing import Any
 import requests
 import torch
 
-from kvdrop_sdk.cache_kind import CacheKind, LMCacheSDKCacheKind
-from kvdrop_sdk.errors import LMCacheSDKError, SDKError
+from kvdrop_sdk.cache_kind import CacheKind
+from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.hashing import TOKEN_BYTES, encode_tokens
 from kvdrop_sdk.layout import CacheLayout, dtype_name
 from kvdrop_sdk.protocol import RpcClient, RpcError, server_hint
+from kvdrop_sdk.transport.contiguous import MODES, ContiguousTransferWrapper
 from kvdrop_sdk.types import ModifyFnType
-from kvdrop_sdk.wrapper.contiguous import MODES, ContiguousTransferWrapper
+from kvdrop_sdk.validate import is_number
 
-__all__ = [
-    "QUERY_SUFFIX",
-    "Context",
-    "LMCacheSDKCacheKind",
-    "LMCacheSDKContext",
-    "LMCacheSDKError",
-    "ModifyFnType",
-    "connect",
-    "server_model_name",
-]
-
-#: The query kind lives under ``<model>##query`` on the server.
-QUERY_SUFFIX = "##query"
-
-
-def server_model_name(model_name: str, kind: CacheKind) -> str:
-    """The name a model's ``kind`` tensors are stored under on the server."""
-    if kind is CacheKind.QUERY and not model_name.endswith(QUERY_SUFFIX):
-        return model_name + QUERY_SUFFIX
-    return model_name
+__all__ = ["Context", "ModifyFnType", "connect"]
 
 
 class Context:
@@ -71,7 +53,7 @@ class Context:
             )
         if not isinstance(model_name, str) or not model_name:
             raise SDKError(f"model_name must be a non-empty string, got {model_name!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        if not is_number(timeout) or timeout <= 0:
             raise SDKError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if transport not in MODES:
             raise SDKError(f"transport {transport!r} is unknown; expected one of {MODES}")
@@ -80,7 +62,7 @@ class Context:
         self.url = url
         self.http_url = http_url.rstrip("/")
         self.model_name = model_name
-        self.server_model_name = server_model_name(model_name, self.kind)
+        self.server_model_name = self.kind.server_model_name(model_name)
         self.timeout = float(timeout)
         self._requested_layout = layout
         self._layout: CacheLayout | None = None
@@ -283,6 +265,3 @@ def connect(
         ctx.close()
         raise
     return ctx
-
-
-LMCacheSDKContext = Context

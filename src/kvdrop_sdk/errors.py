@@ -1,15 +1,8 @@
-"""Error types raised by the SDK (names follow the upstream SDK so code ports unchanged)."""
+"""Error types raised by the SDK (upstream's ``LMCache*`` names for them: ``kvdrop_sdk.compat``)."""
 
 from __future__ import annotations
 
-__all__ = [
-    "BatchedStreamError",
-    "LMCacheBatchedStreamError",
-    "LMCacheRequestStreamError",
-    "LMCacheSDKError",
-    "RequestStreamError",
-    "SDKError",
-]
+__all__ = ["BatchedStreamError", "RequestStreamError", "SDKError"]
 
 
 class SDKError(RuntimeError):
@@ -22,8 +15,3 @@ class RequestStreamError(SDKError):
 
 class BatchedStreamError(SDKError):
     """One or more streams of a batch failed (the message lists each), or an id is unknown."""
-
-
-LMCacheSDKError = SDKError
-LMCacheRequestStreamError = RequestStreamError
-LMCacheBatchedStreamError = BatchedStreamError

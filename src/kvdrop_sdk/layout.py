@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind
+from kvdrop_sdk.validate import is_int
 
 __all__ = ["DTYPES", "CacheLayout", "dtype_from_name", "dtype_name"]
 
@@ -64,7 +65,7 @@ class CacheLayout:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "head_dim"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ValueError(f"CacheLayout.{name} must be a positive int, got {value!r}")
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"CacheLayout.dtype must be a torch.dtype, got {self.dtype!r}")

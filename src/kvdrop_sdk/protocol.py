@@ -18,6 +18,7 @@ from typing import Any
 import zmq
 
 from kvdrop_sdk.errors import SDKError
+from kvdrop_sdk.validate import is_int
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -189,7 +190,7 @@ class RpcClient:
                 parts = sock.recv_multipart(copy=False)
                 reply = decode_header(parts[0].buffer)
                 rid = reply.get("rid")
-                if isinstance(rid, int) and rid in rids:
+                if is_int(rid) and rid in rids:
                     replies[rid] = (reply, list(parts[1:]))
             ok = True
         except zmq.ZMQError as exc:

@@ -45,16 +45,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind
-from kvdrop_sdk.errors import LMCacheRequestStreamError, RequestStreamError, SDKError
+from kvdrop_sdk.errors import RequestStreamError, SDKError
 from kvdrop_sdk.events import PostCompletion, TokenEvent
 from kvdrop_sdk.types import ModifyFnType
+from kvdrop_sdk.validate import is_int, token_ids
 
 if TYPE_CHECKING:
     from kvdrop_sdk.context import Context
 
 __all__ = [
-    "LMCacheRequestStream",
-    "LMCacheRequestStreamError",
     "ModifyFnType",
     "ModifyResult",
     "PostCompletion",
@@ -101,26 +100,6 @@ class ModifyResult:
     skipped: bool = False
 
 
-def _as_token_list(tokens: Any, what: str) -> list[int]:
-    """Validate token ids (a sequence or 1-D tensor of non-negative ints) into a list."""
-    if isinstance(tokens, torch.Tensor):
-        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex():
-            raise ValueError(
-                f"{what} must be a 1-D integer tensor, got {tokens.dim()}-D {tokens.dtype}"
-            )
-        tokens = tokens.tolist()
-    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
-        raise TypeError(f"{what} must be a sequence of int token ids, got {type(tokens).__name__}")
-    out: list[int] = []
-    for i, t in enumerate(tokens):
-        if isinstance(t, bool) or not isinstance(t, int):
-            raise TypeError(f"{what}[{i}] must be an int token id, got {type(t).__name__} {t!r}")
-        if t < 0:
-            raise ValueError(f"{what}[{i}] must be a non-negative token id, got {t}")
-        out.append(int(t))
-    return out
-
-
 def create_request(
     contexts: Iterable[Context] | Context,
     post_completion: PostCompletion,
@@ -159,7 +138,7 @@ class RequestStream:
             )
         if not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
-        prompt = _as_token_list(prompt_token_ids, "prompt_token_ids")
+        prompt = token_ids(prompt_token_ids, "prompt_token_ids")
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
         self.post_completion = post_completion
@@ -248,7 +227,7 @@ class RequestStream:
         Tokens received before an engine failure are kept; the failure is raised as
         ``RequestStreamError`` (naming the stream).
         """
-        extra = _as_token_list(suffix_tokens, "suffix_tokens")
+        extra = token_ids(suffix_tokens, "suffix_tokens")
         if sampling_params is None:
             sampling_params = {}
         if not isinstance(sampling_params, Mapping):
@@ -257,9 +236,7 @@ class RequestStream:
             )
         params = dict(sampling_params)
         max_tokens = params.get("max_tokens")
-        if max_tokens is not None and (
-            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
-        ):
+        if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 1):
             raise ValueError(
                 f"sampling_params['max_tokens'] must be an int >= 1, got {max_tokens!r}"
             )
@@ -286,7 +263,7 @@ class RequestStream:
                 for event in events:
                     now = time.perf_counter()
                     token_id = getattr(event, "token_id", None)
-                    if isinstance(token_id, bool) or not isinstance(token_id, int):
+                    if not is_int(token_id):
                         raise TypeError(
                             f"post_completion yielded {type(event).__name__} without an int "
                             f"token_id; expected TokenEvent"
@@ -491,7 +468,7 @@ class RequestStream:
         return got, common
 
     def _check_tokens(self, tokens: Any, what: str) -> list[int]:
-        out = _as_token_list(tokens, what)
+        out = token_ids(tokens, what)
         if not out:
             raise ValueError(f"{what} must not be empty (an edit must keep at least one chunk)")
         return out
@@ -574,6 +551,3 @@ class RequestStream:
             self._suffix = list(suffix)
         self._expected_cached = len(tokens)
         return stored
-
-
-LMCacheRequestStream = RequestStream

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import torch
 
+from kvdrop_sdk.adapters.toy import ToyEngine, positions_of
 from kvdrop_sdk.batch import BatchedStream, BatchedStreamFailures, LMCacheBatchedStream
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context, connect
-from kvdrop_sdk.engines.toy import ToyEngine, positions_of
 from kvdrop_sdk.errors import BatchedStreamError, RequestStreamError
 from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.layout import CacheLayout
@@ -311,11 +311,11 @@ def test_broken_progress_callback_does_not_stop_the_batch(
 
 
 def test_docs_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    """The runnable example in docs/streams.md runs and prints the three reports."""
-    doc = (Path(__file__).parents[2] / "docs" / "streams.md").read_text(encoding="utf-8")
+    """The runnable example in docs/sdk/streams.md runs and prints the three reports."""
+    doc = (Path(__file__).parents[2] / "docs" / "sdk" / "streams.md").read_text(encoding="utf-8")
     blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
-    assert blocks, "docs/streams.md lost its python example"
-    exec(compile(blocks[0], "docs/streams.md", "exec"), {"__name__": "docs_example"})
+    assert blocks, "docs/sdk/streams.md lost its python example"
+    exec(compile(blocks[0], "docs/sdk/streams.md", "exec"), {"__name__": "docs_example"})
     out, err = capsys.readouterr()
     assert "Batched Stream Metrics (prefill)" in out and "Batched Stream Modify Metrics" in out
     assert '"title": "Batched Stream Metrics (decode)"' in out

@@ -311,16 +311,6 @@ def test_close_is_idempotent_and_final(kv_server: ServerHandle, model_name: str)
         ctx.store(make(CacheKind.KV, LAYOUT, 256), tokens_for(256))
 
 
-def test_aliases_match_the_upstream_names() -> None:
-    assert sdk.LMCacheSDKContext is sdk.Context
-    assert sdk.LMCacheSDKError is SDKError
-    assert sdk.LMCacheSDKCacheKind.QUERY.value == "query"
-    from kvdrop_sdk.wrapper.contiguous import ContiguousTransferWrapper
-
-    assert sdk.context.LMCacheSDKContext is sdk.Context
-    assert ContiguousTransferWrapper.__name__ == "ContiguousTransferWrapper"
-
-
 @pytest.mark.parametrize("transport", ["shm", "socket"])
 def test_many_threads_share_one_context(
     kv_server: ServerHandle, model_name: str, transport: str
@@ -386,7 +376,7 @@ def test_many_contexts_in_threads(kv_server: ServerHandle, model_name: str) -> N
 def test_socket_store_split_into_pipelined_requests(
     kv_server: ServerHandle, model_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvdrop_sdk.wrapper.contiguous as contiguous
+    import kvdrop_sdk.transport.contiguous as contiguous
 
     monkeypatch.setattr(contiguous, "PUT_BATCH_BYTES", 1)  # one chunk per request
     with sdk.kvcache.connect(

@@ -19,9 +19,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvdrop_sdk.adapters.toy import ToyEngine, encode_rows, positions_of
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context, connect
-from kvdrop_sdk.engines.toy import ToyEngine, encode_rows, positions_of
 from kvdrop_sdk.errors import RequestStreamError
 from kvdrop_sdk.events import PostCompletion, TokenEvent
 from kvdrop_sdk.layout import CacheLayout

@@ -5,7 +5,7 @@ prefix as positions ``0..k-1`` and appends new tokens at ``k, k+1, ...``; withou
 kept keys keep their old (larger, gappy) positions and relative distances are wrong. The wrapper
 :class:`Rerotate` (``kvdrop.get(name, ..., rerotate=RopeConfig(...))``) works for every
 policy: after the inner policy selects, each moved key is rotated back by its old angle and
-forward by its new one (``kvdrop_sdk.rope``: theta, partial rotary dim, NeoX or interleaved
+forward by its new one (``kvdrop_rope``: theta, partial rotary dim, NeoX or interleaved
 layout, HF scalings), in float32, and cast back to the cache dtype once. Keys that do not move
 stay bit-identical; values are only gathered.
 
@@ -23,7 +23,7 @@ import torch
 
 from kvdrop.errors import PolicyInputError, PolicyParamError
 from kvdrop.policy import Policy, as_policy
-from kvdrop_sdk.rope import RopeConfig, rotate
+from kvdrop_rope import RopeConfig, rotate
 from kvdrop_sdk.types import ModifyFnType
 
 __all__ = ["Rerotate", "RerotatedPolicy", "rerotate_keys", "rerotated", "rope_config"]
@@ -40,7 +40,7 @@ def rope_config(value: RopeConfig | Mapping[str, Any], *, policy: str = "rerotat
             raise PolicyParamError(f"{policy}: parameter 'rerotate': {exc}") from None
     raise PolicyParamError(
         f"{policy}: parameter 'rerotate' got {value!r} ({type(value).__name__}); expected a "
-        "kvdrop_sdk.rope.RopeConfig or an HF config.json dict"
+        "kvdrop_rope.RopeConfig or an HF config.json dict"
     )
 
 

@@ -118,14 +118,14 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
         run_pipeline,
         summarize_runs,
     )
+    from kvdrop_engine.connector import ServerConnector
+    from kvdrop_engine.engine import Engine
+    from kvdrop_engine.loading import load_model
     from kvdrop_sdk import kvcache, qcache
-    from kvdrop_sdk.engines.cli import load_model
-    from kvdrop_sdk.engines.connector import ServerConnector
-    from kvdrop_sdk.engines.engine import Engine
     from kvdrop_sdk.progress import ProgressBar
     from kvdrop_sdk.server.app import Server
     from kvdrop_sdk.server.config import ServerConfig
-    from kvdrop_sdk.server.testing import unique_shm_name
+    from kvdrop_sdk.server.pool import unique_shm_name
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -33,14 +33,13 @@ from kvdrop_sdk.protocol import (
 from kvdrop_sdk.server.config import ServerConfig
 from kvdrop_sdk.server.pool import HEADER_BYTES, Pool
 from kvdrop_sdk.server.store import ChunkStore, StoreError
-from kvdrop_sdk.wrapper.contiguous import copy_rows
+from kvdrop_sdk.transport.buffers import copy_rows
+from kvdrop_sdk.validate import is_int, is_number
 
-__all__ = ["QUERY_SUFFIX", "Server"]
+__all__ = ["Server"]
 
 log = logging.getLogger("kvdrop_sdk.server")
 
-#: Server model name suffix of the query kind.
-QUERY_SUFFIX = "##query"
 #: Largest token frame accepted (16 Mi tokens).
 MAX_TOKEN_BYTES = TOKEN_BYTES * (1 << 24)
 _BACKEND = "inproc://kvdrop-workers"
@@ -263,17 +262,17 @@ class Server:
             kind = CacheKind.parse(header.get("kind"))
         except ValueError as exc:
             raise ProtocolError("unknown_kind", str(exc)) from None
-        if kind is CacheKind.QUERY:
-            if not self.config.transfer_query:
-                raise StoreError(
-                    "query_disabled",
-                    "this server does not accept query tensors; start it with "
-                    "`kvdrop server --enable transfer_query`",
-                )
-            if not model.endswith(QUERY_SUFFIX):
-                raise ProtocolError(
-                    "bad_model", f"query-kind model names end with {QUERY_SUFFIX!r}, got {model!r}"
-                )
+        if kind is CacheKind.QUERY and not self.config.transfer_query:
+            raise StoreError(
+                "query_disabled",
+                "this server does not accept query tensors; start it with "
+                "`kvdrop server --enable transfer_query`",
+            )
+        if kind.server_model_name(model) != model:
+            expected = kind.server_model_name(CacheKind.base_model_name(model))
+            raise ProtocolError(
+                "bad_model", f"{kind.value}-kind model names look like {expected!r}, got {model!r}"
+            )
         return model, kind
 
     def _layout(self, model: str, kind: CacheKind) -> CacheLayout:
@@ -308,7 +307,7 @@ class Server:
 
     def _lease_s(self, header: dict[str, Any]) -> float:
         value = header.get("lease_s", 60.0)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        if not is_number(value) or not value > 0:
             raise ProtocolError(
                 "bad_field", f"field 'lease_s' must be a positive number, got {value!r}"
             )
@@ -440,7 +439,7 @@ class Server:
         # ``first_chunk``: the tokens frame holds the whole prefix (for the key chain) but data
         # only for chunks [first_chunk, end), so one store can be split into pipelined requests.
         first = header.get("first_chunk", 0)
-        if isinstance(first, bool) or not isinstance(first, int) or not 0 <= first < len(keys):
+        if not is_int(first) or not 0 <= first < len(keys):
             raise ProtocolError(
                 "bad_field",
                 f"field 'first_chunk' must be an int in [0, {len(keys)}), got {first!r}",

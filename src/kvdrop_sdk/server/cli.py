@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     import threading
 
     from kvdrop_sdk.server.app import Server
-    from kvdrop_sdk.wrapper.contiguous import tune_malloc
+    from kvdrop_sdk.transport.buffers import tune_malloc
 
     tune_malloc()  # our own process: keep freed frame buffers for reuse
     logging.basicConfig(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvdrop_sdk.validate import is_int
+
 __all__ = ["FEATURES", "GIB", "ServerConfig"]
 
 #: Optional features accepted by ``--enable``.
@@ -39,13 +41,13 @@ class ServerConfig:
         """Raise ValueError naming the first bad setting and what is expected."""
         for name in ("port", "http_port"):
             value = getattr(self, name)
-            if not isinstance(value, int) or not 0 <= value <= 65535:
+            if not is_int(value) or not 0 <= value <= 65535:
                 raise ValueError(f"--{name.replace('_', '-')} must be 0..65535 (0 = any free)")
         if not self.l1_size_gb > 0:
             raise ValueError(f"--l1-size-gb must be > 0, got {self.l1_size_gb}")
         if self.eviction_policy.upper() != "LRU":
             raise ValueError(f"--eviction-policy {self.eviction_policy!r}: only LRU is supported")
-        if not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
+        if not is_int(self.chunk_size) or self.chunk_size <= 0:
             raise ValueError(f"--chunk-size must be a positive int, got {self.chunk_size}")
         if self.shm_name is not None and not _SHM_NAME.match(self.shm_name):
             raise ValueError(

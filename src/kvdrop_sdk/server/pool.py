@@ -12,7 +12,7 @@ import uuid
 
 import torch
 
-__all__ = ["HEADER_BYTES", "MAGIC", "Pool", "shm_path"]
+__all__ = ["HEADER_BYTES", "MAGIC", "Pool", "shm_path", "unique_shm_name"]
 
 MAGIC = b"KVDROPL1"
 HEADER_BYTES = 4096
@@ -22,6 +22,11 @@ _SHM_DIR = "/dev/shm"
 def shm_path(name: str) -> str:
     """Path of the POSIX shared-memory object ``name`` (Linux: a tmpfs file)."""
     return os.path.join(_SHM_DIR, name)
+
+
+def unique_shm_name(prefix: str = "kvdrop") -> str:
+    """A shared-memory name no other server uses (``--shm-name`` for a server started here)."""
+    return f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
 
 
 class Pool:

@@ -10,16 +10,15 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import requests
 
-from kvdrop_sdk.server.pool import shm_path
+from kvdrop_sdk.server.pool import shm_path, unique_shm_name
 
-__all__ = ["ServerHandle", "spawn_server", "stop_process", "unique_shm_name"]
+__all__ = ["ServerHandle", "spawn_server", "stop_process"]
 
 
 def stop_process(proc: subprocess.Popen[Any], sig: int, timeout: float) -> int:
@@ -34,11 +33,6 @@ def stop_process(proc: subprocess.Popen[Any], sig: int, timeout: float) -> int:
             proc.wait()
             raise TimeoutError(f"process {proc.pid} ignored {sig!r} for {timeout} s") from None
     return int(proc.returncode)
-
-
-def unique_shm_name(prefix: str = "kvdrop_test") -> str:
-    """A shared-memory name no other server uses."""
-    return f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
 
 
 @dataclass
@@ -113,7 +107,7 @@ def spawn_server(
     name, ``None``/``False`` serves without shared memory. On exit the server gets SIGTERM; with
     ``check_exit`` it must exit 0 and leave nothing in /dev/shm.
     """
-    name = unique_shm_name() if shm_name is True else (shm_name or None)
+    name = unique_shm_name("kvdrop_test") if shm_name is True else (shm_name or None)
     flags = {"l1_size_gb": 0.25, "log_level": "WARNING", **flags}
     with tempfile.TemporaryDirectory(prefix="kvdrop-server-") as tmp:
         ready = os.path.join(tmp, "ready.json")

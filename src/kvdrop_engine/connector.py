@@ -1,0 +1,317 @@
+"""Connects the reference engine to a kvdrop server: load cached prefixes, store prompts.
+
+:class:`EngineConnector` is what the engine needs from a connector; :class:`ServerConnector` is
+the one that talks to a kvdrop server through ``kvdrop_sdk`` contexts. :func:`plan_prefix` (on
+admission: what to load, what to store after prefill) and :class:`StoreJob` (after prefill, run on
+the caller's thread) are the engine's two uses of it.
+
+The engine calls ``bind`` once with its model config and dtype; the connector then registers the
+model's KV layout ``[2, L, T, Hkv*d]`` (and, when the server runs with ``transfer_query``, the query
+layout ``[1, L, T, Hq*d]`` of all query heads, post-RoPE) by opening one SDK ``Context`` per kind.
+
+``load`` returns the longest cached chunk-aligned KV prefix of a prompt (queries are never needed to
+decode); ``store`` pushes a prompt's whole chunks of KV and queries. Every call is keyed by the
+request's own token ids and cache salt, and SDK contexts are thread-safe (each call borrows its own
+socket), so any number of concurrent requests can go through one connector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import requests
+import torch
+from torch import Tensor
+
+from kvdrop_engine.errors import EngineError
+from kvdrop_sdk.cache_kind import CacheKind
+from kvdrop_sdk.context import connect
+from kvdrop_sdk.errors import SDKError
+from kvdrop_sdk.layout import CacheLayout
+
+__all__ = [
+    "EngineConnector",
+    "PrefixPlan",
+    "ServerConnector",
+    "StoreJob",
+    "plan_prefix",
+    "server_has_transfer_query",
+]
+
+
+class EngineConnector(Protocol):
+    """What the engine needs from a KV-cache connector (see ``ServerConnector``)."""
+
+    chunk_size: int
+    transfer_query: bool
+
+    def bind(self, config: Any, dtype: torch.dtype) -> None:
+        """Register the model's KV (and query) layout; called once by the engine."""
+
+    def load(self, tokens: Sequence[int], cache_salt: str) -> Tensor | None:
+        """KV ``[2, L, T, Hkv*d]`` of the longest cached chunk-aligned prefix, or None."""
+
+    def lookup_queries(self, tokens: Sequence[int], cache_salt: str) -> int:
+        """Length of the longest cached chunk-aligned query prefix of ``tokens``."""
+
+    def store(
+        self,
+        kv: Tensor,
+        queries: Tensor | None,
+        tokens: Sequence[int],
+        cache_salt: str,
+        *,
+        query_offset: int = 0,
+    ) -> int:
+        """Store whole chunks of ``kv`` (and ``queries`` ``[1, L, T - query_offset, Hq*d]`` of
+        tokens ``query_offset..``, the cached query prefix completing them) under ``tokens``;
+        returns how many query tokens were stored."""
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """What admission does with a prompt: copy ``kv`` (its first ``num_loaded`` tokens, or None)
+    into the request's blocks; after prefill store the first ``store_upto`` prompt tokens (0 =
+    nothing new to store), with queries captured from token ``query_offset`` on when
+    ``capture_queries``."""
+
+    kv: Tensor | None
+    num_loaded: int
+    store_upto: int = 0
+    capture_queries: bool = False
+    query_offset: int = 0
+
+
+def plan_prefix(conn: EngineConnector, prompt: list[int], cache_salt: str) -> PrefixPlan:
+    """Look up ``prompt``'s cached prefix and decide what to load and store; ``EngineError`` when
+    the server cannot be asked."""
+    try:
+        kv = conn.load(prompt, cache_salt)
+    except Exception as exc:
+        raise EngineError(f"loading the cached prefix from the server failed: {exc}") from exc
+    cached = 0 if kv is None else int(kv.shape[2])
+    # At least the last prompt token is computed: its logits pick the first output token.
+    n = min(cached, len(prompt) - 1)
+    loaded = kv[:, :, :n] if kv is not None and n > 0 else None
+    aligned = len(prompt) // conn.chunk_size * conn.chunk_size
+    if aligned <= cached:
+        return PrefixPlan(loaded, n)
+    # Queries are captured for the computed tokens; a loaded prefix (shared with an earlier
+    # prompt) must have its queries cached too, or the query cache would hold a hole. After a
+    # modify the kept tokens have none: their prompt stores KV only.
+    if not conn.transfer_query:
+        return PrefixPlan(loaded, n, store_upto=aligned)
+    try:
+        q_cached = conn.lookup_queries(prompt, cache_salt) if n else 0
+    except Exception as exc:
+        raise EngineError(f"query lookup in the server failed: {exc}") from exc
+    capture = n == 0 or q_cached >= n
+    return PrefixPlan(loaded, n, store_upto=aligned, capture_queries=capture, query_offset=n)
+
+
+@dataclass
+class StoreJob:
+    """A prompt's KV (and queries) to push to the server, from the caller's thread."""
+
+    kv: Tensor
+    queries: Tensor | None
+    tokens: list[int]
+    cache_salt: str
+    query_offset: int = 0
+
+    def run(self, conn: EngineConnector) -> int:
+        """Store it; returns the query tokens stored. ``EngineError`` when the store fails (the
+        prompt is then not in the server, which the caller must hear about)."""
+        try:
+            stored = conn.store(
+                self.kv, self.queries, self.tokens, self.cache_salt, query_offset=self.query_offset
+            )
+        except Exception as exc:
+            raise EngineError(
+                f"storing the prompt's KV in the kvdrop server failed: {exc}"
+            ) from exc
+        return int(stored or 0)
+
+
+def server_has_transfer_query(http_url: str, timeout: float = 10.0) -> bool:
+    """Whether the server at ``http_url`` lists "transfer_query" in ``GET /config``'s "features"
+    (the kvdrop server's key; "enabled" is accepted too)."""
+    url = http_url.rstrip("/") + "/config"
+    try:
+        resp = requests.get(url, timeout=timeout)
+        resp.raise_for_status()
+        body = resp.json()
+    except (requests.RequestException, ValueError) as exc:
+        raise SDKError(f"could not read the kvdrop server's config from {url}: {exc}") from exc
+    enabled = body.get("features", body.get("enabled", [])) if isinstance(body, dict) else None
+    if not isinstance(enabled, list):
+        raise SDKError(f"{url} answered {body!r}; expected a JSON object with a 'features' list")
+    return "transfer_query" in enabled
+
+
+class ServerConnector:
+    """The engine's link to a kvdrop server (see module docstring).
+
+    ``transfer_query=None`` follows the server's ``/config``; ``True`` demands it (error if the
+    server lacks it); ``False`` never stores queries.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        http_url: str,
+        model_name: str,
+        *,
+        transfer_query: bool | None = None,
+        timeout: float = 60.0,
+        transport: str = "auto",
+    ) -> None:
+        if not isinstance(model_name, str) or not model_name:
+            raise ValueError(f"model_name must be a non-empty str, got {model_name!r}")
+        if transfer_query is not None and not isinstance(transfer_query, bool):
+            raise ValueError(f"transfer_query must be a bool or None, got {transfer_query!r}")
+        self.url = url
+        self.http_url = http_url
+        self.model_name = model_name
+        self.timeout = timeout
+        self.transport = transport
+        self._want_query = transfer_query
+        self.transfer_query = False
+        self.chunk_size = 0
+        self.kv_layout: CacheLayout | None = None
+        self.query_layout: CacheLayout | None = None
+        self._kv_ctx: Any = None
+        self._q_ctx: Any = None
+
+    def bind(self, config: Any, dtype: torch.dtype) -> None:
+        """Register the layouts of a model with ``config`` (L, heads, head_dim) in ``dtype``."""
+        if self._kv_ctx is not None:
+            raise SDKError("this connector is already bound to an engine; make one per engine")
+        self.kv_layout = CacheLayout(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+        server_q = server_has_transfer_query(self.http_url, timeout=min(self.timeout, 10.0))
+        if self._want_query and not server_q:
+            raise SDKError(
+                f"transfer_query=True but the server at {self.http_url} does not enable it; "
+                "start it with --enable transfer_query or pass transfer_query=None/False"
+            )
+        want_q = server_q if self._want_query is None else self._want_query
+        kv_ctx = connect(
+            CacheKind.KV,
+            self.url,
+            self.http_url,
+            self.model_name,
+            self.timeout,
+            layout=self.kv_layout,
+            transport=self.transport,
+        )
+        q_ctx = None
+        if want_q:
+            self.query_layout = CacheLayout(
+                config.num_layers, config.num_heads, config.head_dim, dtype
+            )
+            try:
+                q_ctx = connect(
+                    CacheKind.QUERY,
+                    self.url,
+                    self.http_url,
+                    self.model_name,
+                    self.timeout,
+                    layout=self.query_layout,
+                    transport=self.transport,
+                )
+            except Exception:
+                kv_ctx.close()
+                raise
+        self._kv_ctx, self._q_ctx = kv_ctx, q_ctx
+        self.transfer_query = q_ctx is not None
+        self.chunk_size = int(kv_ctx.chunk_size)
+
+    def _ctx(self) -> Any:
+        if self._kv_ctx is None:
+            raise SDKError("connector is not bound; pass it to Engine(connector=...) first")
+        return self._kv_ctx
+
+    def lookup(self, tokens: Sequence[int], cache_salt: str = "") -> int:
+        """Length of the longest cached chunk-aligned KV prefix of ``tokens``."""
+        ctx = self._ctx()
+        return int(ctx.lookup(list(tokens), cache_salt))
+
+    def lookup_queries(self, tokens: Sequence[int], cache_salt: str = "") -> int:
+        """Length of the longest cached chunk-aligned query prefix (0 without transfer_query)."""
+        self._ctx()
+        if self._q_ctx is None:
+            return 0
+        return int(self._q_ctx.lookup(list(tokens), cache_salt))
+
+    def load(self, tokens: Sequence[int], cache_salt: str = "") -> Tensor | None:
+        """KV ``[2, L, T, Hkv*d]`` (CPU) of the longest cached prefix of ``tokens``, or None."""
+        ctx = self._ctx()
+        kv = ctx.retrieve(list(tokens), cache_salt)
+        if kv is None or kv.shape[2] == 0:
+            return None
+        assert self.kv_layout is not None
+        expected = self.kv_layout.shape(CacheKind.KV, kv.shape[2])
+        if tuple(kv.shape) != expected:
+            raise SDKError(
+                f"server returned KV of shape {tuple(kv.shape)}; expected {expected} for "
+                f"model {self.model_name!r}"
+            )
+        return kv
+
+    def store(
+        self,
+        kv: Tensor,
+        queries: Tensor | None,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+        *,
+        query_offset: int = 0,
+    ) -> int:
+        """Store whole chunks of ``kv`` ``[2, L, T, Hkv*d]`` and of the queries; returns how
+        many query tokens were stored.
+
+        ``queries`` ``[1, L, T - query_offset, Hq*d]`` are those of tokens ``query_offset..``;
+        the first ``query_offset`` (a prefix shared with an earlier prompt) are read back from
+        the server to complete them. Queries are skipped when the server has no
+        ``transfer_query`` or no longer holds that prefix.
+        """
+        ctx = self._ctx()
+        toks = list(tokens)
+        # Queries go in BEFORE the KV: another request that finds this KV prefix (and loads it
+        # instead of computing it) then always finds its queries too. Storing KV first left a
+        # window in which that request stored no queries, and the query cache had a hole.
+        stored = self._store_queries(queries, toks, cache_salt, query_offset)
+        ctx.store(kv, toks, cache_salt)
+        return stored
+
+    def _store_queries(
+        self, queries: Tensor | None, toks: list[int], cache_salt: str, query_offset: int
+    ) -> int:
+        if queries is None or self._q_ctx is None:
+            return 0
+        if query_offset:
+            head = self._q_ctx.retrieve(toks[:query_offset], cache_salt)
+            if head is None or head.shape[2] < query_offset:
+                return 0  # evicted meanwhile: a partial query prefix would mislead policies
+            queries = torch.cat([head[:, :, :query_offset].to(queries.dtype), queries], dim=2)
+        if queries.shape[2] != len(toks):
+            raise SDKError(
+                f"queries cover {queries.shape[2]} tokens but {len(toks)} tokens are stored"
+            )
+        self._q_ctx.store(queries, toks, cache_salt)
+        return len(toks) // self.chunk_size * self.chunk_size
+
+    def close(self) -> None:
+        """Close the contexts (idempotent)."""
+        for ctx in (self._q_ctx, self._kv_ctx):
+            if ctx is not None:
+                ctx.close()
+        self._kv_ctx = self._q_ctx = None
+
+    def __enter__(self) -> ServerConnector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,501 @@
+"""The reference engine: continuous batching over a block-budgeted paged KV cache.
+
+One loop thread owns the model, the cache and the scheduler. Callers on any thread submit a
+request with ``post_completion`` and iterate its ``TokenEvent``s from a per-request queue. Each
+engine step runs every admitted request together: decoding requests bring one token, prefilling
+requests bring a chunk of their prompt (at most ``max_prefill_tokens`` prompt tokens per step).
+
+Admission reserves blocks for the whole request (prompt + ``max_tokens``) up front, so a running
+request never waits for memory and nothing is ever preempted; a request that waits for blocks keeps
+its place in line (FIFO, no starvation). Finished requests free their blocks in the step they end.
+
+With a connector (:class:`kvdrop_engine.connector.ServerConnector`) the engine loads the longest
+cached prefix of each prompt from the kvdrop server on admission and computes only the rest; when a
+prompt's prefill ends it stores the prompt's whole chunks of KV (and post-RoPE queries). The store
+runs on the caller's thread before the first token is handed over, so a caller that has seen a
+token can rely on the prompt being in the server.
+
+The pieces, each small: :func:`plan_step` assembles one step's batch; :mod:`~kvdrop_engine.sampling`
+picks tokens; :mod:`~kvdrop_engine.connector` plans and runs the server I/O; the request's own
+:class:`~kvdrop_engine.tokenizer.IncrementalDetokenizer` makes its text. :class:`Engine` admits,
+schedules and hands out events.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from kvdrop_engine.connector import EngineConnector, PrefixPlan, StoreJob, plan_prefix
+from kvdrop_engine.errors import EngineError, InvalidRequestError, RequestTooLargeError
+from kvdrop_engine.paged import PagedAttention, PagedKVCache, SeqStep, blocks_needed
+from kvdrop_engine.sampling import SamplingParams, finish_reason, make_generator, sample
+from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
+from kvdrop_sdk.events import TokenEvent
+from kvdrop_sdk.validate import positive_int, token_ids
+
+__all__ = ["DEFAULT_BUDGET_TOKENS", "Engine", "EngineStats", "StepPlan", "plan_step"]
+
+DEFAULT_BUDGET_TOKENS = 65536
+
+
+@dataclass
+class EngineStats:
+    """Counters since construction (or ``reset_stats``); they show what the KV budget allowed."""
+
+    requests_admitted: int = 0
+    requests_finished: int = 0
+    steps: int = 0
+    prefill_tokens_computed: int = 0
+    decode_tokens_computed: int = 0
+    tokens_loaded: int = 0
+    kv_tokens_stored: int = 0
+    query_tokens_stored: int = 0
+    peak_running: int = 0
+    peak_blocks_used: int = 0
+    peak_waiting: int = 0
+
+    @property
+    def tokens_computed(self) -> int:
+        """Tokens the model ran (prefill + decode), i.e. not loaded from the server."""
+        return self.prefill_tokens_computed + self.decode_tokens_computed
+
+    def to_dict(self) -> dict[str, int]:
+        """Plain dict (JSON-serialisable), including ``tokens_computed``."""
+        return {**asdict(self), "tokens_computed": self.tokens_computed}
+
+
+@dataclass
+class _Request:
+    """One request's state, owned by the loop thread once admitted."""
+
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    cache_salt: str
+    out: queue.Queue[Any]
+    generator: torch.Generator | None
+    detok: IncrementalDetokenizer | None
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the blocks
+    output: list[int] = field(default_factory=list)
+    capture_queries: bool = False
+    query_offset: int = 0  # captured queries start here; the server holds the ones before
+    store_upto: int = 0  # whole-chunk prompt tokens to store after prefill (0 = none)
+    query_parts: list[Tensor] = field(default_factory=list)
+    cancelled: bool = False
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < len(self.prompt)
+
+    def follow(self, plan: PrefixPlan) -> None:
+        """Take admission's decision: ``plan.num_loaded`` tokens are in the blocks already."""
+        self.num_computed = plan.num_loaded
+        self.store_upto = plan.store_upto
+        self.capture_queries = plan.capture_queries
+        self.query_offset = plan.query_offset
+
+    def keep_queries(self, per_layer: list[Tensor], n: int) -> None:
+        """Keep the captured queries (``[n, Hq, d]`` per layer) of the next ``n`` computed prompt
+        tokens that will be stored."""
+        keep = max(0, min(n, self.store_upto - self.num_computed))
+        if keep:
+            q = torch.stack([t[:keep] for t in per_layer])  # [L, keep, Hq, d]
+            self.query_parts.append(q.reshape(q.shape[0], keep, -1).cpu())
+
+
+@dataclass
+class StepPlan:
+    """One engine step: the flat token batch, its attention layout, and which rows are sampled.
+
+    ``stepped`` pairs each request with the tokens it computes in this step; ``sampled`` lists the
+    requests whose next token comes from ``sample_rows`` (in order).
+    """
+
+    seqs: list[SeqStep] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    sampled: list[_Request] = field(default_factory=list)
+    stepped: list[tuple[_Request, int]] = field(default_factory=list)
+    num_prefill: int = 0
+    num_decode: int = 0
+
+
+def plan_step(batch: Sequence[_Request], max_prefill_tokens: int) -> StepPlan:
+    """Decodes first (one token each, so they never wait behind prefill chunks), then prompt
+    chunks in batch order until ``max_prefill_tokens`` prompt tokens are planned."""
+    plan = StepPlan()
+    for req in batch:
+        if req.prefilling:
+            continue
+        plan.seqs.append(SeqStep(req.rid, req.blocks, req.num_computed, 1))
+        plan.tokens.append(req.output[-1])
+        plan.positions.append(req.num_computed)
+        plan.sample_rows.append(len(plan.tokens) - 1)
+        plan.sampled.append(req)
+        plan.stepped.append((req, 1))
+        plan.num_decode += 1
+    budget = max_prefill_tokens
+    for req in batch:
+        if not req.prefilling or budget <= 0:
+            continue
+        start = req.num_computed
+        n = min(len(req.prompt) - start, budget)
+        budget -= n
+        plan.seqs.append(SeqStep(req.rid, req.blocks, start, n))
+        plan.tokens.extend(req.prompt[start : start + n])
+        plan.positions.extend(range(start, start + n))
+        if start + n == len(req.prompt):
+            plan.sample_rows.append(len(plan.tokens) - 1)
+            plan.sampled.append(req)
+        plan.stepped.append((req, n))
+        plan.num_prefill += n
+    return plan
+
+
+class Engine:
+    """Continuous-batching engine over a paged KV cache of ``num_blocks`` blocks.
+
+    ``model`` is a :class:`kvdrop_engine.model.Transformer` (anything with ``.config`` holding
+    ``num_layers``, ``num_heads``, ``num_kv_heads``, ``head_dim``, ``eos_token_ids`` and a
+    ``forward(tokens, positions, attn, logits_rows)``). Give the budget as ``num_blocks`` or
+    ``kv_budget_tokens`` (rounded down to whole blocks); default 65536 tokens. ``tokenizer``
+    (anything with ``decode``) gives each ``TokenEvent`` its text.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        tokenizer: TokenDecoder | None = None,
+        num_blocks: int | None = None,
+        kv_budget_tokens: int | None = None,
+        block_size: int = 16,
+        max_batch_size: int = 256,
+        max_prefill_tokens: int = 2048,
+        connector: EngineConnector | None = None,
+    ) -> None:
+        cfg = model.config
+        try:
+            if num_blocks is not None and kv_budget_tokens is not None:
+                raise ValueError("give num_blocks or kv_budget_tokens, not both")
+            positive_int(block_size, "block_size")
+            if num_blocks is None:
+                budget = DEFAULT_BUDGET_TOKENS if kv_budget_tokens is None else kv_budget_tokens
+                positive_int(budget, "kv_budget_tokens (one block at least)", minimum=block_size)
+                num_blocks = budget // block_size
+            positive_int(num_blocks, "num_blocks")
+            positive_int(max_batch_size, "max_batch_size")
+            positive_int(max_prefill_tokens, "max_prefill_tokens")
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        param = next((p for p in model.parameters() if p.is_floating_point()), None)
+        self.device = param.device if param is not None else torch.device("cpu")
+        self.dtype = param.dtype if param is not None else torch.float32
+        self.model = model
+        self.config = cfg
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.cache = PagedKVCache(
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.eos_token_ids = frozenset(int(t) for t in (getattr(cfg, "eos_token_ids", ()) or ()))
+        self.connector = connector
+        if connector is not None:
+            connector.bind(cfg, self.dtype)
+        self._stats = EngineStats()
+        self._ids = itertools.count()
+        self._cv = threading.Condition()
+        self._waiting: deque[_Request] = deque()
+        self._running: dict[int, _Request] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> Engine:
+        """Start the loop thread (idempotent)."""
+        with self._cv:
+            if self._thread is not None and self._thread.is_alive():
+                return self
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="kvdrop-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the loop; requests still waiting or running fail with ``EngineError``."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        with self._cv:
+            pending = list(self._waiting) + list(self._running.values())
+            self._waiting.clear()
+            self._running.clear()
+        for req in pending:
+            self._free(req)
+            req.out.put(EngineError("engine stopped before the request finished"))
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ----------------------------------------------------------------- public API
+    @property
+    def num_blocks(self) -> int:
+        """Size of the KV budget in blocks."""
+        return self.cache.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not reserved by any running request."""
+        return self.cache.allocator.num_free
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the counters."""
+        with self._cv:
+            return EngineStats(**asdict(self._stats))
+
+    def reset_stats(self) -> None:
+        """Zero the counters (e.g. between the phases of a benchmark)."""
+        with self._cv:
+            self._stats = EngineStats()
+
+    def blocks_for(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """Blocks a request reserves: room for the prompt and every generated token but the last."""
+        return blocks_needed(num_prompt_tokens + max_tokens - 1, self.block_size)
+
+    def post_completion(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | SamplingParams | None = None,
+        cache_salt: str = "",
+    ) -> Iterator[TokenEvent]:
+        """Submit a request; iterate the returned generator for its tokens as they are produced.
+
+        Validation happens here (raising ``InvalidRequestError`` / ``RequestTooLargeError``);
+        failures while serving raise ``EngineError`` from the iterator. Closing the iterator early
+        cancels the request and frees its blocks. Starts the engine if needed.
+        """
+        params = SamplingParams.from_dict(sampling_params)
+        prompt = self._check_prompt(prompt_token_ids)
+        if not isinstance(cache_salt, str):
+            raise InvalidRequestError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+        need = self.blocks_for(len(prompt), params.max_tokens)
+        if need > self.cache.num_blocks:
+            raise RequestTooLargeError(
+                f"request needs {len(prompt)} prompt + {params.max_tokens} max_tokens = "
+                f"{need} blocks of {self.block_size} tokens, but the engine's KV budget is "
+                f"{self.cache.num_blocks} blocks ({self.cache.capacity_tokens} tokens); "
+                "shorten the prompt, lower max_tokens, or give the engine a larger budget"
+            )
+        req = _Request(
+            rid=next(self._ids),
+            prompt=prompt,
+            params=params,
+            cache_salt=cache_salt,
+            out=queue.Queue(),
+            generator=make_generator(params),
+            detok=None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer),
+        )
+        self.start()
+        with self._cv:
+            self._waiting.append(req)
+            self._stats.peak_waiting = max(self._stats.peak_waiting, len(self._waiting))
+            self._cv.notify_all()
+        return self._events(req)
+
+    __call__ = post_completion
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | SamplingParams | None = None,
+        cache_salt: str = "",
+    ) -> list[int]:
+        """Convenience: run one request to the end and return its generated token ids."""
+        return [
+            e.token_id for e in self.post_completion(prompt_token_ids, sampling_params, cache_salt)
+        ]
+
+    def _check_prompt(self, tokens: Sequence[int]) -> list[int]:
+        try:
+            prompt = token_ids(
+                tokens, "prompt_token_ids", vocab_size=getattr(self.config, "vocab_size", None)
+            )
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(str(exc)) from None
+        if not prompt:
+            raise InvalidRequestError("prompt_token_ids is empty; expected at least one token")
+        return prompt
+
+    # ----------------------------------------------------------------- caller side
+    def _events(self, req: _Request) -> Iterator[TokenEvent]:
+        finished = False
+        try:
+            while True:
+                item = req.out.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    if isinstance(item, EngineError):
+                        raise item
+                    raise EngineError(f"request failed: {item!r}") from item
+                if isinstance(item, StoreJob):
+                    assert self.connector is not None
+                    q_stored = item.run(self.connector)
+                    with self._cv:
+                        self._stats.kv_tokens_stored += item.kv.shape[2]
+                        self._stats.query_tokens_stored += q_stored
+                    continue
+                yield item
+                if item.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                req.cancelled = True
+                with self._cv:
+                    self._cv.notify_all()
+
+    # ----------------------------------------------------------------- loop side
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and not (self._running or self._waiting):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                self._drop_cancelled_locked()
+                admitted = self._admit_locked()
+            for req in admitted:
+                self._load_prefix(req)
+            with self._cv:
+                batch = [r for r in self._running.values() if not r.cancelled]
+            if batch:
+                try:
+                    self._step(batch)
+                except Exception as exc:
+                    for req in batch:
+                        self._fail(req, exc)
+
+    def _drop_cancelled_locked(self) -> None:
+        for rid in [rid for rid, r in self._running.items() if r.cancelled]:
+            self._free(self._running.pop(rid))
+        if any(r.cancelled for r in self._waiting):
+            self._waiting = deque(r for r in self._waiting if not r.cancelled)
+
+    def _admit_locked(self) -> list[_Request]:
+        admitted = []
+        alloc = self.cache.allocator
+        while self._waiting and len(self._running) < self.max_batch_size:
+            req = self._waiting[0]
+            need = self.blocks_for(len(req.prompt), req.params.max_tokens)
+            if need > alloc.num_free:
+                break  # FIFO: the head waits for blocks; later requests do not overtake it
+            self._waiting.popleft()
+            req.blocks = alloc.allocate(need)
+            self._running[req.rid] = req
+            admitted.append(req)
+        st = self._stats
+        st.requests_admitted += len(admitted)
+        st.peak_running = max(st.peak_running, len(self._running))
+        st.peak_blocks_used = max(st.peak_blocks_used, self.cache.num_blocks - alloc.num_free)
+        return admitted
+
+    def _load_prefix(self, req: _Request) -> None:
+        """Load the cached prefix from the server and decide what to store after prefill."""
+        if self.connector is None:
+            return
+        try:
+            plan = plan_prefix(self.connector, req.prompt, req.cache_salt)
+        except EngineError as exc:
+            self._fail(req, exc)
+            return
+        if plan.kv is not None:
+            self.cache.load(req.blocks, plan.kv)
+        req.follow(plan)
+        with self._cv:
+            self._stats.tokens_loaded += plan.num_loaded
+
+    def _step(self, batch: list[_Request]) -> None:
+        plan = plan_step(batch, self.max_prefill_tokens)
+        capture = {r.rid for r, _ in plan.stepped if r.prefilling and r.capture_queries}
+        attn = PagedAttention(self.cache, plan.seqs, capture=capture)
+        dev = self.device
+        with torch.inference_mode():
+            logits = self.model(
+                torch.tensor(plan.tokens, dtype=torch.long, device=dev),
+                torch.tensor(plan.positions, dtype=torch.long, device=dev),
+                attn,
+                logits_rows=torch.tensor(plan.sample_rows, dtype=torch.long, device=dev),
+            )
+        for req, n in plan.stepped:
+            if req.rid in attn.captured:
+                req.keep_queries(attn.captured[req.rid], n)
+            req.num_computed += n
+        with self._cv:
+            self._stats.steps += 1
+            self._stats.prefill_tokens_computed += plan.num_prefill
+            self._stats.decode_tokens_computed += plan.num_decode
+        reqs = plan.sampled
+        next_ids = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        for req, tok in zip(reqs, next_ids, strict=True):
+            if req.cancelled:
+                continue
+            if not req.output and req.store_upto:
+                req.out.put(self._store_job(req))
+            self._emit(req, tok)
+
+    def _store_job(self, req: _Request) -> StoreJob:
+        kv = self.cache.read(req.blocks, req.store_upto).cpu()
+        queries = None
+        if req.capture_queries and req.query_parts:
+            queries = torch.cat(req.query_parts, dim=1).unsqueeze(0)
+        req.query_parts = []
+        return StoreJob(kv, queries, req.prompt[: req.store_upto], req.cache_salt, req.query_offset)
+
+    def _emit(self, req: _Request, tok: int) -> None:
+        req.output.append(tok)
+        reason = finish_reason(tok, len(req.output), req.params, self.eos_token_ids)
+        text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
+        req.out.put(TokenEvent(token_id=tok, text=text, finish_reason=reason))
+        if reason is not None:
+            with self._cv:
+                self._running.pop(req.rid, None)
+                self._stats.requests_finished += 1
+            self._free(req)
+
+    def _free(self, req: _Request) -> None:
+        if req.blocks:
+            self.cache.allocator.free(req.blocks)
+            req.blocks = []
+
+    def _fail(self, req: _Request, exc: BaseException) -> None:
+        with self._cv:
+            self._running.pop(req.rid, None)
+        self._free(req)
+        req.out.put(
+            exc if isinstance(exc, EngineError) else EngineError(f"engine step failed: {exc!r}")
+        )

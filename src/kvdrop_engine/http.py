@@ -1,0 +1,364 @@
+"""An OpenAI-compatible HTTP server around any ``PostCompletion`` callable: the transport only.
+
+Serves ``POST /v1/completions`` (JSON or server-sent events, one event per token), ``GET
+/v1/models``, ``GET /health`` and optionally ``GET /stats`` with the stdlib's threading HTTP
+server: every request runs in its own thread, so concurrent requests reach the engine together and
+it can batch them. What a request may contain and what a response holds is
+:mod:`kvdrop_engine.completions`; with ``return_tokens_as_token_ids`` (as vLLM's
+``--return-tokens-as-token-ids``) the logprobs tokens carry the token ids, which is how
+``kvdrop_sdk.adapters.openai.make_post_completion`` learns them.
+
+Only standard-library networking; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from kvdrop_engine.completions import (
+    BadRequestError,
+    CompletionBuilder,
+    CompletionRequest,
+    error_body,
+    models_body,
+    parse_completion_request,
+)
+from kvdrop_engine.tokenizer import TextTokenizer
+from kvdrop_sdk.events import PostCompletion, TokenEvent
+
+__all__ = ["MAX_BODY_BYTES", "CompletionHTTPServer"]
+
+logger = logging.getLogger(__name__)
+
+#: Largest request body accepted (a 100K-token prompt as JSON ids is about 0.7 MB).
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+    # Many clients connect at once (a batch of 30 streams); the stdlib's backlog of 5 drops some.
+    request_queue_size = 256
+    app: CompletionHTTPServer
+
+
+class CompletionHTTPServer:
+    """OpenAI-compatible ``/v1/completions`` server for one ``PostCompletion``.
+
+    ``post_completion`` must be safe to call from many threads at once (each HTTP request runs in
+    its own thread). ``tokenizer`` enables text prompts; with ``detokenize`` the server computes
+    each token's text itself instead of using ``TokenEvent.text``. Errors the engine raises before
+    its first token as ``ValueError``/``TypeError`` are answered with 400, others with 500;
+    errors after streaming began are sent as an SSE ``{"error": ...}`` event before ``[DONE]``.
+    ``health`` backs ``GET /health`` (503 when it returns False); ``stats``, when given, is served
+    as JSON at ``GET /stats`` (the reference engine's counters).
+    """
+
+    def __init__(
+        self,
+        post_completion: PostCompletion,
+        *,
+        model_name: str,
+        tokenizer: TextTokenizer | None = None,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        return_tokens_as_token_ids: bool = False,
+        detokenize: bool = False,
+        vocab_size: int | None = None,
+        max_model_len: int | None = None,
+        health: Callable[[], bool] | None = None,
+        stats: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        if not model_name:
+            raise ValueError("model_name must be a non-empty string")
+        if detokenize and tokenizer is None:
+            raise ValueError("detokenize=True needs a tokenizer")
+        self.post_completion = post_completion
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
+        self.detokenize = detokenize
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.health = health
+        self.stats = stats
+        self.created = int(time.time())
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._httpd = _Server((host, port), _Handler)
+        self._httpd.app = self
+
+    @property
+    def host(self) -> str:
+        """The address the server is bound to."""
+        return str(self._httpd.server_address[0])
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful with ``port=0``)."""
+        return int(self._httpd.server_address[1])
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:8000`` (clients append ``/v1/completions``)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def closing(self) -> bool:
+        """True once ``stop`` was called; running streams end at their next token."""
+        return self._closing.is_set()
+
+    def start(self) -> CompletionHTTPServer:
+        """Serve in a background daemon thread; returns self."""
+        if self._thread is not None:
+            raise RuntimeError("server already started")
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.05},  # how soon ``stop`` is noticed
+            name="kvdrop-http",
+            daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop accepting requests, end running streams, and close the socket."""
+        self._closing.set()
+        if self._thread is not None:
+            self._httpd.shutdown()
+            self._thread.join()
+            self._thread = None
+        self._httpd.server_close()
+
+    def __enter__(self) -> CompletionHTTPServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- responses (called by the handler) -----------------------------------------------
+
+    def models_payload(self) -> dict[str, Any]:
+        """Body of ``GET /v1/models``."""
+        return models_body(self.model_name, self.created, self.max_model_len)
+
+    def parse(self, body: Any) -> CompletionRequest:
+        """Validate a completion request with this server's settings."""
+        return parse_completion_request(
+            body,
+            model_name=self.model_name,
+            tokenizer=self.tokenizer,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            return_tokens_as_token_ids=self.return_tokens_as_token_ids,
+        )
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+    server_version = "kvdrop-engine"
+
+    # ---- plumbing ------------------------------------------------------------------------
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("%s %s", self.address_string(), format % args)
+
+    def _send_json(self, status: int, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _send_error(self, status: int, message: str, param: str | None = None) -> None:
+        self._send_json(status, error_body(message, status, param))
+
+    def _write_chunk(self, data: bytes) -> None:
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+    def _sse(self, payload: dict[str, Any] | str) -> None:
+        text = payload if isinstance(payload, str) else json.dumps(payload)
+        self._write_chunk(f"data: {text}\n\n".encode())
+
+    def _read_json(self) -> Any:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            raise BadRequestError(
+                "chunked request bodies are not supported; send Content-Length", status=411
+            )
+        length_header = self.headers.get("Content-Length")
+        if length_header is None:
+            raise BadRequestError(
+                "a JSON body with a Content-Length header is required", status=411
+            )
+        try:
+            length = int(length_header)
+        except ValueError:
+            raise BadRequestError(f"bad Content-Length {length_header!r}") from None
+        if length < 0 or length > MAX_BODY_BYTES:
+            raise BadRequestError(
+                f"request body of {length} bytes is over the limit of {MAX_BODY_BYTES}", status=413
+            )
+        raw = self.rfile.read(length)
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise BadRequestError(f"the request body is not valid JSON: {exc}") from None
+
+    # ---- routes --------------------------------------------------------------------------
+
+    def do_GET(self) -> None:
+        app = self.server.app
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if path == "/health":
+            healthy = app.health is None or app.health()
+            if healthy and not app.closing:
+                self._send_json(200, {"status": "ok"})
+            else:
+                self._send_error(503, "the engine is not healthy or is shutting down")
+        elif path == "/stats" and app.stats is not None:
+            self._send_json(200, app.stats())
+        elif path == "/v1/models":
+            self._send_json(200, app.models_payload())
+        elif path == "/v1/completions":
+            self._send_error(405, "use POST for /v1/completions")
+        else:
+            self._send_error(
+                404, f"no route {path or '/'}; try /v1/completions, /v1/models, /health"
+            )
+
+    def do_POST(self) -> None:
+        app = self.server.app
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if path != "/v1/completions":
+            # Drain a sane body so the connection stays usable; otherwise close it after refusing.
+            length = self.headers.get("Content-Length") or "0"
+            if length.isdigit() and int(length) <= MAX_BODY_BYTES:
+                self.rfile.read(int(length))
+            else:
+                self.close_connection = True
+            status = 405 if path in ("/health", "/v1/models") else 404
+            self._send_error(status, f"no POST route {path or '/'}; POST /v1/completions")
+            return
+        try:
+            req = app.parse(self._read_json())
+        except BadRequestError as exc:
+            self.close_connection = exc.status in (411, 413)
+            self._send_error(exc.status, str(exc), exc.param)
+            return
+        if app.closing:
+            self._send_error(503, "the server is shutting down")
+            return
+        self._complete(app, req)
+
+    # ---- completions ---------------------------------------------------------------------
+
+    def _complete(self, app: CompletionHTTPServer, req: CompletionRequest) -> None:
+        """Call the engine; answer 400/500 if it fails before its first token, else stream/JSON."""
+        events: Iterator[TokenEvent] | None = None
+        try:
+            events = iter(
+                app.post_completion(req.prompt_token_ids, dict(req.sampling_params), req.cache_salt)
+            )
+            first: TokenEvent | None = next(events)
+        except StopIteration:
+            first = None
+        except (ValueError, TypeError) as exc:
+            _close(events)
+            self._send_error(400, f"the engine rejected the request: {exc}")
+            return
+        except Exception as exc:
+            logger.exception("engine failed before its first token")
+            _close(events)
+            self._send_error(500, f"the engine failed: {type(exc).__name__}: {exc}")
+            return
+        assert events is not None
+        try:
+            if req.stream:
+                self._stream(app, req, first, events)
+            else:
+                self._collect(app, req, first, events)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+            logger.info("client disconnected; request cancelled")
+        finally:
+            _close(events)
+
+    def _builder(self, app: CompletionHTTPServer, req: CompletionRequest) -> CompletionBuilder:
+        return CompletionBuilder(
+            req, app.model_name, tokenizer=app.tokenizer, detokenize=app.detokenize
+        )
+
+    def _stream(
+        self,
+        app: CompletionHTTPServer,
+        req: CompletionRequest,
+        first: TokenEvent | None,
+        events: Iterator[TokenEvent],
+    ) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        build = self._builder(app, req)
+        event = first
+        try:
+            while event is not None:
+                piece = build.add(event)
+                self._sse(build.chunk(piece))
+                if piece.finish is not None or app.closing:
+                    break
+                event = next(events, None)
+            if build.finish is None:
+                # The engine ended without a reason: an EOS it did not label, or server shutdown.
+                self._sse(build.chunk(finish="stop"))
+        except (BrokenPipeError, ConnectionResetError):
+            raise
+        except Exception as exc:
+            logger.exception("engine failed while streaming")
+            self._sse(error_body(f"the engine failed: {type(exc).__name__}: {exc}", 500))
+        if req.include_usage:
+            self._sse(build.usage_chunk())
+        self._sse("[DONE]")
+        self._write_chunk(b"")
+
+    def _collect(
+        self,
+        app: CompletionHTTPServer,
+        req: CompletionRequest,
+        first: TokenEvent | None,
+        events: Iterator[TokenEvent],
+    ) -> None:
+        build = self._builder(app, req)
+        event = first
+        try:
+            while event is not None:
+                piece = build.add(event)
+                if piece.finish is not None or app.closing:
+                    break
+                event = next(events, None)
+        except Exception as exc:
+            logger.exception("engine failed while generating")
+            self._send_error(500, f"the engine failed: {type(exc).__name__}: {exc}")
+            return
+        self._send_json(200, build.body())
+
+
+def _close(events: Iterator[TokenEvent] | None) -> None:
+    """Close a generator so the engine frees the request's blocks (no-op for other iterators)."""
+    close = getattr(events, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:
+            logger.exception("closing the engine's event stream failed")

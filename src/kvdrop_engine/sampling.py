@@ -1,0 +1,136 @@
+"""How the engine picks tokens: validated sampling parameters and small top-level functions.
+
+``SamplingParams.from_dict`` validates an OpenAI/vLLM-style dict once, when a request enters the
+engine; :func:`sample` then picks one token per row of a step's logits (greedy rows in one
+``argmax``), and :func:`finish_reason` says whether a token ends its request.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvdrop_engine.errors import InvalidRequestError
+from kvdrop_sdk.validate import is_int, is_number
+
+__all__ = ["SamplingParams", "finish_reason", "make_generator", "sample", "sample_row"]
+
+#: OpenAI fields a request may carry that do not change sampling here.
+_TOLERATED_KEYS = frozenset({"stream", "logprobs", "model", "user", "echo", "n"})
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature == 0`` is greedy; ``top_k <= 0`` and ``top_p == 1`` off."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_dict(cls, params: Mapping[str, Any] | SamplingParams | None) -> SamplingParams:
+        """Validate an OpenAI/vLLM-style dict; unknown keys and bad values raise with the reason."""
+        if params is None:
+            return cls()
+        if isinstance(params, SamplingParams):
+            return params
+        if not isinstance(params, Mapping):
+            raise InvalidRequestError(
+                f"sampling_params must be a dict, got {type(params).__name__}"
+            )
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(params) - known - _TOLERATED_KEYS)
+        if unknown:
+            raise InvalidRequestError(
+                f"unsupported sampling parameter(s) {unknown}; supported: {sorted(known)}"
+            )
+        if params.get("n", 1) != 1:
+            raise InvalidRequestError("only n=1 is supported")
+        kw = {k: params[k] for k in known if k in params and params[k] is not None}
+        if "stop_token_ids" in kw:
+            kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
+        sp = cls(**kw)
+        sp._check()
+        return sp
+
+    def _check(self) -> None:
+        def bad(name: str, expected: str) -> InvalidRequestError:
+            value = getattr(self, name)
+            return InvalidRequestError(f"sampling parameter {name}={value!r}; expected {expected}")
+
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", "an int >= 1")
+        if not is_number(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "a number >= 0")
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "a number in (0, 1]")
+        if not is_int(self.top_k):
+            raise bad("top_k", "an int (<= 0 disables)")
+        if self.seed is not None and not is_int(self.seed):
+            raise bad("seed", "an int or None")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "a bool")
+        if not all(is_int(t) for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of ints")
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """The request's random generator (seeded from ``params.seed``, else at random); None when
+    sampling is greedy."""
+    if params.temperature == 0:
+        return None
+    seed = params.seed if params.seed is not None else random.getrandbits(63)
+    return torch.Generator().manual_seed(seed)
+
+
+def sample_row(row: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from one row of logits with temperature, top-k and top-p (non-greedy)."""
+    row = row.float().cpu() / params.temperature
+    if 0 < params.top_k < row.numel():
+        kth = torch.topk(row, params.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(row, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p.
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        row = row.scatter(0, order[drop], float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """One token per row of ``logits [R, V]``: row ``i`` follows ``params[i]`` and draws from
+    ``generators[i]``. Greedy rows share one ``argmax``."""
+    if not params:
+        return []
+    greedy = logits.argmax(dim=-1).tolist()
+    return [
+        int(greedy[i]) if p.temperature == 0 else sample_row(logits[i], p, gen)
+        for i, (p, gen) in enumerate(zip(params, generators, strict=True))
+    ]
+
+
+def finish_reason(
+    token: int, num_generated: int, params: SamplingParams, eos_token_ids: Collection[int]
+) -> str | None:
+    """ "stop" for a stop token (or EOS unless ``ignore_eos``), "length" once ``max_tokens``
+    tokens were generated (``token`` included), else None."""
+    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+        return "stop"
+    if num_generated >= params.max_tokens:
+        return "length"
+    return None

@@ -1,0 +1,264 @@
+"""Moves a context's tensors to and from the server: shared memory when possible, else the socket.
+
+Shared memory: the server's pool is a /dev/shm file this process maps; a store reserves slots,
+copies each chunk straight into its slot (row ``memmove``s, see ``buffers.copy_rows``) and
+commits; a retrieve pins the slots, copies them out into one contiguous tensor and releases them.
+Socket: the bytes travel as ZMQ frames of bounded size (one per chunk and kv/layer row on store,
+sent straight from the caller's tensor; one per chunk on retrieve), so large transfers reuse heap
+memory instead of faulting in fresh pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import threading
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch
+
+from kvdrop_sdk.cache_kind import CacheKind
+from kvdrop_sdk.errors import SDKError
+from kvdrop_sdk.layout import CacheLayout, dtype_name
+from kvdrop_sdk.protocol import RpcClient
+from kvdrop_sdk.server.pool import MAGIC, shm_path
+from kvdrop_sdk.transport.buffers import copy_rows, empty_tensor, tensor_buffer, tune_malloc
+from kvdrop_sdk.validate import is_int
+
+__all__ = ["MODES", "PUT_BATCH_BYTES", "ContiguousTransferWrapper", "TransferHelper"]
+
+log = logging.getLogger("kvdrop_sdk.transfer")
+
+#: Transport modes a context accepts: "auto" picks shared memory when it can be mapped.
+MODES = ("auto", "shm", "socket")
+_LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", ""}
+#: Socket stores are split into pipelined requests of about this many bytes.
+PUT_BATCH_BYTES = 32 << 20
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels answer EINVAL and we fault lazily
+
+
+def _stored(reply: dict[str, Any]) -> int:
+    """Chunks stored according to a put/commit reply; SDKError when the pool had no room."""
+    stored, dropped = int(reply.get("stored", 0)), int(reply.get("dropped", 0))
+    if dropped and not stored:
+        raise SDKError(
+            f"the server pool is full of pinned or reserved chunks: {dropped} chunk(s) were not "
+            "stored; retry later or start the server with a larger --l1-size-gb"
+        )
+    if dropped:
+        log.warning("server pool full: stored %d chunk(s), dropped the last %d", stored, dropped)
+    return stored
+
+
+class ContiguousTransferWrapper:
+    """The transfer helper a context holds (``ctx.transfer_ctx``); ``mode`` is "shm" or "socket"."""
+
+    def __init__(
+        self, rpc: RpcClient, server_config: dict[str, Any], url: str, transport: str = "auto"
+    ) -> None:
+        self._rpc = rpc
+        self._mm: mmap.mmap | None = None
+        self._pool: torch.Tensor | None = None
+        self.chunk_size = int(server_config["chunk_size"])
+        self._populated: set[int] = set()
+        self._populated_lock = threading.Lock()
+        self.mode = "socket"
+        reason = "transport='socket' was requested"
+        if transport != "socket":
+            reason = self._map(server_config, url)
+        if reason is None:
+            self.mode = "shm"
+        elif transport == "shm":
+            raise SDKError(f"transport='shm' was requested but {reason}")
+        else:
+            log.debug("using the socket transport: %s", reason)
+            tune_malloc()
+
+    def _map(self, cfg: dict[str, Any], url: str) -> str | None:
+        """Map the server's pool; returns None on success, else why it cannot be used."""
+        name = cfg.get("shm_name")
+        if not name:
+            return "the server was started without --shm-name"
+        host = urlsplit(url).hostname or ""
+        if host not in _LOCAL_HOSTS:
+            return f"the server host {host!r} is not this machine"
+        if not isinstance(name, str) or "/" in name or name in (".", ".."):
+            return f"the server reported a bad shm name {name!r}"
+        path = shm_path(name)
+        size = cfg.get("shm_bytes")
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            return f"shared memory {path} cannot be opened ({exc})"
+        try:
+            if not is_int(size) or os.fstat(fd).st_size != size:
+                return f"shared memory {path} has an unexpected size"
+            mm = mmap.mmap(fd, size)
+        except (OSError, ValueError) as exc:
+            return f"shared memory {path} cannot be mapped ({exc})"
+        finally:
+            os.close(fd)
+        expected = MAGIC + str(cfg.get("instance", "")).encode("ascii", "replace")
+        if mm[: len(expected)] != expected:
+            mm.close()
+            return f"shared memory {path} belongs to another server instance"
+        self._mm = mm
+        self._pool = torch.frombuffer(mm, dtype=torch.uint8)
+        return None
+
+    def _slot(self, offset: Any, nbytes: int, layout: CacheLayout, kind: CacheKind) -> torch.Tensor:
+        assert self._pool is not None
+        if not is_int(offset) or offset < 0 or offset + nbytes > self._pool.numel():
+            raise SDKError(f"server returned slot offset {offset!r} outside the shared pool")
+        if offset not in self._populated and self._mm is not None:
+            # Map the slot's pages in one call instead of one fault per 4 KiB page.
+            try:
+                self._mm.madvise(_MADV_POPULATE_WRITE, offset, nbytes)
+            except (OSError, ValueError):
+                pass
+            with self._populated_lock:
+                self._populated.add(offset)
+        flat = self._pool[offset : offset + nbytes].view(layout.dtype)
+        return flat.view(layout.shape(kind, self.chunk_size))
+
+    # -- store -------------------------------------------------------------------------------------
+    def store(
+        self,
+        fields: dict[str, Any],
+        kv: torch.Tensor,
+        token_bytes: bytes,
+        layout: CacheLayout,
+        kind: CacheKind,
+        lease_s: float,
+    ) -> int:
+        """Store the whole chunks of ``kv`` (shape already checked); returns chunks newly stored."""
+        c = self.chunk_size
+        if self.mode == "socket":
+            n = kv.shape[2] // c
+            kv = kv.contiguous()
+            # One zero-copy frame per (chunk, kv/layer row): each is contiguous in ``kv``.
+            row_bytes = kv.shape[2] * kv.shape[3] * kv.element_size()
+            span = c * kv.shape[3] * kv.element_size()
+            base = tensor_buffer(kv)
+            frames = [
+                base[r * row_bytes + i * span : r * row_bytes + (i + 1) * span]
+                for i in range(n)
+                for r in range(kv.shape[0] * kv.shape[1])
+            ]
+            # Several pipelined requests of ~PUT_BATCH_BYTES each: server workers copy one batch
+            # into the pool while the next is still on the wire.
+            rows_per_chunk = kv.shape[0] * kv.shape[1]
+            per_msg = max(1, PUT_BATCH_BYTES // layout.nbytes(kind, c))
+            calls = []
+            for first in range(0, n, per_msg):
+                m = min(per_msg, n - first)
+                header = {
+                    **fields,
+                    "dtype": dtype_name(layout.dtype),
+                    "shape": list(layout.shape(kind, m * c)),
+                    "first_chunk": first,
+                }
+                data = frames[first * rows_per_chunk : (first + m) * rows_per_chunk]
+                calls.append(("put", header, [token_bytes[: (first + m) * c * 8], *data]))
+            replies = self._rpc.call_many(calls)
+            total = {"stored": 0, "dropped": 0}
+            for reply, _ in replies:
+                total["stored"] += int(reply.get("stored", 0))
+                total["dropped"] += int(reply.get("dropped", 0))
+            return _stored(total)
+        reply, _ = self._rpc.call("reserve", {**fields, "lease_s": lease_s}, [token_bytes])
+        lease = reply.get("lease")
+        if lease is None:
+            return _stored({"stored": 0, **reply})
+        started = time.monotonic()
+        try:
+            if reply.get("nbytes") != layout.nbytes(kind, c):
+                raise SDKError(f"server slot size {reply.get('nbytes')} does not match the layout")
+            for i, off in zip(reply["chunks"], reply["offsets"]):
+                if time.monotonic() - started > 0.8 * lease_s:
+                    raise SDKError(f"store took longer than its {lease_s:g} s reservation")
+                copy_rows(
+                    self._slot(off, reply["nbytes"], layout, kind), kv[:, :, i * c : (i + 1) * c]
+                )
+        except BaseException:
+            self._rpc.call("abort", {"lease": lease})
+            raise
+        committed, _ = self._rpc.call("commit", {"lease": lease})
+        return _stored({**reply, "stored": committed["stored"]})
+
+    # -- retrieve ----------------------------------------------------------------------------------
+    def retrieve(
+        self,
+        fields: dict[str, Any],
+        token_bytes: bytes,
+        layout: CacheLayout,
+        kind: CacheKind,
+        lease_s: float,
+    ) -> torch.Tensor | None:
+        """The longest cached chunk-aligned prefix as one contiguous tensor, or None."""
+        c = self.chunk_size
+        if self.mode == "socket":
+            reply, frames = self._rpc.call("get", fields, [token_bytes])
+            n = int(reply.get("num_tokens", 0))
+            if n == 0:
+                return None
+            shape = layout.shape(kind, n)
+            num_rows = shape[0] * shape[1]
+            span = c * shape[3] * layout.itemsize
+            if (
+                reply.get("shape") != list(shape)
+                or len(frames) != n // c * num_rows
+                or any(len(f.buffer) != span for f in frames)
+            ):
+                raise SDKError(
+                    f"server sent shape {reply.get('shape')} in {len(frames)} frames, "
+                    f"expected {list(shape)} in {n // c * num_rows} frames of {span} bytes"
+                )
+            out = empty_tensor(shape, layout.dtype)
+            # Frame (chunk i, row r) goes to row r, tokens [i*c, (i+1)*c) of ``out``.
+            row_bytes = n * shape[3] * layout.itemsize
+            base = out.data_ptr()
+            for k, frame in enumerate(frames):
+                i, r = divmod(k, num_rows)
+                src = torch.frombuffer(frame.buffer, dtype=torch.uint8)
+                ctypes.memmove(base + r * row_bytes + i * span, src.data_ptr(), span)
+            return out
+        reply, _ = self._rpc.call("pin", {**fields, "lease_s": lease_s}, [token_bytes])
+        lease = reply.get("lease")
+        if lease is None:
+            return None
+        offsets = reply["offsets"]
+        out = empty_tensor(layout.shape(kind, len(offsets) * c), layout.dtype)
+        try:
+            if reply.get("nbytes") != layout.nbytes(kind, c):
+                raise SDKError(f"server slot size {reply.get('nbytes')} does not match the layout")
+            for j, off in enumerate(offsets):
+                copy_rows(
+                    out[:, :, j * c : (j + 1) * c], self._slot(off, reply["nbytes"], layout, kind)
+                )
+        finally:
+            released, _ = self._rpc.call("release", {"lease": lease})
+        valid = int(released["valid_chunks"])
+        if valid == 0:
+            return None
+        if valid < len(offsets):
+            # The pin expired and some chunks were evicted meanwhile: return what is known good.
+            out = out[:, :, : valid * c].contiguous()
+        return out
+
+    def close(self) -> None:
+        """Unmap the shared pool (tensors already returned are independent copies)."""
+        self._pool = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass
+            self._mm = None
+
+
+TransferHelper = ContiguousTransferWrapper

@@ -1,0 +1,59 @@
+"""Input checks shared by the public entry points: contexts, request streams, the reference
+engine and its HTTP parser. Each value is checked once, where it enters; inner layers trust it.
+
+The checks raise ``TypeError`` (wrong kind of value) or ``ValueError`` (right kind, bad value)
+with a message that names the value (``what``); callers re-raise them as their own error types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["is_int", "is_number", "positive_int", "token_ids"]
+
+
+def is_int(value: Any) -> bool:
+    """True for an ``int`` that is not a ``bool`` (``True`` is an int to Python, not to us)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """True for an ``int`` or ``float`` that is not a ``bool``."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def positive_int(value: Any, what: str, *, minimum: int = 1) -> int:
+    """``value`` if it is an int ``>= minimum``; else ``ValueError`` naming ``what``."""
+    if not is_int(value) or value < minimum:
+        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def token_ids(value: Any, what: str, *, vocab_size: int | None = None) -> list[int]:
+    """``value`` (a sequence or 1-D integer tensor of token ids) as a list of ints.
+
+    Each id must be an int ``>= 0`` (and ``< vocab_size`` when given); errors name the offending
+    position as ``what[i]``. An empty list is returned as is: whether that is allowed is the
+    caller's rule.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.is_floating_point() or value.is_complex():
+            raise ValueError(
+                f"{what} must be a 1-D integer tensor, got {value.dim()}-D {value.dtype}"
+            )
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{what} must be a list of ints (token ids), got {type(value).__name__}")
+    out: list[int] = []
+    for i, t in enumerate(value):
+        if not is_int(t):
+            raise TypeError(f"{what}[{i}] must be an int token id, got {type(t).__name__} {t!r}")
+        if t < 0:
+            raise ValueError(f"{what}[{i}] must be a non-negative token id, got {t}")
+        if vocab_size is not None and t >= vocab_size:
+            raise ValueError(f"{what}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
+        out.append(int(t))
+    return out

@@ -1,0 +1,343 @@
+"""ServerConnector against a REAL kvdrop server subprocess: prefixes load, prompts store, and
+every request's stored KV and queries are its own under concurrency."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvdrop_engine.connector import ServerConnector
+from kvdrop_engine.engine import Engine
+from kvdrop_engine.loading import preset_config
+from kvdrop_engine.model import DenseAttention, ModelConfig, Transformer, generate
+from kvdrop_engine.paged import PagedAttention, PagedKVCache, SeqStep, blocks_needed
+from kvdrop_sdk.cache_kind import CacheKind
+from kvdrop_sdk.context import Context, connect
+from kvdrop_sdk.errors import SDKError
+from kvdrop_sdk.server.testing import ServerHandle, spawn_server
+
+CHUNK = 16
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return Transformer.random(preset_config("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerHandle]:
+    with spawn_server(chunk_size=CHUNK, enable=["transfer_query"]) as handle:
+        yield handle
+
+
+def contexts(server: ServerHandle, name: str) -> tuple[Context, Context]:
+    kv = connect(CacheKind.KV, server.url, server.http_url, name)
+    q = connect(CacheKind.QUERY, server.url, server.http_url, name)
+    return kv, q
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class Recorder:
+    """DenseAttention that also keeps each layer's queries (the reference for one lone request)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.dense = DenseAttention(cfg)
+        self.q: dict[int, torch.Tensor] = {}
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        self.q[layer] = q.clone()
+        return self.dense(layer, q, k, v)
+
+
+def reference(model: Transformer, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV ``[2, L, T, W]`` and queries ``[1, L, T, Wq]`` of ``prompt`` run alone, densely."""
+    cfg = model.config
+    rec = Recorder(cfg)
+    with torch.inference_mode():
+        model(torch.tensor(prompt), torch.arange(len(prompt)), rec)
+    layers = range(cfg.num_layers)
+    k = torch.stack([rec.dense.keys(i).reshape(len(prompt), -1) for i in layers])
+    v = torch.stack([rec.dense.values(i).reshape(len(prompt), -1) for i in layers])
+    q = torch.stack([rec.q[i].reshape(len(prompt), -1) for i in layers])
+    return torch.stack([k, v]), q.unsqueeze(0)
+
+
+def test_registers_layouts_and_follows_server_config(
+    model: Transformer, server: ServerHandle
+) -> None:
+    conn = ServerConnector(server.url, server.http_url, "reg-model")
+    Engine(model, num_blocks=8, connector=conn)
+    try:
+        assert conn.transfer_query and conn.chunk_size == CHUNK
+        kv_ctx, q_ctx = contexts(server, "reg-model")
+        cfg = model.config
+        assert kv_ctx.layout.shape(CacheKind.KV, 5) == (2, cfg.num_layers, 5, cfg.kv_dim)
+        assert q_ctx.layout.shape(CacheKind.QUERY, 5) == (1, cfg.num_layers, 5, cfg.q_dim)
+        assert kv_ctx.layout.dtype == torch.float32
+        kv_ctx.close()
+        q_ctx.close()
+        with pytest.raises(SDKError, match="already bound"):
+            conn.bind(model.config, torch.float32)
+    finally:
+        conn.close()
+
+
+def test_prefill_stores_whole_chunks_of_kv_and_queries(
+    model: Transformer, server: ServerHandle
+) -> None:
+    prompt = tokens(3 * CHUNK + 5, seed=1)
+    conn = ServerConnector(server.url, server.http_url, "store-model")
+    with Engine(model, num_blocks=16, connector=conn) as eng:
+        first = eng.generate(prompt, {**GREEDY, "max_tokens": 4})
+        st = eng.stats()
+    conn.close()
+    assert st.kv_tokens_stored == 3 * CHUNK and st.query_tokens_stored == 3 * CHUNK
+    assert first == generate(model, prompt, 4, stop_at_eos=False)
+    kv_ref, q_ref = reference(model, prompt)
+    kv_ctx, q_ctx = contexts(server, "store-model")
+    kv, q = kv_ctx.retrieve(prompt), q_ctx.retrieve(prompt)
+    assert kv is not None and q is not None
+    torch.testing.assert_close(kv, kv_ref[:, :, : 3 * CHUNK], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(q, q_ref[:, :, : 3 * CHUNK], atol=1e-5, rtol=1e-5)
+    assert kv_ctx.retrieve(prompt, cache_salt="other") is None  # salt separates caches
+    kv_ctx.close()
+    q_ctx.close()
+
+
+def test_decoding_from_loaded_prefix_equals_recompute(
+    model: Transformer, server: ServerHandle
+) -> None:
+    """Logits of the suffix after loading the prefix from the server equal a full recompute."""
+    cfg = model.config
+    prompt = tokens(4 * CHUNK + 7, seed=2)
+    conn = ServerConnector(server.url, server.http_url, "load-model")
+    with Engine(model, num_blocks=16, connector=conn) as eng:
+        eng.generate(prompt[: 4 * CHUNK + 1], {**GREEDY, "max_tokens": 1})  # stores 4 chunks
+        kv = conn.load(prompt)
+        assert kv is not None and kv.shape[2] == 4 * CHUNK
+        # the engine itself: loads 64 tokens, computes only the other 7, same greedy output
+        out = eng.generate(prompt, {**GREEDY, "max_tokens": 6})
+        st = eng.stats()
+    assert st.tokens_loaded == 4 * CHUNK
+    assert st.prefill_tokens_computed == 4 * CHUNK + 1 + 7
+    assert out == generate(model, prompt, 6, stop_at_eos=False)
+    # logits: paged cache filled from the server, then the suffix, vs dense over everything
+    cache = PagedKVCache(
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        num_blocks=8,
+        block_size=CHUNK,
+    )
+    table = cache.allocator.allocate(blocks_needed(len(prompt), CHUNK))
+    cache.load(table, kv)
+    n = kv.shape[2]
+    with torch.inference_mode():
+        got = model(
+            torch.tensor(prompt[n:]),
+            torch.arange(n, len(prompt)),
+            PagedAttention(cache, [SeqStep(0, table, n, len(prompt) - n)]),
+        )
+        ref = model(torch.tensor(prompt), torch.arange(len(prompt)), DenseAttention(cfg))
+    torch.testing.assert_close(got, ref[n:], atol=1e-5, rtol=1e-5)
+    conn.close()
+
+
+def test_fully_cached_prompt_recomputes_only_the_last_token(
+    model: Transformer, server: ServerHandle
+) -> None:
+    prompt = tokens(2 * CHUNK, seed=3)
+    conn = ServerConnector(server.url, server.http_url, "full-model")
+    with Engine(model, num_blocks=8, connector=conn) as eng:
+        a = eng.generate(prompt, {**GREEDY, "max_tokens": 5})
+        eng.reset_stats()
+        b = eng.generate(prompt, {**GREEDY, "max_tokens": 5})
+        st = eng.stats()
+    conn.close()
+    assert a == b
+    assert st.tokens_loaded == 2 * CHUNK - 1 and st.prefill_tokens_computed == 1
+    assert st.kv_tokens_stored == 0  # nothing new to store
+
+
+def test_edited_kv_under_kept_tokens_is_what_decode_uses(
+    model: Transformer, server: ServerHandle
+) -> None:
+    """After a modify stored edited KV under kept tokens, the engine decodes from that KV."""
+    prompt = tokens(3 * CHUNK + 4, seed=4)
+    kept = prompt[:CHUNK] + prompt[2 * CHUNK : 3 * CHUNK]  # middle chunk dropped
+    kv_full, _ = reference(model, prompt)
+    edited = torch.cat([kv_full[:, :, :CHUNK], kv_full[:, :, 2 * CHUNK : 3 * CHUNK]], dim=2)
+    conn = ServerConnector(server.url, server.http_url, "edit-model", transfer_query=False)
+    with Engine(model, num_blocks=8, block_size=CHUNK, connector=conn) as eng:
+        # the engine registered the layout; an SDK context (as modify uses) stores the edit
+        kv_ctx = connect(CacheKind.KV, server.url, server.http_url, "edit-model")
+        assert kv_ctx.store(edited, kept)
+        suffix = prompt[3 * CHUNK :]
+        out = eng.generate(kept + suffix, {**GREEDY, "max_tokens": 5})
+        st = eng.stats()
+    assert st.tokens_loaded == 2 * CHUNK and st.prefill_tokens_computed == len(suffix)
+    # reference: the same edited KV in a paged cache, then greedy decode by hand
+    cfg = model.config
+    cache = PagedKVCache(
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        num_blocks=8,
+        block_size=CHUNK,
+    )
+    table = cache.allocator.allocate(4)
+    cache.load(table, edited)
+    pos, new, ref = 2 * CHUNK, suffix, []
+    with torch.inference_mode():
+        for _ in range(5):
+            step = PagedAttention(cache, [SeqStep(0, table, pos, len(new))])
+            logits = model(torch.tensor(new), torch.arange(pos, pos + len(new)), step)
+            pos += len(new)
+            new = [int(logits[-1].argmax())]
+            ref.append(new[0])
+    assert out == ref
+    assert out != generate(model, prompt, 5, stop_at_eos=False)  # the edit mattered
+    kv_ctx.close()
+    conn.close()
+
+
+def test_shared_prefix_completes_queries_from_the_server(
+    model: Transformer, server: ServerHandle
+) -> None:
+    """A prompt whose first chunks were stored by another prompt loads their KV, computes the
+    rest, and still leaves complete KV and queries for all its chunks (no hole in the query
+    cache, e.g. for prompts sharing a system prompt)."""
+    shared = tokens(2 * CHUNK, seed=20)
+    a = shared + tokens(CHUNK + 3, seed=21)
+    b = shared + tokens(2 * CHUNK + 5, seed=22)
+    conn = ServerConnector(server.url, server.http_url, "shared-model")
+    with Engine(model, num_blocks=16, connector=conn) as eng:
+        eng.generate(a, {**GREEDY, "max_tokens": 2})
+        eng.reset_stats()
+        out = eng.generate(b, {**GREEDY, "max_tokens": 4})
+        st = eng.stats()
+    conn.close()
+    assert st.tokens_loaded == 2 * CHUNK and st.prefill_tokens_computed == len(b) - 2 * CHUNK
+    assert st.query_tokens_stored == 4 * CHUNK
+    assert out == generate(model, b, 4, stop_at_eos=False)
+    kv_ref, q_ref = reference(model, b)
+    kv_ctx, q_ctx = contexts(server, "shared-model")
+    kv, q = kv_ctx.retrieve(b), q_ctx.retrieve(b)
+    assert kv is not None and q is not None and q.shape[2] == 4 * CHUNK
+    torch.testing.assert_close(kv, kv_ref[:, :, : 4 * CHUNK], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(q, q_ref[:, :, : 4 * CHUNK], atol=1e-5, rtol=1e-5)
+    kv_ctx.close()
+    q_ctx.close()
+
+
+def test_kv_prefix_without_queries_stores_kv_only(model: Transformer, server: ServerHandle) -> None:
+    """After a modify the kept tokens have KV but no queries: the next prompt stores KV only
+    rather than queries with a hole."""
+    prefix = tokens(2 * CHUNK, seed=23)
+    longer = prefix + tokens(CHUNK + 2, seed=24)
+    kv_only = ServerConnector(server.url, server.http_url, "hole-model", transfer_query=False)
+    with Engine(model, num_blocks=16, connector=kv_only) as eng:
+        eng.generate([*prefix, 7], {**GREEDY, "max_tokens": 1})
+    kv_only.close()
+    conn = ServerConnector(server.url, server.http_url, "hole-model")
+    with Engine(model, num_blocks=16, connector=conn) as eng:
+        eng.generate(longer, {**GREEDY, "max_tokens": 2})
+        st = eng.stats()
+    assert conn.transfer_query
+    assert st.tokens_loaded == 2 * CHUNK and st.kv_tokens_stored == 3 * CHUNK
+    assert st.query_tokens_stored == 0
+    assert conn.lookup(longer) == 3 * CHUNK and conn.lookup_queries(longer) == 0
+    conn.close()
+
+
+def test_eight_concurrent_requests_store_their_own_kv_and_queries(
+    model: Transformer, server: ServerHandle
+) -> None:
+    """The upstream bug: queries attributed by batch position. Here every request's stored
+    queries and KV equal those of the same request run alone."""
+    common = tokens(CHUNK, seed=99)  # half of the prompts share their first chunk
+    prompts = [
+        (common if i % 2 else []) + tokens(CHUNK * (2 + i % 3) + i, seed=100 + i) for i in range(8)
+    ]
+    conn = ServerConnector(server.url, server.http_url, "conc-model")
+    # small prefill chunks and a budget for ~5 requests: prefill chunks of different requests
+    # share steps with each other and with decodes, and some requests wait for admission.
+    eng = Engine(model, num_blocks=24, block_size=CHUNK, max_prefill_tokens=40, connector=conn)
+    outs: list[list[int]] = [[] for _ in prompts]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(prompts))
+
+    def worker(i: int) -> None:
+        try:
+            barrier.wait()
+            outs[i] = eng.generate(prompts[i], {**GREEDY, "max_tokens": 8})
+        except BaseException as exc:
+            errors.append(exc)
+
+    with eng:
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        st = eng.stats()
+    assert not errors, errors
+    assert 1 < st.peak_running < 8
+    kv_ctx, q_ctx = contexts(server, "conc-model")
+    for i, p in enumerate(prompts):
+        aligned = len(p) // CHUNK * CHUNK
+        kv_ref, q_ref = reference(model, p)
+        kv, q = kv_ctx.retrieve(p), q_ctx.retrieve(p)
+        assert kv is not None and q is not None, f"request {i} not stored"
+        assert kv.shape[2] == q.shape[2] == aligned
+        torch.testing.assert_close(kv, kv_ref[:, :, :aligned], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(q, q_ref[:, :, :aligned], atol=1e-5, rtol=1e-5)
+        assert outs[i] == generate(model, p, 8, stop_at_eos=False)
+    kv_ctx.close()
+    q_ctx.close()
+    conn.close()
+
+
+def test_server_without_transfer_query(model: Transformer) -> None:
+    with spawn_server(chunk_size=CHUNK) as srv:
+        with pytest.raises(SDKError, match="does not enable"):
+            ServerConnector(srv.url, srv.http_url, "m", transfer_query=True).bind(
+                model.config, torch.float32
+            )
+        conn = ServerConnector(srv.url, srv.http_url, "m")
+        with Engine(model, num_blocks=8, connector=conn) as eng:
+            eng.generate(tokens(2 * CHUNK + 1, seed=5), {**GREEDY, "max_tokens": 2})
+            st = eng.stats()
+        assert not conn.transfer_query
+        assert st.kv_tokens_stored == 2 * CHUNK and st.query_tokens_stored == 0
+        conn.close()
+
+
+def test_bf16_model_stores_bf16(server: ServerHandle) -> None:
+    cfg = preset_config("tiny")
+    m16 = Transformer.random(cfg, seed=0, dtype=torch.bfloat16)
+    prompt = tokens(2 * CHUNK + 3, seed=6)
+    conn = ServerConnector(server.url, server.http_url, "bf16-model")
+    with Engine(m16, num_blocks=8, connector=conn) as eng:
+        a = eng.generate(prompt, {**GREEDY, "max_tokens": 4})
+        b = eng.generate(prompt, {**GREEDY, "max_tokens": 4})  # from the loaded prefix
+        assert eng.stats().tokens_loaded == 2 * CHUNK
+    kv = conn.load(prompt)
+    assert kv is not None and kv.dtype == torch.bfloat16
+    assert a == b
+    conn.close()
+
+
+def test_unreachable_server_is_a_clear_error(model: Transformer) -> None:
+    conn = ServerConnector("tcp://127.0.0.1:9", "http://127.0.0.1:9", "m", timeout=2)
+    with pytest.raises(SDKError, match="config"):
+        Engine(model, num_blocks=8, connector=conn)

@@ -1,0 +1,48 @@
+"""Sampling: parameter validation, the per-row sampler and the finish rule, without a model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvdrop_engine.errors import InvalidRequestError
+from kvdrop_engine.sampling import SamplingParams, finish_reason, make_generator, sample
+
+
+def test_from_dict_validates_and_tolerates_openai_fields() -> None:
+    p = SamplingParams.from_dict({"max_tokens": 3, "temperature": 0, "stream": True, "n": 1})
+    assert (p.max_tokens, p.temperature) == (3, 0)
+    assert SamplingParams.from_dict({"stop_token_ids": [4, 5]}).stop_token_ids == (4, 5)
+    for bad, match in [
+        ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": True}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 2}, "n=1"),
+        ({"beam_width": 2}, "unsupported sampling parameter"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=match):
+            SamplingParams.from_dict(bad)
+
+
+def test_greedy_rows_are_argmax_and_sampled_rows_follow_their_generator() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    greedy = SamplingParams(temperature=0)
+    hot = SamplingParams(temperature=1.0, seed=7)
+    assert make_generator(greedy) is None
+    first = sample(logits, [greedy, hot, greedy], [None, make_generator(hot), None])
+    again = sample(logits, [greedy, hot, greedy], [None, make_generator(hot), None])
+    assert first == again  # same seed, same draw
+    assert first[0] == int(logits[0].argmax()) and first[2] == int(logits[2].argmax())
+    # top_k=1 and a tiny top_p leave only the best token, whatever the generator draws
+    for p in (SamplingParams(top_k=1), SamplingParams(top_p=1e-6)):
+        picks = {sample(logits[1:2], [p], [torch.Generator().manual_seed(s)])[0] for s in range(5)}
+        assert picks == {int(logits[1].argmax())}
+
+
+def test_finish_reason() -> None:
+    p = SamplingParams(max_tokens=3, stop_token_ids=(9,))
+    assert finish_reason(9, 1, p, {2}) == "stop"
+    assert finish_reason(2, 1, p, {2}) == "stop"
+    assert finish_reason(2, 1, SamplingParams(max_tokens=3, ignore_eos=True), {2}) is None
+    assert finish_reason(5, 2, p, {2}) is None
+    assert finish_reason(5, 3, p, {2}) == "length"
