@@ -11,9 +11,12 @@ its place in line (FIFO, no starvation). Finished requests free their blocks in 
 
 With a connector (:class:`kvdrop_engine.connector.ServerConnector`) the engine loads the longest
 cached prefix of each prompt from the kvdrop server on admission and computes only the rest; when a
-prompt's prefill ends it stores the prompt's whole chunks of KV (and post-RoPE queries). The store
-runs on the caller's thread before the first token is handed over, so a caller that has seen a
-token can rely on the prompt being in the server.
+prompt's prefill ends it stores the prompt's whole chunks of KV (and, in the full query mode,
+post-RoPE queries). The store runs on the caller's thread before the first token is handed over,
+so a caller that has seen a token can rely on the prompt being in the server. With queries on, each
+request also keeps its query window (:class:`~kvdrop_engine.capture.WindowCapture`: the last
+``W`` computed positions, generated tokens included, and a strided sample), stored when the
+request ends, before its last token is handed over.
 
 The pieces, each small: :func:`plan_step` assembles one step's batch; :mod:`~kvdrop_engine.sampling`
 picks tokens; :mod:`~kvdrop_engine.connector` plans and runs the server I/O; the request's own
@@ -34,7 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from kvdrop_engine.connector import EngineConnector, PrefixPlan, StoreJob, plan_prefix
+from kvdrop_engine.capture import WindowCapture
+from kvdrop_engine.connector import EngineConnector, PrefixPlan, StoreJob, WindowJob, plan_prefix
 from kvdrop_engine.errors import EngineError, InvalidRequestError, RequestTooLargeError
 from kvdrop_engine.paged import PagedAttention, PagedKVCache, SeqStep, blocks_needed
 from kvdrop_engine.sampling import SamplingParams, finish_reason, make_generator, sample
@@ -59,6 +63,8 @@ class EngineStats:
     tokens_loaded: int = 0
     kv_tokens_stored: int = 0
     query_tokens_stored: int = 0
+    query_rows_stored: int = 0
+    query_bytes_stored: int = 0
     peak_running: int = 0
     peak_blocks_used: int = 0
     peak_waiting: int = 0
@@ -91,26 +97,45 @@ class _Request:
     query_offset: int = 0  # captured queries start here; the server holds the ones before
     store_upto: int = 0  # whole-chunk prompt tokens to store after prefill (0 = none)
     query_parts: list[Tensor] = field(default_factory=list)
+    window: WindowCapture | None = None
     cancelled: bool = False
 
     @property
     def prefilling(self) -> bool:
         return self.num_computed < len(self.prompt)
 
-    def follow(self, plan: PrefixPlan) -> None:
+    def follow(self, plan: PrefixPlan, conn: EngineConnector | None = None) -> None:
         """Take admission's decision: ``plan.num_loaded`` tokens are in the blocks already."""
         self.num_computed = plan.num_loaded
         self.store_upto = plan.store_upto
         self.capture_queries = plan.capture_queries
         self.query_offset = plan.query_offset
+        if plan.capture_window and conn is not None:
+            self.window = WindowCapture(len(self.prompt), conn.query_window, conn.query_stride)
 
-    def keep_queries(self, per_layer: list[Tensor], n: int) -> None:
-        """Keep the captured queries (``[n, Hq, d]`` per layer) of the next ``n`` computed prompt
-        tokens that will be stored."""
-        keep = max(0, min(n, self.store_upto - self.num_computed))
-        if keep:
-            q = torch.stack([t[:keep] for t in per_layer])  # [L, keep, Hq, d]
-            self.query_parts.append(q.reshape(q.shape[0], keep, -1).cpu())
+    def capture_offsets(self, n: int) -> tuple[list[int], list[int]] | None:
+        """Offsets of the next ``n`` computed tokens whose queries this step captures, and those
+        of them whose log-normalisers it records (the window rows)."""
+        window = [] if self.window is None else self.window.wanted(self.num_computed, n)
+        if self.prefilling and self.capture_queries and self.num_computed < self.store_upto:
+            return list(range(n)), window  # full mode: every prompt row up to store_upto
+        return (window, window) if window else None
+
+    def take_queries(self, rows: Tensor, offsets: list[int], lse: Tensor | None) -> None:
+        """Hand this step's captured rows ``[L, r, Hq, d]`` (at ``offsets``) to the chunk store
+        (full mode), and the window rows (with their log-normalisers) to the query window."""
+        start = self.num_computed
+        if self.prefilling and self.capture_queries and start < self.store_upto:
+            keep = max(0, min(len(offsets), self.store_upto - start))
+            if keep:
+                q = rows[:, :keep]
+                self.query_parts.append(q.reshape(q.shape[0], keep, -1).cpu())
+        if self.window is not None and lse is not None and lse.shape[1]:
+            wanted = self.window.wanted(start, max(offsets) + 1)
+            at = {off: i for i, off in enumerate(offsets)}
+            pick = [at[off] for off in wanted]
+            sel = rows if len(pick) == len(offsets) else rows[:, pick]
+            self.window.add([start + off for off in wanted], sel, lse)
 
 
 @dataclass
@@ -365,9 +390,21 @@ class Engine:
                 if isinstance(item, StoreJob):
                     assert self.connector is not None
                     q_stored = item.run(self.connector)
+                    q_bytes = 0
+                    if q_stored and item.queries is not None:
+                        row = item.queries.shape[1] * item.queries.shape[3]
+                        q_bytes = q_stored * row * item.queries.element_size()
                     with self._cv:
                         self._stats.kv_tokens_stored += item.kv.shape[2]
                         self._stats.query_tokens_stored += q_stored
+                        self._stats.query_bytes_stored += q_bytes
+                    continue
+                if isinstance(item, WindowJob):
+                    assert self.connector is not None
+                    rows, nbytes = item.run(self.connector)
+                    with self._cv:
+                        self._stats.query_rows_stored += rows
+                        self._stats.query_bytes_stored += nbytes
                     continue
                 yield item
                 if item.finish_reason is not None:
@@ -435,14 +472,21 @@ class Engine:
             return
         if plan.kv is not None:
             self.cache.load(req.blocks, plan.kv)
-        req.follow(plan)
+        req.follow(plan, self.connector)
         with self._cv:
             self._stats.tokens_loaded += plan.num_loaded
 
     def _step(self, batch: list[_Request]) -> None:
         plan = plan_step(batch, self.max_prefill_tokens)
-        capture = {r.rid for r, _ in plan.stepped if r.prefilling and r.capture_queries}
-        attn = PagedAttention(self.cache, plan.seqs, capture=capture)
+        capture: dict[int, list[int]] = {}
+        lse_rows: dict[int, list[int]] = {}
+        for req, n in plan.stepped:
+            offsets = req.capture_offsets(n)
+            if offsets is not None:
+                capture[req.rid], window = offsets
+                if window:
+                    lse_rows[req.rid] = window
+        attn = PagedAttention(self.cache, plan.seqs, capture_rows=capture, lse_rows=lse_rows)
         dev = self.device
         with torch.inference_mode():
             logits = self.model(
@@ -452,8 +496,9 @@ class Engine:
                 logits_rows=torch.tensor(plan.sample_rows, dtype=torch.long, device=dev),
             )
         for req, n in plan.stepped:
-            if req.rid in attn.captured:
-                req.keep_queries(attn.captured[req.rid], n)
+            if req.rid in capture:
+                lse = attn.captured_lse(req.rid) if req.rid in lse_rows else None
+                req.take_queries(attn.captured_rows(req.rid), capture[req.rid], lse)
             req.num_computed += n
         with self._cv:
             self._stats.steps += 1
@@ -480,12 +525,32 @@ class Engine:
         req.output.append(tok)
         reason = finish_reason(tok, len(req.output), req.params, self.eos_token_ids)
         text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
+        if reason is not None:
+            self._finish_jobs(req)
         req.out.put(TokenEvent(token_id=tok, text=text, finish_reason=reason))
         if reason is not None:
             with self._cv:
                 self._running.pop(req.rid, None)
                 self._stats.requests_finished += 1
             self._free(req)
+
+    def _finish_jobs(self, req: _Request) -> None:
+        """Queue what a finished request leaves in the server (run by the caller before the last
+        token): the KV of whole chunks its generated tokens completed (``store_decoded``) and its
+        query window, keyed by prompt + every generated token."""
+        conn = self.connector
+        if conn is None or req.cancelled:
+            return
+        sequence = req.prompt + req.output
+        computed = len(sequence) - 1  # the last generated token was never fed back
+        if conn.store_decoded and conn.chunk_size:
+            aligned = computed // conn.chunk_size * conn.chunk_size
+            if aligned > max(req.store_upto, len(req.prompt) // conn.chunk_size * conn.chunk_size):
+                kv = self.cache.read(req.blocks, aligned).cpu()
+                req.out.put(StoreJob(kv, None, sequence[:aligned], req.cache_salt))
+        if req.window is not None and req.window.num_rows:
+            req.out.put(WindowJob(req.window, sequence, req.cache_salt))
+            req.window = None
 
     def _free(self, req: _Request) -> None:
         if req.blocks:

@@ -143,10 +143,13 @@ class BatchedStream:
         stream_ids: Sequence[str] | None = None,
         *,
         timeout: float = 5.0,
+        device: str | None = None,
     ) -> Metrics:
         """Apply ``fn`` to every stream's cached chunk-aligned prefix and store the result.
 
-        Reports the wall-clock duration and the kept / total edited tokens over the batch.
+        Reports the wall-clock duration, the kept / total edited (cached) tokens, and
+        ``kept_fraction``: the kept share of the WHOLE prompts (the uncached tails, never
+        dropped, count as kept). ``device`` reaches ``fn`` as ``EditContext.device``.
         """
         if not callable(fn):
             raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
@@ -155,13 +158,14 @@ class BatchedStream:
         results, failures, duration = self._run(
             "modify",
             streams,
-            lambda s: s.modify_kv(fn, timeout=timeout),
+            lambda s: s.modify_kv(fn, timeout=timeout, device=device),
             self.modify_concurrency,
         )
         self.modify_results.update(results)
         edited = [r for r in results.values() if not r.skipped]
         kept = sum(r.kept_tokens for r in edited)
         total = sum(r.total_tokens for r in edited)
+        tail = sum(r.suffix_tokens for r in edited)
         metrics = Metrics("Batched Stream Modify Metrics")
         metrics.add("num_streams", len(streams), CONFIG)
         metrics.add("num_requests", len(edited), RESULTS)
@@ -170,7 +174,11 @@ class BatchedStream:
         metrics.add("duration", duration, RESULTS)
         metrics.add("kept_tokens", kept, RESULTS)
         metrics.add("total_tokens", total, RESULTS)
-        metrics.add("kept_fraction", kept / total if total else float("nan"), RESULTS)
+        metrics.add("prompt_tokens", total + tail, RESULTS)
+        metrics.add(
+            "kept_fraction", (kept + tail) / (total + tail) if total else float("nan"), RESULTS
+        )
+        metrics.add("cached_kept_fraction", kept / total if total else float("nan"), RESULTS)
         return self._finish("modify", metrics, failures, fmt)
 
     # ----------------------------------------------------------------- internals

@@ -52,6 +52,8 @@ OPS = (
     "abort",
     "pin",
     "release",
+    "put_window",
+    "get_window",
 )
 
 

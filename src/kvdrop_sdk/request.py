@@ -11,13 +11,28 @@ Token bookkeeping (the rules everything else relies on):
 * ``generate`` sends ``tokens``, then folds the suffix into the prefix and appends the generated
   tokens: after a prefill with ``max_tokens=1`` the stream holds ``prompt + [g1]``, while the server
   holds only the whole chunks of ``prompt`` (the engine never saw ``g1`` as input).
-* ``modify_kv(fn)`` retrieves the longest cached chunk-aligned prefix of ``tokens`` (``T`` tokens,
-  every context cut to the same ``T``), calls ``fn(tensors, tokens[:T])``, validates the result
-  ``(kv', kept)`` (``[2, L, T', D]``, same L/D/dtype, ``len(kept) == T'``, ``T'`` a non-zero
-  multiple of the chunk size), stores it under ``kept`` and sets ``prefix = kept``,
-  ``suffix_tokens = tokens[T:]`` -- the un-cached tail of the prompt plus every token decoded so
-  far. The next ``generate`` sends ``kept + suffix`` and the engine finds the edited KV under the
-  kept tokens' chunk keys, computing only the suffix.
+* ``modify_kv(fn)`` retrieves the longest cached chunk-aligned prefix of ``tokens`` (``T`` tokens)
+  and the query rows the engine saved for exactly ``tokens`` (see below), calls
+  ``fn(tensors, tokens[:T])`` -- or ``fn(tensors, tokens[:T], context=EditContext(...))`` when
+  ``fn`` declares it takes one (``kvdrop_sdk.types.accepts_edit_context``; every kvdrop policy
+  does) -- validates the result ``(kv', kept)`` (``[2, L, T', D]``, same L/D/dtype,
+  ``len(kept) == T'``, ``T'`` a non-zero multiple of the chunk size, the protected prefix kept),
+  stores it under ``kept`` and sets ``prefix = kept``, ``suffix_tokens = tokens[T:]`` -- the
+  un-cached tail of the prompt plus every token decoded so far. The next ``generate`` sends
+  ``kept + suffix`` and the engine finds the edited KV under the kept tokens' chunk keys,
+  computing only the suffix.
+* Edited caches belong to their request: the first edit switches the stream to its own cache
+  salt, ``f"{cache_salt}/edit/{request_stream_id}"`` (``active_cache_salt``); the edit is stored
+  and every later call reads and stores under it, so another request whose kept tokens happen to
+  coincide never reads this one's edited KV. Unedited prefixes keep sharing ``cache_salt``.
+* Queries: an engine in the lean query mode saves, per call, the query rows of the last tokens
+  of the whole sequence (the uncached tail and generated tokens included) and a strided sample,
+  keyed by the call's token ids (:mod:`kvdrop_sdk.window`); in the full mode it stores every
+  prompt token's query in chunks (upstream layout). A function that takes an edit context gets
+  ``{QUERY: [1, L, R, Dq]}`` with ``context.query_positions``: the window, or the chunk queries
+  followed by the window's rows past them. A plain function gets the chunk queries (cut with the
+  KV to a common ``T``), or no query tensor when only a window exists. Functions whose
+  ``needs_query`` is False get no query tensor.
 * Nothing changes when ``fn`` fails or returns something invalid: the stream keeps its tokens and
   the server keeps what it stored (validation happens before the store).
 * The server keeps the first copy of a chunk: an edit that changes values but keeps a chunk's
@@ -47,8 +62,9 @@ import torch
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.errors import RequestStreamError, SDKError
 from kvdrop_sdk.events import PostCompletion, TokenEvent
-from kvdrop_sdk.types import ModifyFnType
+from kvdrop_sdk.types import EditContext, ModifyFnType, takes_edit_context
 from kvdrop_sdk.validate import is_int, token_ids
+from kvdrop_sdk.window import retrieve_window
 
 if TYPE_CHECKING:
     from kvdrop_sdk.context import Context
@@ -65,6 +81,22 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_warned_plain_window = False
+
+
+def _warn_plain_window(stream_id: str) -> None:
+    """Log once: a plain edit function gets no query tensor when only a window exists."""
+    global _warned_plain_window
+    if _warned_plain_window:
+        return
+    _warned_plain_window = True
+    logger.warning(
+        "stream %s: the engine saved only a query window (lean query mode), which a plain edit "
+        "function fn(tensors, tokens) cannot place; it gets no query tensor. Mark it with "
+        "kvdrop_sdk.types.accepts_edit_context to receive the window and its positions "
+        "(context.query_positions), or run the engine with full query capture",
+        stream_id,
+    )
 
 
 @dataclass(frozen=True)
@@ -99,15 +131,34 @@ class ModifyResult:
     duration: float
     skipped: bool = False
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The whole sequence the edit saw: the edited prefix plus the tokens after it."""
+        return self.total_tokens + self.suffix_tokens
+
+    @property
+    def kept_fraction(self) -> float:
+        """Kept share of the whole sequence (the tail is never dropped); 1.0 when skipped."""
+        total = self.prompt_tokens
+        return (self.kept_tokens + self.suffix_tokens) / total if total else 1.0
+
 
 def create_request(
     contexts: Iterable[Context] | Context,
     post_completion: PostCompletion,
     prompt_token_ids: Sequence[int],
     cache_salt: str = "",
+    *,
+    protected_tokens: int = 0,
 ) -> RequestStream:
-    """A new request stream over ``contexts`` (one per cache kind, e.g. KV and QUERY)."""
-    return RequestStream(contexts, post_completion, prompt_token_ids, cache_salt)
+    """A new request stream over ``contexts`` (one per cache kind, e.g. KV and QUERY).
+
+    ``protected_tokens``: the first tokens of the prompt (e.g. a system prompt) that no edit may
+    drop; edit functions see it as ``EditContext.protected`` and the stream checks the result.
+    """
+    return RequestStream(
+        contexts, post_completion, prompt_token_ids, cache_salt, protected_tokens=protected_tokens
+    )
 
 
 class RequestStream:
@@ -123,6 +174,8 @@ class RequestStream:
         post_completion: PostCompletion,
         prompt_token_ids: Sequence[int],
         cache_salt: str = "",
+        *,
+        protected_tokens: int = 0,
     ) -> None:
         if hasattr(contexts, "kind") and hasattr(contexts, "retrieve"):
             contexts = [contexts]  # type: ignore[list-item]
@@ -141,10 +194,14 @@ class RequestStream:
         prompt = token_ids(prompt_token_ids, "prompt_token_ids")
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
+        if not is_int(protected_tokens) or protected_tokens < 0:
+            raise ValueError(f"protected_tokens must be an int >= 0, got {protected_tokens!r}")
         self.post_completion = post_completion
         self.cache_salt = cache_salt
+        self.protected_tokens = min(protected_tokens, len(prompt))
         self.prompt_token_ids: list[int] = prompt
         self._request_stream_id = uuid.uuid4().hex
+        self._edit_salt: str | None = None  # set by the first edit (see active_cache_salt)
         self._prefix: list[int] = list(prompt)
         self._suffix: list[int] = []
         self._output_tokens: list[int] = []
@@ -162,6 +219,12 @@ class RequestStream:
     def request_stream_id(self) -> str:
         """Unique id of this stream (a uuid4 hex string)."""
         return self._request_stream_id
+
+    @property
+    def active_cache_salt(self) -> str:
+        """The salt the next call uses: ``cache_salt`` until the first edit, then the stream's
+        own ``f"{cache_salt}/edit/{request_stream_id}"`` (its edited KV is nobody else's)."""
+        return self._edit_salt if self._edit_salt is not None else self.cache_salt
 
     @property
     def contexts(self) -> dict[CacheKind, Context]:
@@ -259,7 +322,7 @@ class RequestStream:
             start = time.perf_counter()
             events: Any = None
             try:
-                events = self.post_completion(list(prompt), params, self.cache_salt)
+                events = self.post_completion(list(prompt), params, self.active_cache_salt)
                 for event in events:
                     now = time.perf_counter()
                     token_id = getattr(event, "token_id", None)
@@ -315,7 +378,8 @@ class RequestStream:
     def retrieve(self) -> dict[CacheKind, torch.Tensor] | None:
         """Every context's tensor for the longest cached chunk-aligned prefix of ``tokens``.
 
-        All kinds are cut to the same (shortest) length; None if any kind has nothing cached.
+        All kinds are cut to the same (shortest) length; None when no KV is cached. Other kinds
+        with nothing cached (e.g. queries of an engine in the lean mode) are left out.
         """
         with self._op_lock:
             got = self._retrieve_all(self.tokens)
@@ -360,40 +424,65 @@ class RequestStream:
 
     # ----------------------------------------------------------------- modify
     def modify_kv(
-        self, fn: ModifyFnType, *, timeout: float = 5.0, poll_interval: float = 0.05
+        self,
+        fn: ModifyFnType,
+        *,
+        timeout: float = 5.0,
+        poll_interval: float = 0.05,
+        device: str | None = None,
     ) -> ModifyResult:
         """Edit the cached chunk-aligned prefix with ``fn`` and store the result back.
 
         Waits up to ``timeout`` seconds for the last prompt's whole chunks to appear (engines may
         store asynchronously), then edits whatever is cached. A stream whose tokens or last
-        prompt had no whole chunk is left as it is (``skipped``). Raises ``RequestStreamError``
-        when nothing is cached (e.g. before any generate), ``fn`` fails, or its output is
-        invalid; the stream and the server are then unchanged.
+        prompt had no whole chunk is left as it is (``skipped``). ``device`` is passed to ``fn``
+        as ``EditContext.device`` (where to score). Raises ``RequestStreamError`` when nothing is
+        cached (e.g. before any generate), ``fn`` fails, or its output is invalid; the stream
+        and the server are then unchanged.
         """
         if not callable(fn):
             raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
         start = time.perf_counter()
         with self._op_lock:
-            self._context(CacheKind.KV)
+            kv_ctx = self._context(CacheKind.KV)
             current = self.tokens
             chunk = self._chunk_size()
             if len(current) < chunk:
                 return ModifyResult(0, 0, len(self._suffix), False, 0.0, skipped=True)
             self._wait_for_cache(current, timeout, poll_interval)
-            got = self._retrieve_all(current)
-            if got is None and self._expected_cached == 0:
+            salt = self.active_cache_salt
+            kv = kv_ctx.retrieve(current, salt)
+            if (kv is None or kv.shape[2] == 0) and self._expected_cached == 0:
                 # The last prompt had no whole chunk: there was never anything to edit.
                 return ModifyResult(0, 0, len(self._suffix), False, 0.0, skipped=True)
-            if got is None:
+            if kv is None or kv.shape[2] == 0:
                 raise RequestStreamError(
                     f"stream {self._request_stream_id}: the server holds no cached chunk of its "
                     f"{len(current)} tokens (chunk size {chunk}); run generate()/prefill first "
                     "(and check the engine stores its KV in this server under this model name "
                     "and cache_salt)"
                 )
-            tensors, cached = got
+            with_context = takes_edit_context(fn)
+            cached = int(kv.shape[2])
+            tensors: dict[CacheKind, torch.Tensor] = {}
+            query_positions = query_lse = None
+            q_ctx = self._contexts.get(CacheKind.QUERY)
+            if q_ctx is not None and getattr(fn, "needs_query", True) is not False:
+                query, query_positions, query_lse, cached = self._queries(
+                    q_ctx, current, salt, cached, with_context
+                )
+                if query is not None:
+                    tensors[CacheKind.QUERY] = query
+            tensors[CacheKind.KV] = kv if cached == kv.shape[2] else kv[:, :, :cached].contiguous()
+            kept_input = list(current[:cached])
             try:
-                result = fn(dict(tensors), list(current[:cached]))
+                if with_context:
+                    context = self._edit_context(
+                        kv_ctx, cached, len(current), query_positions, query_lse, device
+                    )
+                    result = fn(tensors, kept_input, context=context)  # type: ignore[call-arg]
+                else:
+                    result = fn(tensors, kept_input)
             except Exception as exc:
                 raise RequestStreamError(
                     f"stream {self._request_stream_id}: edit function failed: "
@@ -410,6 +499,13 @@ class RequestStream:
             except (TypeError, ValueError) as exc:
                 raise RequestStreamError(f"stream {self._request_stream_id}: {exc}") from None
             self._check_tensor(CacheKind.KV, new_kv, new_tokens, tensors[CacheKind.KV])
+            protected = min(self.protected_tokens, cached)
+            if new_tokens[:protected] != kept_input[:protected]:
+                raise RequestStreamError(
+                    f"stream {self._request_stream_id}: the edit dropped some of the first "
+                    f"{protected} (protected) tokens; an edit must keep the protected prefix "
+                    "(kvdrop policies read it from EditContext.protected)"
+                )
             stored = self._store_and_commit({CacheKind.KV: new_kv}, new_tokens, current[cached:])
             return ModifyResult(
                 total_tokens=cached,
@@ -418,6 +514,72 @@ class RequestStream:
                 stored=stored,
                 duration=time.perf_counter() - start,
             )
+
+    def _queries(
+        self, q_ctx: Context, tokens: list[int], salt: str, cached: int, with_context: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, int]:
+        """``(query, positions, lse, T)`` for an edit of the first ``cached`` tokens (see the
+        module docstring): chunk queries (upstream layout, cut to a common ``T`` with the KV)
+        and/or the engine's window of the call that produced ``tokens``."""
+        dense = q_ctx.retrieve(tokens, salt)
+        if dense is not None and dense.shape[2] == 0:
+            dense = None
+        window = retrieve_window(q_ctx, tokens, salt) if with_context or dense is None else None
+        if dense is not None:
+            cached = min(cached, int(dense.shape[2]))
+            if dense.shape[2] != cached:
+                dense = dense[:, :, :cached].contiguous()
+            if not with_context:
+                return dense, None, None, cached
+            positions = torch.arange(cached)
+            lse = None
+            if window is not None:
+                later = window.positions >= cached
+                if bool(later.any()):
+                    dense = torch.cat([dense, window.queries[:, :, later]], dim=2)
+                    positions = torch.cat([positions, window.positions[later]])
+                    if window.lse is not None:  # unknown (NaN) for the chunk rows
+                        known = window.lse[:, :, later]
+                        unknown = torch.full(
+                            (1, known.shape[1], cached, known.shape[3]), float("nan")
+                        )
+                        lse = torch.cat([unknown, known], dim=2)
+            return dense, positions, lse, cached
+        if window is None:
+            return None, None, None, cached
+        if not with_context:
+            _warn_plain_window(self._request_stream_id)
+            return None, None, None, cached
+        return window.queries, window.positions, window.lse, cached
+
+    def _edit_context(
+        self,
+        kv_ctx: Context,
+        cached: int,
+        prompt_tokens: int,
+        query_positions: torch.Tensor | None,
+        query_lse: torch.Tensor | None,
+        device: str | None,
+    ) -> EditContext:
+        layout = kv_ctx.layout
+        if layout.rope is None:
+            # The engine may have registered its RoPE after this context read the layout.
+            try:
+                layout = kv_ctx.register_caches()
+            except SDKError:
+                pass
+        return EditContext(
+            positions=torch.arange(cached),
+            query_positions=query_positions,
+            query_lse=query_lse,
+            rope=layout.rope,
+            prompt_tokens=prompt_tokens,
+            protected=min(self.protected_tokens, cached),
+            device=device,
+            head_dim=layout.head_dim,
+            chunk_size=int(kv_ctx.chunk_size),
+            request_id=self._request_stream_id,
+        )
 
     # ----------------------------------------------------------------- helpers
     def _context(self, kind: CacheKind) -> Context:
@@ -438,7 +600,11 @@ class RequestStream:
         """Chunk-aligned cached length common to every context (0 without contexts)."""
         if not self._contexts:
             return 0
-        return min(ctx.lookup(tokens, self.cache_salt) for ctx in self._contexts.values())
+        kv_ctx = self._contexts.get(CacheKind.KV)
+        if kv_ctx is not None:  # other kinds (queries) may legitimately hold nothing
+            return int(kv_ctx.lookup(tokens, self.active_cache_salt))
+        salt = self.active_cache_salt
+        return min(ctx.lookup(tokens, salt) for ctx in self._contexts.values())
 
     def _wait_for_cache(self, tokens: list[int], timeout: float, poll_interval: float) -> None:
         chunk = self._chunk_size()
@@ -447,7 +613,8 @@ class RequestStream:
             return
         kv_ctx = self._contexts[CacheKind.KV]
         deadline = time.monotonic() + max(timeout, 0.0)
-        while kv_ctx.lookup(tokens, self.cache_salt) < expected and time.monotonic() < deadline:
+        salt = self.active_cache_salt
+        while kv_ctx.lookup(tokens, salt) < expected and time.monotonic() < deadline:
             time.sleep(poll_interval)
 
     def _retrieve_all(self, tokens: list[int]) -> tuple[dict[CacheKind, torch.Tensor], int] | None:
@@ -456,11 +623,16 @@ class RequestStream:
                 f"stream {self._request_stream_id} has no contexts; pass them to create_request"
             )
         got: dict[CacheKind, torch.Tensor] = {}
+        salt = self.active_cache_salt
         for kind, ctx in self._contexts.items():
-            tensor = ctx.retrieve(tokens, self.cache_salt)
+            tensor = ctx.retrieve(tokens, salt)
             if tensor is None or tensor.shape[2] == 0:
-                return None
+                if kind is CacheKind.KV or CacheKind.KV not in self._contexts:
+                    return None
+                continue
             got[kind] = tensor
+        if not got:
+            return None
         common = min(t.shape[2] for t in got.values())
         for kind, tensor in got.items():
             if tensor.shape[2] != common:
@@ -528,12 +700,12 @@ class RequestStream:
     def _store_and_commit(
         self, tensors: dict[CacheKind, torch.Tensor], tokens: list[int], suffix: list[int]
     ) -> bool:
+        """Store an edit under the stream's own salt, then make ``tokens`` its prefix."""
+        salt = f"{self.cache_salt}/edit/{self._request_stream_id}"
         results: dict[CacheKind, bool] = {}
         for kind in sorted(tensors, key=lambda k: k is CacheKind.KV):  # KV last
             try:
-                results[kind] = bool(
-                    self._contexts[kind].store(tensors[kind], tokens, self.cache_salt)
-                )
+                results[kind] = bool(self._contexts[kind].store(tensors[kind], tokens, salt))
             except SDKError as exc:
                 raise RequestStreamError(
                     f"stream {self._request_stream_id}: storing the edited {kind.value} "
@@ -549,5 +721,6 @@ class RequestStream:
         with self._state:
             self._prefix = list(tokens)
             self._suffix = list(suffix)
+            self._edit_salt = salt
         self._expected_cached = len(tokens)
         return stored

@@ -85,9 +85,11 @@ def random_prompts(vocab_size: int, n: int, prompt_tokens: int, seed: int = 0) -
 
 
 def kept_count(num_tokens: int, keep_ratio: float, chunk_size: int) -> int:
-    """Tokens a policy keeps of a prompt's cached (chunk-aligned) prefix, per the selector."""
+    """Tokens a policy keeps of a prompt's cached (chunk-aligned) prefix, per the selector (the
+    budget is of the whole prompt; the uncached tail counts as kept)."""
     cached = num_tokens - num_tokens % chunk_size
-    return Selector(keep_ratio=keep_ratio, chunk_size=chunk_size).budget(cached) if cached else 0
+    selector = Selector(keep_ratio=keep_ratio, chunk_size=chunk_size)
+    return selector.budget(cached, num_tokens) if cached else 0
 
 
 def engine_budget(
@@ -133,6 +135,13 @@ class RunResult:
     correct: int | None = None
     engine: dict[str, int] = field(default_factory=dict)
     decode_prompt_lengths: list[int] = field(default_factory=list)
+    #: Engine counters of prefill + modify (``engine`` holds the decode phase's).
+    prefill_engine: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def prefill_query_bytes(self) -> int:
+        """Query bytes the engine stored during prefill (chunk queries and windows)."""
+        return int(self.prefill_engine.get("query_bytes_stored", 0))
 
     @property
     def decode_tput(self) -> float:
@@ -147,6 +156,7 @@ class RunResult:
             "correct": self.correct,
             "engine": self.engine,
             "decode_prompt_lengths": self.decode_prompt_lengths,
+            "prefill_engine": self.prefill_engine,
             "texts": self.texts,
         }
 
@@ -165,6 +175,7 @@ def run_pipeline(
 ) -> RunResult:
     """Prefill, optionally modify, then decode ``prompts`` through ``engine``'s post_completion."""
     batch = BatchedStream(max_concurrency=max(1, len(prompts)))
+    engine.reset_stats()
     streams = []
     for p in prompts:
         stream = create_request(contexts, engine.post_completion, p.token_ids, cache_salt)
@@ -176,6 +187,7 @@ def run_pipeline(
     if modify_fn is not None:
         batch.progress = progress(f"{name}: modify")
         modify = batch.modify(modify_fn, timeout=modify_timeout)
+    prefill_engine = engine.stats().to_dict()
     engine.reset_stats()
     decode_lengths = [len(s.tokens) for s in streams]
     batch.progress = progress(f"{name}: decode")
@@ -195,6 +207,7 @@ def run_pipeline(
         texts,
         engine=engine.stats().to_dict(),
         decode_prompt_lengths=decode_lengths,
+        prefill_engine=prefill_engine,
     )
     if all(p.answer is not None for p in prompts) and tokenizer is not None:
         result.correct = sum(p.answer in t for p, t in zip(prompts, texts))

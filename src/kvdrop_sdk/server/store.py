@@ -130,15 +130,19 @@ class ChunkStore:
 
     # -- layouts -------------------------------------------------------------------------------
     def register(self, model: str, kind: str, layout: CacheLayout) -> CacheLayout:
-        """Register ``layout`` for (model, kind); re-registering a different layout is refused."""
+        """Register ``layout`` for (model, kind); re-registering a different layout is refused
+        (one without RoPE parameters matches one with them, which are kept)."""
         with self._lock:
             old = self._layouts.get((model, kind))
-            if old is not None and old != layout:
-                raise StoreError(
-                    "layout_conflict",
-                    f"model {model!r} kind {kind!r} is registered with {old.to_json()}, "
-                    f"not {layout.to_json()}; restart the server to change a layout",
-                )
+            if old is not None:
+                try:
+                    layout = old.merged(layout)
+                except ValueError:
+                    raise StoreError(
+                        "layout_conflict",
+                        f"model {model!r} kind {kind!r} is registered with {old.to_json()}, "
+                        f"not {layout.to_json()}; restart the server to change a layout",
+                    ) from None
             self._layouts[(model, kind)] = layout
             return layout
 
