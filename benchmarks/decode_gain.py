@@ -9,11 +9,15 @@ then runs:
 * dropped:  prefill, modify with ``kvdrop.get(--policy, keep_ratio=--keep-ratio)``, decode.
 
 Both runs use the same engine, prompts and greedy sampling; the dropped run's shorter caches let
-more requests share each decode step. Prints every phase, both decode throughputs and their ratio.
+more requests share each decode step. Prints every phase, both decode throughputs and their ratio,
+the modify time per request and, for query policies, the query bytes the engine stored per prompt
+token (``--query-capture window``, the lean default, or ``full``, every prompt token's).
 
     python benchmarks/decode_gain.py                         # CPU, SmolLM2-135M shape, random
+    python benchmarks/decode_gain.py --model-preset tiny --num-requests 4 --policy snapkv
     python benchmarks/decode_gain.py --device cuda --dtype bfloat16 --model-preset qwen3-8b \\
-        --num-requests 30 --prompt-tokens 8192 14336 --max-tokens 512 --share-prefill
+        --num-requests 30 --prompt-tokens 8192 14336 --max-tokens 512 --share-prefill \\
+        --policy snapkv
 """
 
 from __future__ import annotations
@@ -66,6 +70,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policy", default="chunk-halving")
     p.add_argument("--keep-ratio", type=float, default=0.5)
     p.add_argument("--no-rerotate", action="store_true", help="keep kept keys at old positions")
+    p.add_argument(
+        "--policy-device",
+        default="auto",
+        help="where policies score: auto (CUDA when available), cpu, cuda (default auto)",
+    )
+    p.add_argument(
+        "--query-capture",
+        choices=["window", "full"],
+        default="window",
+        help="queries the engine stores for query policies: the last tokens' and a strided "
+        "sample (window, default) or every prompt token's (full)",
+    )
     p.add_argument("--chunk-size", type=int, default=256, help="server chunk size")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
@@ -127,8 +143,8 @@ def server_gb(cfg: ModelConfig, dtype: torch.dtype, prompts: list[list[int]], ar
     """Pool size holding every run's prompt KV (+ queries when the policy needs them) twice over."""
     item = torch.empty((), dtype=dtype).element_size()
     per_token = 2 * cfg.num_layers * cfg.kv_dim * item
-    if kvdrop.describe(args.policy).needs_query:
-        per_token += cfg.num_layers * cfg.q_dim * item
+    if kvdrop.describe(args.policy).needs_query and args.query_capture == "full":
+        per_token += cfg.num_layers * cfg.q_dim * item  # windows live beside the pool
     runs = 1 if args.share_prefill else 2
     total = sum(len(p) + 1 + args.max_tokens for p in prompts) * per_token
     return max(0.25, (runs + args.keep_ratio) * total * 1.15 / 2**30)
@@ -178,12 +194,19 @@ def run(
     finally:
         for c in ctxs:
             c.close()
+    modified = int(res.modify["num_requests"]) if res.modify is not None else 0
     return {
         "run": name,
         "prefill_tokens": res.prefill["input_tokens"],
         "prefill_s": res.prefill["duration"],
         "prefill_tok_s": res.prefill["input_tput"],
+        "query_B_per_tok": res.prefill_query_bytes / max(int(res.prefill["input_tokens"]), 1),
         "modify_s": res.modify["duration"] if res.modify is not None else None,
+        "modify_s_per_req": (
+            float(res.modify["duration"]) / modified
+            if res.modify is not None and modified
+            else None
+        ),
         "kept_fraction": res.modify["kept_fraction"] if res.modify is not None else 1.0,
         "decode_tokens": res.decode["output_tokens"],
         "decode_s": res.decode["duration"],
@@ -207,10 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(args, cfg.vocab_size)
     info = kvdrop.describe(args.policy)
     params: dict[str, Any] = {"keep_ratio": args.keep_ratio, "chunk_size": args.chunk_size}
-    if "head_dim" in {p.name for p in info.params}:
-        params["head_dim"] = cfg.head_dim
-    rerotate = None if args.no_rerotate else cfg.rope
-    policy_fn = kvdrop.get(args.policy, rerotate=rerotate, **params)
+    if "device" in {p.name for p in info.params}:
+        params["device"] = args.policy_device
+    # head_dim and the RoPE parameters come from the layout the engine registers.
+    policy_fn = kvdrop.get(args.policy, rerotate=not args.no_rerotate, **params)
 
     # Budget: the decode request is prompt + 1 prefill token, then max_tokens more.
     if args.kv_budget_tokens:
@@ -225,7 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     with spawn_server(startup_timeout=300.0, **flags) as server:
         model_name = f"bench-{cfg.name}"
         connector = ServerConnector(
-            server.url, server.http_url, model_name, transfer_query=info.needs_query
+            server.url,
+            server.http_url,
+            model_name,
+            transfer_query=info.needs_query,
+            query_capture=args.query_capture,
         )
         engine = Engine(
             model,
@@ -261,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens_total": sum(lengths),
         "max_tokens": args.max_tokens,
         "policy": args.policy,
+        "policy_device": args.policy_device,
+        "query_capture": args.query_capture if info.needs_query else None,
         "keep_ratio": args.keep_ratio,
         "chunk_size": args.chunk_size,
         "block_size": args.block_size,
@@ -277,13 +306,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(format_table([setup], list(setup)[:9], title="Setup"))
-    print(format_table([setup], list(setup)[9:]))
+    keys = list(setup)
+    print(format_table([setup], keys[:9], title="Setup"))
+    print(format_table([setup], keys[9:18]))
+    print(format_table([setup], keys[18:]))
     print()
     cols = [
         "run",
         "prefill_tok_s",
+        "query_B_per_tok",
         "modify_s",
+        "modify_s_per_req",
         "kept_fraction",
         "decode_tokens",
         "decode_s",

@@ -404,16 +404,16 @@ class SelectorPolicy(Policy):
         """This request's cached-token budget; warns (once per policy) when chunk alignment keeps
         far less of the whole prompt than asked."""
         sel = self.selector
-        budget = sel.budget(inputs.num_tokens, inputs.prompt_tokens, inputs.protected)
-        asked = sel.requested(inputs.prompt_tokens)
+        budget = sel.budget(inputs.num_tokens, inputs.protected)
+        asked = sel.requested(inputs.num_tokens, inputs.prompt_tokens)
         kept = budget + inputs.prompt_tokens - inputs.num_tokens
         if kept < BUDGET_WARN_FRACTION * asked and not getattr(self, "_budget_warned", False):
             self._budget_warned = True
             warnings.warn(
                 f"{self.name}: chunk alignment keeps {kept} of {inputs.prompt_tokens} prompt "
                 f"tokens, {kept / max(asked, 1):.0%} of the {asked:.0f} asked for (budgets are "
-                f"whole chunks of {sel.chunk_size}); use a smaller chunk_size or keep more. "
-                "Shown once per policy.",
+                f"whole chunks of {sel.chunk_size}, aligned down); use a smaller chunk_size or "
+                "keep more. Shown once per policy.",
                 PolicyWarning,
                 stacklevel=4,
             )

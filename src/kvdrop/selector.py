@@ -6,11 +6,12 @@ keyed by token ids, so per-head selection cannot be stored).
 
 The edit sees the ``T`` cached (chunk-aligned) tokens of a prompt of ``N >= T`` tokens; the other
 ``N - T`` (the uncached tail, and tokens generated so far) are recomputed by the engine and never
-dropped. Budgets are of the WHOLE prompt, so the kept fraction is what was asked for:
+dropped, so they count as kept: the kept fraction of the whole prompt is ``(k + N - T) / N``.
 
-1. budget ``k`` of the cached part: ``keep_ratio * N`` (or ``keep_tokens``) minus the tail,
-   aligned DOWN to a multiple of ``chunk_size`` and never below one chunk (nor below the
-   protected prefix, rounded up to whole chunks); if ``k >= T`` the input is returned unchanged;
+1. budget ``k`` of the cached part: ``keep_ratio * T`` or ``keep_tokens``, aligned DOWN to a
+   multiple of ``chunk_size`` and never below one chunk (nor below the protected prefix, rounded
+   up to whole chunks); if ``k >= T`` the input is returned unchanged. Policies warn when that
+   keeps far less of the whole prompt than asked (alignment at short lengths);
 2. forced tokens: the protected prefix (never dropped), the last ``window`` tokens of the whole
    prompt that are cached (``window - (N - T)`` of them, the tail holds the rest) and the first
    ``n_sink`` (attention sinks). If they exceed ``k``, protected come first, then the most recent,
@@ -128,24 +129,25 @@ class Selector:
         if self.keep_ratio is None and self.keep_tokens is None:
             object.__setattr__(self, "keep_ratio", 0.5)
 
-    def requested(self, prompt_tokens: int) -> float:
-        """Tokens of a ``prompt_tokens``-token prompt this selector is asked to keep (unaligned)."""
-        if self.keep_tokens is not None:
-            return float(min(self.keep_tokens, prompt_tokens))
-        assert self.keep_ratio is not None
-        return self.keep_ratio * prompt_tokens
-
-    def budget(self, num_tokens: int, prompt_tokens: int | None = None, protected: int = 0) -> int:
-        """Cached tokens to keep out of ``num_tokens``: the whole prompt's budget minus the tail,
-        chunk-aligned down, at least one chunk and the protected prefix, at most ``T``."""
+    def requested(self, num_tokens: int, prompt_tokens: int | None = None) -> float:
+        """Tokens of the whole prompt this selector is asked to keep (unaligned):
+        ``keep_ratio`` of all ``prompt_tokens``, or ``keep_tokens`` plus the tail (never
+        dropped)."""
         total = num_tokens if prompt_tokens is None else max(prompt_tokens, num_tokens)
-        tail = total - num_tokens
         if self.keep_tokens is not None:
-            raw = self.keep_tokens - tail
+            return float(min(self.keep_tokens, num_tokens) + total - num_tokens)
+        assert self.keep_ratio is not None
+        return self.keep_ratio * total
+
+    def budget(self, num_tokens: int, protected: int = 0) -> int:
+        """Cached tokens to keep out of ``num_tokens``: chunk-aligned down, at least one chunk
+        and the protected prefix, at most ``T``."""
+        if self.keep_tokens is not None:
+            raw = self.keep_tokens
         else:
             assert self.keep_ratio is not None
             # A tiny epsilon keeps e.g. 0.3 * 1000 == 300 from flooring to 299.
-            raw = int(self.keep_ratio * total + 1e-9) - tail
+            raw = int(self.keep_ratio * num_tokens + 1e-9)
         c = self.chunk_size
         aligned = max(c, raw - raw % c)
         if protected:
@@ -165,7 +167,7 @@ class Selector:
     ) -> Selection:
         """What this selector keeps of a ``num_tokens`` request (``budget``: this many instead)."""
         if budget is None:
-            budget = self.budget(num_tokens, prompt_tokens, protected)
+            budget = self.budget(num_tokens, protected)
         return Selection(
             num_tokens=num_tokens,
             budget=budget,
@@ -218,7 +220,7 @@ class Selector:
     ) -> torch.Tensor:
         """Sorted int64 indices of the kept tokens: the first ``budget`` of :meth:`ranking`."""
         num_tokens = scores.shape[0]
-        k = self.budget(num_tokens, prompt_tokens, protected) if budget is None else budget
+        k = self.budget(num_tokens, protected) if budget is None else budget
         if k >= num_tokens:
             return torch.arange(num_tokens)
         order = self.ranking(scores, prompt_tokens=prompt_tokens, protected=protected)

@@ -78,7 +78,7 @@ def test_readme_snapkv_example_rerotates_through_the_reference_engine() -> None:
             assert context.prompt_tokens == 901 and context.query_lse is not None
             # The observation window is the prompt's last 64 tokens, tail included.
             assert context.query_positions[-64:].tolist() == list(range(836, 900))
-            # 450 of 901 asked; the 133-token tail stays, so one 256-token chunk of the 768.
+            # Half of the 768 cached tokens, aligned down to one chunk; the 133-token tail stays.
             assert (result.total_tokens, result.kept_tokens) == (768, 256)
             assert result.kept_fraction == pytest.approx((256 + 133) / 901)
             _, index = kvdrop.get("snapkv", keep_ratio=0.5).select_indices(
@@ -160,7 +160,7 @@ def test_edited_before_and_after_64_decoded_tokens_with_every_query_policy(
                 fn, seen = recording(kvdrop.get(name, keep_ratio=0.5, chunk_size=chunk))
                 stream.generate({**GREEDY, "max_tokens": 1})
                 first = stream.modify_kv(fn)
-                # 301 tokens: 150 asked, 13 in the tail, 128 of the 288 cached kept.
+                # 301 tokens, 288 cached: half of them aligned down to 128; the tail of 13 stays.
                 assert (first.total_tokens, first.kept_tokens) == (288, 128), name
                 assert stream.tokens[:protected] == prompt[:protected]
                 stream.generate({**GREEDY, "max_tokens": 64})
@@ -175,10 +175,10 @@ def test_edited_before_and_after_64_decoded_tokens_with_every_query_policy(
                 qpos = ctx.query_positions.tolist()
                 assert qpos[-64:] == list(range(n - 65, n - 1)), name
                 assert ctx.query_lse is not None and ctx.rope is not None
-                assert second.kept_tokens == 64 and stream.tokens[:protected] == prompt[:protected]
+                assert second.kept_tokens == 96 and stream.tokens[:protected] == prompt[:protected]
                 assert second.suffix_tokens == n - 192
                 after = stream.generate({**GREEDY, "max_tokens": 8})
-                assert after.output_tokens == 8 and after.input_tokens == 64 + n - 192
+                assert after.output_tokens == 8 and after.input_tokens == 96 + n - 192
                 assert len(stream.output_tokens) == 1 + 64 + 8
             kv_ctx.close()
             q_ctx.close()

@@ -76,18 +76,16 @@ def test_selection_reports_what_the_selector_keeps() -> None:
     assert sel.selection(100, budget=16).budget == 16
 
 
-def test_budget_is_of_the_whole_prompt_and_the_tail_counts_as_kept() -> None:
+def test_budget_is_of_the_cached_part_and_what_is_asked_counts_the_tail() -> None:
     sel = Selector(keep_ratio=0.5, chunk_size=256)
-    # 1018-token prompt, 768 cached: half the prompt is 509, the 250-token tail is kept anyway,
-    # 259 of the cached part remain, aligned down to one chunk.
-    assert sel.budget(768, 1018) == 256
-    assert sel.budget(768) == 256  # without a longer prompt: half of 768, aligned down
-    assert Selector(keep_ratio=0.5, chunk_size=16).budget(768, 1018) == 256
-    assert Selector(keep_ratio=0.9, chunk_size=16).budget(768, 1018) == 656
-    # A tail longer than the budget: still one chunk (the minimum), never more than T.
-    assert Selector(keep_ratio=0.1, chunk_size=16).budget(64, 1000) == 16
-    assert Selector(keep_tokens=600, chunk_size=16).budget(768, 1018) == 336
-    assert sel.requested(1018) == 509 and Selector(keep_tokens=5000).requested(1018) == 1018
+    # 1018-token prompt, 768 cached: half of them is 384, aligned down to one chunk; the
+    # 250-token tail is kept anyway, so 506 of the 509 asked of the whole prompt are kept.
+    assert sel.budget(768) == 256 and sel.requested(768, 1018) == 509
+    assert Selector(keep_ratio=0.5, chunk_size=256).budget(1024) == 512
+    assert Selector(keep_ratio=0.1, chunk_size=16).budget(64) == 16  # at least one chunk
+    assert Selector(keep_tokens=600, chunk_size=16).budget(768) == 592
+    assert Selector(keep_tokens=5000).requested(1018) == 1018
+    assert Selector(keep_tokens=300).requested(768, 1018) == 550
 
 
 def test_recent_window_counts_the_tail_and_protected_tokens_come_first() -> None:

@@ -232,7 +232,7 @@ def test_engine_with_kvdrop_server_through_the_sdk(tmp_path: Path) -> None:
                 assert len(stream.output_tokens) == 9  # 1 from prefill + 8 decoded
                 kept = p[:256] + p[512:768]
                 assert kv_ctx.lookup(kept, stream.active_cache_salt) == 512
-                assert kv_ctx.lookup(kept) == 0  # the edit is this request's own
+                assert kv_ctx.lookup(kept) == 256  # only the unedited first chunk is shared
             # Decode loaded the 512 kept tokens and computed only the 33-token suffix
             # (32-token prompt tail + the prefill's token); prefill had computed everything.
             stats = requests.get(proc.url + "/stats", timeout=10).json()

@@ -85,11 +85,9 @@ def random_prompts(vocab_size: int, n: int, prompt_tokens: int, seed: int = 0) -
 
 
 def kept_count(num_tokens: int, keep_ratio: float, chunk_size: int) -> int:
-    """Tokens a policy keeps of a prompt's cached (chunk-aligned) prefix, per the selector (the
-    budget is of the whole prompt; the uncached tail counts as kept)."""
+    """Tokens a policy keeps of a prompt's cached (chunk-aligned) prefix, per the selector."""
     cached = num_tokens - num_tokens % chunk_size
-    selector = Selector(keep_ratio=keep_ratio, chunk_size=chunk_size)
-    return selector.budget(cached, num_tokens) if cached else 0
+    return Selector(keep_ratio=keep_ratio, chunk_size=chunk_size).budget(cached) if cached else 0
 
 
 def engine_budget(

@@ -100,7 +100,10 @@ def test_snapkv_window_in_the_tail_observes_every_cached_key_with_true_attention
     # Without log-normalisers the softmax runs over the cached keys only: other numbers.
     alone = scores_of(policy, tensors, list(range(t)), query_positions=rows, prompt_tokens=total)
     assert not torch.allclose(alone, got)
-    # Budget of the whole prompt: 40 tokens of 80 with a 32-token tail leaves one chunk of 48.
+    # The budget is of the cached part; its forced window is empty (the tail holds all of it).
+    policy = kvdrop.get(
+        "snapkv", window=w, kernel=1, keep_tokens=8, chunk_size=8, head_dim=D, rerotate=False
+    )
     _, kept = policy(
         tensors,
         list(range(t)),
@@ -114,14 +117,14 @@ def test_forced_window_counts_the_tail() -> None:
     of 5 and window 8 only the last 3 cached tokens are forced."""
     kv, q = make(40, seed=2)
     rows = torch.arange(32, 40)
-    policy = kvdrop.get("snapkv", window=8, keep_tokens=13, chunk_size=1, head_dim=D)
+    policy = kvdrop.get("snapkv", window=8, keep_tokens=4, chunk_size=1, head_dim=D)
     policy.rerotate = False
     _, kept = policy(
         {CacheKind.KV: kv[:, :, :35], CacheKind.QUERY: q[:, :, rows]},
         list(range(35)),
         context=EditContext.of(35, query_positions=rows, prompt_tokens=40),
     )
-    assert len(kept) == 8 and kept[-3:] == [32, 33, 34]
+    assert len(kept) == 4 and kept[-3:] == [32, 33, 34] and kept[0] < 32
 
 
 def test_short_window_warns_and_uses_what_exists() -> None:
