@@ -109,8 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--query-stride",
         type=int,
         default=64,
-        help="S: queries of every S-th position are saved too (H2O's sample; 0 = none; "
-        "default 64)",
+        help="S: queries of every S-th position are saved too (H2O's sample; 0 = none; default 64)",
     )
     kv.add_argument(
         "--store-decoded-kv",
