@@ -17,7 +17,8 @@ Queries come in two modes (``query_capture``):
   ``query_window`` computed positions of the whole sequence (the prompt's uncached tail and the
   generated tokens included) and every ``query_stride``-th position -- stored once at the end of
   the request as a window record keyed by its token ids (:mod:`kvdrop_sdk.window`,
-  :class:`~kvdrop_engine.capture.WindowCapture`). About ``(W + T / S) / T`` of the full queries.
+  :class:`~kvdrop_engine.capture.WindowCapture`), with each row's attention log-normalisers.
+  About ``(W + T / S) / T`` of the full queries.
 * ``"full"`` (upstream layout, for LMCache-style consumers): every prompt token's query in whole
   chunks under ``<model>##query``, plus the window record.
 
@@ -38,7 +39,6 @@ import requests
 import torch
 from torch import Tensor
 
-from kvdrop_engine.capture import WindowCapture
 from kvdrop_engine.errors import EngineError
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
@@ -180,18 +180,22 @@ class StoreJob:
 @dataclass
 class WindowJob:
     """A finished request's query window to push to the server, from the caller's thread (before
-    its last token is handed over, so a caller that saw the end finds the window)."""
+    its last token is handed over, so a caller that saw the end finds the window):
+    ``positions`` ``[R]``, ``queries`` ``[L, R, Hq, d]`` and log-normalisers ``lse``
+    ``[L, R, Hq]`` (on the model's device), for the call over ``tokens``."""
 
-    capture: WindowCapture
+    positions: Tensor
+    queries: Tensor
+    lse: Tensor
     tokens: list[int]
     cache_salt: str
 
     def run(self, conn: EngineConnector) -> tuple[int, int]:
-        """Store it; returns ``(rows, bytes)`` sent (``(0, 0)`` when there was nothing)."""
-        record = self.capture.record()
-        if record is None:
-            return 0, 0
-        positions, queries, lse = record
+        """Store it; returns ``(rows, bytes)`` sent."""
+        q = self.queries
+        queries = q.reshape(q.shape[0], q.shape[1], -1).unsqueeze(0).to("cpu")
+        lse = self.lse.unsqueeze(0).to(device="cpu", dtype=torch.float32)
+        positions = self.positions
         try:
             conn.store_window(self.tokens, QueryWindow(queries, positions, lse), self.cache_salt)
         except Exception as exc:

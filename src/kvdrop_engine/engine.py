@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from kvdrop_engine.capture import WindowCapture
+from kvdrop_engine.capture import WindowCapture, log_normalisers
 from kvdrop_engine.connector import EngineConnector, PrefixPlan, StoreJob, WindowJob, plan_prefix
 from kvdrop_engine.errors import EngineError, InvalidRequestError, RequestTooLargeError
 from kvdrop_engine.paged import PagedAttention, PagedKVCache, SeqStep, blocks_needed
@@ -113,29 +113,30 @@ class _Request:
         if plan.capture_window and conn is not None:
             self.window = WindowCapture(len(self.prompt), conn.query_window, conn.query_stride)
 
-    def capture_offsets(self, n: int) -> tuple[list[int], list[int]] | None:
-        """Offsets of the next ``n`` computed tokens whose queries this step captures, and those
-        of them whose log-normalisers it records (the window rows)."""
-        window = [] if self.window is None else self.window.wanted(self.num_computed, n)
+    def capture_offsets(self, n: int) -> list[int] | None:
+        """Offsets of the next ``n`` computed tokens whose queries this step must capture."""
         if self.prefilling and self.capture_queries and self.num_computed < self.store_upto:
-            return list(range(n)), window  # full mode: every prompt row up to store_upto
-        return (window, window) if window else None
+            return list(range(n))  # full mode: every prompt row up to store_upto
+        if self.window is not None:
+            return self.window.wanted(self.num_computed, n) or None
+        return None
 
-    def take_queries(self, rows: Tensor, offsets: list[int], lse: Tensor | None) -> None:
+    def take_queries(self, rows: Tensor, offsets: list[int]) -> None:
         """Hand this step's captured rows ``[L, r, Hq, d]`` (at ``offsets``) to the chunk store
-        (full mode), and the window rows (with their log-normalisers) to the query window."""
+        (full mode) and the query window."""
         start = self.num_computed
         if self.prefilling and self.capture_queries and start < self.store_upto:
             keep = max(0, min(len(offsets), self.store_upto - start))
             if keep:
                 q = rows[:, :keep]
                 self.query_parts.append(q.reshape(q.shape[0], keep, -1).cpu())
-        if self.window is not None and lse is not None and lse.shape[1]:
+        if self.window is not None:
             wanted = self.window.wanted(start, max(offsets) + 1)
-            at = {off: i for i, off in enumerate(offsets)}
-            pick = [at[off] for off in wanted]
-            sel = rows if len(pick) == len(offsets) else rows[:, pick]
-            self.window.add([start + off for off in wanted], sel, lse)
+            if wanted:
+                at = {off: i for i, off in enumerate(offsets)}
+                pick = [at[off] for off in wanted]
+                sel = rows if len(pick) == len(offsets) else rows[:, pick]
+                self.window.add([start + off for off in wanted], sel)
 
 
 @dataclass
@@ -479,14 +480,11 @@ class Engine:
     def _step(self, batch: list[_Request]) -> None:
         plan = plan_step(batch, self.max_prefill_tokens)
         capture: dict[int, list[int]] = {}
-        lse_rows: dict[int, list[int]] = {}
         for req, n in plan.stepped:
             offsets = req.capture_offsets(n)
-            if offsets is not None:
-                capture[req.rid], window = offsets
-                if window:
-                    lse_rows[req.rid] = window
-        attn = PagedAttention(self.cache, plan.seqs, capture_rows=capture, lse_rows=lse_rows)
+            if offsets:
+                capture[req.rid] = offsets
+        attn = PagedAttention(self.cache, plan.seqs, capture_rows=capture)
         dev = self.device
         with torch.inference_mode():
             logits = self.model(
@@ -497,8 +495,7 @@ class Engine:
             )
         for req, n in plan.stepped:
             if req.rid in capture:
-                lse = attn.captured_lse(req.rid) if req.rid in lse_rows else None
-                req.take_queries(attn.captured_rows(req.rid), capture[req.rid], lse)
+                req.take_queries(attn.captured_rows(req.rid), capture[req.rid])
             req.num_computed += n
         with self._cv:
             self._stats.steps += 1
@@ -548,9 +545,19 @@ class Engine:
             if aligned > max(req.store_upto, len(req.prompt) // conn.chunk_size * conn.chunk_size):
                 kv = self.cache.read(req.blocks, aligned).cpu()
                 req.out.put(StoreJob(kv, None, sequence[:aligned], req.cache_salt))
-        if req.window is not None and req.window.num_rows:
-            req.out.put(WindowJob(req.window, sequence, req.cache_salt))
-            req.window = None
+        rows = None if req.window is None else req.window.rows()
+        req.window = None
+        if rows is not None:
+            positions, queries = rows
+            # Log-normalisers from the request's own keys, while its blocks are still its own.
+            with torch.inference_mode():
+                lse = log_normalisers(
+                    queries,
+                    positions,
+                    lambda layer: self.cache.keys(req.blocks, layer, computed),
+                    self.config.head_dim**-0.5,
+                )
+            req.out.put(WindowJob(positions, queries, lse, sequence, req.cache_salt))
 
     def _free(self, req: _Request) -> None:
         if req.blocks:

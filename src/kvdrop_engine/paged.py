@@ -161,6 +161,11 @@ class PagedKVCache:
         self.k.view(flat)[:, slots] = kv[0]
         self.v.view(flat)[:, slots] = kv[1]
 
+    def keys(self, block_table: Sequence[int], layer: int, num_tokens: int) -> Tensor:
+        """Keys of tokens ``0 .. num_tokens-1`` of one layer: ``[T, Hkv, d]`` (a gathered copy)."""
+        slots = self.slots(block_table, 0, num_tokens)
+        return self.k[layer].view(-1, self.num_kv_heads, self.head_dim)[slots]
+
     def read(self, block_table: Sequence[int], num_tokens: int) -> Tensor:
         """KV of tokens ``0 .. num_tokens-1`` in the server layout ``[2, L, T, Hkv*d]``."""
         slots = self.slots(block_table, 0, num_tokens)
@@ -188,58 +193,13 @@ class _Group:
     """Precomputed indices for one SDPA call (a batch of decodes, or one prefill chunk)."""
 
     def __init__(
-        self,
-        rows: Tensor,
-        blocks: Tensor,
-        mask: Tensor,
-        length: int,
-        prefill: bool,
-        row_ids: Sequence[int] = (),
+        self, rows: Tensor, blocks: Tensor, mask: Tensor, length: int, prefill: bool
     ) -> None:
         self.rows = rows  # forward rows of this group's queries
         self.blocks = blocks  # [B, nblk] block ids (padded with 0)
         self.mask = mask  # decode: [B, 1, 1, T]; prefill: [n, T] (True = attend)
         self.length = length  # keys gathered per sequence (T)
         self.prefill = prefill
-        self.row_ids = row_ids  # the same forward rows, on the CPU
-        # Rows of this group whose softmax log-normaliser is recorded: indices into the group's
-        # rows, and their slots in the step's log-normaliser buffer.
-        self.lse_local: Tensor | None = None
-        self.lse_slots: Tensor | None = None
-
-
-#: Bound of one float32 logits tile when recording log-normalisers (rows are blocked under it).
-_LSE_TILE_BYTES = 64 << 20
-
-
-def _log_normalisers(qg: Tensor, kb: Tensor, g: _Group, scale: float) -> Tensor:
-    """``logsumexp`` over the visible keys of the scaled logits of ``g.lse_local`` rows:
-    ``[rows, Hq]`` float32 (blocks of rows keep the logits tile under ``_LSE_TILE_BYTES``)."""
-    assert g.lse_local is not None
-    hkv, length, d = kb.shape[1:]
-    hq = qg.shape[1]
-    group = hq // hkv
-    qc = qg[g.lse_local].to(torch.float32) * scale  # [r, Hq, d]
-    r = qc.shape[0]
-    if g.prefill:
-        keys = kb[0].to(torch.float32)  # [Hkv, T, d]
-        mask = g.mask[g.lse_local]  # [r, T]
-        step = max(1, _LSE_TILE_BYTES // (4 * hq * length))
-        parts = []
-        for i in range(0, r, step):
-            qi = qc[i : i + step]
-            n = qi.shape[0]
-            qh = qi.view(n, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, n * group, d)
-            logits = torch.matmul(qh, keys.transpose(1, 2)).view(hkv, n, group, length)
-            visible = mask[i : i + step].view(1, n, 1, length)
-            logits = logits.masked_fill(~visible, -torch.inf)
-            parts.append(torch.logsumexp(logits, dim=-1).permute(1, 0, 2).reshape(n, hq))
-        return torch.cat(parts)
-    keys = kb[g.lse_local].to(torch.float32)  # [r, Hkv, T, d]
-    qh = qc.view(r, hkv, group, d)
-    logits = torch.matmul(qh, keys.transpose(2, 3))  # [r, Hkv, G, T]
-    logits = logits.masked_fill(~g.mask[g.lse_local], -torch.inf)
-    return torch.logsumexp(logits, dim=-1).reshape(r, hq)
 
 
 class PagedAttention:
@@ -251,10 +211,7 @@ class PagedAttention:
     ``capture`` names sequence ids whose post-RoPE queries are all kept, ``capture_rows`` maps
     sequence ids to the offsets (``0..num_new-1``) of the rows to keep; ``captured_rows(seq_id)``
     returns them as ``[L, rows, Hq, d]`` after the forward (``captured[seq_id][layer]`` is the
-    per-layer view). ``lse_rows`` (offsets among the captured ones) also records, per layer and
-    query head, the log-sum-exp of each such row's attention logits over every key it attends
-    to: ``captured_lse(seq_id)`` ``[L, rows, Hq]`` float32. With it a policy recovers the row's
-    true attention probabilities on any subset of those keys (``exp(q.k * scale - lse)``).
+    per-layer view).
     """
 
     def __init__(
@@ -264,7 +221,6 @@ class PagedAttention:
         *,
         capture: Collection[Hashable] = (),
         capture_rows: Mapping[Hashable, Sequence[int]] | None = None,
-        lse_rows: Mapping[Hashable, Sequence[int]] | None = None,
         max_decode_padding: float = 0.25,
     ) -> None:
         self.cache = cache
@@ -275,9 +231,6 @@ class PagedAttention:
         self._capture_spans: dict[Hashable, tuple[int, int]] = {}
         capture_index: list[int] = []
         capture_rows = capture_rows or {}
-        lse_rows = lse_rows or {}
-        self._lse_spans: dict[Hashable, tuple[int, int]] = {}
-        lse_index: list[int] = []
         decodes: list[tuple[int, SeqStep]] = []  # (row, seq)
         self._groups: list[_Group] = []
         row = 0
@@ -300,16 +253,6 @@ class PagedAttention:
                         )
                     capture_index.append(row + off)
                 self._capture_spans[s.seq_id] = (first, len(capture_index))
-            if s.seq_id in lse_rows:
-                first = len(lse_index)
-                for off in lse_rows[s.seq_id]:
-                    if not 0 <= off < s.num_new:
-                        raise ValueError(
-                            f"lse offset {off} is outside sequence {s.seq_id!r}'s "
-                            f"{s.num_new} new tokens"
-                        )
-                    lse_index.append(row + off)
-                self._lse_spans[s.seq_id] = (first, len(lse_index))
             total = s.start + s.num_new
             if s.num_new == 1:
                 decodes.append((row, s))
@@ -320,14 +263,7 @@ class PagedAttention:
                 mask = torch.arange(total).unsqueeze(0) <= q_pos  # [n, T]
                 rows = torch.arange(row, row + s.num_new)
                 self._groups.append(
-                    _Group(
-                        rows.to(dev),
-                        blocks.unsqueeze(0).to(dev),
-                        mask.to(dev),
-                        total,
-                        True,
-                        range(row, row + s.num_new),
-                    )
+                    _Group(rows.to(dev), blocks.unsqueeze(0).to(dev), mask.to(dev), total, True)
                 )
             row += s.num_new
         self.num_tokens = row
@@ -339,24 +275,6 @@ class PagedAttention:
         )
         self._capture_layers: list[Tensor] = []
         self._stacked: Tensor | None = None
-        self._num_lse = len(lse_index)
-        self._lse_layers: list[Tensor] = []
-        self._lse_stacked: Tensor | None = None
-        if lse_index:
-            slot_of = {r: i for i, r in enumerate(lse_index)}
-            for g in self._groups:
-                local = [i for i, r in enumerate(g.row_ids) if r in slot_of]
-                if local:
-                    g.lse_local = torch.tensor(local, dtype=torch.long, device=dev)
-                    slots = [slot_of[g.row_ids[i]] for i in local]
-                    g.lse_slots = torch.tensor(slots, dtype=torch.long, device=dev)
-
-    def captured_lse(self, seq_id: Hashable) -> Tensor:
-        """Log-normalisers of ``seq_id``'s ``lse_rows``: ``[L, rows, Hq]`` float32."""
-        first, end = self._lse_spans[seq_id]
-        if self._lse_stacked is None or self._lse_stacked.shape[0] != len(self._lse_layers):
-            self._lse_stacked = torch.stack(self._lse_layers)
-        return self._lse_stacked[:, first:end]
 
     def captured_rows(self, seq_id: Hashable) -> Tensor:
         """The captured query rows of ``seq_id``: ``[L, rows, Hq, d]`` (after the forward)."""
@@ -406,9 +324,8 @@ class PagedAttention:
                 table[i, :k] = torch.as_tensor(list(s.block_table[:k]), dtype=torch.long)
             t = nblk * bs
             mask = (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)).view(len(grp), 1, 1, t)
-            row_ids = [r for r, _ in grp]
-            rows = torch.tensor(row_ids)
-            out.append(_Group(rows.to(dev), table.to(dev), mask.to(dev), t, False, row_ids))
+            rows = torch.tensor([r for r, _ in grp])
+            out.append(_Group(rows.to(dev), table.to(dev), mask.to(dev), t, False))
         return out
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -427,18 +344,11 @@ class PagedAttention:
         kc, vc = cache.k[layer], cache.v[layer]  # [num_blocks, bs, Hkv, d]
         out = torch.empty_like(q)
         scale = d**-0.5
-        lse = None
-        if self._num_lse:
-            lse = torch.empty(self._num_lse, hq, dtype=torch.float32, device=q.device)
-            self._lse_layers.append(lse)
         for g in self._groups:
             b = g.blocks.shape[0]
             kb = kc[g.blocks].reshape(b, -1, hkv, d)[:, : g.length].transpose(1, 2)
             vb = vc[g.blocks].reshape(b, -1, hkv, d)[:, : g.length].transpose(1, 2)
             qg = q[g.rows]  # [rows, Hq, d]
-            if lse is not None and g.lse_local is not None:
-                assert g.lse_slots is not None
-                lse[g.lse_slots] = _log_normalisers(qg, kb, g, scale)
             if g.prefill and q.is_cuda:
                 # Flash attention with bottom-right causal alignment (new tokens are the last
                 # rows of the sequence) and native GQA: no mask tensor, no repeated K/V.

@@ -164,3 +164,42 @@ def test_head_dim_comes_from_the_context() -> None:
     _, kept = policy(tensors, list(range(32)), context=EditContext.of(32, head_dim=D))
     explicit = kvdrop.get("snapkv", keep_tokens=16, chunk_size=8, window=4, head_dim=D)
     assert kept == explicit(tensors, list(range(32)), context=EditContext.of(32))[1]
+
+
+def test_device_resolution() -> None:
+    from kvdrop.policy import resolve_device
+
+    cpu = torch.zeros(1)
+    assert resolve_device("cpu", "cuda", cpu) == torch.device("cpu")  # explicit wins
+    assert resolve_device("auto", "cpu", cpu) == torch.device("cpu")  # then the context's
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto", None, cpu).type == expected
+    with pytest.raises(kvdrop.PolicyParamError, match="device"):
+        kvdrop.get("snapkv", device="gpu-please")
+
+
+@pytest.mark.parametrize("name", sorted(set(kvdrop.available()) - {"compose", "budget", "chunk"}))
+def test_every_policy_scores_on_the_requested_device_and_returns_cpu_indices(name: str) -> None:
+    """CPU here (and CUDA tensors with a CPU index were the h2o crash); the GPU run of this test
+    is below. Results do not depend on where scores are computed."""
+    kv, q = make(96, seed=7)
+    rows = torch.tensor([0, 16, *range(32, 96)])  # a strided sample and the last 64
+    tensors = {CacheKind.KV: kv, CacheKind.QUERY: q[:, :, rows]}
+    info = kvdrop.describe(name)
+    params = {**info.example, "keep_tokens": 32, "chunk_size": 8}
+    ctx = EditContext.of(96, query_positions=rows, head_dim=D)
+    if "head_dim" in {p.name for p in info.params}:
+        params["head_dim"] = D
+    if name == "last-queries":  # a dense-only plugin scorer: hand it every query
+        tensors[CacheKind.QUERY], ctx = q, EditContext.of(96, head_dim=D)
+    here = kvdrop.get(name, device="cpu", rerotate=False, **params)
+    kv_out, index = here.select_indices(tensors, list(range(96)), context=ctx)
+    assert index.device.type == "cpu" and index.dtype == torch.int64 and kv_out is kv
+    if torch.cuda.is_available():
+        there = kvdrop.get(name, device="cuda", rerotate=False, **params)
+        assert there.select_indices(tensors, list(range(96)), context=ctx)[1].tolist() == (
+            index.tolist()
+        )
+        on_gpu = {k: v.cuda() for k, v in tensors.items()}
+        out, kept = there(on_gpu, list(range(96)), context=ctx)
+        assert out.is_cuda and kept == index.tolist()
