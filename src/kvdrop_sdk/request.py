@@ -389,7 +389,7 @@ class RequestStream:
             new_tokens = self._check_tokens(tokens, "tokens")
             ctx = self._context(kind)
             self._check_tensor(kind, kv, new_tokens, self._layout_reference(ctx, kind))
-            stored = self._store_and_commit({kind: kv}, new_tokens, current[replaces:])
+            stored = self._store_and_commit({kind: kv}, new_tokens, current[replaces:], 30.0)
             self._done = False
             return stored
 
@@ -445,7 +445,9 @@ class RequestStream:
             except (TypeError, ValueError) as exc:
                 raise RequestStreamError(f"stream {self._request_stream_id}: {exc}") from None
             self._check_tensor(CacheKind.KV, new_kv, new_tokens, tensors[CacheKind.KV])
-            stored = self._store_and_commit({CacheKind.KV: new_kv}, new_tokens, current[cached:])
+            stored = self._store_and_commit(
+                {CacheKind.KV: new_kv}, new_tokens, current[cached:], timeout
+            )
             return ModifyResult(
                 total_tokens=cached,
                 kept_tokens=len(new_tokens),
@@ -531,6 +533,26 @@ class RequestStream:
                 got[kind] = tensor[:, :, :common].contiguous()
         return got, common
 
+    def _await_visible(self, ctx: Any, tokens: list[int], timeout: float) -> None:
+        """Poll until ``ctx`` serves the whole chunks just stored under ``tokens``.
+
+        An LMCache server acknowledges a store before it commits it; without this wait the next
+        request (the decode after a modify) could miss the edit and recompute the kept tokens.
+        kvdrop's server commits before it answers (its contexts have ``lookup``; no wait).
+        """
+        whole = len(tokens) // self._chunk_size() * self._chunk_size()
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while self._lookup(ctx, tokens) < whole:
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "stream %s: the server does not serve the %d stored tokens after %gs",
+                    self._request_stream_id,
+                    whole,
+                    timeout,
+                )
+                return
+            time.sleep(0.005)
+
     def _check_tokens(self, tokens: Any, what: str) -> list[int]:
         out = token_ids(tokens, what)
         if not out:
@@ -590,14 +612,19 @@ class RequestStream:
             )
 
     def _store_and_commit(
-        self, tensors: dict[CacheKind, torch.Tensor], tokens: list[int], suffix: list[int]
+        self,
+        tensors: dict[CacheKind, torch.Tensor],
+        tokens: list[int],
+        suffix: list[int],
+        timeout: float = 30.0,
     ) -> bool:
         results: dict[CacheKind, bool] = {}
         for kind in sorted(tensors, key=lambda k: k is CacheKind.KV):  # KV last
+            ctx = self._contexts[kind]
             try:
-                results[kind] = bool(
-                    self._contexts[kind].store(tensors[kind], tokens, self.cache_salt)
-                )
+                results[kind] = bool(ctx.store(tensors[kind], tokens, self.cache_salt))
+                if results[kind] and not callable(getattr(ctx, "lookup", None)):
+                    self._await_visible(ctx, tokens, timeout)
             except Exception as exc:  # kvdrop's SDKError or lmcache.sdk's LMCacheSDKError
                 raise RequestStreamError(
                     f"stream {self._request_stream_id}: storing the edited {kind.value} "
