@@ -21,6 +21,13 @@ REASON = (
 )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # LMCache's loggers attach opentelemetry's deprecated LoggingHandler on import.
+    config.addinivalue_line(
+        "filterwarnings", "ignore:`LoggingHandler` in `opentelemetry-sdk` is deprecated"
+    )
+
+
 def need_lmcache() -> None:
     """Skip the calling test without lmcache (fail instead under KVDROP_REQUIRE_LMCACHE=1)."""
     if HAVE_LMCACHE:
