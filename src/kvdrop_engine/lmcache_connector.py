@@ -143,7 +143,7 @@ class LMCacheConnector:
         *,
         transfer_query: bool | None = None,
         timeout: float = 60.0,
-        staging_tokens: int = 8192,
+        staging_tokens: int = 2048,
     ) -> None:
         if not isinstance(model_name, str) or not model_name:
             raise ValueError(f"model_name must be a non-empty str, got {model_name!r}")
