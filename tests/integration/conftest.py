@@ -37,6 +37,12 @@ def need_lmcache() -> None:
     pytest.skip(REASON)
 
 
+@pytest.fixture
+def require_lmcache() -> None:
+    """Skip (or fail, see the module docstring) when lmcache is not installed."""
+    need_lmcache()
+
+
 @pytest.fixture(scope="session")
 def lmcache_server() -> Iterator[Any]:
     """A real LMCache server (shared memory, ``--enable transfer_query``, chunk 256) on free
