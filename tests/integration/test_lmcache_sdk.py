@@ -6,10 +6,12 @@ bit-exactly, and decode continues on the kept tokens."""
 from __future__ import annotations
 
 import random
+import re
 import uuid
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -106,3 +108,27 @@ def test_policy_inside_lmcache_sdk_batch(case: str, setup: Setup) -> None:
     assert setup.engine.stats().tokens_loaded - before == kept_total  # decode read the edits
     for stream in batch.request_streams.values():
         assert stream.decoded_tokens == 3
+
+
+def test_the_lmcache_docs_examples_run(
+    lmcache_server: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/lmcache.md's python blocks, in order, against the session's LMCache server."""
+    doc = (Path(__file__).parents[2] / "docs" / "lmcache.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    where = (
+        'URL, HTTP_URL, MODEL = "tcp://127.0.0.1:6555", "http://127.0.0.1:8080", "kvdrop-docs-tiny"'
+    )
+    assert len(blocks) == 4 and blocks[0].count(where) == 1
+    model = f"docs-{uuid.uuid4().hex[:8]}"
+    blocks[0] = blocks[0].replace(
+        where,
+        f"URL, HTTP_URL, MODEL = {lmcache_server.url!r}, {lmcache_server.http_url!r}, {model!r}",
+    )
+    namespace: dict[str, Any] = {"__name__": "docs_lmcache"}
+    for block in blocks:
+        exec(compile(block, "docs/lmcache.md", "exec"), namespace)
+    out = capsys.readouterr().out
+    for n in (461, 405, 605):
+        assert f"kept + tail + generated = {n}, decoded 17" in out
+    assert out.strip().splitlines()[-1] == "512 1280 512"
