@@ -180,8 +180,10 @@ def _against_lmcache(
         num_heads=layout.num_heads,
         head_dim=layout.head_dim,
     )
+    # Room for every store of the run: LMCache evicts in the background (at 80% full), so a store
+    # into a full pool is refused rather than making room.
     with spawn_lmcache_server(
-        l1_size_gb=round(nbytes * 3 / 1024**3 + 0.05, 3),
+        l1_size_gb=round(nbytes * (args.repeats + 2) / 1024**3 / 0.8 + 0.05, 3),
         chunk_size=args.chunk_size,
         transfer_query=False,
     ) as server:
