@@ -321,3 +321,38 @@ def test_docs_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert '"title": "Batched Stream Metrics (decode)"' in out
     assert out.count("decoded 17:") == 4  # 1 token of prefill + 16 of decode, per stream
     assert "decode [" in err  # the progress bar writes to stderr
+
+
+def test_upstream_building_blocks(engine_and_ctx: tuple[ToyEngine, Context]) -> None:
+    """run_request_streams / modify_request_streams / get_perf_metrics, as upstream calls them."""
+    engine, ctx = engine_and_ctx
+    batch = BatchedStream()
+    streams = [create_request([ctx], engine, prompt(3 * CHUNK + 3, seed=900 + i)) for i in range(3)]
+    for s in streams:
+        batch.add(s)
+    duration = batch.run_request_streams({"max_tokens": 1})
+    assert isinstance(duration, float) and duration > 0 and len(batch.perf_metrics) == 3
+    report = batch.get_perf_metrics(duration, "json", 80, "prefill")
+    assert report["num_request_streams"] == 3 and report["num_requests"] == 3
+    assert report["input_tokens"] == 3 * (3 * CHUNK + 3) and "ttft_p50" in report
+    first = streams[0].request_stream_id
+    only = batch.get_perf_metrics(duration, None, 80, "decode", [first])
+    assert only["num_requests"] == 1 and only["output_tokens"] == 1
+    with pytest.raises(BatchedStreamError, match="mode must be 'prefill' or 'decode'"):
+        batch.get_perf_metrics(duration, None, 80, "modify")
+    # Positional as upstream: (fn, stream_ids, timeout, poll_interval).
+    took = batch.modify_request_streams(drop_every_other_middle_chunk, [first], 1.0, 0.01)
+    assert took > 0 and list(batch.modify_results) == [first]
+    assert batch.modify_results[first].kept_tokens == 2 * CHUNK  # chunk 1 of 3 dropped
+
+    def broken(tensors: Any, tokens: Any) -> Any:
+        raise ValueError("nope")
+
+    with pytest.raises(BatchedStreamFailures, match="ValueError: nope") as err:
+        batch.modify_request_streams(broken, [streams[1].request_stream_id])
+    assert err.value.phase == "modify"
+    # upstream's modify positional order: fn, fmt, width, timeout, poll_interval, stream_ids
+    m = batch.modify(
+        drop_every_other_middle_chunk, None, 80, 1.0, 0.01, [streams[2].request_stream_id]
+    )
+    assert m["num_requests"] == 1 and m["num_request_streams"] == 3

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from kvdrop_sdk.adapters.toy import ToyEngine, encode_rows, positions_of
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context, connect
-from kvdrop_sdk.errors import RequestStreamError
+from kvdrop_sdk.errors import RequestStreamError, SDKError
 from kvdrop_sdk.events import PostCompletion, TokenEvent
 from kvdrop_sdk.layout import CacheLayout
 from kvdrop_sdk.request import (
@@ -545,3 +545,55 @@ def test_bookkeeping_matches_a_model(
         generate(max_tokens)
     mine = [c for c in setup.engine.calls if c.cache_salt == s.cache_salt]
     assert s.generated_tokens == [tok for c in mine for tok in c.generated]
+
+
+def test_upstream_signatures_and_output_tokens(qsetup: Setup) -> None:
+    """The per-stream calls as upstream spells them, and output_tokens as upstream means it."""
+    p = prompt(3 * CHUNK + 5, seed=31)
+    s = create_request(qsetup.contexts, qsetup.engine, p)
+    with pytest.raises(RequestStreamError, match=r"no cached query .* after 0\.05s"):
+        s.retrieve("query", 0.05, 0.01)  # nothing stored yet: polls, then gives up
+    s.generate({"max_tokens": 1})
+    g1 = s.generated_tokens[0]
+    assert s.output_tokens == [*p, g1]  # the whole sequence, as upstream
+    kv = s.retrieve(CacheKind.KV, 1.0, 0.01)  # (kind, timeout, poll_interval)
+    q = s.retrieve("query")
+    assert tuple(kv.shape) == (2, 2, 3 * CHUNK, 8) and tuple(q.shape) == (1, 2, 3 * CHUNK, 16)
+    result = s.modify_kv(drop_chunk(1), 1.0, 0.01)  # positional (fn, timeout, poll_interval)
+    kept = p[:CHUNK] + p[2 * CHUNK : 3 * CHUNK]
+    assert result.kept_tokens == 2 * CHUNK and s.suffix_tokens == [*p[3 * CHUNK :], g1]
+    # After an edit the sequence is the kept tokens; the tail waits as suffix, outside it.
+    assert s.output_tokens == kept and s.tokens == [*kept, *p[3 * CHUNK :], g1]
+    s.generate({"max_tokens": 2})
+    assert s.output_tokens == [*kept, *p[3 * CHUNK :], *s.generated_tokens]
+    assert len(s.generated_tokens) == 3
+
+
+def test_done_without_finish_reason_follows_upstream_default(setup: Setup) -> None:
+    def bare(n: int) -> PostCompletion:
+        def call(ids: list[int], params: dict[str, Any], salt: str) -> Iterator[TokenEvent]:
+            for i in range(n):
+                yield TokenEvent(i)
+
+        return call
+
+    one = create_request([], bare(1), [1, 2])
+    one.generate({})  # no max_tokens: upstream's default of 1, so one token is not done
+    assert not one.is_done
+    none = create_request([], bare(0), [1, 2])
+    none.generate({})
+    assert none.is_done
+
+
+def test_context_lookup_sessions_and_request_configs(setup: Setup) -> None:
+    p = prompt(2 * CHUNK + 1, seed=32)
+    create_request([setup.kv_ctx], setup.engine, p).generate({"max_tokens": 1})
+    ctx = setup.kv_ctx
+    ctx.maybe_submit_lookup_request("r1", p)
+    assert ctx.check_lookup_result("r1") == 2 * CHUNK and ctx.check_lookup_result("r2") == 0
+    ctx.end_session("r1")
+    assert ctx.check_lookup_result("r1") == 0 and ctx.mq_timeout == ctx.timeout
+    got = ctx.retrieve(p, "", {"tag": "x"})  # request_configs: accepted, not part of the key
+    assert got is not None and ctx.store(got, p[: 2 * CHUNK], "", request_configs=None) is False
+    with pytest.raises(SDKError, match="request_configs must be a dict or None, got list"):
+        ctx.retrieve(p, request_configs=[1])  # type: ignore[arg-type]
