@@ -93,6 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--url",
         "--kvdrop-url",
         dest="kvdrop_url",
+        metavar="URL",
         default=None,
         help="ZMQ address of the cache server, e.g. tcp://127.0.0.1:6555; enables storing "
         "prompts' KV (and queries) there and loading cached prefixes from it",
@@ -101,6 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--http-url",
         "--kvdrop-http-url",
         dest="kvdrop_http_url",
+        metavar="HTTP_URL",
         default="http://127.0.0.1:8080",
         help="HTTP address of the same server (default http://127.0.0.1:8080)",
     )
