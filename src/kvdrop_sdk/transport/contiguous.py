@@ -26,7 +26,13 @@ from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.layout import CacheLayout, dtype_name
 from kvdrop_sdk.protocol import RpcClient
 from kvdrop_sdk.server.pool import MAGIC, shm_path
-from kvdrop_sdk.transport.buffers import copy_rows, empty_tensor, tensor_buffer, tune_malloc
+from kvdrop_sdk.transport.buffers import (
+    copy_rows,
+    empty_tensor,
+    run_copies,
+    tensor_buffer,
+    tune_malloc,
+)
 from kvdrop_sdk.validate import is_int
 
 __all__ = ["MODES", "PUT_BATCH_BYTES", "ContiguousTransferWrapper", "TransferHelper"]
@@ -178,12 +184,19 @@ class ContiguousTransferWrapper:
         try:
             if reply.get("nbytes") != layout.nbytes(kind, c):
                 raise SDKError(f"server slot size {reply.get('nbytes')} does not match the layout")
-            for i, off in zip(reply["chunks"], reply["offsets"]):
+            nbytes = reply["nbytes"]
+
+            def copy_in(i: int, off: Any) -> None:
+                # Checked per chunk: past the lease the server may have handed the slot on.
                 if time.monotonic() - started > 0.8 * lease_s:
                     raise SDKError(f"store took longer than its {lease_s:g} s reservation")
-                copy_rows(
-                    self._slot(off, reply["nbytes"], layout, kind), kv[:, :, i * c : (i + 1) * c]
-                )
+                copy_rows(self._slot(off, nbytes, layout, kind), kv[:, :, i * c : (i + 1) * c])
+
+            chunks = list(zip(reply["chunks"], reply["offsets"]))
+            run_copies(
+                [lambda i=i, off=off: copy_in(i, off) for i, off in chunks],
+                nbytes * len(chunks),
+            )
         except BaseException:
             self._rpc.call("abort", {"lease": lease})
             raise
@@ -232,14 +245,19 @@ class ContiguousTransferWrapper:
         if lease is None:
             return None
         offsets = reply["offsets"]
-        out = empty_tensor(layout.shape(kind, len(offsets) * c), layout.dtype)
+        out = empty_tensor(layout.shape(kind, len(offsets) * c), layout.dtype, populate=False)
         try:
-            if reply.get("nbytes") != layout.nbytes(kind, c):
-                raise SDKError(f"server slot size {reply.get('nbytes')} does not match the layout")
-            for j, off in enumerate(offsets):
-                copy_rows(
-                    out[:, :, j * c : (j + 1) * c], self._slot(off, reply["nbytes"], layout, kind)
-                )
+            nbytes = reply.get("nbytes")
+            if nbytes != layout.nbytes(kind, c):
+                raise SDKError(f"server slot size {nbytes} does not match the layout")
+
+            def copy_out(j: int, off: Any) -> None:
+                copy_rows(out[:, :, j * c : (j + 1) * c], self._slot(off, nbytes, layout, kind))
+
+            run_copies(
+                [lambda j=j, off=off: copy_out(j, off) for j, off in enumerate(offsets)],
+                nbytes * len(offsets),
+            )
         finally:
             released, _ = self._rpc.call("release", {"lease": lease})
         valid = int(released["valid_chunks"])
