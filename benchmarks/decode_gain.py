@@ -44,6 +44,7 @@ from kvdrop_engine.connector import ServerConnector
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import load_checkpoint, preset_config
 from kvdrop_engine.model import ModelConfig, Transformer
+from kvdrop_engine.paged import to_device, to_host
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
 from kvdrop_sdk.server.testing import spawn_server
@@ -85,6 +86,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--modify-concurrency", type=int, default=None, help="edits at once (SDK default)"
+    )
+    p.add_argument(
+        "--edit-device",
+        default=None,
+        help="run each edit on a copy of the retrieved tensors on this device (e.g. cuda); "
+        "falls back to the host if the policy fails there",
+    )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the warm-up request (kernel compilation and first-use costs then land in "
+        "the baseline's numbers)",
     )
     p.add_argument("--keep-ratio", type=float, default=0.5)
     p.add_argument("--no-rerotate", action="store_true", help="keep kept keys at old positions")
@@ -215,6 +228,7 @@ def step_floor(row: dict[str, Any], wbytes: int, token_bytes: int, bandwidth: fl
     steps = row.pop("decode_only_steps")
     kv_tokens = row.pop("decode_kv_tokens")
     seconds = row.pop("decode_step_seconds")
+    row["graph_capture_s"] = row.pop("graph_capture_seconds")
     row["phase_ms_per_step"] = 1e3 * row["decode_s"] / max(1, row["decode_steps"])
     row["step_ms"] = 1e3 * seconds / steps if steps else math.nan
     row["kv_tokens_per_step"] = kv_tokens / steps if steps else math.nan
@@ -273,8 +287,45 @@ def run(
         "decode_only_steps": res.engine["decode_only_steps"],
         "decode_step_seconds": res.engine["decode_step_seconds"],
         "decode_kv_tokens": res.engine["decode_kv_tokens"],
+        "graph_capture_seconds": res.engine["graph_capture_seconds"],
         "outputs": res.outputs,
     }
+
+
+class EditOnDevice:
+    """An edit function run on a ``device`` copy of the retrieved tensors, its result copied back
+    (page-locked both ways); if the policy fails there, this and every later edit runs on the host
+    (logged once). Other attributes (``needs_query``, markers the SDK reads) are the policy's."""
+
+    def __init__(self, fn: Any, device: str) -> None:
+        self.fn = fn
+        self.device = torch.device(device)
+        self.failed: BaseException | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fn, name)
+
+    def __call__(self, tensors: Any, tokens: Any, **kwargs: Any) -> Any:
+        if self.failed is None:
+            try:
+                moved = {k: to_device(v, self.device) for k, v in tensors.items()}
+                kv, kept = self.fn(moved, tokens, **kwargs)
+                return to_host(kv), kept
+            except Exception as exc:
+                self.failed = exc
+                log(f"editing on {self.device} failed ({exc!r}); editing on the host instead")
+        return self.fn(tensors, tokens, **kwargs)
+
+
+def warm_up(engine: Engine, args: argparse.Namespace, vocab: int) -> None:
+    """One request through the engine before anything is measured: compiles the GPU kernels,
+    picks the matrix-product algorithms, captures a first decode graph."""
+    gen = torch.Generator().manual_seed(args.seed + 2)
+    n = min(args.max_prefill_tokens + args.chunk_size + 7, max(args.prompt_tokens))
+    prompt = torch.randint(3, vocab, (n,), generator=gen).tolist()
+    t = time.perf_counter()
+    engine.generate(prompt, {"temperature": 0.0, "ignore_eos": True, "max_tokens": 8}, "warmup")
+    log(f"warm-up request ({n} prompt tokens) took {time.perf_counter() - t:.1f} s")
 
 
 def build_policy(name: str, cfg: ModelConfig, args: argparse.Namespace) -> Any:
@@ -290,7 +341,8 @@ def build_policy(name: str, cfg: ModelConfig, args: argparse.Namespace) -> Any:
         else:
             log(f"{name} takes no device parameter; --policy-device ignored for it")
     rerotate = None if args.no_rerotate else cfg.rope
-    return kvdrop.get(name, rerotate=rerotate, **params)
+    fn = kvdrop.get(name, rerotate=rerotate, **params)
+    return fn if args.edit_device is None else EditOnDevice(fn, args.edit_device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         connector, engine = engine_for(False)
         token_bytes = engine.cache.bytes_per_token
         with engine:
+            if not args.no_warmup:
+                warm_up(engine, args, cfg.vocab_size)
             rows.append(
                 run(
                     "baseline",
@@ -460,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         "step_over_floor",
         "phase_ms_per_step",
         "phase_over_floor",
+        "graph_capture_s",
     ]
     print(
         format_table(

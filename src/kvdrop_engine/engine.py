@@ -66,10 +66,12 @@ class EngineStats:
     peak_blocks_used: int = 0
     peak_waiting: int = 0
     #: Steps that only decoded (no prompt chunk), their wall time on the loop thread (plan, launch,
-    #: wait for the tokens, hand them out) and the cached tokens their attention read.
+    #: wait for the tokens, hand them out; capturing a new CUDA graph is counted apart, in
+    #: ``graph_capture_seconds``) and the cached tokens their attention read.
     decode_only_steps: int = 0
     decode_step_seconds: float = 0.0
     decode_kv_tokens: int = 0
+    graph_capture_seconds: float = 0.0
 
     @property
     def tokens_computed(self) -> int:
@@ -477,9 +479,12 @@ class Engine:
         decode_only = plan.num_prefill == 0
         greedy = None
         captured: dict[Any, list[Tensor]] = {}
+        capture_s = 0.0
         if decode_only and self._graphs is not None:
             # One graph replay; the only host sync is reading the chosen tokens (in sample).
+            before = self._graphs.capture_seconds
             logits, greedy = self._graphs.run(plan.seqs, plan.tokens)
+            capture_s = self._graphs.capture_seconds - before
         else:
             attn = PagedAttention(self.cache, plan.seqs, capture=capture)
             dev = self.device
@@ -513,7 +518,8 @@ class Engine:
             with self._cv:
                 st = self._stats
                 st.decode_only_steps += 1
-                st.decode_step_seconds += time.perf_counter() - started
+                st.decode_step_seconds += time.perf_counter() - started - capture_s
+                st.graph_capture_seconds += capture_s
                 st.decode_kv_tokens += sum(s.start + 1 for s in plan.seqs)
 
     @property

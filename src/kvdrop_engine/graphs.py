@@ -13,6 +13,7 @@ reserved at admission and never move).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -42,7 +43,7 @@ class DecodeGraphs:
     """Captured decode steps of ``model`` over ``cache`` (CUDA only; see the module docstring).
 
     ``run(seqs, tokens)`` returns the step's ``logits [B, V]`` and greedy tokens ``[B]`` (device
-    views, valid until the next ``run``).
+    views, valid until the next ``run``). ``capture_seconds`` is the time spent capturing.
     """
 
     def __init__(self, model: nn.Module, cache: PagedKVCache, max_batch_size: int) -> None:
@@ -53,6 +54,7 @@ class DecodeGraphs:
         self.max_batch_size = max_batch_size
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        self.capture_seconds = 0.0
 
     @property
     def captured(self) -> list[tuple[int, int]]:
@@ -73,8 +75,10 @@ class DecodeGraphs:
         key = (self.bucket(n), width)
         g = self._graphs.get(key)
         if g is None:
+            started = time.perf_counter()
             g = self._capture(*key)
             self._graphs[key] = g
+            self.capture_seconds += time.perf_counter() - started
         seq_ids = tuple(s.seq_id for s in seqs)
         if seq_ids != g.seq_ids:
             self._fill_table(g, seqs, width)

@@ -59,12 +59,13 @@ def interpreted() -> bool:
 
 def decode_splits(batch: int, kv_heads: int, device: torch.device | str | None = None) -> int:
     """Splits per sequence for :func:`paged_decode`: enough programs for every multiprocessor to
-    hold several (memory-bound work needs loads in flight), at most 32."""
+    hold several (memory-bound work needs loads in flight), between 8 and 32. Measured on an
+    H200 (16 x 11K and 30 x 5.6K tokens, 8 KV heads): 8 splits were within 2% of the best."""
     sms = 132
     if device is not None and torch.device(device).type == "cuda":
         sms = _sm_count(torch.device(device).index or 0)
     want = max(1, math.ceil(4 * sms / max(1, batch * kv_heads)))
-    return min(32, 1 << (want - 1).bit_length())
+    return min(32, max(8, 1 << (want - 1).bit_length()))
 
 
 @functools.cache
@@ -240,9 +241,9 @@ def paged_decode(
     scale: float | None = None,
     splits: int | None = None,
     out: Tensor | None = None,
-    block_n: int = 64,
+    block_n: int = 128,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
 ) -> Tensor:
     """Attention of ``q [B, Hq, d]`` (one token per sequence) over paged ``k_cache``/``v_cache``
     ``[num_blocks, block_size, Hkv, d]`` (one layer): sequence ``b`` reads its first

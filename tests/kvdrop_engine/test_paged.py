@@ -14,6 +14,8 @@ from kvdrop_engine.paged import (
     PagedKVCache,
     SeqStep,
     blocks_needed,
+    to_device,
+    to_host,
 )
 
 
@@ -191,3 +193,22 @@ def test_cache_keeps_model_dtype(model: Transformer, dtype: torch.dtype) -> None
         ref = m(toks, torch.arange(6), DenseAttention(cfg))
     assert cache.k.dtype == dtype
     torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_scratch_block_is_stored_but_never_allocated() -> None:
+    cfg = preset_config("tiny")
+    cache = make_cache(cfg, num_blocks=4)
+    assert cache.k.shape[1] == 5 and cache.scratch_block == 4
+    assert sorted(cache.allocator.allocate(4)) == [0, 1, 2, 3]
+    assert cache.capacity_tokens == 16
+    assert cache.bytes_per_token == 2 * cfg.num_layers * cfg.kv_dim * 4
+
+
+def test_read_cpu_and_host_transfers_keep_values() -> None:
+    cfg = preset_config("tiny")
+    cache = make_cache(cfg, num_blocks=8)
+    kv = torch.randn(2, cfg.num_layers, 10, cfg.kv_dim)
+    table = [5, 1, 7]
+    cache.load(table, kv)
+    assert torch.equal(cache.read_cpu(table, 10), kv)
+    assert to_device(kv, "cpu") is kv and to_host(kv) is kv
