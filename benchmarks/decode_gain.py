@@ -229,6 +229,7 @@ def step_floor(row: dict[str, Any], wbytes: int, token_bytes: int, bandwidth: fl
     kv_tokens = row.pop("decode_kv_tokens")
     seconds = row.pop("decode_step_seconds")
     row["graph_capture_s"] = row.pop("graph_capture_seconds")
+    row["prefix_load_s"] = row.pop("prefix_load_seconds")
     row["phase_ms_per_step"] = 1e3 * row["decode_s"] / max(1, row["decode_steps"])
     row["step_ms"] = 1e3 * seconds / steps if steps else math.nan
     row["kv_tokens_per_step"] = kv_tokens / steps if steps else math.nan
@@ -288,6 +289,7 @@ def run(
         "decode_step_seconds": res.engine["decode_step_seconds"],
         "decode_kv_tokens": res.engine["decode_kv_tokens"],
         "graph_capture_seconds": res.engine["graph_capture_seconds"],
+        "prefix_load_seconds": res.engine["prefix_load_seconds"],
         "outputs": res.outputs,
     }
 
@@ -514,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         "step_over_floor",
         "phase_ms_per_step",
         "phase_over_floor",
+        "prefix_load_s",
         "graph_capture_s",
     ]
     print(

@@ -29,6 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -68,10 +69,12 @@ class EngineStats:
     #: Steps that only decoded (no prompt chunk), their wall time on the loop thread (plan, launch,
     #: wait for the tokens, hand them out; capturing a new CUDA graph is counted apart, in
     #: ``graph_capture_seconds``) and the cached tokens their attention read.
+    #: ``prefix_load_seconds``: loop-thread time spent loading admitted requests' cached prefixes.
     decode_only_steps: int = 0
     decode_step_seconds: float = 0.0
     decode_kv_tokens: int = 0
     graph_capture_seconds: float = 0.0
+    prefix_load_seconds: float = 0.0
 
     @property
     def tokens_computed(self) -> int:
@@ -185,7 +188,8 @@ class Engine:
     On a GPU (with Triton, ``pip install 'kvdrop[gpu]'``) decode attention reads the paged cache
     in place, the model's norms and SwiGLU run fused (``fused_ops``; this sets
     ``model.use_ops``), and decode-only steps replay CUDA graphs (``cuda_graphs``); None means
-    "when available". Elsewhere the engine runs plain PyTorch.
+    "when available". Elsewhere the engine runs plain PyTorch. Up to ``load_concurrency``
+    admitted requests load their cached prefixes from the connector at once.
     """
 
     def __init__(
@@ -201,6 +205,7 @@ class Engine:
         connector: EngineConnector | None = None,
         cuda_graphs: bool | None = None,
         fused_ops: bool | None = None,
+        load_concurrency: int = 4,
     ) -> None:
         cfg = model.config
         try:
@@ -214,6 +219,7 @@ class Engine:
             positive_int(num_blocks, "num_blocks")
             positive_int(max_batch_size, "max_batch_size")
             positive_int(max_prefill_tokens, "max_prefill_tokens")
+            positive_int(load_concurrency, "load_concurrency")
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
         param = next((p for p in model.parameters() if p.is_floating_point()), None)
@@ -225,6 +231,8 @@ class Engine:
         self.block_size = block_size
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.load_concurrency = load_concurrency
+        self._load_pool: ThreadPoolExecutor | None = None
         self.cache = PagedKVCache(
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,
@@ -281,6 +289,9 @@ class Engine:
             thread = self._thread
         if thread is not None:
             thread.join()
+        if self._load_pool is not None:
+            self._load_pool.shutdown(wait=True)
+            self._load_pool = None
         with self._cv:
             pending = list(self._waiting) + list(self._running.values())
             self._waiting.clear()
@@ -422,8 +433,7 @@ class Engine:
                     return
                 self._drop_cancelled_locked()
                 admitted = self._admit_locked()
-            for req in admitted:
-                self._load_prefix(req)
+            self._load_prefixes(admitted)
             with self._cv:
                 batch = [r for r in self._running.values() if not r.cancelled]
             if batch:
@@ -456,6 +466,33 @@ class Engine:
         st.peak_running = max(st.peak_running, len(self._running))
         st.peak_blocks_used = max(st.peak_blocks_used, self.cache.num_blocks - alloc.num_free)
         return admitted
+
+    def _load_prefixes(self, admitted: list[_Request]) -> None:
+        """Load the admitted requests' cached prefixes, several at once: each load is a host copy
+        out of the server's memory and a copy to the device, both of which release the GIL, so
+        concurrent loads use more of the host's cores and overlap one request's host copy with
+        another's transfer to the device."""
+        if self.connector is None or not admitted:
+            return
+        started = time.perf_counter()
+
+        def load(req: _Request) -> None:
+            try:
+                self._load_prefix(req)
+            except Exception as exc:  # e.g. out of device memory: this request fails alone
+                self._fail(req, exc)
+
+        if len(admitted) == 1 or self.load_concurrency <= 1:
+            for req in admitted:
+                load(req)
+        else:
+            if self._load_pool is None:
+                self._load_pool = ThreadPoolExecutor(
+                    self.load_concurrency, thread_name_prefix="kvdrop-load"
+                )
+            list(self._load_pool.map(load, admitted))
+        with self._cv:
+            self._stats.prefix_load_seconds += time.perf_counter() - started
 
     def _load_prefix(self, req: _Request) -> None:
         """Load the cached prefix from the server and decide what to store after prefill."""

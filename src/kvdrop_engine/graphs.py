@@ -125,7 +125,16 @@ class DecodeGraphs:
                 for _ in range(2):  # warm-up: kernel compilation, cuBLAS handles, workspaces
                     step()
             torch.cuda.current_stream(dev).wait_stream(side)
+            # capture_begin/end rather than ``torch.cuda.graph``, whose entry also empties the
+            # allocator's cache and runs the garbage collector (about a second per capture in an
+            # engine holding tens of GB; the next steps then paid for fresh device allocations).
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                logits, greedy = step()
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    logits, greedy = step()
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream(dev).wait_stream(side)
         return _Graph(graph, ids, table, host_ids, logits, greedy)

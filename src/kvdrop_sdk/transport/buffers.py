@@ -53,7 +53,7 @@ class BufferCache:
     allocation slower than the copy into it. A retrieved tensor is backed by an anonymous mapping;
     when the last reference to it (or any view of it) dies, the mapping goes back here and the
     next large retrieve reuses it. At most ``max_bytes`` are kept (env ``KVDROP_RECYCLE_BYTES``,
-    default 1 GiB; 0 disables recycling).
+    default an eighth of the machine's memory, 1 to 16 GiB; 0 disables recycling).
     """
 
     def __init__(self, max_bytes: int) -> None:
@@ -102,12 +102,14 @@ def _recycle(holder: Any) -> None:
 
 
 def _default_recycle_bytes() -> int:
-    """4 GiB, or an eighth of the machine's memory when that is less (at least 1 GiB)."""
+    """An eighth of the machine's memory, between 1 and 16 GiB. Large retrieves (a long prompt's
+    KV is gigabytes) otherwise fault in fresh pages each time, which on a VM ran at a quarter of
+    the speed of a copy into memory already mapped (measured on an H200 host: 8.8 vs 39 GB/s)."""
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 1 << 30
-    return max(1 << 30, min(4 << 30, ram // 8))
+    return max(1 << 30, min(16 << 30, ram // 8))
 
 
 _CACHE = BufferCache(int(os.environ.get("KVDROP_RECYCLE_BYTES", str(_default_recycle_bytes()))))
