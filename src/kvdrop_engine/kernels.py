@@ -223,7 +223,12 @@ def _kernel(name: str) -> Any:
     """The kernel ``name`` (compiled for the GPU, or interpreted under ``TRITON_INTERPRET=1``)."""
     if triton is None:
         raise RuntimeError("Triton is not installed; pip install 'kvdrop[gpu]'")
-    return triton.jit(_SOURCES[name])
+    # Integer arguments equal to 1 or divisible by 16 get kernels of their own; the split count
+    # changes with the batch size, and recompiling for it mid-run cost a second.
+    return triton.jit(_SOURCES[name], do_not_specialize=_NO_SPECIALIZE.get(name, ()))
+
+
+_NO_SPECIALIZE = {"decode_partial": ("splits",), "decode_reduce": ("splits",)}
 
 
 def _opts(**launch: int) -> dict[str, int]:

@@ -68,11 +68,11 @@ class BufferCache:
             return sum(len(m) for m in self._free)
 
     def take(self, nbytes: int, populate: bool = True) -> mmap.mmap:
-        """A mapping of at least ``nbytes`` (reused if one of a similar size is free); a fresh one
+        """A mapping of at least ``nbytes`` (reused if a free one is at most 4x larger); a fresh one
         is faulted in at once when ``populate`` (else by whoever first writes each page)."""
         size = -(-nbytes // _GRAIN) * _GRAIN
         with self._lock:
-            fits = [m for m in self._free if size <= len(m) <= 2 * size]
+            fits = [m for m in self._free if size <= len(m) <= 4 * size]
             if fits:
                 best = min(fits, key=len)
                 self._free.remove(best)
