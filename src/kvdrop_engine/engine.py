@@ -243,9 +243,12 @@ class Engine:
             device=self.device,
         )
         gpu = self.device.type == "cuda" and kernels.available(self.device)
-        if fused_ops or (fused_ops is None and gpu):
-            if not kernels.available(self.device):
-                raise InvalidRequestError("fused_ops=True needs a CUDA model and Triton")
+        can_fuse = hasattr(model, "use_ops")
+        if fused_ops or (fused_ops is None and gpu and can_fuse):
+            if not (kernels.available(self.device) and can_fuse):
+                raise InvalidRequestError(
+                    "fused_ops=True needs a CUDA model with use_ops (a Transformer) and Triton"
+                )
             model.use_ops(kernels)
         elif fused_ops is False and hasattr(model, "use_ops"):
             model.use_ops(None)

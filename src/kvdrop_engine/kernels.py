@@ -318,7 +318,8 @@ def paged_decode(
         out.stride(0),
         out.stride(1),
         splits,
-        SPLITS_PAD=max(2, 1 << (splits - 1).bit_length()),
+        # At least 32 (the most decode_splits picks): one compiled reduce for every batch size.
+        SPLITS_PAD=max(32, 1 << (splits - 1).bit_length()),
         HEAD_DIM=d,
         **_opts(num_warps=4),
     )
