@@ -72,10 +72,9 @@ class EngineConnector(Protocol):
 
     chunk_size: int
     transfer_query: bool
-    query_capture: str
-    query_window: int
-    query_stride: int
-    store_decoded: bool
+    # Optional (``ServerConnector`` has them; a connector without ``store_window`` stores every
+    # prompt query in chunks): query_capture, query_window, query_stride, store_decoded and
+    # store_window(tokens, window, cache_salt).
 
     def bind(self, config: Any, dtype: torch.dtype) -> None:
         """Register the model's KV (and query) layout; called once by the engine."""
@@ -98,9 +97,6 @@ class EngineConnector(Protocol):
         """Store whole chunks of ``kv`` (and ``queries`` ``[1, L, T - query_offset, Hq*d]`` of
         tokens ``query_offset..``, the cached query prefix completing them) under ``tokens``;
         returns how many query tokens were stored."""
-
-    def store_window(self, tokens: Sequence[int], window: QueryWindow, cache_salt: str) -> bool:
-        """Store the query window of the call over ``tokens`` (prompt + generated)."""
 
 
 @dataclass(frozen=True)
@@ -130,13 +126,16 @@ def plan_prefix(conn: EngineConnector, prompt: list[int], cache_salt: str) -> Pr
     n = min(cached, len(prompt) - 1)
     loaded = kv[:, :, :n] if kv is not None and n > 0 else None
     aligned = len(prompt) // conn.chunk_size * conn.chunk_size
-    window = bool(conn.transfer_query)
+    # Windows need a connector that can store them (kvdrop's); others (an LMCache server's) store
+    # every prompt query in chunks, the upstream layout.
+    window = bool(conn.transfer_query) and callable(getattr(conn, "store_window", None))
+    full = getattr(conn, "query_capture", "full") == "full"
     if aligned <= cached:
         return PrefixPlan(loaded, n, capture_window=window)
     # Chunk queries (full mode) are captured for the computed tokens; a loaded prefix (shared
     # with an earlier prompt) must have its queries cached too, or the query cache would hold a
     # hole. After a modify the kept tokens have none: their prompt stores KV only.
-    if not conn.transfer_query or conn.query_capture != "full":
+    if not conn.transfer_query or not full:
         return PrefixPlan(loaded, n, store_upto=aligned, capture_window=window)
     try:
         q_cached = conn.lookup_queries(prompt, cache_salt) if n else 0
@@ -197,7 +196,9 @@ class WindowJob:
         lse = self.lse.unsqueeze(0).to(device="cpu", dtype=torch.float32)
         positions = self.positions
         try:
-            conn.store_window(self.tokens, QueryWindow(queries, positions, lse), self.cache_salt)
+            conn.store_window(  # type: ignore[attr-defined]
+                self.tokens, QueryWindow(queries, positions, lse), self.cache_salt
+            )
         except Exception as exc:
             raise EngineError(
                 f"storing the request's query window in the kvdrop server failed: {exc}"

@@ -179,7 +179,7 @@ def test_edited_before_and_after_64_decoded_tokens_with_every_query_policy(
                 assert second.suffix_tokens == n - 192
                 after = stream.generate({**GREEDY, "max_tokens": 8})
                 assert after.output_tokens == 8 and after.input_tokens == 96 + n - 192
-                assert len(stream.output_tokens) == 1 + 64 + 8
+                assert len(stream.generated_tokens) == 1 + 64 + 8
             kv_ctx.close()
             q_ctx.close()
             assert stop_process(proc, signal.SIGTERM, 30) == 0

@@ -1,6 +1,8 @@
 """``kvdrop demo``: baseline vs token dropping, side by side, fully offline.
 
-Starts a kvdrop server and the reference engine in this process, builds a batch of long prompts
+Starts a kvdrop server and the reference engine in this process (or, with ``--cache-server
+lmcache``, runs the engine's LMCache backend against a real ``lmcache server``: the one at
+``--url``/``--http-url``, else one it starts), builds a batch of long prompts
 (pass-key retrieval with the real SmolLM2 model when installed, so answers can be checked; random
 tokens with random weights), and runs baseline (prefill, decode) and dropped (prefill, modify with
 a policy, decode) on the same engine, whose KV budget fits every dropped request at once but not
@@ -10,10 +12,13 @@ every baseline request. Prints the prefill / modify / decode tables and a summar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
+import uuid
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["add_arguments", "run"]
@@ -43,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["window", "full"],
         default="window",
         help="queries the engine saves for query policies: the last tokens' and a strided "
-        "sample (window, default) or every prompt token's (full, the upstream layout)",
+        "sample (window, default) or every prompt token's (full, the upstream layout; always "
+        "with --cache-server lmcache)",
     )
     run_.add_argument("--num-requests", type=int, default=16, help="prompts in the batch")
     run_.add_argument("--prompt-tokens", type=int, default=512, help="minimum prompt length")
@@ -58,6 +64,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_.add_argument("--seed", type=int, default=0, help="seed of prompts and random weights")
     run_.add_argument("--json", action="store_true", help="print one JSON report on stdout")
     run_.add_argument("--no-progress", action="store_true", help="no progress bars")
+    cache = parser.add_argument_group("cache server")
+    cache.add_argument(
+        "--cache-server",
+        choices=("kvdrop", "lmcache"),
+        default="kvdrop",
+        help="kvdrop (default; started in this process unless --url is given) or lmcache (a real "
+        "`lmcache server`: pip install 'kvdrop[lmcache]', see docs/lmcache.md)",
+    )
+    cache.add_argument(
+        "--url",
+        default=None,
+        help="ZMQ address of a running cache server, e.g. tcp://127.0.0.1:6555 (default: start "
+        "one; an LMCache server needs --supported-transfer-mode auto, and --enable "
+        "transfer_query for query policies)",
+    )
+    cache.add_argument(
+        "--http-url", default=None, help="its HTTP address, e.g. http://127.0.0.1:8080"
+    )
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model",
@@ -100,6 +124,18 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag) <= 0:
             print(f"kvdrop demo: error: --{flag.replace('_', '-')} must be > 0", file=sys.stderr)
             return 2
+    if (args.url is None) != (args.http_url is None):
+        print("kvdrop demo: error: give --url and --http-url together", file=sys.stderr)
+        return 2
+    if args.cache_server == "lmcache":
+        from kvdrop_engine.errors import EngineSetupError
+        from kvdrop_engine.lmcache_connector import require_lmcache
+
+        try:
+            require_lmcache()
+        except EngineSetupError as exc:
+            print(f"kvdrop demo: error: {exc}", file=sys.stderr)
+            return 2
     try:
         params = _policy_params(args)
         kvdrop.get(args.policy, **params)  # validate before loading anything heavy
@@ -131,9 +167,6 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
     from kvdrop_engine.loading import load_model
     from kvdrop_sdk import kvcache, qcache
     from kvdrop_sdk.progress import ProgressBar
-    from kvdrop_sdk.server.app import Server
-    from kvdrop_sdk.server.config import ServerConfig
-    from kvdrop_sdk.server.pool import unique_shm_name
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -152,9 +185,13 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
         f"model {model_name}: {cfg.num_layers} layers, {cfg.num_heads} query / "
         f"{cfg.num_kv_heads} KV heads x {cfg.head_dim} (loaded in {time.perf_counter() - t0:.1f}s)"
     )
-    # No head_dim, no RoPE config: policies read both from the edit context (the layout the
-    # engine registered), as a user's kvdrop.get("snapkv", keep_ratio=0.5) does.
-    modify_fn = kvdrop.get(args.policy, rerotate=not args.no_rerotate, **params)
+    lmcache = args.cache_server == "lmcache"
+    if lmcache and "head_dim" in {p.name for p in kvdrop.describe(args.policy).params}:
+        params.setdefault("head_dim", cfg.head_dim)  # lmcache.sdk has no layouts to read it from
+    # kvdrop's SDK hands the policy an edit context with the layout's head_dim and RoPE, as a
+    # user's kvdrop.get("snapkv", keep_ratio=0.5) gets it; lmcache.sdk contexts carry neither.
+    rerotate: Any = (cfg.rope if lmcache else True) if not args.no_rerotate else False
+    modify_fn = kvdrop.get(args.policy, rerotate=rerotate, **params)
 
     if tokenizer is not None:
         prompts = passkey_prompts(tokenizer, args.num_requests, args.prompt_tokens, args.seed)
@@ -169,25 +206,20 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
         budget = args.kv_budget_tokens
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
     q_bytes = cfg.num_layers * cfg.num_heads * cfg.head_dim * model.dtype.itemsize
-    full_q = needs_query and args.query_capture == "full"
-    # Room for both runs' prompts (KV and, in the full mode, queries) plus the kept copies, with
-    # slack: an eviction here would shorten a request's cached prefix and blur the comparison.
-    # Query windows live beside the pool (the server gives them a quarter of its size).
+    full_q = needs_query and (args.query_capture == "full" or lmcache)
+    # Room for both runs' prompts (KV and, in the full query mode, queries) plus the kept copies,
+    # with slack: an eviction here would shorten a request's cached prefix and blur the
+    # comparison. Query windows live beside the pool (the server gives them a quarter of its size).
     pool_gb = 4.0 * sum(lengths) * (kv_bytes + (q_bytes if full_q else 0)) / 1e9 + 0.05
-    server = Server(
-        ServerConfig(
-            port=0,
-            http_port=0,
-            chunk_size=args.chunk_size,
-            l1_size_gb=pool_gb,
-            shm_name=unique_shm_name("kvdrop_demo"),
-            enable=("transfer_query",) if needs_query else (),
-        )
-    ).start()
-    try:
-        connector = ServerConnector(
-            server.url, server.http_url, model_name, query_capture=args.query_capture
-        )
+    # Fresh salts per run: a server that outlives this run (--url) never serves its cache again.
+    run_id = uuid.uuid4().hex[:8]
+    with _cache_server(args, pool_gb, needs_query) as (url, http_url, status):
+        if args.cache_server == "lmcache":
+            from kvdrop_engine.lmcache_connector import LMCacheConnector, connect_sdk
+
+            connector: Any = LMCacheConnector(url, http_url, model_name)
+        else:
+            connector = ServerConnector(url, http_url, model_name, query_capture=args.query_capture)
         engine = Engine(
             model,
             tokenizer=tokenizer,
@@ -195,9 +227,18 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
             block_size=block_size,
             connector=connector,
         ).start()
-        contexts = [kvcache.connect(server.url, server.http_url, model_name)]
-        if needs_query:
-            contexts.append(qcache.connect(server.url, server.http_url, model_name))
+        try:
+            if args.cache_server == "lmcache":
+                # lmcache.sdk's contexts (they speak LMCache's protocol) under kvdrop's batch.
+                contexts = connect_sdk(url, http_url, model_name, query=needs_query)
+            else:
+                contexts = [kvcache.connect(url, http_url, model_name)]
+                if needs_query:
+                    contexts.append(qcache.connect(url, http_url, model_name))
+        except BaseException:
+            engine.stop()
+            connector.close()
+            raise
         sampling = {"temperature": 0.0, "max_tokens": args.max_tokens, "ignore_eos": True}
 
         def progress(phase: str) -> ProgressBar | None:
@@ -210,7 +251,7 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
                 contexts,
                 prompts,
                 sampling,
-                cache_salt="baseline",
+                cache_salt=f"baseline-{run_id}",
                 progress=progress,
             )
             dropped = run_pipeline(
@@ -220,17 +261,15 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
                 prompts,
                 sampling,
                 modify_fn=modify_fn,
-                cache_salt="dropped",
+                cache_salt=f"dropped-{run_id}",
                 progress=progress,
             )
-            server_status = server.status_json()
+            server_status = status()
         finally:
             engine.stop()
             for ctx in contexts:
                 ctx.close()
             connector.close()
-    finally:
-        server.stop()
     summary = summarize_runs(baseline, dropped, len(prompts))
     return {
         "setup": {
@@ -238,7 +277,7 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
             "policy": args.policy,
             "policy_params": params,
             "rerotate": not args.no_rerotate,
-            "query_capture": args.query_capture if needs_query else None,
+            "query_capture": ("full" if lmcache else args.query_capture) if needs_query else None,
             "query_bytes_per_prompt_token": dropped.prefill_query_bytes / max(sum(lengths), 1),
             "num_requests": len(prompts),
             "prompt_lengths": lengths,
@@ -250,6 +289,7 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
             "device": args.device,
             "torch_threads": torch.get_num_threads(),
             "wall_seconds": time.perf_counter() - t0,
+            "cache_server": args.cache_server,
             "server_evictions": server_status.get("evictions"),
         },
         "baseline": baseline.to_dict(),
@@ -257,6 +297,47 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
         "answers": [p.answer for p in prompts],
         "summary": summary,
     }
+
+
+@contextlib.contextmanager
+def _cache_server(
+    args: argparse.Namespace, pool_gb: float, needs_query: bool
+) -> Iterator[tuple[str, str, Any]]:
+    """``(url, http_url, status())`` of the cache server to use: the given one, else one started
+    here (a kvdrop server in this process, or an ``lmcache server`` subprocess)."""
+    if args.url is not None:
+        yield args.url, args.http_url, dict
+        return
+    if args.cache_server == "lmcache":
+        from kvdrop_engine.lmcache_connector import spawn_lmcache_server
+
+        log = (lambda m: None) if args.no_progress else (lambda m: print(m, file=sys.stderr))
+        log("starting an LMCache server (about 20 s)")
+        with spawn_lmcache_server(
+            l1_size_gb=round(max(pool_gb, 0.1), 3),
+            chunk_size=args.chunk_size,
+            transfer_query=needs_query,
+        ) as lmc:
+            yield lmc.url, lmc.http_url, dict
+        return
+    from kvdrop_sdk.server.app import Server
+    from kvdrop_sdk.server.config import ServerConfig
+    from kvdrop_sdk.server.pool import unique_shm_name
+
+    server = Server(
+        ServerConfig(
+            port=0,
+            http_port=0,
+            chunk_size=args.chunk_size,
+            l1_size_gb=pool_gb,
+            shm_name=unique_shm_name("kvdrop_demo"),
+            enable=("transfer_query",) if needs_query else (),
+        )
+    ).start()
+    try:
+        yield server.url, server.http_url, server.status_json
+    finally:
+        server.stop()
 
 
 def _print_report(report: dict[str, Any]) -> None:

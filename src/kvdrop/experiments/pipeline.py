@@ -170,9 +170,13 @@ def run_pipeline(
     cache_salt: str = "",
     progress: Callable[[str], ProgressCallback | None] = lambda phase: None,
     modify_timeout: float = 600.0,
+    modify_concurrency: int | None = None,
 ) -> RunResult:
-    """Prefill, optionally modify, then decode ``prompts`` through ``engine``'s post_completion."""
-    batch = BatchedStream(max_concurrency=max(1, len(prompts)))
+    """Prefill, optionally modify, then decode ``prompts`` through ``engine``'s post_completion.
+    ``modify_concurrency`` bounds the edits running at once (None: the batch's default)."""
+    batch = BatchedStream(
+        max_concurrency=max(1, len(prompts)), modify_concurrency=modify_concurrency
+    )
     engine.reset_stats()
     streams = []
     for p in prompts:
@@ -194,7 +198,7 @@ def run_pipeline(
     # Runs decode with ignore_eos (equal work in both runs); what follows the first EOS is not
     # part of the answer, so outputs are compared and shown up to it.
     eos = frozenset(getattr(engine, "eos_token_ids", ()) or ())
-    outputs = [_until_eos(list(s.output_tokens), eos) for s in streams]
+    outputs = [_until_eos(s.generated_tokens, eos) for s in streams]
     texts = [_detokenize(tokenizer, o) for o in outputs]
     result = RunResult(
         name,
