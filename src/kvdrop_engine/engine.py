@@ -651,7 +651,7 @@ class Engine:
         if getattr(conn, "store_decoded", False) and conn.chunk_size:
             aligned = computed // conn.chunk_size * conn.chunk_size
             if aligned > max(req.store_upto, len(req.prompt) // conn.chunk_size * conn.chunk_size):
-                kv = self.cache.read(req.blocks, aligned).cpu()
+                kv = self.cache.read_cpu(req.blocks, aligned)
                 req.out.put(StoreJob(kv, None, sequence[:aligned], req.cache_salt))
         rows = None if req.window is None else req.window.rows()
         req.window = None
