@@ -21,11 +21,14 @@ from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.validate import is_int, is_number, token_ids
 
 __all__ = [
+    "CHARS_PER_TOKEN_BOUND",
+    "DEFAULT_MAX_PROMPT_CHARS",
     "DEFAULT_MAX_TOKENS",
     "BadRequestError",
     "CompletionBuilder",
     "CompletionRequest",
     "error_body",
+    "max_prompt_chars_for",
     "models_body",
     "parse_completion_request",
 ]
@@ -59,6 +62,11 @@ _KNOWN_FIELDS = frozenset(
 
 #: OpenAI's default for ``max_tokens`` on the completions endpoint.
 DEFAULT_MAX_TOKENS = 16
+#: A text prompt longer than ``max_model_len * CHARS_PER_TOKEN_BOUND`` characters cannot fit the
+#: context (tokenizers average 3-5 characters per token), so it is refused before tokenizing.
+CHARS_PER_TOKEN_BOUND = 16
+#: The character limit of text prompts when the model's context length is unknown.
+DEFAULT_MAX_PROMPT_CHARS = 2 * 1024 * 1024
 
 
 class BadRequestError(ValueError):
@@ -133,8 +141,25 @@ def _token_ids(value: list[Any], vocab_size: int | None, name: str) -> list[int]
         raise BadRequestError(str(exc), param=name) from None
 
 
-def _prompt_ids(prompt: Any, tokenizer: TextTokenizer | None, vocab_size: int | None) -> list[int]:
-    """Accept a string, a list of token ids, or a list holding exactly one of those."""
+def max_prompt_chars_for(max_model_len: int | None) -> int:
+    """The default character limit of text prompts for a model of ``max_model_len`` tokens."""
+    if max_model_len is None:
+        return DEFAULT_MAX_PROMPT_CHARS
+    return max_model_len * CHARS_PER_TOKEN_BOUND
+
+
+def _prompt_ids(
+    prompt: Any,
+    tokenizer: TextTokenizer | None,
+    vocab_size: int | None,
+    max_prompt_chars: int | None = None,
+    max_model_len: int | None = None,
+) -> list[int]:
+    """Accept a string, a list of token ids, or a list holding exactly one of those.
+
+    Cheap bounds come first: a text longer than ``max_prompt_chars`` characters is refused before
+    the tokenizer sees it, a token list longer than ``max_model_len`` before each id is checked.
+    """
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise BadRequestError(
@@ -149,6 +174,13 @@ def _prompt_ids(prompt: Any, tokenizer: TextTokenizer | None, vocab_size: int | 
                 "'prompt' is text but this server has no tokenizer; send a list of token ids",
                 param="prompt",
             )
+        if max_prompt_chars is not None and len(prompt) > max_prompt_chars:
+            raise BadRequestError(
+                f"'prompt' is {len(prompt)} characters, over this server's limit of "
+                f"{max_prompt_chars} characters (it could not fit the model's context); "
+                "shorten it",
+                param="prompt",
+            )
         ids = [int(t) for t in tokenizer.encode(prompt)]
         bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
         if bad:
@@ -158,6 +190,12 @@ def _prompt_ids(prompt: Any, tokenizer: TextTokenizer | None, vocab_size: int | 
                 param="prompt",
             )
     elif isinstance(prompt, list):
+        if max_model_len is not None and len(prompt) > max_model_len:
+            raise BadRequestError(
+                f"'prompt' has {len(prompt)} tokens, more than the model's context length "
+                f"{max_model_len}; shorten it",
+                param="prompt",
+            )
         ids = _token_ids(prompt, vocab_size, "prompt")
     else:
         raise BadRequestError(
@@ -178,12 +216,14 @@ def parse_completion_request(
     vocab_size: int | None = None,
     max_model_len: int | None = None,
     return_tokens_as_token_ids: bool = False,
+    max_prompt_chars: int | None = None,
 ) -> CompletionRequest:
     """Validate a decoded JSON body of ``POST /v1/completions``; raise ``BadRequestError``.
 
     The engine gets ``max_tokens`` always and each other sampling field only when the client set
     it, so the engine's own defaults apply otherwise. ``top_k`` of 0 or -1 means "disabled" (as in
-    vLLM) and is not passed on.
+    vLLM) and is not passed on. Text prompts longer than ``max_prompt_chars`` (default
+    ``max_prompt_chars_for(max_model_len)``) are refused before tokenizing.
     """
     if not isinstance(body, dict):
         raise BadRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -203,7 +243,9 @@ def parse_completion_request(
         )
     if "prompt" not in body:
         raise BadRequestError("'prompt' is required", param="prompt")
-    prompt_ids = _prompt_ids(body["prompt"], tokenizer, vocab_size)
+    if max_prompt_chars is None:
+        max_prompt_chars = max_prompt_chars_for(max_model_len)
+    prompt_ids = _prompt_ids(body["prompt"], tokenizer, vocab_size, max_prompt_chars, max_model_len)
 
     for name, only in (("n", 1), ("best_of", 1)):
         value = _get_int(body, name, minimum=1)

@@ -12,8 +12,16 @@ its place in line (FIFO, no starvation). Finished requests free their blocks in 
 With a connector (:class:`kvdrop_engine.connector.ServerConnector`) the engine loads the longest
 cached prefix of each prompt from the kvdrop server on admission and computes only the rest; when a
 prompt's prefill ends it stores the prompt's whole chunks of KV (and post-RoPE queries). The store
-runs on the caller's thread before the first token is handed over, so a caller that has seen a
-token can rely on the prompt being in the server.
+is started before the first token is handed over and waited for up to ``store_timeout_s``, so with
+a healthy server a caller that has seen a token can rely on the prompt being in the server.
+
+Server I/O never runs on the loop thread: a load runs on a small connector pool while the loop
+keeps stepping the other requests; a load that fails or takes longer than ``load_timeout_s``
+falls back to computing the whole prompt. A failed or late store is logged and counted, and the
+request goes on. After a failure or a timeout the engine leaves the server alone for
+``connector_backoff_s`` seconds (loads recompute at once, stores are skipped), so a hung or dead
+server costs the first request one timeout, not every request. ``EngineStats.connector_fallbacks``
+and ``store_failures`` count what happened.
 
 The pieces, each small: :func:`plan_step` assembles one step's batch; :mod:`~kvdrop_engine.sampling`
 picks tokens; :mod:`~kvdrop_engine.connector` plans and runs the server I/O; the request's own
@@ -24,27 +32,42 @@ schedules and hands out events.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from kvdrop_engine.connector import EngineConnector, PrefixPlan, StoreJob, plan_prefix
+from kvdrop_engine.connector import (
+    EngineConnector,
+    PrefixPlan,
+    StoreJob,
+    plan_prefix,
+    plan_recompute,
+)
 from kvdrop_engine.errors import EngineError, InvalidRequestError, RequestTooLargeError
 from kvdrop_engine.paged import PagedAttention, PagedKVCache, SeqStep, blocks_needed
 from kvdrop_engine.sampling import SamplingParams, finish_reason, make_generator, sample
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
+from kvdrop_sdk.errors import PartialStoreError
 from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.validate import positive_int, token_ids
 
 __all__ = ["DEFAULT_BUDGET_TOKENS", "Engine", "EngineStats", "StepPlan", "plan_step"]
 
 DEFAULT_BUDGET_TOKENS = 65536
+#: Connector threads: loads and stores of different requests overlap; a hung server holds these.
+_IO_THREADS = 4
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,6 +85,8 @@ class EngineStats:
     peak_running: int = 0
     peak_blocks_used: int = 0
     peak_waiting: int = 0
+    connector_fallbacks: int = 0  # loads that failed, timed out or were skipped: recomputed
+    store_failures: int = 0  # stores that failed, timed out or were skipped
 
     @property
     def tokens_computed(self) -> int:
@@ -92,6 +117,8 @@ class _Request:
     store_upto: int = 0  # whole-chunk prompt tokens to store after prefill (0 = none)
     query_parts: list[Tensor] = field(default_factory=list)
     cancelled: bool = False
+    loading: Future[PrefixPlan] | None = None  # the prefix load in flight (not yet stepped)
+    load_deadline: float = 0.0
 
     @property
     def prefilling(self) -> bool:
@@ -170,7 +197,9 @@ class Engine:
     ``num_layers``, ``num_heads``, ``num_kv_heads``, ``head_dim``, ``eos_token_ids`` and a
     ``forward(tokens, positions, attn, logits_rows)``). Give the budget as ``num_blocks`` or
     ``kv_budget_tokens`` (rounded down to whole blocks); default 65536 tokens. ``tokenizer``
-    (anything with ``decode``) gives each ``TokenEvent`` its text.
+    (anything with ``decode``) gives each ``TokenEvent`` its text. ``load_timeout_s``,
+    ``store_timeout_s`` and ``connector_backoff_s`` bound what a slow or dead cache server can
+    cost (see the module docstring).
     """
 
     def __init__(
@@ -184,6 +213,9 @@ class Engine:
         max_batch_size: int = 256,
         max_prefill_tokens: int = 2048,
         connector: EngineConnector | None = None,
+        load_timeout_s: float = 2.0,
+        store_timeout_s: float = 10.0,
+        connector_backoff_s: float = 5.0,
     ) -> None:
         cfg = model.config
         try:
@@ -197,6 +229,13 @@ class Engine:
             positive_int(num_blocks, "num_blocks")
             positive_int(max_batch_size, "max_batch_size")
             positive_int(max_prefill_tokens, "max_prefill_tokens")
+            for name, value in (
+                ("load_timeout_s", load_timeout_s),
+                ("store_timeout_s", store_timeout_s),
+                ("connector_backoff_s", connector_backoff_s),
+            ):
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                    raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
         param = next((p for p in model.parameters() if p.is_floating_point()), None)
@@ -219,6 +258,11 @@ class Engine:
         )
         self.eos_token_ids = frozenset(int(t) for t in (getattr(cfg, "eos_token_ids", ()) or ()))
         self.connector = connector
+        self.load_timeout_s = float(load_timeout_s)
+        self.store_timeout_s = float(store_timeout_s)
+        self.connector_backoff_s = float(connector_backoff_s)
+        self._io: ThreadPoolExecutor | None = None
+        self._io_down_until = 0.0
         if connector is not None:
             connector.bind(cfg, self.dtype)
         self._stats = EngineStats()
@@ -252,6 +296,9 @@ class Engine:
             pending = list(self._waiting) + list(self._running.values())
             self._waiting.clear()
             self._running.clear()
+            io, self._io = self._io, None
+        if io is not None:
+            io.shutdown(wait=False, cancel_futures=True)
         for req in pending:
             self._free(req)
             req.out.put(EngineError("engine stopped before the request finished"))
@@ -363,11 +410,7 @@ class Engine:
                         raise item
                     raise EngineError(f"request failed: {item!r}") from item
                 if isinstance(item, StoreJob):
-                    assert self.connector is not None
-                    q_stored = item.run(self.connector)
-                    with self._cv:
-                        self._stats.kv_tokens_stored += item.kv.shape[2]
-                        self._stats.query_tokens_stored += q_stored
+                    self._store(item)
                     continue
                 yield item
                 if item.finish_reason is not None:
@@ -383,22 +426,42 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and not (self._running or self._waiting):
-                    self._cv.wait()
+                while not self._stopping and not self._has_work_locked():
+                    self._cv.wait(self._wait_s_locked())
                 if self._stopping:
                     return
                 self._drop_cancelled_locked()
                 admitted = self._admit_locked()
             for req in admitted:
-                self._load_prefix(req)
+                self._start_load(req)
+            self._finish_loads()
             with self._cv:
-                batch = [r for r in self._running.values() if not r.cancelled]
+                batch = [r for r in self._running.values() if not r.cancelled and r.loading is None]
             if batch:
                 try:
                     self._step(batch)
                 except Exception as exc:
                     for req in batch:
                         self._fail(req, exc)
+
+    def _has_work_locked(self) -> bool:
+        """Something to step, admit, drop, or a load to finish (not just loads in flight)."""
+        now = time.monotonic()
+        for req in self._running.values():
+            if req.cancelled or req.loading is None or req.loading.done():
+                return True
+            if now >= req.load_deadline:
+                return True
+        if self._waiting and len(self._running) < self.max_batch_size:
+            head = self._waiting[0]
+            need = self.blocks_for(len(head.prompt), head.params.max_tokens)
+            return need <= self.cache.allocator.num_free or head.cancelled
+        return False
+
+    def _wait_s_locked(self) -> float | None:
+        """How long the loop may sleep: until the first load deadline (loads notify when done)."""
+        deadlines = [r.load_deadline for r in self._running.values() if r.loading is not None]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _drop_cancelled_locked(self) -> None:
         for rid in [rid for rid, r in self._running.items() if r.cancelled]:
@@ -424,20 +487,104 @@ class Engine:
         st.peak_blocks_used = max(st.peak_blocks_used, self.cache.num_blocks - alloc.num_free)
         return admitted
 
-    def _load_prefix(self, req: _Request) -> None:
-        """Load the cached prefix from the server and decide what to store after prefill."""
+    # ----------------------------------------------------------------- server I/O
+    def _io_pool(self) -> ThreadPoolExecutor:
+        with self._cv:
+            if self._io is None:
+                self._io = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="kvdrop-connector")
+            return self._io
+
+    def _io_ok(self) -> bool:
+        return time.monotonic() >= self._io_down_until
+
+    def _io_failed(self, what: str, reason: str) -> None:
+        """Log one line and leave the server alone for ``connector_backoff_s``."""
+        self._io_down_until = time.monotonic() + self.connector_backoff_s
+        logger.warning(
+            "kvdrop server %s %s; computing without it for %g s",
+            what,
+            reason,
+            self.connector_backoff_s,
+        )
+
+    def _wake(self, _: object = None) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def _start_load(self, req: _Request) -> None:
+        """Ask the server for the request's cached prefix, off the loop thread."""
         if self.connector is None:
             return
-        try:
-            plan = plan_prefix(self.connector, req.prompt, req.cache_salt)
-        except EngineError as exc:
-            self._fail(req, exc)
+        if not self._io_ok():
+            self._recompute(req)
             return
-        if plan.kv is not None:
-            self.cache.load(req.blocks, plan.kv)
-        req.follow(plan)
+        req.load_deadline = time.monotonic() + self.load_timeout_s
+        req.loading = self._io_pool().submit(
+            plan_prefix, self.connector, req.prompt, req.cache_salt
+        )
+        req.loading.add_done_callback(self._wake)
+
+    def _finish_loads(self) -> None:
+        """Apply finished loads; give up on late ones (those requests compute their prompt)."""
         with self._cv:
-            self._stats.tokens_loaded += plan.num_loaded
+            loading = [r for r in self._running.values() if r.loading is not None]
+        now = time.monotonic()
+        for req in loading:
+            future = req.loading
+            assert future is not None
+            if req.cancelled:
+                continue
+            if not future.done():
+                if now >= req.load_deadline:
+                    req.loading = None
+                    self._io_failed("load", f"took longer than {self.load_timeout_s:g} s")
+                    self._recompute(req)
+                continue
+            req.loading = None
+            try:
+                plan = future.result()
+            except Exception as exc:
+                self._io_failed("load failed:", f"{type(exc).__name__}: {exc}")
+                self._recompute(req)
+                continue
+            if plan.kv is not None:
+                self.cache.load(req.blocks, plan.kv)
+            req.follow(plan)
+            with self._cv:
+                self._stats.tokens_loaded += plan.num_loaded
+
+    def _recompute(self, req: _Request) -> None:
+        assert self.connector is not None
+        req.follow(plan_recompute(self.connector, req.prompt))
+        with self._cv:
+            self._stats.connector_fallbacks += 1
+
+    def _store(self, job: StoreJob) -> None:
+        """Run a prompt's store (caller's thread) for up to ``store_timeout_s``; never raises."""
+        assert self.connector is not None
+        if not self._io_ok():
+            with self._cv:
+                self._stats.store_failures += 1
+            return
+        future = self._io_pool().submit(job.run, self.connector)
+        future.add_done_callback(lambda f: self._stored(job, f))
+        try:
+            future.result(timeout=self.store_timeout_s)
+        except FutureTimeout:
+            self._io_failed("store", f"took longer than {self.store_timeout_s:g} s")
+        except Exception as exc:
+            if isinstance(exc.__cause__, PartialStoreError):
+                logger.warning("%s", exc)  # the server works; its pool is full of pins
+            else:
+                self._io_failed("store failed:", str(exc))
+
+    def _stored(self, job: StoreJob, future: Future[int]) -> None:
+        with self._cv:
+            if future.cancelled() or future.exception() is not None:
+                self._stats.store_failures += 1
+                return
+            self._stats.kv_tokens_stored += job.kv.shape[2]
+            self._stats.query_tokens_stored += future.result()
 
     def _step(self, batch: list[_Request]) -> None:
         plan = plan_step(batch, self.max_prefill_tokens)
