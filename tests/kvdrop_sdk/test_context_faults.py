@@ -116,6 +116,7 @@ def test_server_killed_mid_batch_then_restarted(tmp_path: Any) -> None:
             for p in prompts:
                 batch.add(create_request(ctx, engine, p))
             batch.prefill()
+
             def slow_edit(t: dict[CacheKind, torch.Tensor], k: list[int]) -> Any:
                 time.sleep(1.0)  # the server is killed while every stream is inside its edit
                 return t[CacheKind.KV][:, :, :CHUNK], k[:CHUNK]
