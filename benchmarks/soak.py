@@ -651,6 +651,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault-cycles", type=int, default=10)
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated of {list(PHASES)}")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     args = p.parse_args(argv)
     if args.quick:
         args.messages, args.load_s, args.stream_rounds, args.fault_cycles = 10_000, 10.0, 1, 2
@@ -670,6 +671,12 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"rows": rows, "summary": summary(rows), "seconds": seconds}, indent=2))
+    elif args.markdown:
+        print(f"\ncpus {os.cpu_count()}, load avg {os.getloadavg()[0]:.1f}, {seconds:.0f} s\n")
+        print("| figure | value |\n|---|---|")
+        print("\n".join(f"| {r['figure']} | {r['value']} |" for r in summary(rows)))
+        print("\n| check | result | measured |\n|---|---|---|")
+        print("\n".join(f"| {r['check']} | {r['result']} | {r['measured']} |" for r in rows))
     else:
         print(f"\ncpus {os.cpu_count()}, load avg {os.getloadavg()[0]:.1f}, {seconds:.0f} s\n")
         print(format_table(rows, ["check", "result", "measured"]))
