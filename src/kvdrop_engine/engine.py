@@ -15,9 +15,10 @@ prompt's prefill ends it stores the prompt's whole chunks of KV (and post-RoPE q
 is started before the first token is handed over and waited for up to ``store_timeout_s``, so with
 a healthy server a caller that has seen a token can rely on the prompt being in the server.
 
-Server I/O never runs on the loop thread: a load runs on a small connector pool while the loop
-keeps stepping the other requests; a load that fails or takes longer than ``load_timeout_s``
-falls back to computing the whole prompt. A failed or late store is logged and counted, and the
+Server I/O never runs on the loop thread: up to ``load_concurrency`` loads run on a connector pool
+(each also copies its prefix into the request's blocks) while the loop keeps stepping the other
+requests; a load still waiting for the server after ``load_timeout_s`` is abandoned and the prompt
+is computed instead, as is one that fails. A failed or late store is logged and counted, and the
 request goes on. After a failure or a timeout the engine leaves the server alone for
 ``connector_backoff_s`` seconds (loads recompute at once, stores are skipped), so a hung or dead
 server costs the first request one timeout, not every request. ``EngineStats.connector_fallbacks``
@@ -46,6 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from kvdrop_engine import kernels
 from kvdrop_engine.connector import (
     EngineConnector,
     PrefixPlan,
@@ -54,7 +56,8 @@ from kvdrop_engine.connector import (
     plan_recompute,
 )
 from kvdrop_engine.errors import EngineError, InvalidRequestError, RequestTooLargeError
-from kvdrop_engine.paged import PagedAttention, PagedKVCache, SeqStep, blocks_needed
+from kvdrop_engine.graphs import DecodeGraphs
+from kvdrop_engine.paged import PagedAttention, PagedKVCache, SeqStep, blocks_needed, use_kernel
 from kvdrop_engine.sampling import SamplingParams, finish_reason, make_generator, sample
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
 from kvdrop_sdk.errors import PartialStoreError
@@ -64,8 +67,8 @@ from kvdrop_sdk.validate import positive_int, token_ids
 __all__ = ["DEFAULT_BUDGET_TOKENS", "Engine", "EngineStats", "StepPlan", "plan_step"]
 
 DEFAULT_BUDGET_TOKENS = 65536
-#: Connector threads: loads and stores of different requests overlap; a hung server holds these.
-_IO_THREADS = 4
+#: Threads that run stores (each caller waits for its own, up to ``store_timeout_s``).
+_STORE_THREADS = 4
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +88,16 @@ class EngineStats:
     peak_running: int = 0
     peak_blocks_used: int = 0
     peak_waiting: int = 0
+    #: Steps that only decoded (no prompt chunk), their wall time on the loop thread (plan, launch,
+    #: wait for the tokens, hand them out; capturing a new CUDA graph is counted apart, in
+    #: ``graph_capture_seconds``) and the cached tokens their attention read.
+    #: ``prefix_load_seconds``: time spent loading cached prefixes (asking the server and copying
+    #: into the blocks), summed over requests; it runs on connector threads, not the loop.
+    decode_only_steps: int = 0
+    decode_step_seconds: float = 0.0
+    decode_kv_tokens: int = 0
+    graph_capture_seconds: float = 0.0
+    prefix_load_seconds: float = 0.0
     connector_fallbacks: int = 0  # loads that failed, timed out or were skipped: recomputed
     store_failures: int = 0  # stores that failed, timed out or were skipped
 
@@ -93,7 +106,7 @@ class EngineStats:
         """Tokens the model ran (prefill + decode), i.e. not loaded from the server."""
         return self.prefill_tokens_computed + self.decode_tokens_computed
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, float]:
         """Plain dict (JSON-serialisable), including ``tokens_computed``."""
         return {**asdict(self), "tokens_computed": self.tokens_computed}
 
@@ -117,8 +130,10 @@ class _Request:
     store_upto: int = 0  # whole-chunk prompt tokens to store after prefill (0 = none)
     query_parts: list[Tensor] = field(default_factory=list)
     cancelled: bool = False
-    loading: Future[PrefixPlan] | None = None  # the prefix load in flight (not yet stepped)
+    loading: Future[PrefixPlan] | None = None  # the prefix load in flight (not stepped yet)
     load_deadline: float = 0.0
+    #: "io" (asking the server), "copy" (into the blocks), "copied", or "abandoned" (too late)
+    load_state: str = "io"
 
     @property
     def prefilling(self) -> bool:
@@ -197,9 +212,15 @@ class Engine:
     ``num_layers``, ``num_heads``, ``num_kv_heads``, ``head_dim``, ``eos_token_ids`` and a
     ``forward(tokens, positions, attn, logits_rows)``). Give the budget as ``num_blocks`` or
     ``kv_budget_tokens`` (rounded down to whole blocks); default 65536 tokens. ``tokenizer``
-    (anything with ``decode``) gives each ``TokenEvent`` its text. ``load_timeout_s``,
-    ``store_timeout_s`` and ``connector_backoff_s`` bound what a slow or dead cache server can
-    cost (see the module docstring).
+    (anything with ``decode``) gives each ``TokenEvent`` its text.
+
+    On a GPU (with Triton, ``pip install 'kvdrop[gpu]'``) decode attention reads the paged cache
+    in place, the model's norms and SwiGLU run fused (``fused_ops``; this sets
+    ``model.use_ops``), and decode-only steps replay CUDA graphs (``cuda_graphs``); None means
+    "when available". Elsewhere the engine runs plain PyTorch. Up to ``load_concurrency``
+    admitted requests load their cached prefixes from the connector at once.
+    ``load_timeout_s``, ``store_timeout_s`` and ``connector_backoff_s`` bound what a slow or dead
+    cache server can cost (see the module docstring).
     """
 
     def __init__(
@@ -213,6 +234,9 @@ class Engine:
         max_batch_size: int = 256,
         max_prefill_tokens: int = 2048,
         connector: EngineConnector | None = None,
+        cuda_graphs: bool | None = None,
+        fused_ops: bool | None = None,
+        load_concurrency: int = 4,
         load_timeout_s: float = 2.0,
         store_timeout_s: float = 10.0,
         connector_backoff_s: float = 5.0,
@@ -229,6 +253,7 @@ class Engine:
             positive_int(num_blocks, "num_blocks")
             positive_int(max_batch_size, "max_batch_size")
             positive_int(max_prefill_tokens, "max_prefill_tokens")
+            positive_int(load_concurrency, "load_concurrency")
             for name, value in (
                 ("load_timeout_s", load_timeout_s),
                 ("store_timeout_s", store_timeout_s),
@@ -247,6 +272,14 @@ class Engine:
         self.block_size = block_size
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.load_concurrency = load_concurrency
+        self.load_timeout_s = float(load_timeout_s)
+        self.store_timeout_s = float(store_timeout_s)
+        self.connector_backoff_s = float(connector_backoff_s)
+        self._load_pool: ThreadPoolExecutor | None = None
+        self._store_pool: ThreadPoolExecutor | None = None
+        self._load_lock = threading.Lock()  # guards _Request.load_state
+        self._io_down_until = 0.0
         self.cache = PagedKVCache(
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,
@@ -256,13 +289,27 @@ class Engine:
             dtype=self.dtype,
             device=self.device,
         )
+        gpu = self.device.type == "cuda" and kernels.available(self.device)
+        can_fuse = hasattr(model, "use_ops")
+        if fused_ops or (fused_ops is None and gpu and can_fuse):
+            if not (kernels.available(self.device) and can_fuse):
+                raise InvalidRequestError(
+                    "fused_ops=True needs a CUDA model with use_ops (a Transformer) and Triton"
+                )
+            model.use_ops(kernels)
+        elif fused_ops is False and hasattr(model, "use_ops"):
+            model.use_ops(None)
+        self._graphs: DecodeGraphs | None = None
+        dynamic_rope = bool(getattr(getattr(cfg, "rope", None), "dynamic", False))
+        if cuda_graphs or (cuda_graphs is None and gpu and not dynamic_rope):
+            if not (use_kernel(self.cache) and self.device.type == "cuda") or dynamic_rope:
+                raise InvalidRequestError(
+                    "cuda_graphs=True needs a CUDA model, Triton, power-of-two head and block "
+                    "sizes and a RoPE that does not depend on the sequence length"
+                )
+            self._graphs = DecodeGraphs(model, self.cache, max_batch_size)
         self.eos_token_ids = frozenset(int(t) for t in (getattr(cfg, "eos_token_ids", ()) or ()))
         self.connector = connector
-        self.load_timeout_s = float(load_timeout_s)
-        self.store_timeout_s = float(store_timeout_s)
-        self.connector_backoff_s = float(connector_backoff_s)
-        self._io: ThreadPoolExecutor | None = None
-        self._io_down_until = 0.0
         if connector is not None:
             connector.bind(cfg, self.dtype)
         self._stats = EngineStats()
@@ -293,12 +340,14 @@ class Engine:
         if thread is not None:
             thread.join()
         with self._cv:
+            pools = [p for p in (self._load_pool, self._store_pool) if p is not None]
+            self._load_pool = self._store_pool = None
+        for pool in pools:  # a load or store stuck on a hung server is not waited for
+            pool.shutdown(wait=False, cancel_futures=True)
+        with self._cv:
             pending = list(self._waiting) + list(self._running.values())
             self._waiting.clear()
             self._running.clear()
-            io, self._io = self._io, None
-        if io is not None:
-            io.shutdown(wait=False, cancel_futures=True)
         for req in pending:
             self._free(req)
             req.out.put(EngineError("engine stopped before the request finished"))
@@ -445,26 +494,36 @@ class Engine:
                         self._fail(req, exc)
 
     def _has_work_locked(self) -> bool:
-        """Something to step, admit, drop, or a load to finish (not just loads in flight)."""
+        """Something to step, admit or drop, or a load to finish (not just loads in flight)."""
         now = time.monotonic()
         for req in self._running.values():
-            if req.cancelled or req.loading is None or req.loading.done():
+            if req.loading is None or req.loading.done():
                 return True
-            if now >= req.load_deadline:
+            if req.load_state == "io" and (req.cancelled or now >= req.load_deadline):
                 return True
         if self._waiting and len(self._running) < self.max_batch_size:
             head = self._waiting[0]
             need = self.blocks_for(len(head.prompt), head.params.max_tokens)
-            return need <= self.cache.allocator.num_free or head.cancelled
+            return head.cancelled or need <= self.cache.allocator.num_free
         return False
 
     def _wait_s_locked(self) -> float | None:
         """How long the loop may sleep: until the first load deadline (loads notify when done)."""
-        deadlines = [r.load_deadline for r in self._running.values() if r.loading is not None]
+        deadlines = [
+            r.load_deadline
+            for r in self._running.values()
+            if r.loading is not None and r.load_state == "io"
+        ]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _drop_cancelled_locked(self) -> None:
         for rid in [rid for rid, r in self._running.items() if r.cancelled]:
+            req = self._running[rid]
+            if req.loading is not None and not req.loading.done():
+                with self._load_lock:
+                    if req.load_state == "copy":
+                        continue  # its prefix is being copied into its blocks: free them after
+                    req.load_state = "abandoned"
             self._free(self._running.pop(rid))
         if any(r.cancelled for r in self._waiting):
             self._waiting = deque(r for r in self._waiting if not r.cancelled)
@@ -488,12 +547,6 @@ class Engine:
         return admitted
 
     # ----------------------------------------------------------------- server I/O
-    def _io_pool(self) -> ThreadPoolExecutor:
-        with self._cv:
-            if self._io is None:
-                self._io = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="kvdrop-connector")
-            return self._io
-
     def _io_ok(self) -> bool:
         return time.monotonic() >= self._io_down_until
 
@@ -512,20 +565,52 @@ class Engine:
             self._cv.notify_all()
 
     def _start_load(self, req: _Request) -> None:
-        """Ask the server for the request's cached prefix, off the loop thread."""
+        """Start loading the request's cached prefix on a connector thread (not on the loop)."""
         if self.connector is None:
             return
         if not self._io_ok():
             self._recompute(req)
             return
+        with self._cv:
+            if self._load_pool is None:
+                self._load_pool = ThreadPoolExecutor(
+                    self.load_concurrency, thread_name_prefix="kvdrop-load"
+                )
+            pool = self._load_pool
+        req.load_state = "io"
         req.load_deadline = time.monotonic() + self.load_timeout_s
-        req.loading = self._io_pool().submit(
-            plan_prefix, self.connector, req.prompt, req.cache_salt
-        )
+        req.loading = pool.submit(self._load_prefix, req)
         req.loading.add_done_callback(self._wake)
 
+    def _load_prefix(self, req: _Request) -> PrefixPlan:
+        """(connector thread) Ask the server, then copy the prefix into the request's blocks --
+        unless the loop gave up on the request meanwhile: then its blocks are not touched.
+
+        Loads run several at once: the host copy out of the server's memory and the copy to the
+        device both release the GIL, so one request's host copy overlaps another's transfer. With
+        CUDA graphs the copy into the blocks is left to the loop thread: a graph may be captured
+        in any step, and another thread's device calls during a capture would break it."""
+        assert self.connector is not None
+        started = time.perf_counter()
+        try:
+            plan = plan_prefix(self.connector, req.prompt, req.cache_salt)
+            if self._graphs is not None:
+                return plan
+            with self._load_lock:
+                if req.load_state != "io":
+                    return plan
+                req.load_state = "copy"
+            if plan.kv is not None:
+                self.cache.load(req.blocks, plan.kv)
+            req.load_state = "copied"
+            return plan
+        finally:
+            with self._cv:
+                self._stats.prefix_load_seconds += time.perf_counter() - started
+
     def _finish_loads(self) -> None:
-        """Apply finished loads; give up on late ones (those requests compute their prompt)."""
+        """Apply finished loads; give up on those still waiting for the server past their
+        deadline (those requests compute their prompt)."""
         with self._cv:
             loading = [r for r in self._running.values() if r.loading is not None]
         now = time.monotonic()
@@ -533,22 +618,27 @@ class Engine:
             future = req.loading
             assert future is not None
             if req.cancelled:
-                continue
+                continue  # dropped by _drop_cancelled_locked
             if not future.done():
                 if now >= req.load_deadline:
-                    req.loading = None
-                    self._io_failed("load", f"took longer than {self.load_timeout_s:g} s")
-                    self._recompute(req)
+                    with self._load_lock:
+                        late = req.load_state == "io"
+                        if late:
+                            req.load_state = "abandoned"
+                    if late:  # (a load already copying is local and ends soon)
+                        req.loading = None
+                        self._io_failed("load", f"took longer than {self.load_timeout_s:g} s")
+                        self._recompute(req)
                 continue
             req.loading = None
             try:
                 plan = future.result()
+                if req.load_state != "copied" and plan.kv is not None:
+                    self.cache.load(req.blocks, plan.kv)  # (CUDA graphs: on the loop thread)
             except Exception as exc:
                 self._io_failed("load failed:", f"{type(exc).__name__}: {exc}")
                 self._recompute(req)
                 continue
-            if plan.kv is not None:
-                self.cache.load(req.blocks, plan.kv)
             req.follow(plan)
             with self._cv:
                 self._stats.tokens_loaded += plan.num_loaded
@@ -566,7 +656,13 @@ class Engine:
             with self._cv:
                 self._stats.store_failures += 1
             return
-        future = self._io_pool().submit(job.run, self.connector)
+        with self._cv:
+            if self._store_pool is None:
+                self._store_pool = ThreadPoolExecutor(
+                    _STORE_THREADS, thread_name_prefix="kvdrop-store"
+                )
+            pool = self._store_pool
+        future = pool.submit(job.run, self.connector)
         future.add_done_callback(lambda f: self._stored(job, f))
         try:
             future.result(timeout=self.store_timeout_s)
@@ -587,36 +683,62 @@ class Engine:
             self._stats.query_tokens_stored += future.result()
 
     def _step(self, batch: list[_Request]) -> None:
+        started = time.perf_counter()
         plan = plan_step(batch, self.max_prefill_tokens)
         capture = {r.rid for r, _ in plan.stepped if r.prefilling and r.capture_queries}
-        attn = PagedAttention(self.cache, plan.seqs, capture=capture)
-        dev = self.device
-        with torch.inference_mode():
-            logits = self.model(
-                torch.tensor(plan.tokens, dtype=torch.long, device=dev),
-                torch.tensor(plan.positions, dtype=torch.long, device=dev),
-                attn,
-                logits_rows=torch.tensor(plan.sample_rows, dtype=torch.long, device=dev),
-            )
+        decode_only = plan.num_prefill == 0
+        greedy = None
+        captured: dict[Any, list[Tensor]] = {}
+        capture_s = 0.0
+        if decode_only and self._graphs is not None:
+            # One graph replay; the only host sync is reading the chosen tokens (in sample).
+            before = self._graphs.capture_seconds
+            logits, greedy = self._graphs.run(plan.seqs, plan.tokens)
+            capture_s = self._graphs.capture_seconds - before
+        else:
+            attn = PagedAttention(self.cache, plan.seqs, capture=capture)
+            dev = self.device
+            with torch.inference_mode():
+                logits = self.model(
+                    torch.tensor(plan.tokens, dtype=torch.long, device=dev),
+                    torch.tensor(plan.positions, dtype=torch.long, device=dev),
+                    attn,
+                    logits_rows=torch.tensor(plan.sample_rows, dtype=torch.long, device=dev),
+                )
+            captured = attn.captured
         for req, n in plan.stepped:
-            if req.rid in attn.captured:
-                req.keep_queries(attn.captured[req.rid], n)
+            if req.rid in captured:
+                req.keep_queries(captured[req.rid], n)
             req.num_computed += n
         with self._cv:
             self._stats.steps += 1
             self._stats.prefill_tokens_computed += plan.num_prefill
             self._stats.decode_tokens_computed += plan.num_decode
         reqs = plan.sampled
-        next_ids = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        next_ids = sample(
+            logits, [r.params for r in reqs], [r.generator for r in reqs], greedy=greedy
+        )
         for req, tok in zip(reqs, next_ids, strict=True):
             if req.cancelled:
                 continue
             if not req.output and req.store_upto:
                 req.out.put(self._store_job(req))
             self._emit(req, tok)
+        if decode_only:
+            with self._cv:
+                st = self._stats
+                st.decode_only_steps += 1
+                st.decode_step_seconds += time.perf_counter() - started - capture_s
+                st.graph_capture_seconds += capture_s
+                st.decode_kv_tokens += sum(s.start + 1 for s in plan.seqs)
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The captured decode steps (None when the engine runs without CUDA graphs)."""
+        return self._graphs
 
     def _store_job(self, req: _Request) -> StoreJob:
-        kv = self.cache.read(req.blocks, req.store_upto).cpu()
+        kv = self.cache.read_cpu(req.blocks, req.store_upto)
         queries = None
         if req.capture_queries and req.query_parts:
             queries = torch.cat(req.query_parts, dim=1).unsqueeze(0)
