@@ -229,7 +229,7 @@ def test_layout_registered_once_then_read_by_other_contexts(
         assert ctx.layout == LAYOUT
     other = CacheLayout(2, 2, 16, torch.float16)
     # Chunks are stored under the layout: another one is refused (see docs/sdk/server.md).
-    with pytest.raises(SDKError, match="registered with .* holds 1 chunk"):
+    with pytest.raises(SDKError, match=r"registered with .* holds 1 chunk"):
         sdk.kvcache.connect(kv_server.url, kv_server.http_url, model_name, 30, layout=other)
 
 
