@@ -266,30 +266,38 @@ def test_segment_of_a_live_server_is_refused_in_one_line() -> None:
 
 
 def test_busy_port_is_one_line_error() -> None:
+    from kvdrop_sdk.server import Server, ServerConfig
+    from kvdrop_sdk.server.app import ServerStartError
+
     with spawn_server(shm_name=None, l1_size_gb=0.01) as srv:
-        for flag, port in (("--port", srv.port), ("--http-port", srv.http_port)):
-            args = server_cmd("--l1-size-gb", "0.01")
-            args[args.index(flag) + 1] = str(port)
-            proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
-            lines = proc.stderr.strip().splitlines()
-            assert proc.returncode == 1 and len(lines) == 1, proc.stderr
-            assert f"{flag} {port}" in lines[0] and "in use" in lines[0], lines[0]
+        args = server_cmd("--l1-size-gb", "0.01")
+        args[args.index("--port") + 1] = str(srv.port)
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+        assert f"--port {srv.port} is in use" in lines[0], lines[0]
+        # The HTTP port, in-process (the same message reaches the CLI's one line).
+        server = Server(ServerConfig(port=0, http_port=srv.http_port, l1_size_gb=0.01))
+        with pytest.raises(ServerStartError, match=f"--http-port {srv.http_port} is in use"):
+            server.start()
 
 
 def test_pool_larger_than_memory_is_refused_in_one_line() -> None:
-    total_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
-    for extra in ([], ["--shm-name", unique_shm_name("kvdrop_test")]):
-        proc = subprocess.run(
-            server_cmd("--l1-size-gb", str(round(total_gib * 2 + 1)), *extra),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        lines = proc.stderr.strip().splitlines()
-        assert proc.returncode == 1 and len(lines) == 1, proc.stderr
-        assert "--l1-size-gb" in lines[0] and "GiB" in lines[0], lines[0]
-        if extra:
-            assert not os.path.exists(shm_path(extra[1]))
+    from kvdrop_sdk.server import Server, ServerConfig
+    from kvdrop_sdk.server.app import ServerStartError
+
+    too_big = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3 * 2 + 1)
+    proc = subprocess.run(
+        server_cmd("--l1-size-gb", str(too_big)), capture_output=True, text=True, timeout=60
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert "--l1-size-gb" in lines[0] and "GiB" in lines[0], lines[0]
+    name = unique_shm_name("kvdrop_test")
+    server = Server(ServerConfig(port=0, http_port=0, l1_size_gb=too_big, shm_name=name))
+    with pytest.raises(ServerStartError, match="--l1-size-gb"):
+        server.start()
+    assert not os.path.exists(shm_path(name))
 
 
 def test_pool_larger_than_dev_shm_is_refused() -> None:
