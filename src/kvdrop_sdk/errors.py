@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "BatchedStreamError",
+    "CacheKindError",
     "PartialStoreError",
     "RequestStreamError",
     "SDKError",
@@ -47,3 +48,7 @@ class PartialStoreError(SDKError):
 class ServerRestartedError(SDKError):
     """The server answering is not the one this context mapped (it restarted); nothing was read
     or written through the old mapping. Contexts re-synchronise and retry once on their own."""
+
+
+class CacheKindError(SDKError, ValueError):
+    """An unknown cache kind (a ``ValueError`` too, as upstream's ``connect`` raises)."""
