@@ -524,7 +524,7 @@ def soak_engine(args: argparse.Namespace) -> list[Row]:
     gaps: list[float] = []
     with spawn_server(chunk_size=16, l1_size_gb=0.01, check_exit=False) as srv:
         conn = ServerConnector(srv.url, srv.http_url, "engine-soak", timeout=30)
-        eng = Engine(model, num_blocks=2048, connector=conn)
+        eng = Engine(model, num_blocks=2048, connector=conn, load_timeout_s=1.0)
         try:
             running = eng.post_completion(list(range(3, 8)), {**greedy, "max_tokens": 20_000})
             next(running)
@@ -556,7 +556,8 @@ def soak_engine(args: argparse.Namespace) -> list[Row]:
     rows = [
         _row(
             "engine, cache server hung",
-            f"server SIGSTOPped while a stream decoded and 4 new 330-token prompts arrived: "
+            f"server SIGSTOPped while a stream decoded and 4 new 330-token prompts arrived "
+            f"(load_timeout_s 1): "
             f"{len(finished)}/4 finished by recompute ({fallbacks} fallbacks), longest decode "
             f"gap of the running stream {max(gaps):.2f} s",
             len(finished) == 4 and max(gaps) < 5.0,

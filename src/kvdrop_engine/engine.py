@@ -131,9 +131,10 @@ class _Request:
     query_parts: list[Tensor] = field(default_factory=list)
     cancelled: bool = False
     loading: Future[PrefixPlan] | None = None  # the prefix load in flight (not stepped yet)
-    load_deadline: float = 0.0
-    #: "io" (asking the server), "copy" (into the blocks), "copied", or "abandoned" (too late)
-    load_state: str = "io"
+    load_deadline: float = float("inf")  # set when the load starts (not while it is queued)
+    #: "queued" (waiting for a connector thread), "io" (asking the server), "copy" (into the
+    #: blocks), "copied", or "abandoned" (the loop gave up on it)
+    load_state: str = "queued"
 
     @property
     def prefilling(self) -> bool:
@@ -237,9 +238,9 @@ class Engine:
         cuda_graphs: bool | None = None,
         fused_ops: bool | None = None,
         load_concurrency: int = 4,
-        load_timeout_s: float = 2.0,
-        store_timeout_s: float = 10.0,
-        connector_backoff_s: float = 5.0,
+        load_timeout_s: float = 10.0,
+        store_timeout_s: float = 30.0,
+        connector_backoff_s: float = 30.0,
     ) -> None:
         cfg = model.config
         try:
@@ -499,6 +500,8 @@ class Engine:
         for req in self._running.values():
             if req.loading is None or req.loading.done():
                 return True
+            if req.load_state == "queued" and (req.cancelled or not self._io_ok()):
+                return True
             if req.load_state == "io" and (req.cancelled or now >= req.load_deadline):
                 return True
         if self._waiting and len(self._running) < self.max_batch_size:
@@ -512,7 +515,7 @@ class Engine:
         deadlines = [
             r.load_deadline
             for r in self._running.values()
-            if r.loading is not None and r.load_state == "io"
+            if r.loading is not None and r.load_state == "io" and r.load_deadline < float("inf")
         ]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
@@ -521,7 +524,7 @@ class Engine:
             req = self._running[rid]
             if req.loading is not None and not req.loading.done():
                 with self._load_lock:
-                    if req.load_state == "copy":
+                    if req.load_state in ("copy", "copied"):
                         continue  # its prefix is being copied into its blocks: free them after
                     req.load_state = "abandoned"
             self._free(self._running.pop(rid))
@@ -577,8 +580,8 @@ class Engine:
                     self.load_concurrency, thread_name_prefix="kvdrop-load"
                 )
             pool = self._load_pool
-        req.load_state = "io"
-        req.load_deadline = time.monotonic() + self.load_timeout_s
+        req.load_state = "queued"
+        req.load_deadline = float("inf")
         req.loading = pool.submit(self._load_prefix, req)
         req.loading.add_done_callback(self._wake)
 
@@ -591,6 +594,12 @@ class Engine:
         CUDA graphs the copy into the blocks is left to the loop thread: a graph may be captured
         in any step, and another thread's device calls during a capture would break it."""
         assert self.connector is not None
+        with self._load_lock:
+            if req.load_state != "queued":
+                raise EngineError("the engine gave up on this load before it started")
+            req.load_state = "io"
+            req.load_deadline = time.monotonic() + self.load_timeout_s
+        self._wake()  # the loop now has a deadline to wait for
         started = time.perf_counter()
         try:
             plan = plan_prefix(self.connector, req.prompt, req.cache_salt)
@@ -620,15 +629,20 @@ class Engine:
             if req.cancelled:
                 continue  # dropped by _drop_cancelled_locked
             if not future.done():
-                if now >= req.load_deadline:
-                    with self._load_lock:
-                        late = req.load_state == "io"
-                        if late:
-                            req.load_state = "abandoned"
-                    if late:  # (a load already copying is local and ends soon)
-                        req.loading = None
-                        self._io_failed("load", f"took longer than {self.load_timeout_s:g} s")
-                        self._recompute(req)
+                # Late: still asking the server past its deadline. Queued loads are given up
+                # while the engine leaves the server alone (their threads are busy with it).
+                # A load that is copying into the blocks is local and ends soon.
+                with self._load_lock:
+                    state = req.load_state
+                    late = state == "io" and now >= req.load_deadline
+                    skip = state == "queued" and not self._io_ok()
+                    if late or skip:
+                        req.load_state = "abandoned"
+                if late:
+                    self._io_failed("load", f"took longer than {self.load_timeout_s:g} s")
+                if late or skip:
+                    req.loading = None
+                    self._recompute(req)
                 continue
             req.loading = None
             try:

@@ -45,7 +45,7 @@ def tokens(n: int, seed: int) -> list[int]:
 def test_cache_server_fault_does_not_stop_running_streams(model: Transformer, fault: str) -> None:
     with spawn_server(chunk_size=CHUNK, l1_size_gb=0.01, check_exit=False) as srv:
         conn = ServerConnector(srv.url, srv.http_url, f"fault-{fault}", timeout=30)
-        eng = Engine(model, num_blocks=1024, connector=conn)
+        eng = Engine(model, num_blocks=1024, connector=conn, load_timeout_s=1.0)
         try:
             running = eng.post_completion(tokens(5, 1), {**GREEDY, "max_tokens": 8000})
             next(running)
@@ -118,6 +118,83 @@ def test_slow_load_falls_back_to_recompute(model: Transformer) -> None:
         out = eng.generate(prompt, {**GREEDY, "max_tokens": 2})
         assert time.monotonic() - t0 < 2.5
     assert out == generate(model, prompt, 2, stop_at_eos=False)
+
+
+class SleepyConnector:
+    """A connector whose loads take ``delay`` s and find nothing; counts loads in flight."""
+
+    chunk_size = CHUNK
+    transfer_query = False
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.active = 0
+        self.peak = 0
+        self.lock = threading.Lock()
+
+    def bind(self, config: Any, dtype: torch.dtype) -> None:
+        pass
+
+    def load(self, toks: Sequence[int], salt: str) -> torch.Tensor | None:
+        with self.lock:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        try:
+            time.sleep(self.delay)
+            return None
+        finally:
+            with self.lock:
+                self.active -= 1
+
+    def lookup_queries(self, toks: Sequence[int], salt: str) -> int:
+        return 0
+
+    def store(self, kv: torch.Tensor, queries: Any, toks: Sequence[int], salt: str,
+              *, query_offset: int = 0) -> int:  # fmt: skip
+        return 0
+
+
+def _run_all(eng: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    outs: list[list[int]] = [[] for _ in prompts]
+
+    def run(i: int) -> None:
+        outs[i] = eng.generate(prompts[i], {**GREEDY, "max_tokens": 2})
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return outs
+
+
+def test_queued_loads_are_not_timed_out_by_their_wait(model: Transformer) -> None:
+    """Loads wait for a connector thread without their deadline running: a healthy but busy
+    server never makes queued requests recompute."""
+    conn = SleepyConnector(delay=0.4)
+    prompts = [tokens(2 * CHUNK, 10 + i) for i in range(6)]
+    with Engine(
+        model, num_blocks=256, connector=conn, load_timeout_s=1.0, load_concurrency=1
+    ) as eng:  # type: ignore[arg-type]
+        outs = _run_all(eng, prompts)
+        st = eng.stats()
+    assert conn.peak == 1 and st.connector_fallbacks == 0  # the last load started after 2 s
+    assert outs == [generate(model, p, 2, stop_at_eos=False) for p in prompts]
+
+
+def test_hung_load_gives_up_on_the_queued_ones_too(model: Transformer) -> None:
+    conn = SleepyConnector(delay=6.0)
+    prompts = [tokens(2 * CHUNK, 20 + i) for i in range(4)]
+    with Engine(
+        model, num_blocks=256, connector=conn, load_timeout_s=0.5, load_concurrency=1
+    ) as eng:  # type: ignore[arg-type]
+        t0 = time.monotonic()
+        outs = _run_all(eng, prompts)
+        took = time.monotonic() - t0
+        st = eng.stats()
+    assert took < 4.0, took  # one timeout, then the queued loads are skipped, not waited for
+    assert st.connector_fallbacks == 4
+    assert outs == [generate(model, p, 2, stop_at_eos=False) for p in prompts]
 
 
 # -- 7. abandoned non-streaming requests are cancelled --------------------------------------------
