@@ -90,7 +90,8 @@ class IncrementalDetokenizer:
 
 
 class JSONTokenizer:
-    """An HF ``tokenizer.json`` (via ``tokenizers``) with ``encode``/``decode``."""
+    """An HF ``tokenizer.json`` (via ``tokenizers``) with ``encode``/``decode``, and the chat
+    template of the ``tokenizer_config.json`` beside it when there is one."""
 
     def __init__(self, path: str | Path) -> None:
         try:
@@ -99,8 +100,21 @@ class JSONTokenizer:
             raise ImportError(
                 "the tokenizer needs 'tokenizers': pip install 'kvdrop[model]'"
             ) from e
+        path = Path(path)
         self._tk = HFTokenizer.from_file(str(path))
         self.vocab_size = self._tk.get_vocab_size(with_added_tokens=True)
+        self.name = path.parent.name or path.name
+        self.chat_template: str | None = None
+        self.bos_token: str | None = None
+        self.eos_token: str | None = None
+        config_file = path.with_name("tokenizer_config.json")
+        if config_file.is_file():
+            import json
+
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+            self.chat_template = _config_template(config.get("chat_template"))
+            self.bos_token = _token_text(config.get("bos_token"))
+            self.eos_token = _token_text(config.get("eos_token"))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``."""
@@ -109,6 +123,39 @@ class JSONTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` (special tokens kept)."""
         return self._tk.decode([int(t) for t in token_ids], skip_special_tokens=False)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> list[int]:
+        """Token ids of the rendered chat (the template writes BOS itself where it wants one)."""
+        text = _render_chat(
+            self.chat_template,
+            self.name,
+            messages,
+            add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+        return list(self._tk.encode(text, add_special_tokens=False).ids)
+
+
+def _config_template(value: Any) -> str | None:
+    """``chat_template`` of a tokenizer_config.json: a string, or a list of named templates."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    return value if isinstance(value, str) and value else None
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token of a tokenizer_config.json: a string or an ``AddedToken`` dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 class TokenizerError(ValueError):
@@ -226,15 +273,11 @@ class Tokenizer:
         **kwargs: Any,
     ) -> str:
         """The chat template rendered to text (jinja2 sandbox, trim_blocks/lstrip_blocks as HF)."""
-        if not self.chat_template:
-            raise TokenizerError(f"{self.name}: the GGUF file has no tokenizer.chat_template")
-        for i, m in enumerate(messages):
-            if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-                raise ValueError(f"messages[{i}] must be a mapping with 'role' and 'content'")
-        return _render(
+        return _render_chat(
             self.chat_template,
-            messages=[dict(m) for m in messages],
-            add_generation_prompt=add_generation_prompt,
+            self.name,
+            messages,
+            add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             **kwargs,
@@ -254,6 +297,27 @@ class Tokenizer:
 
 def _opt_int(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+def _render_chat(
+    template: str | None,
+    name: str,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool,
+    **context: Any,
+) -> str:
+    """Check ``messages`` and render them with the model's chat ``template``."""
+    if not template:
+        raise TokenizerError(f"{name}: the tokenizer has no chat template")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            raise ValueError(f"messages[{i}] must be a mapping with 'role' and 'content'")
+    return _render(
+        template,
+        messages=[dict(m) for m in messages],
+        add_generation_prompt=add_generation_prompt,
+        **context,
+    )
 
 
 def _render(template: str, **context: Any) -> str:
