@@ -348,7 +348,7 @@ def load_model(spec: ModelSpecLike) -> tuple[Transformer, TextTokenizer | None, 
     if path is None:
         raise EngineSetupError(f"no --model given and the default model is missing: {INSTALL_HINT}")
     if not path.exists():
-        raise EngineSetupError(f"--model {path}: no such file or folder")
+        raise EngineSetupError(f"--model {spec.model}: no such file or folder")
     tokenizer: TextTokenizer | None = None
     if path.is_file() and path.suffix == ".gguf":
         tokenizer = Tokenizer.from_gguf(path)
