@@ -46,7 +46,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from sybil import Document, Example, Region, Sybil
@@ -430,7 +430,7 @@ class FenceParser:
     """Every fenced block becomes one example whose evaluator follows its language."""
 
     lexer = RawFencedCodeBlockLexer(info_pattern=re.compile(r"(?P<info>[^\n]*)$\n", re.MULTILINE))
-    evaluators: dict[str, Callable[[Example], None]] = {
+    evaluators: ClassVar[dict[str, Callable[[Example], None]]] = {
         **dict.fromkeys(PYTHON, run_python),
         **dict.fromkeys(SHELL, run_bash),
         "toml": parse_toml,
@@ -443,9 +443,9 @@ class FenceParser:
             language = info.split()[0].lower() if info else ""
             block = Block(language, str(region.lexemes["source"]))
             if language in SHOWN:
-                before = document.text[: region.start]
-                if re.search(r"<!--\s*skip:[^>]*-->\s*$", before):
-                    yield Region(region.start, region.end, block, misplaced_skip)
+                skip = re.search(r"<!--\s*skip:[^>]*-->\s*$", document.text[: region.start])
+                if skip:  # reported just before the directive, which would skip the report
+                    yield Region(skip.start(), skip.start(), block, misplaced_skip)
                 continue
             evaluator = self.evaluators.get(language, unlabelled)
             yield Region(region.start, region.end, block, evaluator)

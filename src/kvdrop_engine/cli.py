@@ -3,9 +3,9 @@
 Loads a model (a ``.gguf`` file, a local HF folder, the installed SmolLM2 GGUF by default, or
 random weights from a preset), starts the continuous-batching engine with a KV budget, optionally
 connects it to a kvdrop server, and serves ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models`` and ``/health`` until SIGINT/SIGTERM. User errors (bad flags, a missing or unreadable
-model, a busy port) are one line on stderr and exit code 2. Heavy imports (torch, the model) happen inside ``run``; the model is
-loaded by :func:`kvdrop_engine.loading.load_model`.
+``/v1/models`` and ``/health`` until SIGINT/SIGTERM. User errors (bad flags, a missing or
+unreadable model, a busy port) are one line on stderr and exit code 2. Heavy imports (torch, the
+model) happen inside ``run``; the model is loaded by :func:`kvdrop_engine.loading.load_model`.
 """
 
 from __future__ import annotations

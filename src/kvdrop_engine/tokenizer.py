@@ -5,7 +5,8 @@ access). It supports byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt
 Qwen, Llama 3 ...): tokens and merges come from ``tokenizer.ggml.*``, tokens marked CONTROL become
 special tokens, and the pre-tokenizer follows ``tokenizer.ggml.pre`` as llama.cpp does. The chat
 template stored in the file is rendered with jinja2 in a sandbox, the way transformers renders it.
-:class:`JSONTokenizer` reads an HF ``tokenizer.json``. :class:`IncrementalDetokenizer` turns a
+:class:`JSONTokenizer` reads an HF ``tokenizer.json`` (and the chat template of the
+``tokenizer_config.json`` beside it). :class:`IncrementalDetokenizer` turns a
 growing list of generated ids into text deltas (used by the engine and by the HTTP server).
 """
 
@@ -133,7 +134,7 @@ class JSONTokenizer:
         """Token ids of the rendered chat (the template writes BOS itself where it wants one)."""
         text = _render_chat(
             self.chat_template,
-            self.name,
+            f"{self.name}: no chat_template in tokenizer_config.json",
             messages,
             add_generation_prompt,
             bos_token=self.bos_token or "",
@@ -275,7 +276,7 @@ class Tokenizer:
         """The chat template rendered to text (jinja2 sandbox, trim_blocks/lstrip_blocks as HF)."""
         return _render_chat(
             self.chat_template,
-            self.name,
+            f"{self.name}: the GGUF file has no tokenizer.chat_template",
             messages,
             add_generation_prompt,
             bos_token=self.bos_token or "",
@@ -301,14 +302,15 @@ def _opt_int(value: Any) -> int | None:
 
 def _render_chat(
     template: str | None,
-    name: str,
+    missing: str,
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool,
     **context: Any,
 ) -> str:
-    """Check ``messages`` and render them with the model's chat ``template``."""
+    """Check ``messages`` and render them with the model's chat ``template`` (``missing`` is
+    the error when there is none)."""
     if not template:
-        raise TokenizerError(f"{name}: the tokenizer has no chat template")
+        raise TokenizerError(missing)
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
             raise ValueError(f"messages[{i}] must be a mapping with 'role' and 'content'")
