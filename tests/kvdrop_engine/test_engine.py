@@ -290,3 +290,24 @@ def test_a_program_that_never_stops_its_engine_exits_cleanly() -> None:
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err.decode()[-2000:]
         assert out.decode().startswith("[")
+
+
+def test_stats_count_decode_only_steps_and_the_tokens_they_read(model: Transformer) -> None:
+    with Engine(model, kv_budget_tokens=256, block_size=16) as engine:
+        engine.reset_stats()
+        out = engine.generate(list(range(3, 13)), {**GREEDY, "max_tokens": 5})
+        st = engine.stats()
+    assert len(out) == 5
+    # One prefill step (10 prompt tokens, first token), then 4 decode-only steps reading the
+    # 11th, 12th, 13th and 14th token's cache.
+    assert st.steps == 5 and st.decode_only_steps == 4
+    assert st.decode_kv_tokens == 11 + 12 + 13 + 14
+    assert st.decode_step_seconds > 0 and st.graph_capture_seconds == 0  # no CUDA graphs on CPU
+    assert engine.graphs is None
+
+
+def test_gpu_options_need_a_gpu(model: Transformer) -> None:
+    with pytest.raises(InvalidRequestError, match="cuda_graphs=True"):
+        Engine(model, cuda_graphs=True)
+    with pytest.raises(InvalidRequestError, match="fused_ops=True"):
+        Engine(model, fused_ops=True)

@@ -162,9 +162,13 @@ def run_pipeline(
     cache_salt: str = "",
     progress: Callable[[str], ProgressCallback | None] = lambda phase: None,
     modify_timeout: float = 600.0,
+    modify_concurrency: int | None = None,
 ) -> RunResult:
-    """Prefill, optionally modify, then decode ``prompts`` through ``engine``'s post_completion."""
-    batch = BatchedStream(max_concurrency=max(1, len(prompts)))
+    """Prefill, optionally modify, then decode ``prompts`` through ``engine``'s post_completion.
+    ``modify_concurrency`` bounds the edits running at once (None: the batch's default)."""
+    batch = BatchedStream(
+        max_concurrency=max(1, len(prompts)), modify_concurrency=modify_concurrency
+    )
     streams = []
     for p in prompts:
         stream = create_request(contexts, engine.post_completion, p.token_ids, cache_salt)
