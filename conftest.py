@@ -9,10 +9,15 @@ pytest reports with its reason. This file says what each kind of block means:
 * ```` ```bash ```` (``sh``, ``shell``): executed by bash, each command checked for exit status 0.
   A command ending in ``&`` starts a background service that lives until the page's last block
   has run: the block waits until the ports the command names (``--port``, ``--http-port``)
-  accept connections, and at the end of the page the service gets SIGTERM and must exit 0.
+  accept connections, and at the end of the page the service gets SIGTERM and must exit 0
+  (a program other than ``kvdrop`` may also die of the signal).
 * ```` ```toml ````, ```` ```json ````: parsed.
 * ```` ```text ````: shown, not run (signatures, measured tables).
 * A block without a language, or in another language, fails: say what it is.
+
+**Skips.** ``<!-- skip: next "why" -->`` before a block skips it, and pytest shows why;
+``<!-- skip: next requires("lmcache") -->`` skips it only when that module cannot be imported
+(unless ``KVDROP_REQUIRE_LMCACHE=1``, as in CI: then the block runs).
 
 **Shown output is compared.** Lines ``#> ...`` in a block are what it prints. A python block's
 whole stdout must match its ``#>`` lines; in a bash block, the ``#>`` lines under a command must
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import doctest
+import importlib.util
 import io
 import json
 import os
@@ -125,6 +131,14 @@ def _mismatch(what: str, want: str, got: str) -> AssertionError:
 # ---------------------------------------------------------------------------------------------
 # Per-page state: resources, working folder, background services
 # ---------------------------------------------------------------------------------------------
+
+
+def _program(command: str) -> str:
+    """The program a shell command runs (after ``NAME=value`` assignments)."""
+    words = command.split()
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\S*", words[0]):
+        words.pop(0)
+    return words[0] if words else ""
 
 
 def _free_port() -> int:
@@ -249,7 +263,9 @@ class Page:
                         os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
                     problems.append(f"line {service.line}: `{service.command}` ignored SIGTERM")
-            if proc.returncode != 0:
+            # kvdrop's own commands promise exit 0 on SIGTERM; others may die of it (LMCache)
+            stopped = proc.returncode == -signal.SIGTERM and _program(service.command) != "kvdrop"
+            if proc.returncode != 0 and not stopped:
                 problems.append(
                     f"line {service.line}: `{service.command}` exited with {proc.returncode}:\n"
                     + service.output()[-3000:]
@@ -463,9 +479,20 @@ class PageDocument(Document):
         self.namespace["__kvdrop_docs_path__"] = Path(path)
 
 
+def requires(module: str) -> str | None:
+    """A skip reason when ``module`` cannot be imported, for ``skip: next requires("name")``;
+    none when ``KVDROP_REQUIRE_<NAME>=1`` asks for the block to run regardless."""
+    if os.environ.get(f"KVDROP_REQUIRE_{module.upper()}") == "1":
+        return None
+    if importlib.util.find_spec(module) is not None:
+        return None
+    return f"{module} is not installed"
+
+
 def _setup(namespace: dict[str, Any]) -> None:
     module = namespace["__kvdrop_docs_module__"]
     sys.modules[module.__name__] = module
+    namespace["requires"] = requires
     namespace["__kvdrop_docs_page__"] = Page.open(namespace["__kvdrop_docs_path__"])
 
 

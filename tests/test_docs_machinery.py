@@ -98,6 +98,17 @@ a: 1
 {"valid": true}
 ```
 
+<!-- skip: next requires("no_such_module_for_kvdrop_docs") -->
+```python
+raise SystemExit("never runs")
+```
+
+<!-- skip: next requires("json") -->
+```python
+print("runs")
+#> runs
+```
+
 <!-- skip: next "a skip in front of text" -->
 ```text
 x
@@ -191,6 +202,9 @@ def test_bash_commands_are_checked_one_by_one(outcomes: dict[str, tuple[str, str
 def test_skips_carry_their_reason(outcomes: dict[str, tuple[str, str]]) -> None:
     result, message = outcome(outcomes, "README", 35)
     assert result == "skipped" and "needs a GPU" in message
+    result, message = outcome(outcomes, "README", 60)
+    assert result == "skipped" and "no_such_module_for_kvdrop_docs is not installed" in message
+    assert outcome(outcomes, "README", 65) == ("passed", "")  # json is there: it runs
 
 
 def test_every_block_says_what_it_is(outcomes: dict[str, tuple[str, str]]) -> None:
@@ -200,7 +214,7 @@ def test_every_block_says_what_it_is(outcomes: dict[str, tuple[str, str]]) -> No
         assert result == "failure" and language in message and "Say what it is" in message
     assert outcome(outcomes, "README", 51)[0] == "failure"  # invalid TOML
     assert outcome(outcomes, "README", 55)[0] == "passed"  # valid JSON
-    result, message = outcome(outcomes, "README", 59)
+    result, message = outcome(outcomes, "README", 70)
     assert result == "failure" and "skip directive before a" in message
 
 

@@ -188,7 +188,7 @@ def run_pipeline(
     # Runs decode with ignore_eos (equal work in both runs); what follows the first EOS is not
     # part of the answer, so outputs are compared and shown up to it.
     eos = frozenset(getattr(engine, "eos_token_ids", ()) or ())
-    outputs = [_until_eos(list(s.output_tokens), eos) for s in streams]
+    outputs = [_until_eos(s.generated_tokens, eos) for s in streams]
     texts = [_detokenize(tokenizer, o) for o in outputs]
     result = RunResult(
         name,
