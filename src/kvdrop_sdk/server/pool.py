@@ -62,7 +62,8 @@ def unique_shm_name(prefix: str = "kvdrop") -> str:
 
 
 def _gib(n: int) -> str:
-    return f"{n / _GIB:.3g}"
+    """``n`` bytes in GiB for messages: "0.25", "23.4", "100,000"."""
+    return f"{n / _GIB:,.2f}".rstrip("0").rstrip(".")
 
 
 def _meminfo() -> dict[str, int]:
