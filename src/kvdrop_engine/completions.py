@@ -25,6 +25,8 @@ from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.validate import is_int, is_number, token_ids
 
 __all__ = [
+    "CHARS_PER_TOKEN_BOUND",
+    "DEFAULT_MAX_PROMPT_CHARS",
     "DEFAULT_MAX_TOKENS",
     "BadRequestError",
     "ChatCompletionBuilder",
@@ -32,6 +34,7 @@ __all__ = [
     "CompletionBuilder",
     "CompletionRequest",
     "error_body",
+    "max_prompt_chars_for",
     "models_body",
     "parse_chat_request",
     "parse_completion_request",
@@ -75,6 +78,11 @@ _CHAT_FIELDS = (_KNOWN_FIELDS - {"prompt", "logprobs", "echo", "best_of"}) | {
 
 #: OpenAI's default for ``max_tokens`` on the completions endpoint.
 DEFAULT_MAX_TOKENS = 16
+#: A text prompt longer than ``max_model_len * CHARS_PER_TOKEN_BOUND`` characters cannot fit the
+#: context (tokenizers average 3-5 characters per token), so it is refused before tokenizing.
+CHARS_PER_TOKEN_BOUND = 16
+#: The character limit of text prompts when the model's context length is unknown.
+DEFAULT_MAX_PROMPT_CHARS = 2 * 1024 * 1024
 
 #: Fallback ``max_tokens`` of a chat request when the context length is unknown.
 DEFAULT_CHAT_MAX_TOKENS = 512
@@ -162,8 +170,34 @@ def _token_ids(value: list[Any], vocab_size: int | None, name: str) -> list[int]
         raise BadRequestError(str(exc), param=name) from None
 
 
-def _prompt_ids(prompt: Any, tokenizer: TextTokenizer | None, vocab_size: int | None) -> list[int]:
-    """Accept a string, a list of token ids, or a list holding exactly one of those."""
+def max_prompt_chars_for(max_model_len: int | None) -> int:
+    """The default character limit of text prompts for a model of ``max_model_len`` tokens."""
+    if max_model_len is None:
+        return DEFAULT_MAX_PROMPT_CHARS
+    return max_model_len * CHARS_PER_TOKEN_BOUND
+
+
+def _too_long(chars: int, max_prompt_chars: int | None, what: str, param: str) -> None:
+    if max_prompt_chars is not None and chars > max_prompt_chars:
+        raise BadRequestError(
+            f"{what} is {chars} characters, over this server's limit of {max_prompt_chars} "
+            "characters (it could not fit the model's context); shorten it",
+            param=param,
+        )
+
+
+def _prompt_ids(
+    prompt: Any,
+    tokenizer: TextTokenizer | None,
+    vocab_size: int | None,
+    max_prompt_chars: int | None = None,
+    max_model_len: int | None = None,
+) -> list[int]:
+    """Accept a string, a list of token ids, or a list holding exactly one of those.
+
+    Cheap bounds come first: a text longer than ``max_prompt_chars`` characters is refused before
+    the tokenizer sees it, a token list longer than ``max_model_len`` before each id is checked.
+    """
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise BadRequestError(
@@ -178,6 +212,7 @@ def _prompt_ids(prompt: Any, tokenizer: TextTokenizer | None, vocab_size: int | 
                 "'prompt' is text but this server has no tokenizer; send a list of token ids",
                 param="prompt",
             )
+        _too_long(len(prompt), max_prompt_chars, "'prompt'", "prompt")
         ids = [int(t) for t in tokenizer.encode(prompt)]
         bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
         if bad:
@@ -187,6 +222,12 @@ def _prompt_ids(prompt: Any, tokenizer: TextTokenizer | None, vocab_size: int | 
                 param="prompt",
             )
     elif isinstance(prompt, list):
+        if max_model_len is not None and len(prompt) > max_model_len:
+            raise BadRequestError(
+                f"'prompt' has {len(prompt)} tokens, more than the model's context length "
+                f"{max_model_len}; shorten it",
+                param="prompt",
+            )
         ids = _token_ids(prompt, vocab_size, "prompt")
     else:
         raise BadRequestError(
@@ -331,17 +372,21 @@ def parse_completion_request(
     vocab_size: int | None = None,
     max_model_len: int | None = None,
     return_tokens_as_token_ids: bool = False,
+    max_prompt_chars: int | None = None,
 ) -> CompletionRequest:
     """Validate a decoded JSON body of ``POST /v1/completions``; raise ``BadRequestError``.
 
     The engine gets ``max_tokens`` always and each other sampling field only when the client set
     it, so the engine's own defaults apply otherwise. ``top_k`` of 0 or -1 means "disabled" (as in
-    vLLM) and is not passed on.
+    vLLM) and is not passed on. Text prompts longer than ``max_prompt_chars`` (default
+    ``max_prompt_chars_for(max_model_len)``) are refused before tokenizing.
     """
     body = _check_body(body, _KNOWN_FIELDS, model_name)
     if "prompt" not in body:
         raise BadRequestError("'prompt' is required", param="prompt")
-    prompt_ids = _prompt_ids(body["prompt"], tokenizer, vocab_size)
+    if max_prompt_chars is None:
+        max_prompt_chars = max_prompt_chars_for(max_model_len)
+    prompt_ids = _prompt_ids(body["prompt"], tokenizer, vocab_size, max_prompt_chars, max_model_len)
     _check_unsupported(body)
     max_tokens = _get_int(body, "max_tokens", minimum=1)
     logprobs = _get_int(body, "logprobs", minimum=0)
@@ -420,6 +465,7 @@ def parse_chat_request(
     vocab_size: int | None = None,
     max_model_len: int | None = None,
     return_tokens_as_token_ids: bool = False,
+    max_prompt_chars: int | None = None,
 ) -> CompletionRequest:
     """Validate a decoded JSON body of ``POST /v1/chat/completions``; raise ``BadRequestError``.
 
@@ -431,6 +477,10 @@ def parse_chat_request(
     """
     body = _check_body(body, _CHAT_FIELDS, model_name)
     messages = _messages(body)
+    if max_prompt_chars is None:
+        max_prompt_chars = max_prompt_chars_for(max_model_len)
+    chars = sum(len(m.get("content", "")) for m in messages)
+    _too_long(chars, max_prompt_chars, "the chat's text", "messages")  # before templating
     templater = getattr(tokenizer, "apply_chat_template", None)
     if tokenizer is None or templater is None:
         raise BadRequestError(

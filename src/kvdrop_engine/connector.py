@@ -37,6 +37,7 @@ __all__ = [
     "ServerConnector",
     "StoreJob",
     "plan_prefix",
+    "plan_recompute",
     "server_has_transfer_query",
 ]
 
@@ -109,6 +110,15 @@ def plan_prefix(conn: EngineConnector, prompt: list[int], cache_salt: str) -> Pr
         raise EngineError(f"query lookup in the server failed: {exc}") from exc
     capture = n == 0 or q_cached >= n
     return PrefixPlan(loaded, n, store_upto=aligned, capture_queries=capture, query_offset=n)
+
+
+def plan_recompute(conn: EngineConnector, prompt: list[int]) -> PrefixPlan:
+    """Admission's plan when the server cannot be asked (down, slow, failing): compute the whole
+    prompt, then store its whole chunks (with queries when the connector stores them)."""
+    aligned = len(prompt) // conn.chunk_size * conn.chunk_size
+    return PrefixPlan(
+        None, 0, store_upto=aligned, capture_queries=conn.transfer_query and aligned > 0
+    )
 
 
 @dataclass

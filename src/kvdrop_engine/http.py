@@ -9,6 +9,11 @@ is :mod:`kvdrop_engine.completions`; with ``return_tokens_as_token_ids`` (as vLL
 ``kvdrop_sdk.adapters.openai.make_post_completion`` learns them. A client that goes away is
 logged in one line (its request is cancelled), never with a traceback.
 
+Hostile or unlucky clients cost little: bodies over ``MAX_BODY_BYTES``, text prompts over the
+character limit (refused before tokenizing) and deeply nested JSON get a 4xx answer; connections
+idle or half-sent for ``read_timeout`` seconds are closed; a client that disconnects cancels its
+request (streaming or not) and is logged in one line, without a traceback.
+
 Only standard-library networking; nothing here imports torch.
 """
 
@@ -16,6 +21,8 @@ from __future__ import annotations
 
 import json
 import logging
+import select
+import socket
 import sys
 import threading
 import time
@@ -29,6 +36,7 @@ from kvdrop_engine.completions import (
     CompletionBuilder,
     CompletionRequest,
     error_body,
+    max_prompt_chars_for,
     models_body,
     parse_chat_request,
     parse_completion_request,
@@ -42,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 #: Largest request body accepted (a 100K-token prompt as JSON ids is about 0.7 MB).
 MAX_BODY_BYTES = 32 * 1024 * 1024
+#: Seconds between checks that a non-streaming request's client is still connected.
+_GONE_CHECK_S = 0.02
+_DISCONNECTS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 
 #: The POST routes and the kind of request each takes.
 _POST_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}
@@ -58,10 +69,11 @@ class _Server(ThreadingHTTPServer):
     app: CompletionHTTPServer
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that went away is one log line; anything else keeps its traceback."""
+        """A client that went away or stalled is one log line; anything else keeps its
+        traceback."""
         exc = sys.exc_info()[1]
         client = ":".join(str(part) for part in client_address[:2])
-        if isinstance(exc, ConnectionError):  # reset, broken pipe, aborted
+        if isinstance(exc, _DISCONNECTS):  # reset, broken pipe, aborted, read timeout
             logger.info("client %s disconnected (%s)", client, exc.strerror or exc)
         else:
             logger.exception("request from %s failed", client)
@@ -78,7 +90,9 @@ class CompletionHTTPServer:
     ``ValueError``/``TypeError`` are answered with 400, others with 500;
     errors after streaming began are sent as an SSE ``{"error": ...}`` event before ``[DONE]``.
     ``health`` backs ``GET /health`` (503 when it returns False); ``stats``, when given, is served
-    as JSON at ``GET /stats`` (the reference engine's counters).
+    as JSON at ``GET /stats`` (the reference engine's counters). ``read_timeout`` closes
+    connections idle or half-sent for that long; ``max_prompt_chars`` bounds text prompts before
+    tokenizing (default: ``max_model_len`` x 16, or 2 Mi characters without ``max_model_len``).
     """
 
     def __init__(
@@ -95,11 +109,19 @@ class CompletionHTTPServer:
         max_model_len: int | None = None,
         health: Callable[[], bool] | None = None,
         stats: Callable[[], dict[str, Any]] | None = None,
+        read_timeout: float = 30.0,
+        max_prompt_chars: int | None = None,
     ) -> None:
         if not model_name:
             raise ValueError("model_name must be a non-empty string")
         if detokenize and tokenizer is None:
             raise ValueError("detokenize=True needs a tokenizer")
+        if not read_timeout > 0:
+            raise ValueError(f"read_timeout must be > 0 seconds, got {read_timeout!r}")
+        self.read_timeout = float(read_timeout)
+        self.max_prompt_chars = (
+            max_prompt_chars_for(max_model_len) if max_prompt_chars is None else max_prompt_chars
+        )
         self.post_completion = post_completion
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -181,6 +203,7 @@ class CompletionHTTPServer:
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
             return_tokens_as_token_ids=self.return_tokens_as_token_ids,
+            max_prompt_chars=self.max_prompt_chars,
         )
 
 
@@ -190,6 +213,11 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "kvdrop-engine"
 
     # ---- plumbing ------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        # Reads and writes time out: an idle or half-sent request does not hold its thread.
+        self.timeout = self.server.app.read_timeout
+        super().setup()
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s %s", self.address_string(), format % args)
@@ -231,11 +259,32 @@ class _Handler(BaseHTTPRequestHandler):
             raise BadRequestError(
                 f"request body of {length} bytes is over the limit of {MAX_BODY_BYTES}", status=413
             )
-        raw = self.rfile.read(length)
+        try:
+            raw = self.rfile.read(length)
+        except TimeoutError:
+            raise BadRequestError(
+                f"the request body did not arrive within {self.timeout:g} s", status=408
+            ) from None
+        if len(raw) < length:
+            raise ConnectionResetError("the client closed the connection before its body")
         try:
             return json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise BadRequestError(f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise BadRequestError("the request body is JSON nested too deeply") from None
+
+    def _client_gone(self) -> bool:
+        """Whether the client closed its side (checked without blocking or consuming data)."""
+        try:
+            ready, _, _ = select.select([self.connection], [], [], 0)
+            if not ready:
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except (OSError, ValueError):
+            return True
 
     # ---- routes --------------------------------------------------------------------------
 
@@ -275,7 +324,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             req = app.parse(self._read_json(), chat=_POST_ROUTES[path])
         except BadRequestError as exc:
-            self.close_connection = exc.status in (411, 413)
+            self.close_connection = exc.status in (408, 411, 413)
             self._send_error(exc.status, str(exc), exc.param)
             return
         if app.closing:
@@ -310,7 +359,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._stream(app, req, first, events)
             else:
                 self._collect(app, req, first, events)
-        except ConnectionError as exc:  # reset, broken pipe, aborted
+        except _DISCONNECTS as exc:
             self.close_connection = True
             logger.info(
                 "client %s disconnected (%s); request cancelled",
@@ -350,7 +399,7 @@ class _Handler(BaseHTTPRequestHandler):
             if build.finish is None:
                 # The engine ended without a reason: an EOS it did not label, or server shutdown.
                 self._sse(build.chunk(finish="stop"))
-        except ConnectionError:
+        except _DISCONNECTS:
             raise
         except Exception as exc:
             logger.exception("engine failed while streaming")
@@ -369,12 +418,20 @@ class _Handler(BaseHTTPRequestHandler):
     ) -> None:
         build = self._builder(app, req)
         event = first
+        checked = time.monotonic()
         try:
             while event is not None:
                 piece = build.add(event)
                 if piece.finish is not None or app.closing:
                     break
+                now = time.monotonic()
+                if now - checked >= _GONE_CHECK_S:
+                    checked = now
+                    if self._client_gone():  # nobody will read the answer: stop generating
+                        raise ConnectionAbortedError("the client closed the connection")
                 event = next(events, None)
+        except ConnectionAbortedError:
+            raise
         except Exception as exc:
             logger.exception("engine failed while generating")
             self._send_error(500, f"the engine failed: {type(exc).__name__}: {exc}")
