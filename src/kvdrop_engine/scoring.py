@@ -6,23 +6,25 @@ answers diverge at the first different token and then say nothing more; teacher 
 every position. :func:`continuation_logprobs` is that measurement's engine half: for each
 ``(prompt, continuation)`` it loads the prompt's longest cached prefix through a connector (as
 the engine does on admission, so an edited cache stored under the kept tokens is what it reads),
-computes the rest of the prompt and the continuation in one forward pass with the engine's paged
-attention, and returns the log-softmax of the rows that predict each continuation token.
+computes the rest of the prompt and the continuation in one forward pass (attending to the
+loaded KV in place, no scratch cache), and returns the log-softmax of the rows that predict each
+continuation token.
 
-It runs on the caller's thread with its own scratch cache, beside (not inside) a running
+It runs on the caller's thread beside (not inside) a running
 :class:`~kvdrop_engine.engine.Engine`: the model's weights are only read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from kvdrop_engine.connector import EngineConnector
 from kvdrop_engine.errors import InvalidRequestError
-from kvdrop_engine.paged import PagedAttention, PagedKVCache, SeqStep, blocks_needed
+from kvdrop_engine.model import causal_attention
 from kvdrop_sdk.validate import positive_int, token_ids
 
 __all__ = ["continuation_logprobs"]
@@ -34,8 +36,7 @@ def continuation_logprobs(
     *,
     connector: EngineConnector | None = None,
     cache_salt: str = "",
-    block_size: int = 16,
-    max_batch_tokens: int = 32768,
+    max_batch_tokens: int = 16384,
 ) -> list[Tensor]:
     """For each ``(prompt, continuation)``, float32 log-probabilities ``[len(continuation), V]``:
     row ``i`` is the model's distribution of the token after ``prompt + continuation[:i]``.
@@ -48,7 +49,6 @@ def continuation_logprobs(
     """
     cfg = model.config
     try:
-        positive_int(block_size, "block_size")
         positive_int(max_batch_tokens, "max_batch_tokens")
         checked = []
         for i, (prompt, cont) in enumerate(requests):
@@ -67,13 +67,40 @@ def continuation_logprobs(
     for prompt, cont in checked:
         size = len(prompt) + len(cont)
         if group and used + size > max_batch_tokens:
-            out.extend(_forward(model, group, connector, cache_salt, block_size))
+            out.extend(_forward(model, group, connector, cache_salt))
             group, used = [], 0
         group.append((prompt, cont))
         used += size
     if group:
-        out.extend(_forward(model, group, connector, cache_salt, block_size))
+        out.extend(_forward(model, group, connector, cache_salt))
     return out
+
+
+class _PrefixAttention:
+    """``AttentionBackend`` for packed sequences, each a cached prefix (read from the loaded KV in
+    place, no scratch cache) followed by new tokens that attend causally."""
+
+    def __init__(self, prefixes: list[Tensor | None], lengths: list[int], config: Any) -> None:
+        self.prefixes = prefixes  # per sequence: KV [2, L, T, Hkv*d] on the model device, or None
+        self.lengths = lengths  # per sequence: new tokens in this forward
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        hkv, d = self.num_kv_heads, self.head_dim
+        outs = []
+        row = 0
+        for prefix, n in zip(self.prefixes, self.lengths):
+            kn, vn = k[row : row + n].transpose(0, 1), v[row : row + n].transpose(0, 1)
+            start = 0
+            if prefix is not None:
+                start = prefix.shape[2]
+                kp = prefix[0, layer].view(start, hkv, d).transpose(0, 1).to(kn.dtype)
+                vp = prefix[1, layer].view(start, hkv, d).transpose(0, 1).to(vn.dtype)
+                kn, vn = torch.cat([kp, kn], dim=1), torch.cat([vp, vn], dim=1)
+            outs.append(causal_attention(q[row : row + n], kn, vn, start))
+            row += n
+        return torch.cat(outs)
 
 
 def _forward(
@@ -81,50 +108,39 @@ def _forward(
     group: list[tuple[list[int], list[int]]],
     connector: EngineConnector | None,
     cache_salt: str,
-    block_size: int,
 ) -> list[Tensor]:
     """One packed forward over ``group``; returns each request's continuation log-probs."""
-    cfg = model.config
     param = next(p for p in model.parameters() if p.is_floating_point())
-    # Every token but the continuation's last one is in the cache (the last is only predicted).
-    lengths = [len(p) + len(c) - 1 for p, c in group]
-    cache = PagedKVCache(
-        num_layers=cfg.num_layers,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        num_blocks=sum(blocks_needed(n, block_size) for n in lengths),
-        block_size=block_size,
-        dtype=param.dtype,
-        device=param.device,
-    )
-    seqs: list[SeqStep] = []
+    dev = param.device
+    prefixes: list[Tensor | None] = []
+    lengths: list[int] = []
     tokens: list[int] = []
     positions: list[int] = []
     rows: list[int] = []
-    for i, ((prompt, cont), n) in enumerate(zip(group, lengths)):
-        table = cache.allocator.allocate(blocks_needed(n, block_size))
+    for prompt, cont in group:
         loaded = 0
+        prefix = None
         if connector is not None:
             kv = connector.load(prompt, cache_salt)
             if kv is not None:
                 # At least the prompt's last token is computed, as on the engine's admission.
                 loaded = min(int(kv.shape[2]), len(prompt) - 1)
                 if loaded:
-                    cache.load(table, kv[:, :, :loaded])
-        seq = (prompt + cont)[loaded:n]
+                    prefix = kv[:, :, :loaded].to(dev)
+        # Every token but the continuation's last one is run (the last is only predicted).
+        seq = (prompt + cont[:-1])[loaded:]
         first = len(tokens)
-        seqs.append(SeqStep(i, table, loaded, len(seq)))
+        prefixes.append(prefix)
+        lengths.append(len(seq))
         tokens.extend(seq)
-        positions.extend(range(loaded, n))
-        # Position len(prompt) - 1 predicts cont[0]; its row in this step:
-        start = first + (len(prompt) - 1 - loaded)
+        positions.extend(range(loaded, loaded + len(seq)))
+        start = first + (len(prompt) - 1 - loaded)  # the row at position len(prompt) - 1
         rows.extend(range(start, start + len(cont)))
-    dev = param.device
     with torch.inference_mode():
         logits = model(
             torch.tensor(tokens, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
-            PagedAttention(cache, seqs),
+            _PrefixAttention(prefixes, lengths, model.config),
             logits_rows=torch.tensor(rows, dtype=torch.long, device=dev),
         )
         logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import platform
@@ -110,7 +111,7 @@ class EvalConfig:
     tasks: tuple[str, ...] = tuple(TASKS)
     settings: tuple[str, ...] = SETTINGS
     num_samples: int = PRESETS["default"]["num_samples"]
-    max_tokens: int = 12
+    max_tokens: int = 8
     chunk_size: int = 256
     seed: int = 0
     rerotate: bool = True
@@ -455,27 +456,34 @@ def run_eval(
     finished = 0
     if progress is not None:
         progress(0, total, "eval")
-    with _Measurement(config, model, tokenizer, model_name, policies, needs_query) as measure:
-        for number, (length, batch) in enumerate(plan):
-            todo = {
-                run: [
-                    (s, setting)
-                    for setting in config.settings
-                    for s in batch
-                    if s.index not in done[(s.task, setting, length, *run)]
-                ]
-                for run in runs
-            }
-            for rec in measure.batch(length, number, batch, todo):
-                rec["config"] = fingerprint
-                records.append(rec)
-                done[tuple(rec[f] for f in KEY)].update(rec["samples"])
-                if path is not None:
-                    append_results(path, [rec])
-            finished += len(runs) + len(config.settings) - 1
-            if progress is not None:
-                progress(finished, total, "eval")
+    repeats = _RepeatedEdits()
+    request_log = logging.getLogger("kvdrop_sdk.request")
+    request_log.addFilter(repeats)
+    try:
+        with _Measurement(config, model, tokenizer, model_name, policies, needs_query) as measure:
+            for number, (length, batch) in enumerate(plan):
+                todo = {
+                    run: [
+                        (s, setting)
+                        for setting in config.settings
+                        for s in batch
+                        if s.index not in done[(s.task, setting, length, *run)]
+                    ]
+                    for run in runs
+                }
+                for new in measure.batch(length, number, batch, todo):
+                    for rec in new:
+                        rec["config"] = fingerprint
+                        records.append(rec)
+                        done[tuple(rec[f] for f in KEY)].update(rec["samples"])
+                    if path is not None:
+                        append_results(path, new)
+                    finished += 1
+                    if progress is not None:
+                        progress(finished, total, "eval")
         server_status = measure.server_status
+    finally:
+        request_log.removeFilter(repeats)
     grid = {
         (t, s, n, p, r)
         for t in config.tasks
@@ -500,8 +508,25 @@ def run_eval(
         "machine": _machine(),
         "wall_seconds": time.perf_counter() - t0,
         "server_evictions": (server_status or {}).get("evictions"),
+        "edits_already_stored": repeats.count,
     }
     return EvalReport(sort_rows(aggregate(records), list(policies)), setup, skipped, records)
+
+
+class _RepeatedEdits(logging.Filter):
+    """Counts (and keeps off the terminal) the SDK's warning that an edit was already stored:
+    expected here, when two keep ratios align to the same chunk budget or two policies keep the
+    same tokens of a prompt (the stored copy is the same edit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "already held every chunk of the edit" in record.getMessage():
+            self.count += 1
+            return False
+        return True
 
 
 def _machine() -> str:
@@ -616,12 +641,14 @@ class _Measurement:
         number: int,
         batch: Sequence[Sample],
         todo: Mapping[tuple[str, float], Sequence[Item]],
-    ) -> Iterator[dict[str, Any]]:
-        """Full KV, then every run with work in ``todo`` ({(policy, ratio): items}); yields one
-        record per (task, setting) group of each run as it finishes."""
+    ) -> Iterator[list[dict[str, Any]]]:
+        """Full KV (one run per setting), then every (policy, ratio) with work in ``todo``
+        ({(policy, ratio): items}); yields, for each of these runs in order, its records (one per
+        (task, setting) group; none for a run with nothing to do)."""
         from kvdrop_engine.scoring import continuation_logprobs
 
         if not any(todo.values()):
+            yield from ([] for _ in range(len(self.config.settings) + len(todo) - 1))
             return
         salt = f"kvdrop-eval:{self.config.seed}:{length}:{number}"
         needed = {(s.task, s.index, setting) for items in todo.values() for s, setting in items}
@@ -629,6 +656,7 @@ class _Measurement:
         for setting in self.config.settings:  # one run each: the second loads the shared prefix
             items = [(s, setting) for s in batch if (s.task, s.index, setting) in needed]
             if not items:
+                yield []
                 continue
             full = self._run(FULL, items, salt, None, [self.kv_ctx])
             conts = [self._continuation(o) for o in full.outputs]
@@ -645,12 +673,13 @@ class _Measurement:
                 reference[(s.task, s.index, setting)] = (cont, lp)
             mine = {(s.task, s.index) for s, st in todo[(FULL, 1.0)] if st == setting}
             fid = [(0.0, 1.0)] * len(items)
-            yield from self._records(length, FULL, 1.0, items, full, fid, conts, score_s, mine)
+            yield self._records(length, FULL, 1.0, items, full, fid, conts, score_s, mine)
         for policy, by_ratio in self.policies.items():
             ctxs = [self.kv_ctx] + ([self.q_ctx] if self.needs_query[policy] else [])
             for ratio, fn in by_ratio.items():
                 items = list(todo[(policy, ratio)])
                 if not items:
+                    yield []
                     continue
                 run = self._run(policy, items, salt, fn, ctxs)
                 self._check_loaded(run, items, (length, policy, ratio))
@@ -671,7 +700,7 @@ class _Measurement:
                     fid.append(
                         (float(kl.mean()), float((ref.argmax(-1) == lp.argmax(-1)).float().mean()))
                     )
-                yield from self._records(length, policy, ratio, items, run, fid, conts, score_s)
+                yield self._records(length, policy, ratio, items, run, fid, conts, score_s)
 
     def _run(self, name: str, items: Sequence[Item], salt: str, fn: Any, contexts: list) -> Any:
         """One pipeline run over ``items``: prefill, modify with ``fn`` (if any), decode from the
@@ -721,7 +750,7 @@ class _Measurement:
         conts: Sequence[list[int]],
         score_s: float,
         only: set[tuple[str, int]] | None = None,
-    ) -> Iterator[dict[str, Any]]:
+    ) -> list[dict[str, Any]]:
         """One record per (task, setting) group of ``items`` (restricted to ``only``)."""
         groups: dict[tuple[str, str], list[int]] = defaultdict(list)
         for i, (s, setting) in enumerate(items):
@@ -733,24 +762,28 @@ class _Measurement:
             "decode": float(run.decode["duration"]),
             "score": score_s,
         }
+        out = []
         for (task, setting), idx in groups.items():
             share = len(idx) / len(items)
-            yield {
-                "task": task,
-                "setting": setting,
-                "length": length,
-                "policy": policy,
-                "keep_ratio": ratio,
-                "samples": [items[i][0].index for i in idx],
-                "correct": [items[i][0].is_correct(run.texts[i]) for i in idx],
-                "kl": [fidelity[i][0] for i in idx],
-                "top1": [fidelity[i][1] for i in idx],
-                "positions": [len(conts[i]) for i in idx],
-                "kept": [
-                    len(run.decode_prompts[i]) - len(items[i][0].suffix(setting)) for i in idx
-                ],
-                "prompt": [len(items[i][0].prompt(setting)) for i in idx],
-                "answers": [items[i][0].answer for i in idx],
-                "outputs": [run.texts[i] for i in idx],
-                "seconds": {k: v * share for k, v in seconds.items()},
-            }
+            out.append(
+                {
+                    "task": task,
+                    "setting": setting,
+                    "length": length,
+                    "policy": policy,
+                    "keep_ratio": ratio,
+                    "samples": [items[i][0].index for i in idx],
+                    "correct": [items[i][0].is_correct(run.texts[i]) for i in idx],
+                    "kl": [fidelity[i][0] for i in idx],
+                    "top1": [fidelity[i][1] for i in idx],
+                    "positions": [len(conts[i]) for i in idx],
+                    "kept": [
+                        len(run.decode_prompts[i]) - len(items[i][0].suffix(setting)) for i in idx
+                    ],
+                    "prompt": [len(items[i][0].prompt(setting)) for i in idx],
+                    "answers": [items[i][0].answer for i in idx],
+                    "outputs": [run.texts[i] for i in idx],
+                    "seconds": {k: v * share for k, v in seconds.items()},
+                }
+            )
+        return out

@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grid.add_argument("--settings", nargs="+", metavar="S", help=f"of: {', '.join(SETTINGS)}")
     grid.add_argument("--num-samples", type=int, metavar="N", help="prompts per task and length")
     meas = parser.add_argument_group("measurement")
-    meas.add_argument("--max-tokens", type=int, default=12, help="answer tokens (default 12)")
+    meas.add_argument("--max-tokens", type=int, default=8, help="answer tokens (default 8)")
     meas.add_argument("--chunk-size", type=int, default=256, help="server chunk size (256)")
     meas.add_argument("--seed", type=int, default=0, help="seed of the generated prompts")
     meas.add_argument(
