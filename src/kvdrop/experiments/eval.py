@@ -89,9 +89,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "default": dict(
         policies=None,
         keep_ratios=(0.75, 0.5, 0.25),
-        lengths=(512, 1024, 2048),
+        lengths=(1024,),
         tasks=tuple(TASKS),
-        num_samples=4,
+        num_samples=6,
     ),
 }
 

@@ -31,8 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--preset",
         choices=sorted(PRESETS),
         default="default",
-        help="'default': every registered policy x 0.75/0.5/0.25 x 512/1K/2K tokens x 4 tasks x "
-        "2 settings, 4 samples (docs/quality.md); 'quick': a CI smoke run",
+        help="'default': every registered policy x keep 0.75/0.5/0.25 x 1024 tokens x 4 tasks x "
+        "2 settings x 6 samples (docs/quality.md); 'quick': a CI smoke run",
     )
     grid.add_argument(
         "--policies",
