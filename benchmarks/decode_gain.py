@@ -6,14 +6,23 @@ of the baseline requests at once; ``--fit-fraction`` or ``--kv-budget-tokens`` s
 then runs:
 
 * baseline: prefill every prompt (KV stored in the server), decode ``--max-tokens`` each;
-* dropped:  prefill, modify with ``kvdrop.get(--policy, keep_ratio=--keep-ratio)``, decode.
+* one run per ``--policy`` (several may be given, side by side): prefill, modify with
+  ``kvdrop.get(policy, keep_ratio=--keep-ratio)``, decode.
 
-Both runs use the same engine, prompts and greedy sampling; the dropped run's shorter caches let
-more requests share each decode step. Prints every phase, both decode throughputs and their ratio.
+All runs use the same prompts, KV budget and greedy sampling; the dropped runs' shorter caches let
+more requests share each decode step. Policies that read queries run on a second engine (same
+model and budget) whose connector captures them, and compute their own prefill (so their prefill
+rate is the rate *with* query capture; the baseline's is without).
+
+Besides throughputs it prints, per run, the decode step time two ways -- the engine's own mean
+over decode-only steps and the decode phase's wall time per step (which includes loading cached
+prefixes) -- next to the step's floor: the bytes a decode step must read (the weights once, plus
+every running request's cached K and V) over the device's copy bandwidth measured in the same run.
 
     python benchmarks/decode_gain.py                         # CPU, SmolLM2-135M shape, random
     python benchmarks/decode_gain.py --device cuda --dtype bfloat16 --model-preset qwen3-8b \\
-        --num-requests 30 --prompt-tokens 8192 14336 --max-tokens 512 --share-prefill
+        --num-requests 30 --prompt-tokens 8192 14336 --max-tokens 512 --max-prefill-tokens 8192 \\
+        --share-prefill --policy chunk-halving snapkv
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from kvdrop_engine.connector import ServerConnector
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import load_checkpoint, preset_config
 from kvdrop_engine.model import ModelConfig, Transformer
+from kvdrop_engine.paged import to_device, to_host
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
 from kvdrop_sdk.server.testing import spawn_server
@@ -63,7 +73,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="prompt length, or MIN MAX for lengths drawn uniformly",
     )
     p.add_argument("--max-tokens", type=int, default=32, help="tokens decoded per request")
-    p.add_argument("--policy", default="chunk-halving")
+    p.add_argument(
+        "--policy",
+        nargs="+",
+        default=["chunk-halving"],
+        help="one or more policies, each measured in its own dropped run",
+    )
+    p.add_argument(
+        "--policy-device",
+        default=None,
+        help="device= for policies that take it (scoring there; default: the policy's own)",
+    )
+    p.add_argument(
+        "--modify-concurrency", type=int, default=None, help="edits at once (SDK default)"
+    )
+    p.add_argument(
+        "--edit-device",
+        default=None,
+        help="run each edit on a copy of the retrieved tensors on this device (e.g. cuda); "
+        "falls back to the host if the policy fails there",
+    )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the warm-up request (kernel compilation and first-use costs then land in "
+        "the baseline's numbers)",
+    )
     p.add_argument("--keep-ratio", type=float, default=0.5)
     p.add_argument("--no-rerotate", action="store_true", help="keep kept keys at old positions")
     p.add_argument("--chunk-size", type=int, default=256, help="server chunk size")
@@ -124,14 +159,21 @@ def make_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
 
 
 def server_gb(cfg: ModelConfig, dtype: torch.dtype, prompts: list[list[int]], args: Any) -> float:
-    """Pool size holding every run's prompt KV (+ queries when the policy needs them) twice over."""
+    """Pool size holding one run's prompt KV (+ queries when a policy needs them) and its edit,
+    twice over without ``--share-prefill``; at most 70% of this machine's memory (the pool
+    evicts least recently used chunks, and each run needs only its own)."""
     item = torch.empty((), dtype=dtype).element_size()
     per_token = 2 * cfg.num_layers * cfg.kv_dim * item
-    if kvdrop.describe(args.policy).needs_query:
+    if any(kvdrop.describe(p).needs_query for p in args.policy):
         per_token += cfg.num_layers * cfg.q_dim * item
     runs = 1 if args.share_prefill else 2
     total = sum(len(p) + 1 + args.max_tokens for p in prompts) * per_token
-    return max(0.25, (runs + args.keep_ratio) * total * 1.15 / 2**30)
+    want = (runs + args.keep_ratio) * total * 1.15 / 2**30
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        ram = float("inf")
+    return max(0.25, min(want, 0.7 * ram))
 
 
 def budget_blocks(prompts: list[list[int]], args: argparse.Namespace) -> int:
@@ -149,6 +191,55 @@ def budget_blocks(prompts: list[list[int]], args: argparse.Namespace) -> int:
     return budget // bs
 
 
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, repeats: int = 20) -> float:
+    """Device memory bandwidth in bytes/s: a large device-to-device copy, counting the bytes read
+    and the bytes written (the ceiling a memory-bound decode step can reach)."""
+    if device.type != "cuda":
+        return math.nan
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes * repeats / seconds
+
+
+def weight_bytes(model: Transformer) -> int:
+    """Bytes of weights one decode step reads: every parameter once, except the input embedding
+    table (only the batch's rows), unless it is tied to the output head."""
+    total = 0
+    for name, param in model.named_parameters():  # tied weights appear once
+        if name == "embed_tokens.weight" and not model.config.tie_word_embeddings:
+            continue
+        total += param.numel() * param.element_size()
+    return total
+
+
+def step_floor(row: dict[str, Any], wbytes: int, token_bytes: int, bandwidth: float) -> None:
+    """Add the decode-step times and their floor to a run's row (in place)."""
+    steps = row.pop("decode_only_steps")
+    kv_tokens = row.pop("decode_kv_tokens")
+    seconds = row.pop("decode_step_seconds")
+    row["graph_capture_s"] = row.pop("graph_capture_seconds")
+    row["prefix_load_s"] = row.pop("prefix_load_seconds")
+    row["phase_ms_per_step"] = 1e3 * row["decode_s"] / max(1, row["decode_steps"])
+    row["step_ms"] = 1e3 * seconds / steps if steps else math.nan
+    row["kv_tokens_per_step"] = kv_tokens / steps if steps else math.nan
+    step_bytes = wbytes + row["kv_tokens_per_step"] * token_bytes
+    row["gb_per_step"] = step_bytes / 1e9
+    row["floor_ms"] = 1e3 * step_bytes / bandwidth
+    row["step_over_floor"] = row["step_ms"] / row["floor_ms"]
+    row["phase_over_floor"] = row["phase_ms_per_step"] / row["floor_ms"]
+
+
 def run(
     name: str,
     engine: Engine,
@@ -158,11 +249,11 @@ def run(
     args: argparse.Namespace,
     policy_fn: Any,
     needs_query: bool,
+    salt: str,
 ) -> dict[str, Any]:
     """One side of the comparison (`run_pipeline`, as the demo uses it): a table row."""
     kinds = [CacheKind.KV] + ([CacheKind.QUERY] if needs_query and policy_fn else [])
     ctxs = [connect(k, server.url, server.http_url, model_name) for k in kinds]
-    salt = "shared" if args.share_prefill else name
     greedy = {"temperature": 0.0, "ignore_eos": True, "max_tokens": args.max_tokens}
     log(f"{name}: prefill, {'modify, ' if policy_fn else ''}decode {len(prompts)} prompts")
     try:
@@ -174,10 +265,12 @@ def run(
             greedy,
             modify_fn=policy_fn,
             cache_salt=salt,
+            modify_concurrency=args.modify_concurrency,
         )
     finally:
         for c in ctxs:
             c.close()
+    log(f"{name}: done (decode graphs captured: {engine.graphs and engine.graphs.captured})")
     return {
         "run": name,
         "prefill_tokens": res.prefill["input_tokens"],
@@ -192,8 +285,66 @@ def run(
         "decode_steps": res.engine["steps"],
         "loaded_tokens": res.engine["tokens_loaded"],
         "recomputed_tokens": res.engine["prefill_tokens_computed"],
+        "decode_only_steps": res.engine["decode_only_steps"],
+        "decode_step_seconds": res.engine["decode_step_seconds"],
+        "decode_kv_tokens": res.engine["decode_kv_tokens"],
+        "graph_capture_seconds": res.engine["graph_capture_seconds"],
+        "prefix_load_seconds": res.engine["prefix_load_seconds"],
         "outputs": res.outputs,
     }
+
+
+class EditOnDevice:
+    """An edit function run on a ``device`` copy of the retrieved tensors, its result copied back
+    (page-locked both ways); if the policy fails there, this and every later edit runs on the host
+    (logged once). Other attributes (``needs_query``, markers the SDK reads) are the policy's."""
+
+    def __init__(self, fn: Any, device: str) -> None:
+        self.fn = fn
+        self.device = torch.device(device)
+        self.failed: BaseException | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fn, name)
+
+    def __call__(self, tensors: Any, tokens: Any, **kwargs: Any) -> Any:
+        if self.failed is None:
+            try:
+                moved = {k: to_device(v, self.device) for k, v in tensors.items()}
+                kv, kept = self.fn(moved, tokens, **kwargs)
+                return to_host(kv), kept
+            except Exception as exc:
+                self.failed = exc
+                log(f"editing on {self.device} failed ({exc!r}); editing on the host instead")
+        return self.fn(tensors, tokens, **kwargs)
+
+
+def warm_up(engine: Engine, args: argparse.Namespace, vocab: int) -> None:
+    """One request through the engine before anything is measured: compiles the GPU kernels,
+    picks the matrix-product algorithms, captures a first decode graph."""
+    gen = torch.Generator().manual_seed(args.seed + 2)
+    n = min(args.max_prefill_tokens + args.chunk_size + 7, max(args.prompt_tokens))
+    prompt = torch.randint(3, vocab, (n,), generator=gen).tolist()
+    t = time.perf_counter()
+    engine.generate(prompt, {"temperature": 0.0, "ignore_eos": True, "max_tokens": 8}, "warmup")
+    log(f"warm-up request ({n} prompt tokens) took {time.perf_counter() - t:.1f} s")
+
+
+def build_policy(name: str, cfg: ModelConfig, args: argparse.Namespace) -> Any:
+    """``kvdrop.get(name, ...)`` with this run's keep ratio, chunk size and RoPE."""
+    info = kvdrop.describe(name)
+    names = {p.name for p in info.params}
+    params: dict[str, Any] = {"keep_ratio": args.keep_ratio, "chunk_size": args.chunk_size}
+    if "head_dim" in names:
+        params["head_dim"] = cfg.head_dim
+    if args.policy_device is not None:
+        if "device" in names:
+            params["device"] = args.policy_device
+        else:
+            log(f"{name} takes no device parameter; --policy-device ignored for it")
+    rerotate = None if args.no_rerotate else cfg.rope
+    fn = kvdrop.get(name, rerotate=rerotate, **params)
+    return fn if args.edit_device is None else EditOnDevice(fn, args.edit_device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,49 +355,108 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args)
     cfg = model.config
     dtype = DTYPES[args.dtype]
+    device = torch.device(args.device)
     prompts = make_prompts(args, cfg.vocab_size)
-    info = kvdrop.describe(args.policy)
-    params: dict[str, Any] = {"keep_ratio": args.keep_ratio, "chunk_size": args.chunk_size}
-    if "head_dim" in {p.name for p in info.params}:
-        params["head_dim"] = cfg.head_dim
-    rerotate = None if args.no_rerotate else cfg.rope
-    policy_fn = kvdrop.get(args.policy, rerotate=rerotate, **params)
+    policies = {name: build_policy(name, cfg, args) for name in args.policy}
+    needs_q = {name: kvdrop.describe(name).needs_query for name in args.policy}
 
     # Budget: the decode request is prompt + 1 prefill token, then max_tokens more.
     if args.kv_budget_tokens:
         num_blocks = args.kv_budget_tokens // args.block_size
     else:
         num_blocks = budget_blocks(prompts, args)
+    bandwidth = copy_bandwidth(device)
+    if device.type == "cuda":
+        log(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
     gb = server_gb(cfg, dtype, prompts, args)
     flags: dict[str, Any] = {"chunk_size": args.chunk_size, "l1_size_gb": round(gb, 3)}
-    if info.needs_query:
+    if any(needs_q.values()):
         flags["enable"] = ["transfer_query"]
     log(f"starting kvdrop server (pool {gb:.2f} GiB)")
+    rows: list[dict[str, Any]] = []
+    model_name = f"bench-{cfg.name}"
+    token_bytes = 0
     with spawn_server(startup_timeout=300.0, **flags) as server:
-        model_name = f"bench-{cfg.name}"
-        connector = ServerConnector(
-            server.url, server.http_url, model_name, transfer_query=info.needs_query
-        )
-        engine = Engine(
-            model,
-            num_blocks=num_blocks,
-            block_size=args.block_size,
-            max_batch_size=max(256, args.num_requests),
-            max_prefill_tokens=args.max_prefill_tokens,
-            connector=connector,
-        )
-        with engine:
-            base = run("baseline", engine, server, model_name, prompts, args, None, False)
-            drop = run(
-                "dropped", engine, server, model_name, prompts, args, policy_fn, info.needs_query
+
+        def engine_for(transfer_query: bool) -> tuple[ServerConnector, Engine]:
+            connector = ServerConnector(
+                server.url, server.http_url, model_name, transfer_query=transfer_query
             )
+            engine = Engine(
+                model,
+                num_blocks=num_blocks,
+                block_size=args.block_size,
+                max_batch_size=max(256, args.num_requests),
+                max_prefill_tokens=args.max_prefill_tokens,
+                connector=connector,
+            )
+            return connector, engine
+
+        # Runs that need no queries share one engine whose connector captures none; with
+        # --share-prefill their prefill loads the baseline's KV (salt "shared").
+        connector, engine = engine_for(False)
+        token_bytes = engine.cache.bytes_per_token
+        with engine:
+            if not args.no_warmup:
+                warm_up(engine, args, cfg.vocab_size)
+            rows.append(
+                run(
+                    "baseline",
+                    engine,
+                    server,
+                    model_name,
+                    prompts,
+                    args,
+                    None,
+                    False,
+                    "shared" if args.share_prefill else "baseline",
+                )
+            )
+            for name in (n for n in args.policy if not needs_q[n]):
+                salt = "shared" if args.share_prefill else name
+                rows.append(
+                    run(
+                        name, engine, server, model_name, prompts, args, policies[name], False, salt
+                    )
+                )
         connector.close()
-    same = sum(a == b for a, b in zip(base.pop("outputs"), drop.pop("outputs"), strict=True))
-    ratio = drop["decode_tok_s"] / base["decode_tok_s"] if base["decode_tok_s"] else math.nan
+        query_runs = [n for n in args.policy if needs_q[n]]
+        if query_runs:
+            del engine
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            # Query policies compute their own prefill with query capture (own cache salt).
+            connector, engine = engine_for(True)
+            with engine:
+                for name in query_runs:
+                    rows.append(
+                        run(
+                            name,
+                            engine,
+                            server,
+                            model_name,
+                            prompts,
+                            args,
+                            policies[name],
+                            True,
+                            name,
+                        )
+                    )
+            connector.close()
+    base = rows[0]
+    outputs = [r.pop("outputs") for r in rows]
+    wbytes = weight_bytes(model)
+    for row, out in zip(rows, outputs):
+        same = sum(a == b for a, b in zip(outputs[0], out, strict=True))
+        row["identical_outputs"] = f"{same}/{len(prompts)}"
+        row["gain"] = (
+            row["decode_tok_s"] / base["decode_tok_s"] if base["decode_tok_s"] else math.nan
+        )
+        step_floor(row, wbytes, token_bytes, bandwidth)
     lengths = [len(p) for p in prompts]
     setup = {
-        "device": str(torch.device(args.device)),
-        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
         "dtype": args.dtype,
         "model": args.model_path or args.model_preset,
         "layers": cfg.num_layers,
@@ -260,25 +470,24 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens_max": max(lengths),
         "prompt_tokens_total": sum(lengths),
         "max_tokens": args.max_tokens,
-        "policy": args.policy,
+        "policies": " ".join(args.policy),
         "keep_ratio": args.keep_ratio,
         "chunk_size": args.chunk_size,
         "block_size": args.block_size,
         "kv_budget_tokens": num_blocks * args.block_size,
         "kv_budget_blocks": num_blocks,
         "share_prefill": args.share_prefill,
+        "copy_gb_s": bandwidth / 1e9,
+        "weight_gb": wbytes / 1e9,
+        "kv_bytes_per_token": token_bytes,
     }
-    report = {
-        "setup": setup,
-        "runs": [base, drop],
-        "decode_gain": ratio,
-        "identical_outputs": f"{same}/{len(prompts)}",
-    }
+    report = {"setup": setup, "runs": rows}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(format_table([setup], list(setup)[:9], title="Setup"))
-    print(format_table([setup], list(setup)[9:]))
+    print(format_table([setup], list(setup)[9:18]))
+    print(format_table([setup], list(setup)[18:]))
     print()
     cols = [
         "run",
@@ -288,18 +497,43 @@ def main(argv: list[str] | None = None) -> int:
         "decode_tokens",
         "decode_s",
         "decode_tok_s",
+        "gain",
         "peak_running",
         "decode_steps",
         "loaded_tokens",
         "recomputed_tokens",
+        "identical_outputs",
     ]
-    print(format_table([base, drop], cols, title="Baseline vs dropped (same engine, same run)"))
+    print(format_table(rows, cols, title="Baseline vs dropped (same prompts, same budget)"))
     print()
+    cols = [
+        "run",
+        "peak_running",
+        "kv_tokens_per_step",
+        "gb_per_step",
+        "floor_ms",
+        "step_ms",
+        "step_over_floor",
+        "phase_ms_per_step",
+        "phase_over_floor",
+        "prefix_load_s",
+        "graph_capture_s",
+    ]
     print(
-        f"decode throughput: baseline {base['decode_tok_s']:.1f} tok/s, dropped "
-        f"{drop['decode_tok_s']:.1f} tok/s -> gain {ratio:.2f}x "
-        f"(identical outputs {same}/{len(prompts)})"
+        format_table(
+            rows,
+            cols,
+            title=f"Decode step vs its floor (bytes per step / {bandwidth / 1e9:.0f} GB/s copy "
+            "bandwidth measured in this run)",
+        )
     )
+    print()
+    for row in rows[1:]:
+        print(
+            f"decode throughput: baseline {base['decode_tok_s']:.1f} tok/s, {row['run']} "
+            f"{row['decode_tok_s']:.1f} tok/s -> gain {row['gain']:.2f}x "
+            f"(identical outputs {row['identical_outputs']})"
+        )
     return 0
 
 

@@ -4,8 +4,14 @@ Starts its own kvdrop server subprocess (with --shm-name and --no-l1-use-lazy), 
 retrieves one ``[2, L, T, W]`` tensor through each transport, and reports GB/s (median of
 ``--repeats``) and the ratio to ``dst.copy_(src)`` of the same tensor measured in the same run.
 
+With ``--against lmcache`` it also starts a real ``lmcache server`` (shared memory, the flags of
+docs/lmcache.md), registers the layout the way an engine does (kvdrop's LMCache backend), moves
+the same tensor through ``lmcache.sdk`` and prints kvdrop_sdk (shared memory) and lmcache.sdk
+side by side, with the ratio kvdrop / LMCache.
+
     python benchmarks/transfer.py                       # [2, 8, 8192, 1024] bfloat16
     python benchmarks/transfer.py --tokens 2048 --json
+    python benchmarks/transfer.py --against lmcache     # needs pip install 'kvdrop[lmcache]'
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -44,9 +51,12 @@ def _median_s(
 
 
 def _measure(
-    ctx: sdk.Context, src: torch.Tensor, args: argparse.Namespace, base: int
+    ctx: Any, src: torch.Tensor, args: argparse.Namespace, base: int, label: str
 ) -> tuple[float, float, float]:
-    """Median seconds of store, retrieve, and retrieve keeping every result (bytes checked once)."""
+    """Median seconds of store, retrieve, and retrieve keeping every result (bytes checked once).
+
+    ``ctx`` is a kvdrop_sdk or an lmcache.sdk context (same ``store``/``retrieve`` signatures).
+    """
     tokens: list[int] = []
 
     def fresh(i: int) -> None:
@@ -59,10 +69,12 @@ def _measure(
             raise RuntimeError("store wrote nothing")
 
     store_s = _median_s(store, args.repeats, fresh)
-    out = ctx.retrieve(tokens)
+    deadline = time.monotonic() + 30  # an LMCache server commits a store just after acking it
+    while (out := ctx.retrieve(tokens)) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     whole = args.tokens // args.chunk_size * args.chunk_size
     if out is None or not torch.equal(out, src[:, :, :whole]):
-        raise RuntimeError(f"{ctx.transfer_ctx.mode}: retrieved tensor differs from the stored one")
+        raise RuntimeError(f"{label}: retrieved tensor differs from the stored one")
     del out
     retrieve_s = _median_s(lambda: ctx.retrieve(tokens), args.repeats)
     # Keeping every result defeats buffer recycling: each retrieve faults in fresh pages.
@@ -117,7 +129,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 layout=layout,
                 transport=transport,
             ) as ctx:
-                store_s, retrieve_s, kept_s = _measure(ctx, src, args, base=1000 * n)
+                store_s, retrieve_s, kept_s = _measure(
+                    ctx, src, args, base=1000 * n, label=ctx.transfer_ctx.mode
+                )
                 for op, sec in (
                     ("store", store_s),
                     ("retrieve", retrieve_s),
@@ -132,7 +146,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             "x copy_": copy_s / sec,
                         }
                     )
+    against = _against_lmcache(src, layout, args, gb, rows) if args.against == "lmcache" else None
     return {
+        "against": against,
         "shape": list(shape),
         "dtype": args.dtype,
         "bytes": nbytes,
@@ -145,6 +161,59 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _against_lmcache(
+    src: torch.Tensor,
+    layout: sdk.CacheLayout,
+    args: argparse.Namespace,
+    gb: float,
+    rows: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """The same tensor through lmcache.sdk on a real LMCache server; rows kvdrop vs LMCache."""
+    import lmcache.sdk as lmc_sdk
+
+    from kvdrop_engine.lmcache_connector import LMCacheConnector, spawn_lmcache_server
+
+    nbytes = src.numel() * src.element_size()
+    model = types.SimpleNamespace(
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_heads,
+        num_heads=layout.num_heads,
+        head_dim=layout.head_dim,
+    )
+    # Room for every store of the run: LMCache evicts in the background (at 80% full), so a store
+    # into a full pool is refused rather than making room.
+    with spawn_lmcache_server(
+        l1_size_gb=round(nbytes * (args.repeats + 2) / 1024**3 / 0.8 + 0.05, 3),
+        chunk_size=args.chunk_size,
+        transfer_query=False,
+    ) as server:
+        # The SDK reads the model's layout from an engine's registration: kvdrop's LMCache
+        # backend registers it exactly as vLLM's connector would (a one-chunk staging area).
+        with LMCacheConnector(
+            server.url, server.http_url, "bench-lmcache", staging_tokens=args.chunk_size
+        ) as engine_side:
+            engine_side.bind(model, layout.dtype)
+            ctx = lmc_sdk.kvcache.connect(server.url, server.http_url, "bench-lmcache", 120)
+            try:
+                store_s, retrieve_s, kept_s = _measure(ctx, src, args, 5000, "lmcache.sdk")
+            finally:
+                ctx.close()
+    ours = {r["op"]: r for r in rows if r["transport"] == "shm"}
+    out = []
+    for op, sec in (("store", store_s), ("retrieve", retrieve_s), ("retrieve, kept", kept_s)):
+        mine = ours.get(op)
+        out.append(
+            {
+                "op": op,
+                "kvdrop GB/s": mine["GB/s"] if mine else float("nan"),
+                "LMCache GB/s": gb / sec,
+                "kvdrop / LMCache": mine["GB/s"] / (gb / sec) if mine else float("nan"),
+                "LMCache median_ms": sec * 1e3,
+            }
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, run, print a table (or JSON with --json)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -155,9 +224,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--transports", default="shm,socket", help="comma-separated: shm, socket")
+    p.add_argument(
+        "--against",
+        choices=["lmcache"],
+        default=None,
+        help="also move the same tensor through lmcache.sdk on a real LMCache server",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
     args.transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    if args.against == "lmcache" and "shm" not in args.transports:
+        p.error("--against lmcache compares with the shm transport; keep shm in --transports")
     report = run(args)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -169,6 +246,16 @@ def main(argv: list[str] | None = None) -> int:
         f"median of {report['repeats']}"
     )
     print(format_table(report["rows"], ["transport", "op", "median_ms", "GB/s", "x copy_"]))
+    if report["against"] is not None:
+        print()
+        print(
+            format_table(
+                report["against"],
+                ["op", "kvdrop GB/s", "LMCache GB/s", "kvdrop / LMCache", "LMCache median_ms"],
+                title="kvdrop_sdk on the kvdrop server vs lmcache.sdk on the LMCache server "
+                "(shared memory, same tensor)",
+            )
+        )
     return 0
 
 

@@ -42,3 +42,16 @@ def test_rope_and_model_import_only_torch_and_stdlib() -> None:
     files["kvdrop_engine/model.py"] = _imports(SRC / "kvdrop_engine" / "model.py")
     bad = {f: names - allowed for f, names in files.items() if names - allowed}
     assert not bad, bad
+
+
+def test_only_the_lmcache_backend_imports_lmcache() -> None:
+    """LMCache stays optional: one module imports it (lazily), nothing else does."""
+    files = {
+        **_package_imports("kvdrop"),
+        **_package_imports("kvdrop_sdk"),
+        **_package_imports("kvdrop_engine"),
+        **_package_imports("kvdrop_rope"),
+    }
+    assert {f for f, names in files.items() if "lmcache" in names} == {
+        "kvdrop_engine/lmcache_connector.py"
+    }

@@ -28,7 +28,11 @@ class MissingQueryError(PolicyInputError):
             f"policy {policy!r} scores tokens with the prefill query tensors, but none were "
             "passed. Start the server with `kvdrop server --enable transfer_query`, connect a "
             "query context (kvdrop_sdk.qcache.connect(...)) and pass both contexts to "
-            "create_request(); or pick a KV-only policy (`kvdrop list` shows which need queries)."
+            "create_request(). On LMCache: start `lmcache server ... --enable transfer_query`, "
+            'serve vLLM with "lmcache.mp.transfer_intermediate_tensors": true in '
+            "kv_connector_extra_config (or kvdrop's engine with --cache-server lmcache) and pass "
+            "lmcache.sdk.qcache.connect(...) too. Or pick a KV-only policy (`kvdrop list` shows "
+            "which need queries)."
         )
 
 

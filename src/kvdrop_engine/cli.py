@@ -2,7 +2,8 @@
 
 Loads a model (a ``.gguf`` file, a local HF folder, the installed SmolLM2 GGUF by default, or
 random weights from a preset), starts the continuous-batching engine with a KV budget, optionally
-connects it to a kvdrop server, and serves ``/v1/completions``, ``/v1/models`` and ``/health``
+connects it to a cache server (a kvdrop server, or a real LMCache server with ``--cache-server
+lmcache``), and serves ``/v1/completions``, ``/v1/models`` and ``/health``
 until SIGINT/SIGTERM. Heavy imports (torch, the model) happen inside ``run``; the model is
 loaded by :func:`kvdrop_engine.loading.load_model`.
 """
@@ -15,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from kvdrop_engine.errors import EngineSetupError
 
@@ -79,15 +81,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2048,
         help="prompt tokens computed per engine step (default 2048)",
     )
-    kv = parser.add_argument_group("kvdrop server connector (optional)")
+    kv = parser.add_argument_group("cache server connector (optional)")
     kv.add_argument(
-        "--kvdrop-url",
-        default=None,
-        help="ZMQ address of a kvdrop server, e.g. tcp://127.0.0.1:6555; enables storing prompts' "
-        "KV (and queries) there and loading cached prefixes from it",
+        "--cache-server",
+        choices=("kvdrop", "lmcache"),
+        default="kvdrop",
+        help="kind of server at --url: kvdrop (default) or lmcache (a real `lmcache server` "
+        "with --supported-transfer-mode auto; pip install 'kvdrop[lmcache]')",
     )
     kv.add_argument(
+        "--url",
+        "--kvdrop-url",
+        dest="kvdrop_url",
+        metavar="URL",
+        default=None,
+        help="ZMQ address of the cache server, e.g. tcp://127.0.0.1:6555; enables storing "
+        "prompts' KV (and queries) there and loading cached prefixes from it",
+    )
+    kv.add_argument(
+        "--http-url",
         "--kvdrop-http-url",
+        dest="kvdrop_http_url",
+        metavar="HTTP_URL",
         default="http://127.0.0.1:8080",
         help="HTTP address of the same server (default http://127.0.0.1:8080)",
     )
@@ -153,8 +168,21 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
 
-    connector = None
-    if args.kvdrop_url is not None:
+    connector: Any = None
+    if args.kvdrop_url is not None and args.cache_server == "lmcache":
+        from kvdrop_engine.lmcache_connector import LMCacheConnector, require_lmcache
+
+        try:
+            require_lmcache()
+        except EngineSetupError as exc:
+            print(f"kvdrop engine: error: {exc}", file=sys.stderr)
+            return 2
+        try:
+            connector = LMCacheConnector(args.kvdrop_url, args.kvdrop_http_url, name)
+        except ValueError as exc:
+            print(f"kvdrop engine: error: {exc}", file=sys.stderr)
+            return 2
+    elif args.kvdrop_url is not None:
         from kvdrop_engine.connector import ServerConnector
 
         connector = ServerConnector(args.kvdrop_url, args.kvdrop_http_url, name)
@@ -199,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     engine.start()
     server.start()
-    kv_note = f", KV store {args.kvdrop_url}" if connector is not None else ""
+    kv_note = f", {args.cache_server} KV store {args.kvdrop_url}" if connector is not None else ""
     print(
         f"kvdrop engine: serving {name!r} on {server.url} (KV budget {engine.num_blocks} blocks of "
         f"{args.block_size} tokens{kv_note}); POST /v1/completions, GET /v1/models, "

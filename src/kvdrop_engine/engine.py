@@ -26,17 +26,21 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from kvdrop_engine import kernels
 from kvdrop_engine.connector import EngineConnector, PrefixPlan, StoreJob, plan_prefix
 from kvdrop_engine.errors import EngineError, InvalidRequestError, RequestTooLargeError
-from kvdrop_engine.paged import PagedAttention, PagedKVCache, SeqStep, blocks_needed
+from kvdrop_engine.graphs import DecodeGraphs
+from kvdrop_engine.paged import PagedAttention, PagedKVCache, SeqStep, blocks_needed, use_kernel
 from kvdrop_engine.sampling import SamplingParams, finish_reason, make_generator, sample
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
 from kvdrop_sdk.events import TokenEvent
@@ -62,13 +66,22 @@ class EngineStats:
     peak_running: int = 0
     peak_blocks_used: int = 0
     peak_waiting: int = 0
+    #: Steps that only decoded (no prompt chunk), their wall time on the loop thread (plan, launch,
+    #: wait for the tokens, hand them out; capturing a new CUDA graph is counted apart, in
+    #: ``graph_capture_seconds``) and the cached tokens their attention read.
+    #: ``prefix_load_seconds``: loop-thread time spent loading admitted requests' cached prefixes.
+    decode_only_steps: int = 0
+    decode_step_seconds: float = 0.0
+    decode_kv_tokens: int = 0
+    graph_capture_seconds: float = 0.0
+    prefix_load_seconds: float = 0.0
 
     @property
     def tokens_computed(self) -> int:
         """Tokens the model ran (prefill + decode), i.e. not loaded from the server."""
         return self.prefill_tokens_computed + self.decode_tokens_computed
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, float]:
         """Plain dict (JSON-serialisable), including ``tokens_computed``."""
         return {**asdict(self), "tokens_computed": self.tokens_computed}
 
@@ -171,6 +184,12 @@ class Engine:
     ``forward(tokens, positions, attn, logits_rows)``). Give the budget as ``num_blocks`` or
     ``kv_budget_tokens`` (rounded down to whole blocks); default 65536 tokens. ``tokenizer``
     (anything with ``decode``) gives each ``TokenEvent`` its text.
+
+    On a GPU (with Triton, ``pip install 'kvdrop[gpu]'``) decode attention reads the paged cache
+    in place, the model's norms and SwiGLU run fused (``fused_ops``; this sets
+    ``model.use_ops``), and decode-only steps replay CUDA graphs (``cuda_graphs``); None means
+    "when available". Elsewhere the engine runs plain PyTorch. Up to ``load_concurrency``
+    admitted requests load their cached prefixes from the connector at once.
     """
 
     def __init__(
@@ -184,6 +203,9 @@ class Engine:
         max_batch_size: int = 256,
         max_prefill_tokens: int = 2048,
         connector: EngineConnector | None = None,
+        cuda_graphs: bool | None = None,
+        fused_ops: bool | None = None,
+        load_concurrency: int = 4,
     ) -> None:
         cfg = model.config
         try:
@@ -197,6 +219,7 @@ class Engine:
             positive_int(num_blocks, "num_blocks")
             positive_int(max_batch_size, "max_batch_size")
             positive_int(max_prefill_tokens, "max_prefill_tokens")
+            positive_int(load_concurrency, "load_concurrency")
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
         param = next((p for p in model.parameters() if p.is_floating_point()), None)
@@ -208,6 +231,8 @@ class Engine:
         self.block_size = block_size
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.load_concurrency = load_concurrency
+        self._load_pool: ThreadPoolExecutor | None = None
         self.cache = PagedKVCache(
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,
@@ -217,6 +242,25 @@ class Engine:
             dtype=self.dtype,
             device=self.device,
         )
+        gpu = self.device.type == "cuda" and kernels.available(self.device)
+        can_fuse = hasattr(model, "use_ops")
+        if fused_ops or (fused_ops is None and gpu and can_fuse):
+            if not (kernels.available(self.device) and can_fuse):
+                raise InvalidRequestError(
+                    "fused_ops=True needs a CUDA model with use_ops (a Transformer) and Triton"
+                )
+            model.use_ops(kernels)
+        elif fused_ops is False and hasattr(model, "use_ops"):
+            model.use_ops(None)
+        self._graphs: DecodeGraphs | None = None
+        dynamic_rope = bool(getattr(getattr(cfg, "rope", None), "dynamic", False))
+        if cuda_graphs or (cuda_graphs is None and gpu and not dynamic_rope):
+            if not (use_kernel(self.cache) and self.device.type == "cuda") or dynamic_rope:
+                raise InvalidRequestError(
+                    "cuda_graphs=True needs a CUDA model, Triton, power-of-two head and block "
+                    "sizes and a RoPE that does not depend on the sequence length"
+                )
+            self._graphs = DecodeGraphs(model, self.cache, max_batch_size)
         self.eos_token_ids = frozenset(int(t) for t in (getattr(cfg, "eos_token_ids", ()) or ()))
         self.connector = connector
         if connector is not None:
@@ -248,6 +292,9 @@ class Engine:
             thread = self._thread
         if thread is not None:
             thread.join()
+        if self._load_pool is not None:
+            self._load_pool.shutdown(wait=True)
+            self._load_pool = None
         with self._cv:
             pending = list(self._waiting) + list(self._running.values())
             self._waiting.clear()
@@ -389,8 +436,7 @@ class Engine:
                     return
                 self._drop_cancelled_locked()
                 admitted = self._admit_locked()
-            for req in admitted:
-                self._load_prefix(req)
+            self._load_prefixes(admitted)
             with self._cv:
                 batch = [r for r in self._running.values() if not r.cancelled]
             if batch:
@@ -424,6 +470,33 @@ class Engine:
         st.peak_blocks_used = max(st.peak_blocks_used, self.cache.num_blocks - alloc.num_free)
         return admitted
 
+    def _load_prefixes(self, admitted: list[_Request]) -> None:
+        """Load the admitted requests' cached prefixes, several at once: each load is a host copy
+        out of the server's memory and a copy to the device, both of which release the GIL, so
+        concurrent loads use more of the host's cores and overlap one request's host copy with
+        another's transfer to the device."""
+        if self.connector is None or not admitted:
+            return
+        started = time.perf_counter()
+
+        def load(req: _Request) -> None:
+            try:
+                self._load_prefix(req)
+            except Exception as exc:  # e.g. out of device memory: this request fails alone
+                self._fail(req, exc)
+
+        if len(admitted) == 1 or self.load_concurrency <= 1:
+            for req in admitted:
+                load(req)
+        else:
+            if self._load_pool is None:
+                self._load_pool = ThreadPoolExecutor(
+                    self.load_concurrency, thread_name_prefix="kvdrop-load"
+                )
+            list(self._load_pool.map(load, admitted))
+        with self._cv:
+            self._stats.prefix_load_seconds += time.perf_counter() - started
+
     def _load_prefix(self, req: _Request) -> None:
         """Load the cached prefix from the server and decide what to store after prefill."""
         if self.connector is None:
@@ -440,36 +513,62 @@ class Engine:
             self._stats.tokens_loaded += plan.num_loaded
 
     def _step(self, batch: list[_Request]) -> None:
+        started = time.perf_counter()
         plan = plan_step(batch, self.max_prefill_tokens)
         capture = {r.rid for r, _ in plan.stepped if r.prefilling and r.capture_queries}
-        attn = PagedAttention(self.cache, plan.seqs, capture=capture)
-        dev = self.device
-        with torch.inference_mode():
-            logits = self.model(
-                torch.tensor(plan.tokens, dtype=torch.long, device=dev),
-                torch.tensor(plan.positions, dtype=torch.long, device=dev),
-                attn,
-                logits_rows=torch.tensor(plan.sample_rows, dtype=torch.long, device=dev),
-            )
+        decode_only = plan.num_prefill == 0
+        greedy = None
+        captured: dict[Any, list[Tensor]] = {}
+        capture_s = 0.0
+        if decode_only and self._graphs is not None:
+            # One graph replay; the only host sync is reading the chosen tokens (in sample).
+            before = self._graphs.capture_seconds
+            logits, greedy = self._graphs.run(plan.seqs, plan.tokens)
+            capture_s = self._graphs.capture_seconds - before
+        else:
+            attn = PagedAttention(self.cache, plan.seqs, capture=capture)
+            dev = self.device
+            with torch.inference_mode():
+                logits = self.model(
+                    torch.tensor(plan.tokens, dtype=torch.long, device=dev),
+                    torch.tensor(plan.positions, dtype=torch.long, device=dev),
+                    attn,
+                    logits_rows=torch.tensor(plan.sample_rows, dtype=torch.long, device=dev),
+                )
+            captured = attn.captured
         for req, n in plan.stepped:
-            if req.rid in attn.captured:
-                req.keep_queries(attn.captured[req.rid], n)
+            if req.rid in captured:
+                req.keep_queries(captured[req.rid], n)
             req.num_computed += n
         with self._cv:
             self._stats.steps += 1
             self._stats.prefill_tokens_computed += plan.num_prefill
             self._stats.decode_tokens_computed += plan.num_decode
         reqs = plan.sampled
-        next_ids = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        next_ids = sample(
+            logits, [r.params for r in reqs], [r.generator for r in reqs], greedy=greedy
+        )
         for req, tok in zip(reqs, next_ids, strict=True):
             if req.cancelled:
                 continue
             if not req.output and req.store_upto:
                 req.out.put(self._store_job(req))
             self._emit(req, tok)
+        if decode_only:
+            with self._cv:
+                st = self._stats
+                st.decode_only_steps += 1
+                st.decode_step_seconds += time.perf_counter() - started - capture_s
+                st.graph_capture_seconds += capture_s
+                st.decode_kv_tokens += sum(s.start + 1 for s in plan.seqs)
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The captured decode steps (None when the engine runs without CUDA graphs)."""
+        return self._graphs
 
     def _store_job(self, req: _Request) -> StoreJob:
-        kv = self.cache.read(req.blocks, req.store_upto).cpu()
+        kv = self.cache.read_cpu(req.blocks, req.store_upto)
         queries = None
         if req.capture_queries and req.query_parts:
             queries = torch.cat(req.query_parts, dim=1).unsqueeze(0)

@@ -5,6 +5,10 @@ RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, optional per-he
 rotary-embedding math arrives in ``ModelConfig.rope`` (any :class:`Rope`; the loading code passes
 a ``kvdrop_rope.RopeConfig``), and checkpoints are read by :mod:`kvdrop_engine.loading`.
 
+Elementwise chains (RMSNorm, SwiGLU's ``silu(gate) * up``) can be handed to fused kernels with
+:meth:`Transformer.use_ops` (any object with ``rms_norm`` and ``silu_mul``, e.g.
+``kvdrop_engine.kernels``, which the engine passes on a GPU); they must round as the plain ops do.
+
 The model never owns a KV cache: every forward hands post-RoPE q and k (and v) of each layer to an
 :class:`AttentionBackend`, which stores k/v wherever the engine keeps them (a paged cache, or
 :class:`DenseAttention`'s contiguous one) and returns the attention output. Tokens of several
@@ -26,6 +30,7 @@ from torch import nn
 __all__ = [
     "AttentionBackend",
     "DenseAttention",
+    "FusedOps",
     "ModelConfig",
     "Rope",
     "Transformer",
@@ -138,8 +143,22 @@ class AttentionBackend(Protocol):
         ...
 
 
+class FusedOps(Protocol):
+    """Fused replacements of the model's elementwise chains (see :meth:`Transformer.use_ops`)."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``weight * (x.float() * rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype)``."""
+        ...
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``F.silu(gate) * up``."""
+        ...
+
+
 class RMSNorm(nn.Module):
     """RMS normalisation computed in float32, scaled in the input dtype (as HF Llama)."""
+
+    ops: FusedOps | None = None
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -147,6 +166,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
         xf = x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -190,6 +211,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 
+    ops: FusedOps | None = None
+
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
@@ -197,6 +220,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -236,6 +261,12 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def use_ops(self, ops: FusedOps | None) -> None:
+        """Run every RMSNorm and MLP through ``ops`` (None: back to the plain PyTorch ops)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP)):
+                module.ops = ops
 
     @property
     def dtype(self) -> torch.dtype:

@@ -9,9 +9,16 @@ model dtype and on the model device. A sequence owns a list of blocks (its block
 of a sequence lives in block ``table[t // block_size]`` at offset ``t % block_size``.
 
 ``PagedAttention`` implements the model's ``AttentionBackend`` for one engine step that mixes
-sequences prefilling a chunk of new tokens with sequences decoding one token. Decoding sequences
-are batched into one ``scaled_dot_product_attention`` call over a padded gather of their blocks;
-each prefill chunk is one call. Query capture is keyed by sequence id, never by batch position.
+sequences prefilling a chunk of new tokens with sequences decoding one token. On CUDA (with Triton)
+decoding sequences share one paged-attention kernel launch that reads their blocks in place
+(:func:`kvdrop_engine.kernels.paged_decode`); the plain PyTorch path (CPU, CI) batches them into
+``scaled_dot_product_attention`` calls over a padded gather of their blocks. Each prefill chunk is
+one call. Query capture is keyed by sequence id, never by batch position. ``PagedDecode`` is the
+backend of a decode-only step over fixed device tensors, which a CUDA graph can replay
+(:mod:`kvdrop_engine.graphs`).
+
+Storage holds one block more than the budget: the *scratch* block (id ``num_blocks``) that padded
+rows of a replayed decode graph write to and read from; the allocator never hands it out.
 """
 
 from __future__ import annotations
@@ -23,16 +30,25 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
+
+from kvdrop_engine import kernels
 
 __all__ = [
     "BlockAllocator",
     "OutOfBlocksError",
     "PagedAttention",
+    "PagedDecode",
     "PagedKVCache",
     "SeqStep",
     "blocks_needed",
+    "to_device",
+    "to_host",
 ]
+
+
+_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class OutOfBlocksError(RuntimeError):
@@ -116,7 +132,8 @@ class PagedKVCache:
         self.block_size = block_size
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # One block more than the budget: the scratch block (see the module docstring).
+        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
         self.allocator = BlockAllocator(num_blocks)
@@ -125,6 +142,16 @@ class PagedKVCache:
     def capacity_tokens(self) -> int:
         """Tokens the whole budget can hold."""
         return self.num_blocks * self.block_size
+
+    @property
+    def scratch_block(self) -> int:
+        """Id of the block no sequence owns (padding rows of decode graphs use it)."""
+        return self.num_blocks
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V one token takes over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k.element_size()
 
     def slots(self, block_table: Sequence[int], start: int, stop: int) -> Tensor:
         """Flat slot indices (``block * block_size + offset``) of tokens ``start .. stop-1``."""
@@ -154,19 +181,88 @@ class PagedKVCache:
             )
         n = kv.shape[2]
         slots = self.slots(block_table, start, start + n)
-        kv = kv.to(device=self.device, dtype=self.dtype)
+        kv = to_device(kv.to(self.dtype), self.device)
         kv = kv.view(2, self.num_layers, n, self.num_kv_heads, self.head_dim)
         flat = (self.num_layers, -1, self.num_kv_heads, self.head_dim)
         self.k.view(flat)[:, slots] = kv[0]
         self.v.view(flat)[:, slots] = kv[1]
 
     def read(self, block_table: Sequence[int], num_tokens: int) -> Tensor:
-        """KV of tokens ``0 .. num_tokens-1`` in the server layout ``[2, L, T, Hkv*d]``."""
+        """KV of tokens ``0 .. num_tokens-1`` in the server layout ``[2, L, T, Hkv*d]``, on the
+        cache's device."""
         slots = self.slots(block_table, 0, num_tokens)
         flat = (self.num_layers, -1, self.num_kv_heads, self.head_dim)
-        k = self.k.view(flat)[:, slots]
-        v = self.v.view(flat)[:, slots]
-        return torch.stack([k, v]).reshape(2, self.num_layers, num_tokens, -1)
+        out = torch.empty(
+            2,
+            self.num_layers,
+            num_tokens,
+            self.num_kv_heads,
+            self.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        torch.index_select(self.k.view(flat), 1, slots, out=out[0])
+        torch.index_select(self.v.view(flat), 1, slots, out=out[1])
+        return out.view(2, self.num_layers, num_tokens, -1)
+
+    def read_cpu(self, block_table: Sequence[int], num_tokens: int) -> Tensor:
+        """:meth:`read` copied to host memory. From a GPU the copy goes through page-locked
+        memory (several times faster than into pageable memory); it is complete on return."""
+        return to_host(self.read(block_table, num_tokens))
+
+
+_STAGING = threading.local()
+#: Bytes of each of a thread's two page-locked staging buffers (see :func:`to_device`).
+STAGING_BYTES = 128 << 20
+
+
+def _staging(nbytes: int, device: torch.device) -> list[tuple[Tensor, torch.cuda.Event]]:
+    """This thread's two page-locked staging buffers (at least ``nbytes`` each) and the events
+    that say when the device has finished reading each."""
+    bufs = getattr(_STAGING, "bufs", None)
+    if bufs is None or bufs[0][0].numel() < nbytes:
+        bufs = [
+            (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), torch.cuda.Event())
+            for _ in range(2)
+        ]
+        _STAGING.bufs = bufs
+    return bufs
+
+
+def to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """``t.to(device)``; a large host tensor bound for a GPU goes through two page-locked staging
+    buffers of this thread, a few rows (of its first two dims) at a time: the multi-threaded
+    host copy of one piece overlaps the DMA of the previous one, and no page-locked memory is
+    allocated per call. On an H200 host the driver's pageable path moved 9 GB/s, a pinned DMA
+    55 GB/s and a multi-threaded host copy 49 GB/s."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu" or t.numel() * t.element_size() < 1 << 24:
+        return t.to(device)
+    rows = t.reshape(-1, *t.shape[2:]) if t.dim() > 2 else t.reshape(-1, t.shape[-1])
+    out = torch.empty(rows.shape, dtype=t.dtype, device=device)
+    row_bytes = rows[0].numel() * t.element_size()
+    per = max(1, STAGING_BYTES // row_bytes)
+    bufs = _staging(per * row_bytes, device)
+    stream = torch.cuda.current_stream(device)
+    for i, r0 in enumerate(range(0, rows.shape[0], per)):
+        r1 = min(r0 + per, rows.shape[0])
+        buf, done = bufs[i % 2]
+        done.synchronize()  # the DMA that last read this buffer has finished
+        piece = buf[: (r1 - r0) * row_bytes].view(t.dtype).view(r1 - r0, *rows.shape[1:])
+        piece.copy_(rows[r0:r1])
+        out[r0:r1].copy_(piece, non_blocking=True)
+        done.record(stream)
+    return out.view(t.shape)
+
+
+def to_host(t: Tensor) -> Tensor:
+    """``t`` in host memory; from a GPU through page-locked memory (complete on return)."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host
 
 
 @dataclass(frozen=True)
@@ -245,7 +341,12 @@ class PagedAttention:
         self.num_tokens = row
         empty = torch.empty(0, dtype=torch.long, device=dev)
         self.slot_mapping = torch.cat(slot_parts) if slot_parts else empty
-        self._groups.extend(self._decode_groups(decodes, max_decode_padding))
+        self._kernel: PagedDecode | None = None
+        if decodes and use_kernel(cache):
+            rows = torch.tensor([r for r, _ in decodes], device=dev)
+            self._kernel = PagedDecode.build(cache, [s for _, s in decodes], rows=rows)
+        else:
+            self._groups.extend(self._decode_groups(decodes, max_decode_padding))
         self.captured: dict[Hashable, list[Tensor]] = {sid: [] for sid in self._capture_rows}
 
     def _decode_groups(
@@ -298,9 +399,12 @@ class PagedAttention:
         cache.write(layer, self.slot_mapping, k, v)
         for sid, (r0, r1) in self._capture_rows.items():
             self.captured[sid].append(q[r0:r1].detach().clone())
-        kc, vc = cache.k[layer], cache.v[layer]  # [num_blocks, bs, Hkv, d]
+        kc, vc = cache.k[layer], cache.v[layer]  # [num_blocks + 1, bs, Hkv, d]
         out = torch.empty_like(q)
         scale = d**-0.5
+        if self._kernel is not None:
+            dk = self._kernel
+            out[dk.rows] = dk.attend(layer, q[dk.rows])
         for g in self._groups:
             b = g.blocks.shape[0]
             kb = kc[g.blocks].reshape(b, -1, hkv, d)[:, : g.length].transpose(1, 2)
@@ -308,13 +412,17 @@ class PagedAttention:
             qg = q[g.rows]  # [rows, Hq, d]
             if g.prefill and q.is_cuda:
                 # Flash attention with bottom-right causal alignment (new tokens are the last
-                # rows of the sequence) and native GQA: no mask tensor, no repeated K/V.
+                # rows of the sequence) and native GQA: no mask tensor, no repeated K/V. Never
+                # cuDNN, which PyTorch picks for a chunk at the start (square causal): cuDNN
+                # builds a graph for every new sequence length (hundreds of ms each), and prefill
+                # chunk lengths vary from step to step.
                 rows = qg.shape[0]
                 qh = qg.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, d]
                 bias = causal_lower_right(rows, g.length)
-                o = F.scaled_dot_product_attention(
-                    qh, kb, vb, attn_mask=bias, scale=scale, enable_gqa=group > 1
-                )
+                with sdpa_kernel(_NO_CUDNN):
+                    o = F.scaled_dot_product_attention(
+                        qh, kb, vb, attn_mask=bias, scale=scale, enable_gqa=group > 1
+                    )
                 o = o[0].transpose(0, 1)
             elif g.prefill:
                 # One sequence: rows ordered (token, group member) so one [n*G, T] mask serves.
@@ -331,3 +439,69 @@ class PagedAttention:
                 o = o.reshape(b, hq, d)
             out[g.rows] = o.to(out.dtype)
         return out
+
+
+def use_kernel(cache: PagedKVCache) -> bool:
+    """Whether decode attention over ``cache`` runs the Triton paged kernel (CUDA with Triton, a
+    power-of-two head size and block size)."""
+    d, bs = cache.head_dim, cache.block_size
+    return kernels.available(cache.device) and d >= 16 and not d & (d - 1) and not bs & (bs - 1)
+
+
+class PagedDecode:
+    """``AttentionBackend`` of decode rows (one new token per sequence) over fixed tensors.
+
+    ``slots [B]`` (int64) are where each row's new k/v go, ``table [B, W]`` (int32) and
+    ``lens [B]`` (int32, the new token included) what each row attends to. Nothing here reads a
+    host value, so a step built on it can be captured once in a CUDA graph and replayed with the
+    tensors refilled in place. ``rows`` (optional) are the forward rows it serves inside a mixed
+    step (:class:`PagedAttention` writes k/v itself then).
+    """
+
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        slots: Tensor,
+        table: Tensor,
+        lens: Tensor,
+        *,
+        splits: int | None = None,
+        rows: Tensor | None = None,
+    ) -> None:
+        self.cache = cache
+        self.slots = slots
+        self.table = table
+        self.lens = lens
+        self.rows = rows
+        self.splits = splits or kernels.decode_splits(
+            table.shape[0], cache.num_kv_heads, cache.device
+        )
+
+    @classmethod
+    def build(
+        cls, cache: PagedKVCache, seqs: Sequence[SeqStep], *, rows: Tensor | None = None
+    ) -> PagedDecode:
+        """The backend for decoding ``seqs`` (each brings its token at position ``start``)."""
+        bs = cache.block_size
+        width = max(blocks_needed(s.start + 1, bs) for s in seqs)
+        table = torch.full((len(seqs), width), cache.scratch_block, dtype=torch.int32)
+        slots = torch.empty(len(seqs), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            k = blocks_needed(s.start + 1, bs)
+            table[i, :k] = torch.as_tensor(list(s.block_table[:k]), dtype=torch.int32)
+            slots[i] = int(s.block_table[s.start // bs]) * bs + s.start % bs
+        lens = torch.tensor([s.start + 1 for s in seqs], dtype=torch.int32)
+        dev = cache.device
+        return cls(cache, slots.to(dev), table.to(dev), lens.to(dev), rows=rows)
+
+    def attend(self, layer: int, q: Tensor) -> Tensor:
+        """Attention of ``q [B, Hq, d]`` over the cached tokens (k/v already written)."""
+        c = self.cache
+        return kernels.paged_decode(
+            q, c.k[layer], c.v[layer], self.table, self.lens, splits=self.splits
+        )
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Store this step's k/v for ``layer`` and return attention output ``[B, Hq, d]``."""
+        self.cache.write(layer, self.slots, k, v)
+        return self.attend(layer, q)

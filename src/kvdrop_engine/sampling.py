@@ -112,12 +112,15 @@ def sample(
     logits: Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    *,
+    greedy: Tensor | None = None,
 ) -> list[int]:
     """One token per row of ``logits [R, V]``: row ``i`` follows ``params[i]`` and draws from
-    ``generators[i]``. Greedy rows share one ``argmax``."""
+    ``generators[i]``. Greedy rows share one ``argmax`` (``greedy [R]``, when the caller already
+    has it on the device)."""
     if not params:
         return []
-    greedy = logits.argmax(dim=-1).tolist()
+    greedy = (logits.argmax(dim=-1) if greedy is None else greedy).tolist()
     return [
         int(greedy[i]) if p.temperature == 0 else sample_row(logits[i], p, gen)
         for i, (p, gen) in enumerate(zip(params, generators, strict=True))

@@ -11,7 +11,7 @@ Cache SDK: ``import kvdrop_sdk as lmc_sdk`` works for code written against it, w
 
 from __future__ import annotations
 
-from kvdrop_sdk import batch, compat, kvcache, qcache, request
+from kvdrop_sdk import batch, compat, context, kvcache, qcache, request
 from kvdrop_sdk.batch import BatchedStream
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.compat import (  # noqa: F401 (re-exported: __all__ += compat.__all__)
@@ -47,6 +47,7 @@ __all__ = [
     "TokenEvent",
     "batch",
     "connect",
+    "context",
     "create_request",
     "kvcache",
     "qcache",

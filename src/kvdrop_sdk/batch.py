@@ -12,8 +12,11 @@ Differences from the upstream batched stream, on purpose:
   ``done == 0`` when a phase starts and again as each stream finishes (``ProgressBar`` fits).
 * Streams that are done (the engine said "stop") are skipped by prefill and decode.
 
-Each phase returns a ``Metrics`` with a "config" section (``num_streams``) and a "results"
-section (counts, ``duration``, token totals, throughputs, TTFT/TPOT percentiles).
+Each phase returns a ``Metrics`` with a "config" section (``num_request_streams``: streams in
+the batch, as upstream) and a "results" section (counts, ``duration``, token totals, throughputs,
+TTFT/TPOT percentiles). The signatures match upstream's ``LMCacheBatchedStream`` (including its
+building blocks ``run_request_streams``, ``modify_request_streams`` and ``get_perf_metrics``);
+kvdrop's additions are keyword-only.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ DEFAULT_MAX_CONCURRENCY = 64
 # Report sections, named as upstream so ``to_dict()["metrics"]["results"]["output_tput"]`` works.
 CONFIG = "config"
 RESULTS = "results"
+#: Upstream's name for the number of streams in the batch (the "config" section's one entry).
+NUM_STREAMS = "num_request_streams"
 
 
 class BatchedStreamFailures(BatchedStreamError):
@@ -119,8 +124,9 @@ class BatchedStream:
     ) -> Metrics:
         """Run every stream once with ``max_tokens`` forced to 1; report input tokens and TTFT.
 
-        ``fmt`` ("terminal" or "json") attaches that handler to the returned report; ``width``
-        is accepted for upstream compatibility and unused.
+        ``fmt`` ("terminal" or "json") attaches that handler to the returned report (None: the
+        process-wide default handlers, a terminal table unless replaced); ``width`` is accepted
+        for upstream compatibility and unused.
         """
         params = {**(sampling_params or {}), "max_tokens": 1}
         return self._generate_phase("prefill", params, fmt, stream_ids)
@@ -140,30 +146,22 @@ class BatchedStream:
         fn: ModifyFnType,
         fmt: str | None = None,
         width: int = 80,
+        timeout: float = 30.0,
+        poll_interval: float = 0.2,
         stream_ids: Sequence[str] | None = None,
-        *,
-        timeout: float = 5.0,
     ) -> Metrics:
         """Apply ``fn`` to every stream's cached chunk-aligned prefix and store the result.
 
-        Reports the wall-clock duration and the kept / total edited tokens over the batch.
+        Each stream waits up to ``timeout`` seconds (polling every ``poll_interval``) for its
+        cache, as in ``RequestStream.modify_kv``. Reports the wall-clock duration and the kept /
+        total edited tokens over the batch.
         """
-        if not callable(fn):
-            raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
-        streams = self._select(stream_ids)
-        self.modify_results.clear()
-        results, failures, duration = self._run(
-            "modify",
-            streams,
-            lambda s: s.modify_kv(fn, timeout=timeout),
-            self.modify_concurrency,
-        )
-        self.modify_results.update(results)
+        results, failures, duration = self._modify(fn, stream_ids, timeout, poll_interval)
         edited = [r for r in results.values() if not r.skipped]
         kept = sum(r.kept_tokens for r in edited)
         total = sum(r.total_tokens for r in edited)
         metrics = Metrics("Batched Stream Modify Metrics")
-        metrics.add("num_streams", len(streams), CONFIG)
+        metrics.add(NUM_STREAMS, len(self.request_streams), CONFIG)
         metrics.add("num_requests", len(edited), RESULTS)
         metrics.add("num_skipped", len(results) - len(edited), RESULTS)
         metrics.add("num_failed", len(failures), RESULTS)
@@ -173,39 +171,57 @@ class BatchedStream:
         metrics.add("kept_fraction", kept / total if total else float("nan"), RESULTS)
         return self._finish("modify", metrics, failures, fmt)
 
-    # ----------------------------------------------------------------- internals
-    def _select(self, stream_ids: Sequence[str] | None) -> list[RequestStream]:
-        if stream_ids is None:
-            return list(self.request_streams.values())
-        if isinstance(stream_ids, str):
-            raise TypeError("stream_ids must be a sequence of ids, not a single string")
-        dupes = sorted({sid for sid in stream_ids if list(stream_ids).count(sid) > 1})
-        if dupes:
-            raise BatchedStreamError(f"stream_ids lists {dupes} more than once")
-        return [self.get_request_stream(sid) for sid in stream_ids]
+    # ----------------------------------------------------------------- upstream's building blocks
+    def run_request_streams(
+        self, sampling_params: Mapping[str, Any], stream_ids: Sequence[str] | None = None
+    ) -> float:
+        """Generate once on every selected stream that is not done, keep each one's
+        ``StreamPerfMetrics`` in ``perf_metrics``; returns the wall-clock seconds.
 
-    def _generate_phase(
+        Raises ``BatchedStreamFailures`` (after the others finished) if any stream failed.
+        """
+        _, _, failures, duration = self._generate("generate", dict(sampling_params), stream_ids)
+        if failures:
+            metrics = self.get_perf_metrics(duration, None, 80, "decode", stream_ids)
+            raise BatchedStreamFailures("generate", failures, metrics)
+        return duration
+
+    def modify_request_streams(
         self,
-        phase: str,
-        params: dict[str, Any],
+        fn: ModifyFnType,
+        stream_ids: Sequence[str] | None = None,
+        timeout: float = 30.0,
+        poll_interval: float = 0.2,
+    ) -> float:
+        """Apply ``fn`` to every selected stream (see ``modify``); returns the wall-clock seconds.
+
+        Raises ``BatchedStreamFailures`` (after the others finished) if any stream failed.
+        """
+        _, failures, duration = self._modify(fn, stream_ids, timeout, poll_interval)
+        if failures:
+            metrics = Metrics("Batched Stream Modify Metrics").add("duration", duration, RESULTS)
+            raise BatchedStreamFailures("modify", failures, metrics)
+        return duration
+
+    def get_perf_metrics(
+        self,
+        duration: float,
         fmt: str | None,
-        stream_ids: Sequence[str] | None,
+        width: int,
+        mode: str,
+        stream_ids: Sequence[str] | None = None,
     ) -> Metrics:
-        streams = self._select(stream_ids)
-        active = [s for s in streams if not s.is_done]
-        self.perf_metrics.clear()
-        results, failures, duration = self._run(
-            phase, active, lambda s: s.generate(params), self.max_concurrency
-        )
-        self.perf_metrics.update(results)
-        perf = list(results.values())
-        metrics = Metrics(f"Batched Stream Metrics ({phase})")
-        metrics.add("num_streams", len(streams), CONFIG)
+        """The report of the streams' latest ``perf_metrics``: ``mode`` "prefill" (input tokens,
+        throughput, TTFT) or "decode" (output tokens, throughput, TPOT) over ``duration``."""
+        if mode not in ("prefill", "decode"):
+            raise BatchedStreamError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+        wanted = None if stream_ids is None else set(stream_ids)
+        perf = [m for sid, m in self.perf_metrics.items() if wanted is None or sid in wanted]
+        metrics = Metrics(f"Batched Stream Metrics ({mode})")
+        metrics.add(NUM_STREAMS, len(self.request_streams), CONFIG)
         metrics.add("num_requests", len(perf), RESULTS)
-        metrics.add("num_skipped", len(streams) - len(active), RESULTS)
-        metrics.add("num_failed", len(failures), RESULTS)
         metrics.add("duration", duration, RESULTS)
-        if phase == "prefill":
+        if mode == "prefill":
             input_tokens = sum(p.input_tokens for p in perf)
             metrics.add("input_tokens", input_tokens, RESULTS)
             metrics.add("input_tput", input_tokens / duration if duration > 0 else 0.0, RESULTS)
@@ -218,6 +234,64 @@ class BatchedStream:
             tpot = [gap for p in perf for gap in p.tpot]
             for name, value in summarize("tpot", tpot).items():
                 metrics.add(name, value, RESULTS)
+        if fmt is not None:
+            metrics.add_handler(get_handler(fmt))
+        return metrics
+
+    # ----------------------------------------------------------------- internals
+    def _select(self, stream_ids: Sequence[str] | None) -> list[RequestStream]:
+        if stream_ids is None:
+            return list(self.request_streams.values())
+        if isinstance(stream_ids, str):
+            raise TypeError("stream_ids must be a sequence of ids, not a single string")
+        dupes = sorted({sid for sid in stream_ids if list(stream_ids).count(sid) > 1})
+        if dupes:
+            raise BatchedStreamError(f"stream_ids lists {dupes} more than once")
+        return [self.get_request_stream(sid) for sid in stream_ids]
+
+    def _generate(
+        self, phase: str, params: dict[str, Any], stream_ids: Sequence[str] | None
+    ) -> tuple[list[RequestStream], list[RequestStream], dict[str, BaseException], float]:
+        streams = self._select(stream_ids)
+        active = [s for s in streams if not s.is_done]
+        self.perf_metrics.clear()
+        results, failures, duration = self._run(
+            phase, active, lambda s: s.generate(params), self.max_concurrency
+        )
+        self.perf_metrics.update(results)
+        return streams, active, failures, duration
+
+    def _modify(
+        self,
+        fn: ModifyFnType,
+        stream_ids: Sequence[str] | None,
+        timeout: float,
+        poll_interval: float,
+    ) -> tuple[dict[str, ModifyResult], dict[str, BaseException], float]:
+        if not callable(fn):
+            raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
+        streams = self._select(stream_ids)
+        self.modify_results.clear()
+        results, failures, duration = self._run(
+            "modify",
+            streams,
+            lambda s: s.modify_kv(fn, timeout=timeout, poll_interval=poll_interval),
+            self.modify_concurrency,
+        )
+        self.modify_results.update(results)
+        return results, failures, duration
+
+    def _generate_phase(
+        self,
+        phase: str,
+        params: dict[str, Any],
+        fmt: str | None,
+        stream_ids: Sequence[str] | None,
+    ) -> Metrics:
+        streams, active, failures, duration = self._generate(phase, params, stream_ids)
+        metrics = self.get_perf_metrics(duration, None, 80, phase, stream_ids)
+        metrics.add("num_skipped", len(streams) - len(active), RESULTS)
+        metrics.add("num_failed", len(failures), RESULTS)
         return self._finish(phase, metrics, failures, fmt)
 
     def _finish(

@@ -2,7 +2,9 @@
 
 ``CacheKind`` also owns the server-side naming rule: a model's query tensors are stored under
 their own server model name (``kind.server_model_name(model)``), so KV and queries of one model
-never share chunk keys or layouts.
+never share chunk keys or layouts. Its methods behave as upstream ``LMCacheSDKCacheKind``'s.
+:class:`KindMap` is the mapping handed to edit functions: it finds a kind by value, so an edit
+function may index it with LMCache's own enum.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-__all__ = ["CacheKind", "kind_value"]
+__all__ = ["CacheKind", "KindMap", "kind_value"]
 
 #: Appended to a model name to name its query tensors on the server (as upstream LMCache does).
 _QUERY_SUFFIX = "##query"
@@ -34,15 +36,18 @@ class CacheKind(str, enum.Enum):
 
     def server_model_name(self, model_name: str) -> str:
         """The name ``model_name``'s tensors of this kind are stored under on the server: the
-        model name for KV, ``"<model>##query"`` for QUERY (a name that has the suffix keeps it)."""
-        if self is CacheKind.QUERY and not model_name.endswith(_QUERY_SUFFIX):
+        model name for KV, ``"<model>##query"`` for QUERY (as upstream: the suffix is always
+        appended)."""
+        if self is CacheKind.QUERY:
             return model_name + _QUERY_SUFFIX
         return model_name
 
-    @staticmethod
-    def base_model_name(server_model_name: str) -> str:
-        """The model a server model name belongs to: ``"m##query"`` and ``"m"`` -> ``"m"``."""
-        return server_model_name.removesuffix(_QUERY_SUFFIX)
+    def base_model_name(self, model_name: str) -> str:
+        """The inverse of :meth:`server_model_name`: QUERY strips ``"##query"``, KV keeps the
+        name."""
+        if self is CacheKind.QUERY:
+            return model_name.removesuffix(_QUERY_SUFFIX)
+        return model_name
 
 
 def kind_value(key: Any) -> Any:
@@ -52,3 +57,36 @@ def kind_value(key: Any) -> Any:
     through the value, never through enum identity.
     """
     return key.value if isinstance(key, enum.Enum) else key
+
+
+class KindMap(dict):  # type: ignore[type-arg]
+    """``{CacheKind: tensor}`` whose lookups also accept any enum or string of the same value.
+
+    Edit functions written for ``lmcache.sdk`` index with LMCache's own ``LMCacheSDKCacheKind``,
+    whose members neither hash nor compare like kvdrop's; ``m[key]``, ``key in m`` and
+    ``m.get(key)`` resolve such keys through their ``.value``. Iteration yields ``CacheKind`` keys.
+    """
+
+    def _resolve(self, key: Any) -> Any:
+        value = kind_value(key)
+        for own in self:
+            if kind_value(own) == value:
+                return own
+        return _MISSING
+
+    def __missing__(self, key: Any) -> Any:
+        own = self._resolve(key)
+        if own is _MISSING:
+            have = ", ".join(repr(kind_value(k)) for k in self) or "none"
+            raise KeyError(f"no {kind_value(key)!r} tensor (have: {have})")
+        return dict.__getitem__(self, own)
+
+    def __contains__(self, key: object) -> bool:
+        return dict.__contains__(self, key) or self._resolve(key) is not _MISSING
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        """``m[key]`` or ``default``, with the same value-based key resolution."""
+        return self[key] if key in self else default
+
+
+_MISSING = object()

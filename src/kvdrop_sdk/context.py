@@ -7,6 +7,7 @@ to share between threads: each call borrows its own socket.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -15,7 +16,7 @@ import requests
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind
-from kvdrop_sdk.errors import SDKError
+from kvdrop_sdk.errors import CacheKindError, SDKError
 from kvdrop_sdk.hashing import TOKEN_BYTES, encode_tokens
 from kvdrop_sdk.layout import CacheLayout, dtype_name
 from kvdrop_sdk.protocol import RpcClient, RpcError, server_hint
@@ -31,15 +32,21 @@ class Context:
 
     def __init__(
         self,
-        kind: CacheKind | str,
         url: str,
         http_url: str,
         model_name: str,
+        kind: CacheKind | str = CacheKind.KV,
         timeout: float = 60.0,
         *,
         layout: CacheLayout | None = None,
         transport: str = "auto",
     ) -> None:
+        if isinstance(url, enum.Enum):
+            raise SDKError(
+                "Context takes (url, http_url, model_name, kind=CacheKind.KV, timeout=60.0), as "
+                f"upstream's LMCacheSDKContext; got the cache kind {url!r} first (connect(kind, "
+                "url, ...) is the function that takes the kind first)"
+            )
         try:
             self.kind = CacheKind.parse(kind)
         except ValueError as exc:
@@ -67,7 +74,9 @@ class Context:
         self._requested_layout = layout
         self._layout: CacheLayout | None = None
         self._closed = False
+        self._lookups: dict[str, int] = {}  # upstream's lookup sessions: request id -> tokens
         self.server_config = self._http_json("/config")
+        _reject_lmcache_server(self.server_config, self.http_url, self.kind)
         try:
             self.chunk_size = int(self.server_config["chunk_size"])
         except (KeyError, TypeError, ValueError):
@@ -116,6 +125,15 @@ class Context:
         if self._closed:
             raise SDKError("this context is closed; connect() again")
 
+    @staticmethod
+    def _check_request_configs(request_configs: Any) -> None:
+        # Upstream sends these as request metadata that is not part of a chunk's identity; the
+        # kvdrop server has no per-request settings, so they are validated and otherwise unused.
+        if request_configs is not None and not isinstance(request_configs, dict):
+            raise SDKError(
+                f"request_configs must be a dict or None, got {type(request_configs).__name__}"
+            )
+
     @property
     def _lease_s(self) -> float:
         return max(self.timeout, 30.0)
@@ -163,13 +181,20 @@ class Context:
         reply, _ = self._rpc.call("lookup", self._fields(cache_salt), [raw])
         return int(reply["num_tokens"])
 
-    def retrieve(self, tokens: Sequence[int], cache_salt: str = "") -> torch.Tensor | None:
+    def retrieve(
+        self,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+        request_configs: dict[str, object] | None = None,
+    ) -> torch.Tensor | None:
         """The cached tensor of the longest chunk-aligned prefix of ``tokens``, or None on a miss.
 
         Shape ``(2, L, T, width)`` for KV, ``(1, L, T, width)`` for QUERY; one contiguous CPU
-        tensor owned by the caller.
+        tensor owned by the caller. ``request_configs`` (upstream's per-request metadata, not
+        part of the cache key) is accepted and unused.
         """
         self._check_open()
+        self._check_request_configs(request_configs)
         layout = self.layout
         raw = self._encode(tokens)
         whole = len(raw) // (self.chunk_size * TOKEN_BYTES) * self.chunk_size * TOKEN_BYTES
@@ -179,13 +204,20 @@ class Context:
             self._fields(cache_salt), raw[:whole], layout, self.kind, self._lease_s
         )
 
-    def store(self, kv: torch.Tensor, tokens: Sequence[int], cache_salt: str = "") -> bool:
+    def store(
+        self,
+        kv: torch.Tensor,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+        request_configs: dict[str, object] | None = None,
+    ) -> bool:
         """Store the whole chunks of ``kv`` under ``tokens``; False when all were cached already.
 
         ``kv`` is ``(2|1, L, T, width)`` with ``T == len(tokens)``; a tail shorter than a chunk is
-        ignored. The first stored copy of a chunk wins.
+        ignored. The first stored copy of a chunk wins. ``request_configs`` as in ``retrieve``.
         """
         self._check_open()
+        self._check_request_configs(request_configs)
         layout = self.layout
         if not isinstance(kv, torch.Tensor):
             raise SDKError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
@@ -216,6 +248,33 @@ class Context:
             self._fields(cache_salt), kv, raw, layout, self.kind, self._lease_s
         )
         return stored > 0
+
+    @property
+    def mq_timeout(self) -> float:
+        """Seconds a server call may take (upstream's name for ``timeout``)."""
+        return self.timeout
+
+    # -- upstream's lookup sessions (a lookup by request id, read back, then ended) -----------
+    def maybe_submit_lookup_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        cache_salt: str = "",
+        request_configs: dict[str, object] | None = None,
+    ) -> None:
+        """Look up ``token_ids`` under ``request_id`` (no-op when that id has one already); read
+        the result with ``check_lookup_result`` and drop it with ``end_session``."""
+        self._check_request_configs(request_configs)
+        if request_id not in self._lookups:
+            self._lookups[request_id] = self.lookup(token_ids, cache_salt)
+
+    def check_lookup_result(self, request_id: str) -> int | None:
+        """Cached tokens found by ``request_id``'s lookup (0 for an unknown id, as upstream)."""
+        return self._lookups.get(request_id, 0)
+
+    def end_session(self, request_id: str, block_ids: list[int] | None = None) -> None:
+        """Forget ``request_id``'s lookup (``block_ids`` is accepted for upstream parity)."""
+        self._lookups.pop(request_id, None)
 
     def close(self) -> None:
         """Release sockets and the shared-memory mapping (idempotent)."""
@@ -257,11 +316,32 @@ def connect(
 
     ``layout=`` registers the layout first (offline use without an engine); ``transport`` is
     "auto" (shared memory when the server offers it and it can be mapped), "shm" or "socket".
+    An unknown ``kind`` raises ``CacheKindError`` (an ``SDKError`` and, as upstream, a
+    ``ValueError``).
     """
-    ctx = Context(kind, url, http_url, model_name, timeout, layout=layout, transport=transport)
+    try:
+        kind = CacheKind.parse(kind)
+    except ValueError as exc:
+        raise CacheKindError(str(exc)) from None
+    ctx = Context(url, http_url, model_name, kind, timeout, layout=layout, transport=transport)
     try:
         ctx.register_caches()
     except BaseException:
         ctx.close()
         raise
     return ctx
+
+
+def _reject_lmcache_server(config: dict[str, Any], http_url: str, kind: CacheKind) -> None:
+    """Raise a clear ``SDKError`` when ``/config`` is an LMCache server's (``{"mp": {...}}``)."""
+    mp = config.get("mp")
+    if "chunk_size" in config or not isinstance(mp, dict) or "chunk_size" not in mp:
+        return
+    module = "qcache" if kind is CacheKind.QUERY else "kvcache"
+    raise SDKError(
+        f"{http_url} is an LMCache server (its /config has LMCache's 'mp' section), and "
+        "kvdrop_sdk contexts speak only the kvdrop server's protocol. For an LMCache server use "
+        f"`lmcache.sdk.{module}.connect(url, http_url, model_name)` -- kvdrop's batch, request "
+        "streams and policies accept its contexts (see docs/lmcache.md) -- or start "
+        "`kvdrop server` and point kvdrop_sdk at that."
+    )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BatchedStreamError", "RequestStreamError", "SDKError"]
+__all__ = ["BatchedStreamError", "CacheKindError", "RequestStreamError", "SDKError"]
 
 
 class SDKError(RuntimeError):
@@ -15,3 +15,7 @@ class RequestStreamError(SDKError):
 
 class BatchedStreamError(SDKError):
     """One or more streams of a batch failed (the message lists each), or an id is unknown."""
+
+
+class CacheKindError(SDKError, ValueError):
+    """An unknown cache kind (a ``ValueError`` too, as upstream's ``connect`` raises)."""

@@ -12,7 +12,8 @@ Token bookkeeping (the rules everything else relies on):
   tokens: after a prefill with ``max_tokens=1`` the stream holds ``prompt + [g1]``, while the server
   holds only the whole chunks of ``prompt`` (the engine never saw ``g1`` as input).
 * ``modify_kv(fn)`` retrieves the longest cached chunk-aligned prefix of ``tokens`` (``T`` tokens,
-  every context cut to the same ``T``), calls ``fn(tensors, tokens[:T])``, validates the result
+  every context cut to the same ``T``), calls ``fn(tensors, tokens[:T])`` (``tensors`` is a
+  :class:`~kvdrop_sdk.cache_kind.KindMap`: LMCache's own enum indexes it too), validates the result
   ``(kv', kept)`` (``[2, L, T', D]``, same L/D/dtype, ``len(kept) == T'``, ``T'`` a non-zero
   multiple of the chunk size), stores it under ``kept`` and sets ``prefix = kept``,
   ``suffix_tokens = tokens[T:]`` -- the un-cached tail of the prompt plus every token decoded so
@@ -24,11 +25,20 @@ Token bookkeeping (the rules everything else relies on):
   tokens (and every token before it) is not stored for that chunk; a warning is logged when the
   whole edit was already cached. Token-dropping edits change the chain and are stored.
 * ``is_done`` becomes True when the engine reports ``finish_reason == "stop"`` (EOS or a stop
-  token), or, if it reports no reason, when it produced fewer than ``max_tokens`` tokens (the
-  upstream rule). ``"length"`` (budget reached, e.g. a prefill with ``max_tokens=1``) is not done.
-  A done stream refuses to ``generate`` again; the batch skips it on decode.
-* ``output_tokens`` / ``output_text`` collect every generated token over all calls;
-  ``decoded_tokens`` is their count (an ``int``, as upstream).
+  token), or, if it reports no reason, when it produced fewer than ``max_tokens`` tokens
+  (default 1; the upstream rule). ``"length"`` (budget reached, e.g. a prefill with
+  ``max_tokens=1``) is not done. A done stream refuses to ``generate`` again; the batch skips it
+  on decode.
+* ``output_tokens`` is, as upstream, the whole token sequence the cache stands for (the prompt or
+  the kept tokens, then every token generated since; a suffix waiting to be re-sent is not in
+  it). ``generated_tokens`` (kvdrop's) lists only the generated tokens over all calls,
+  ``output_text`` their text and ``decoded_tokens`` their count (an ``int``, as upstream).
+
+Where the signatures meet upstream's (``retrieve(kind, timeout, poll_interval)``,
+``update(kind, kv, tokens)``, ``modify_kv(fn, timeout, poll_interval)``) they take the same
+arguments; kvdrop's additions are keyword-only. Contexts may be kvdrop's or ``lmcache.sdk``'s
+(anything with ``kind``, ``chunk_size``, ``retrieve`` and ``store``; ``lookup`` is used when
+present, else the cache is polled by retrieving, as upstream does).
 """
 
 from __future__ import annotations
@@ -44,8 +54,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvdrop_sdk.cache_kind import CacheKind
-from kvdrop_sdk.errors import RequestStreamError, SDKError
+from kvdrop_sdk.cache_kind import CacheKind, KindMap
+from kvdrop_sdk.errors import RequestStreamError
 from kvdrop_sdk.events import PostCompletion, TokenEvent
 from kvdrop_sdk.types import ModifyFnType
 from kvdrop_sdk.validate import is_int, token_ids
@@ -72,7 +82,8 @@ class StreamPerfMetrics:
     """Timing of one ``generate()`` call (seconds; throughputs in tokens per second).
 
     ``ttft`` is the time from sending the prompt to the first token; ``tpot`` lists the gaps
-    between consecutive tokens. ``input_tput`` is ``input_tokens / duration``.
+    between consecutive tokens. ``input_tput`` is ``input_tokens / duration``. Fields are in
+    upstream's order (``tpot`` before ``ttft``), so positional construction means the same.
     """
 
     duration: float = 0.0
@@ -80,8 +91,8 @@ class StreamPerfMetrics:
     output_tokens: int = 0
     input_tput: float = 0.0
     output_tput: float = 0.0
-    ttft: float = 0.0
     tpot: list[float] = field(default_factory=list)
+    ttft: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -187,7 +198,14 @@ class RequestStream:
 
     @property
     def output_tokens(self) -> list[int]:
-        """Every generated token id, in order, over all ``generate`` calls."""
+        """The whole token sequence, as upstream: prompt (or kept tokens) plus every token
+        generated since, without a suffix still waiting to be re-sent. A copy."""
+        with self._state:
+            return list(self._prefix)
+
+    @property
+    def generated_tokens(self) -> list[int]:
+        """Every generated token id, in order, over all ``generate`` calls (kvdrop's)."""
         with self._state:
             return list(self._output_tokens)
 
@@ -297,8 +315,8 @@ class RequestStream:
             self._finish_reason = reason
             if reason is not None:
                 self._done = reason == "stop"
-            else:
-                self._done = max_tokens is None or len(generated) < max_tokens
+            else:  # upstream's rule: fewer tokens than asked for (default 1) means EOS
+                self._done = len(generated) < (1 if max_tokens is None else max_tokens)
 
         gaps = [b - a for a, b in itertools.pairwise(times)]
         return StreamPerfMetrics(
@@ -312,29 +330,54 @@ class RequestStream:
         )
 
     # ----------------------------------------------------------------- retrieve / update
-    def retrieve(self) -> dict[CacheKind, torch.Tensor] | None:
-        """Every context's tensor for the longest cached chunk-aligned prefix of ``tokens``.
+    def retrieve(
+        self, kind: Any, timeout: float = 30.0, poll_interval: float = 0.2
+    ) -> torch.Tensor:
+        """The cached ``kind`` tensor of the longest chunk-aligned prefix of ``tokens``, polling
+        every ``poll_interval`` seconds for up to ``timeout`` until one is cached (as upstream).
 
-        All kinds are cut to the same (shortest) length; None if any kind has nothing cached.
+        ``kind`` is a ``CacheKind``, any enum of the same value (LMCache's) or "kv"/"query".
+        Raises ``RequestStreamError`` when nothing is cached by then.
         """
+        kind = self._parse_kind(kind)
+        ctx = self._context(kind)
+        deadline = time.monotonic() + max(float(timeout), 0.0)
+        while True:
+            tokens = self.tokens
+            tensor = ctx.retrieve(tokens, self.cache_salt)
+            if tensor is not None and tensor.shape[2] > 0:
+                return tensor
+            if time.monotonic() >= deadline:
+                raise RequestStreamError(
+                    f"stream {self._request_stream_id}: no cached {kind.value} for its "
+                    f"{len(tokens)} tokens after {timeout:g}s"
+                )
+            time.sleep(poll_interval)
+
+    def retrieve_all(self) -> KindMap | None:
+        """Every context's tensor for the longest cached chunk-aligned prefix of ``tokens``, all
+        cut to the same (shortest) length; None if any kind has nothing cached (kvdrop's)."""
         with self._op_lock:
             got = self._retrieve_all(self.tokens)
-        return None if got is None else got[0]
+        return None if got is None else KindMap(got[0])
 
     def update(
         self,
-        tensors_or_kv: torch.Tensor | Mapping[Any, torch.Tensor],
+        kind: Any,
+        kv: torch.Tensor,
         tokens: Sequence[int],
         *,
         replaces: int | None = None,
     ) -> bool:
-        """Store edited tensors under ``tokens`` and make ``tokens`` the stream's prefix.
+        """Store an edited ``kind`` tensor under ``tokens`` and make ``tokens`` the stream's
+        prefix (upstream's signature; afterwards the stream is not done).
 
-        ``tensors_or_kv`` is a KV tensor or a mapping kind -> tensor. The edit replaces the first
-        ``replaces`` tokens of ``tokens`` (default: the currently cached chunk-aligned prefix,
-        as ``retrieve`` returned it); the rest become ``suffix_tokens``. Returns the KV store's
-        result (False: the server already held every chunk).
+        The edit replaces the first ``replaces`` tokens of the stream's ``tokens`` (default: the
+        currently cached chunk-aligned prefix, as ``retrieve`` returned it); the rest become
+        ``suffix_tokens`` (upstream drops them). Returns the store's result (False: the server
+        already held every chunk).
         """
+        kind = self._parse_kind(kind)
         with self._op_lock:
             current = self.tokens
             if replaces is None:
@@ -343,29 +386,22 @@ class RequestStream:
                 raise RequestStreamError(
                     f"replaces={replaces} is outside the stream's {len(current)} tokens"
                 )
-            if isinstance(tensors_or_kv, torch.Tensor):
-                tensors = {CacheKind.KV: tensors_or_kv}
-            elif isinstance(tensors_or_kv, Mapping):
-                tensors = {CacheKind.parse(k): v for k, v in tensors_or_kv.items()}
-            else:
-                raise TypeError(
-                    "update() takes a KV tensor or a mapping kind -> tensor, got "
-                    f"{type(tensors_or_kv).__name__}"
-                )
             new_tokens = self._check_tokens(tokens, "tokens")
-            for kind, tensor in tensors.items():
-                ctx = self._context(kind)
-                self._check_tensor(kind, tensor, new_tokens, self._layout_reference(ctx, kind))
-            return self._store_and_commit(tensors, new_tokens, current[replaces:])
+            ctx = self._context(kind)
+            self._check_tensor(kind, kv, new_tokens, self._layout_reference(ctx, kind))
+            stored = self._store_and_commit({kind: kv}, new_tokens, current[replaces:], 30.0)
+            self._done = False
+            return stored
 
     # ----------------------------------------------------------------- modify
     def modify_kv(
-        self, fn: ModifyFnType, *, timeout: float = 5.0, poll_interval: float = 0.05
+        self, fn: ModifyFnType, timeout: float = 30.0, poll_interval: float = 0.2
     ) -> ModifyResult:
         """Edit the cached chunk-aligned prefix with ``fn`` and store the result back.
 
-        Waits up to ``timeout`` seconds for the last prompt's whole chunks to appear (engines may
-        store asynchronously), then edits whatever is cached. A stream whose tokens or last
+        Waits up to ``timeout`` seconds (polling every ``poll_interval``) for the last prompt's
+        whole chunks to appear (engines may store asynchronously; a synchronous engine's are
+        there at once), then edits whatever is cached. A stream whose tokens or last
         prompt had no whole chunk is left as it is (``skipped``). Raises ``RequestStreamError``
         when nothing is cached (e.g. before any generate), ``fn`` fails, or its output is
         invalid; the stream and the server are then unchanged.
@@ -379,8 +415,7 @@ class RequestStream:
             chunk = self._chunk_size()
             if len(current) < chunk:
                 return ModifyResult(0, 0, len(self._suffix), False, 0.0, skipped=True)
-            self._wait_for_cache(current, timeout, poll_interval)
-            got = self._retrieve_all(current)
+            got = self._retrieve_when_cached(current, timeout, poll_interval)
             if got is None and self._expected_cached == 0:
                 # The last prompt had no whole chunk: there was never anything to edit.
                 return ModifyResult(0, 0, len(self._suffix), False, 0.0, skipped=True)
@@ -393,7 +428,7 @@ class RequestStream:
                 )
             tensors, cached = got
             try:
-                result = fn(dict(tensors), list(current[:cached]))
+                result = fn(KindMap(tensors), list(current[:cached]))
             except Exception as exc:
                 raise RequestStreamError(
                     f"stream {self._request_stream_id}: edit function failed: "
@@ -410,7 +445,9 @@ class RequestStream:
             except (TypeError, ValueError) as exc:
                 raise RequestStreamError(f"stream {self._request_stream_id}: {exc}") from None
             self._check_tensor(CacheKind.KV, new_kv, new_tokens, tensors[CacheKind.KV])
-            stored = self._store_and_commit({CacheKind.KV: new_kv}, new_tokens, current[cached:])
+            stored = self._store_and_commit(
+                {CacheKind.KV: new_kv}, new_tokens, current[cached:], timeout
+            )
             return ModifyResult(
                 total_tokens=cached,
                 kept_tokens=len(new_tokens),
@@ -434,20 +471,49 @@ class RequestStream:
         ctx = self._contexts.get(CacheKind.KV) or next(iter(self._contexts.values()), None)
         return int(ctx.chunk_size) if ctx is not None else 0
 
+    def _parse_kind(self, kind: Any) -> CacheKind:
+        try:
+            return CacheKind.parse(kind)
+        except ValueError as exc:
+            raise RequestStreamError(f"stream {self._request_stream_id}: {exc}") from None
+
+    def _lookup(self, ctx: Any, tokens: list[int]) -> int:
+        """Cached chunk-aligned tokens of ``tokens`` in ``ctx``: its ``lookup`` when it has one
+        (kvdrop's), else the length ``retrieve`` returns (``lmcache.sdk``'s contexts)."""
+        lookup = getattr(ctx, "lookup", None)
+        if callable(lookup):
+            return int(lookup(tokens, self.cache_salt))
+        tensor = ctx.retrieve(tokens, self.cache_salt)
+        return 0 if tensor is None else int(tensor.shape[2])
+
     def _cached_len(self, tokens: list[int]) -> int:
         """Chunk-aligned cached length common to every context (0 without contexts)."""
         if not self._contexts:
             return 0
-        return min(ctx.lookup(tokens, self.cache_salt) for ctx in self._contexts.values())
+        return min(self._lookup(ctx, tokens) for ctx in self._contexts.values())
 
-    def _wait_for_cache(self, tokens: list[int], timeout: float, poll_interval: float) -> None:
+    def _retrieve_when_cached(
+        self, tokens: list[int], timeout: float, poll_interval: float
+    ) -> tuple[dict[CacheKind, torch.Tensor], int] | None:
+        """``_retrieve_all(tokens)`` once the last prompt's whole chunks are cached, or whatever
+        is cached when ``timeout`` runs out."""
         chunk = self._chunk_size()
         expected = min(self._expected_cached or 0, (len(tokens) // chunk) * chunk)
-        if expected <= 0:
-            return
-        kv_ctx = self._contexts[CacheKind.KV]
         deadline = time.monotonic() + max(timeout, 0.0)
-        while kv_ctx.lookup(tokens, self.cache_salt) < expected and time.monotonic() < deadline:
+        kv_ctx = self._contexts[CacheKind.KV]
+        if callable(getattr(kv_ctx, "lookup", None)):
+            while (
+                expected > 0
+                and kv_ctx.lookup(tokens, self.cache_salt) < expected
+                and time.monotonic() < deadline
+            ):
+                time.sleep(poll_interval)
+            return self._retrieve_all(tokens)
+        while True:  # no cheap lookup (lmcache.sdk's contexts): poll by retrieving, as upstream
+            got = self._retrieve_all(tokens)
+            have = 0 if got is None else got[1]
+            if expected <= 0 or have >= expected or time.monotonic() >= deadline:
+                return got
             time.sleep(poll_interval)
 
     def _retrieve_all(self, tokens: list[int]) -> tuple[dict[CacheKind, torch.Tensor], int] | None:
@@ -466,6 +532,26 @@ class RequestStream:
             if tensor.shape[2] != common:
                 got[kind] = tensor[:, :, :common].contiguous()
         return got, common
+
+    def _await_visible(self, ctx: Any, tokens: list[int], timeout: float) -> None:
+        """Poll until ``ctx`` serves the whole chunks just stored under ``tokens``.
+
+        An LMCache server acknowledges a store before it commits it; without this wait the next
+        request (the decode after a modify) could miss the edit and recompute the kept tokens.
+        kvdrop's server commits before it answers (its contexts have ``lookup``; no wait).
+        """
+        whole = len(tokens) // self._chunk_size() * self._chunk_size()
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while self._lookup(ctx, tokens) < whole:
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "stream %s: the server does not serve the %d stored tokens after %gs",
+                    self._request_stream_id,
+                    whole,
+                    timeout,
+                )
+                return
+            time.sleep(0.005)
 
     def _check_tokens(self, tokens: Any, what: str) -> list[int]:
         out = token_ids(tokens, what)
@@ -526,15 +612,20 @@ class RequestStream:
             )
 
     def _store_and_commit(
-        self, tensors: dict[CacheKind, torch.Tensor], tokens: list[int], suffix: list[int]
+        self,
+        tensors: dict[CacheKind, torch.Tensor],
+        tokens: list[int],
+        suffix: list[int],
+        timeout: float = 30.0,
     ) -> bool:
         results: dict[CacheKind, bool] = {}
         for kind in sorted(tensors, key=lambda k: k is CacheKind.KV):  # KV last
+            ctx = self._contexts[kind]
             try:
-                results[kind] = bool(
-                    self._contexts[kind].store(tensors[kind], tokens, self.cache_salt)
-                )
-            except SDKError as exc:
+                results[kind] = bool(ctx.store(tensors[kind], tokens, self.cache_salt))
+                if results[kind] and not callable(getattr(ctx, "lookup", None)):
+                    self._await_visible(ctx, tokens, timeout)
+            except Exception as exc:  # kvdrop's SDKError or lmcache.sdk's LMCacheSDKError
                 raise RequestStreamError(
                     f"stream {self._request_stream_id}: storing the edited {kind.value} "
                     f"failed: {exc}"

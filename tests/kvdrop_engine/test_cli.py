@@ -224,8 +224,10 @@ def test_engine_with_kvdrop_server_through_the_sdk(tmp_path: Path) -> None:
             assert metrics["metrics"]["kept_fraction"] == pytest.approx(512 / 768)
             batch.decode({"temperature": 0, "max_tokens": 8, "ignore_eos": True})
             for stream, p in zip(batch, prompts, strict=True):
-                assert len(stream.output_tokens) == 9  # 1 from prefill + 8 decoded
+                assert len(stream.generated_tokens) == 9  # 1 from prefill + 8 decoded
                 kept = p[:256] + p[512:768]
+                # As upstream: the whole sequence, kept tokens, the re-sent tail, generated.
+                assert stream.output_tokens == kept + p[768:] + stream.generated_tokens
                 assert kv_ctx.lookup(kept) == 512
             # Decode loaded the 512 kept tokens and computed only the 33-token suffix
             # (32-token prompt tail + the prefill's token); prefill had computed everything.

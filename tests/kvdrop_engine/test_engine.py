@@ -244,3 +244,24 @@ def test_plan_step_puts_decodes_first_and_caps_prefill_tokens() -> None:
     assert plan.stepped == [(b, 1), (a, 10), (c, 2)]  # c gets what is left of the budget
     assert plan.sampled == [b, a]  # a's prompt ends in this step, c's does not
     assert plan.sample_rows == [0, 10]
+
+
+def test_stats_count_decode_only_steps_and_the_tokens_they_read(model: Transformer) -> None:
+    with Engine(model, kv_budget_tokens=256, block_size=16) as engine:
+        engine.reset_stats()
+        out = engine.generate(list(range(3, 13)), {**GREEDY, "max_tokens": 5})
+        st = engine.stats()
+    assert len(out) == 5
+    # One prefill step (10 prompt tokens, first token), then 4 decode-only steps reading the
+    # 11th, 12th, 13th and 14th token's cache.
+    assert st.steps == 5 and st.decode_only_steps == 4
+    assert st.decode_kv_tokens == 11 + 12 + 13 + 14
+    assert st.decode_step_seconds > 0 and st.graph_capture_seconds == 0  # no CUDA graphs on CPU
+    assert engine.graphs is None
+
+
+def test_gpu_options_need_a_gpu(model: Transformer) -> None:
+    with pytest.raises(InvalidRequestError, match="cuda_graphs=True"):
+        Engine(model, cuda_graphs=True)
+    with pytest.raises(InvalidRequestError, match="fused_ops=True"):
+        Engine(model, fused_ops=True)

@@ -261,3 +261,36 @@ def test_smollm2_greedy_pass_key_retrieval(smollm2: Transformer) -> None:
     out = generate(smollm2, ids, 12, eos_ids=tok.eos_token_ids)
     answer = tok.decode(out, skip_special_tokens=True)
     assert str(key) in answer, answer
+
+
+class _PlainOps:
+    """Fused-op stand-ins that compute what the plain modules do (and count their calls)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        self.calls += 1
+        xf = x.to(torch.float32)
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.nn.functional.silu(gate) * up
+
+
+def test_use_ops_routes_norms_and_mlp_through_the_ops() -> None:
+    cfg = preset_config("tiny")
+    model = Transformer.random(cfg, seed=3)
+    ids, pos = torch.tensor([5, 9, 2]), torch.arange(3)
+    want = model(ids, pos, DenseAttention(cfg))
+    ops = _PlainOps()
+    model.use_ops(ops)
+    got = model(ids, pos, DenseAttention(cfg))
+    # Per layer: two block norms + q/k norms (Qwen3-style tiny preset or not) and one MLP.
+    assert ops.calls >= cfg.num_layers * 3 + 1
+    assert torch.equal(got, want)
+    model.use_ops(None)
+    calls = ops.calls
+    model(ids, pos, DenseAttention(cfg))
+    assert ops.calls == calls

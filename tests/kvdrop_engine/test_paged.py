@@ -14,6 +14,8 @@ from kvdrop_engine.paged import (
     PagedKVCache,
     SeqStep,
     blocks_needed,
+    to_device,
+    to_host,
 )
 
 
@@ -191,3 +193,52 @@ def test_cache_keeps_model_dtype(model: Transformer, dtype: torch.dtype) -> None
         ref = m(toks, torch.arange(6), DenseAttention(cfg))
     assert cache.k.dtype == dtype
     torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_scratch_block_is_stored_but_never_allocated() -> None:
+    cfg = preset_config("tiny")
+    cache = make_cache(cfg, num_blocks=4)
+    assert cache.k.shape[1] == 5 and cache.scratch_block == 4
+    assert sorted(cache.allocator.allocate(4)) == [0, 1, 2, 3]
+    assert cache.capacity_tokens == 16
+    assert cache.bytes_per_token == 2 * cfg.num_layers * cfg.kv_dim * 4
+
+
+def test_read_cpu_and_host_transfers_keep_values() -> None:
+    cfg = preset_config("tiny")
+    cache = make_cache(cfg, num_blocks=8)
+    kv = torch.randn(2, cfg.num_layers, 10, cfg.kv_dim)
+    table = [5, 1, 7]
+    cache.load(table, kv)
+    assert torch.equal(cache.read_cpu(table, 10), kv)
+    assert to_device(kv, "cpu") is kv and to_host(kv) is kv
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_staged_transfers_match_plain_copies_on_gpu() -> None:  # pragma: no cover - GPU only
+    import threading
+
+    from kvdrop_engine import paged
+
+    base = torch.randn(2, 6, 3000, 512).to(torch.bfloat16)
+    sources = [base[:, :, :2999], base[:, :, 7:2100], base.clone()]  # sliced, sliced, contiguous
+    results: list[bool] = []
+
+    def check(t: torch.Tensor) -> None:
+        for _ in range(3):
+            got = to_device(t, "cuda")
+            results.append(torch.equal(got.cpu(), t) and got.shape == t.shape)
+
+    old = paged.STAGING_BYTES
+    paged.STAGING_BYTES = 4 << 20  # several pieces per tensor, both staging buffers in turn
+    try:
+        threads = [threading.Thread(target=check, args=(s,)) for s in sources]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        paged.STAGING_BYTES = old
+    assert results == [True] * 9
+    dev = base.cuda()
+    assert torch.equal(to_host(dev), base) and to_host(dev).is_pinned()

@@ -111,7 +111,7 @@ def test_prefill_modify_decode_batch(engine_and_ctx: tuple[ToyEngine, Context]) 
     assert set(batch.perf_metrics) == set(batch.request_streams)
     assert all(m.output_tokens == 1 for m in batch.perf_metrics.values())
     assert all(c.sampling_params["max_tokens"] == 1 for c in engine.calls)  # forced to 1
-    g1 = {s.request_stream_id: s.output_tokens[0] for s in streams}
+    g1 = {s.request_stream_id: s.generated_tokens[0] for s in streams}
 
     mod = batch.modify(drop_every_other_middle_chunk)
     aligned = [(n // CHUNK) * CHUNK for n in lengths]
@@ -129,7 +129,7 @@ def test_prefill_modify_decode_batch(engine_and_ctx: tuple[ToyEngine, Context]) 
         rows = keep_rows(a // CHUNK)
         assert s.suffix_tokens == [*p[a:], g1[sid]]
         assert s.tokens == [p[i] for i in rows] + p[a:] + [g1[sid]]
-        got = s.retrieve()
+        got = s.retrieve_all()
         assert got is not None and positions_of(got[CacheKind.KV]) == rows
 
     decode_before = len(engine.calls)
@@ -147,7 +147,7 @@ def test_prefill_modify_decode_batch(engine_and_ctx: tuple[ToyEngine, Context]) 
         sent = [p[i] for i in rows] + p[a:] + [g1[sid]]
         (call,) = [c for c in decode_calls if c.prompt == sent]  # exactly what was re-sent
         assert call.reused_positions == rows  # the edited KV, found under the kept tokens
-        assert s.output_tokens == [g1[sid], *call.generated] and len(call.generated) == 4
+        assert s.generated_tokens == [g1[sid], *call.generated] and len(call.generated) == 4
         assert s.suffix_tokens == [] and s.tokens == sent + call.generated
         assert batch.get_request_stream(sid) is s
 
@@ -159,7 +159,7 @@ def test_prefill_modify_decode_batch(engine_and_ctx: tuple[ToyEngine, Context]) 
         d = m.to_dict()
         assert set(d) == {"title", "metrics"} and d["title"] == m.title
         assert set(d["metrics"]) == {"config", "results"}
-        assert d["metrics"]["config"] == {"num_streams": 8}
+        assert d["metrics"]["config"] == {"num_request_streams": 8}
         assert m.format().splitlines()[:2] == [m.title, "[config]"]
     assert dec.to_dict()["metrics"]["results"]["output_tput"] == dec["output_tput"]
     assert pre.to_dict()["metrics"]["results"]["input_tokens"] == sum(lengths)
@@ -194,7 +194,7 @@ def test_failing_stream_does_not_lose_the_others(
     assert err.metrics["num_requests"] == 5 and err.metrics["num_failed"] == 1
     assert set(batch.perf_metrics) == {s.request_stream_id for s in streams} - {bad_id}
     for s in streams:
-        assert len(s.output_tokens) == (0 if s.request_stream_id == bad_id else 1)
+        assert len(s.generated_tokens) == (0 if s.request_stream_id == bad_id else 1)
 
     # An edit that fails for one stream: the others are edited, the failure is listed.
     def picky(tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]) -> tuple:
@@ -259,7 +259,7 @@ def test_decode_skips_streams_that_stopped(engine_and_ctx: tuple[ToyEngine, Cont
     dec = batch.decode({"max_tokens": 2})
     assert dec["num_requests"] == 2 and dec["num_skipped"] == 1 and dec["output_tokens"] == 4
     assert streams[1].request_stream_id not in batch.perf_metrics
-    assert len(streams[1].output_tokens) == 1
+    assert len(streams[1].generated_tokens) == 1
 
 
 def test_membership_and_arguments(engine_and_ctx: tuple[ToyEngine, Context]) -> None:
@@ -288,7 +288,7 @@ def test_membership_and_arguments(engine_and_ctx: tuple[ToyEngine, Context]) -> 
     # A subset runs only the chosen streams; perf_metrics holds only the latest phase.
     batch.prefill({}, stream_ids=[t.request_stream_id])
     assert list(batch.perf_metrics) == [t.request_stream_id]
-    assert s.output_tokens == [] and len(t.output_tokens) == 1
+    assert s.generated_tokens == [] and len(t.generated_tokens) == 1
     batch.decode({"max_tokens": 2})
     assert set(batch.perf_metrics) == {s.request_stream_id, t.request_stream_id}
     assert isinstance(batch.get_request_stream(s.request_stream_id), RequestStream)
@@ -321,3 +321,38 @@ def test_docs_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert '"title": "Batched Stream Metrics (decode)"' in out
     assert out.count("decoded 17:") == 4  # 1 token of prefill + 16 of decode, per stream
     assert "decode [" in err  # the progress bar writes to stderr
+
+
+def test_upstream_building_blocks(engine_and_ctx: tuple[ToyEngine, Context]) -> None:
+    """run_request_streams / modify_request_streams / get_perf_metrics, as upstream calls them."""
+    engine, ctx = engine_and_ctx
+    batch = BatchedStream()
+    streams = [create_request([ctx], engine, prompt(3 * CHUNK + 3, seed=900 + i)) for i in range(3)]
+    for s in streams:
+        batch.add(s)
+    duration = batch.run_request_streams({"max_tokens": 1})
+    assert isinstance(duration, float) and duration > 0 and len(batch.perf_metrics) == 3
+    report = batch.get_perf_metrics(duration, "json", 80, "prefill")
+    assert report["num_request_streams"] == 3 and report["num_requests"] == 3
+    assert report["input_tokens"] == 3 * (3 * CHUNK + 3) and "ttft_p50" in report
+    first = streams[0].request_stream_id
+    only = batch.get_perf_metrics(duration, None, 80, "decode", [first])
+    assert only["num_requests"] == 1 and only["output_tokens"] == 1
+    with pytest.raises(BatchedStreamError, match="mode must be 'prefill' or 'decode'"):
+        batch.get_perf_metrics(duration, None, 80, "modify")
+    # Positional as upstream: (fn, stream_ids, timeout, poll_interval).
+    took = batch.modify_request_streams(drop_every_other_middle_chunk, [first], 1.0, 0.01)
+    assert took > 0 and list(batch.modify_results) == [first]
+    assert batch.modify_results[first].kept_tokens == 2 * CHUNK  # chunk 1 of 3 dropped
+
+    def broken(tensors: Any, tokens: Any) -> Any:
+        raise ValueError("nope")
+
+    with pytest.raises(BatchedStreamFailures, match="ValueError: nope") as err:
+        batch.modify_request_streams(broken, [streams[1].request_stream_id])
+    assert err.value.phase == "modify"
+    # upstream's modify positional order: fn, fmt, width, timeout, poll_interval, stream_ids
+    m = batch.modify(
+        drop_every_other_middle_chunk, None, 80, 1.0, 0.01, [streams[2].request_stream_id]
+    )
+    assert m["num_requests"] == 1 and m["num_request_streams"] == 3

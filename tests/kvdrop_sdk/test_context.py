@@ -212,7 +212,9 @@ def test_non_contiguous_input_is_stored_correctly(kv_ctx: sdk.Context) -> None:
 def test_unregistered_model_says_how_to_register(kv_server: ServerHandle, model_name: str) -> None:
     with pytest.raises(SDKError, match=r"no layout registered.*layout=CacheLayout"):
         sdk.kvcache.connect(kv_server.url, kv_server.http_url, model_name, 30)
-    ctx = sdk.Context(CacheKind.KV, kv_server.url, kv_server.http_url, model_name, 30)
+    with pytest.raises(SDKError, match=r"Context takes \(url, http_url, model_name, kind="):
+        sdk.Context(CacheKind.KV, kv_server.url, kv_server.http_url, model_name, 30)  # type: ignore[arg-type]
+    ctx = sdk.Context(kv_server.url, kv_server.http_url, model_name, CacheKind.KV, 30)
     with ctx:
         with pytest.raises(SDKError, match="register_caches"):
             ctx.retrieve(tokens_for(256))
@@ -234,6 +236,8 @@ def test_layout_registered_once_then_read_by_other_contexts(
 
 def test_unknown_kind_and_bad_arguments(kv_server: ServerHandle) -> None:
     with pytest.raises(SDKError, match="unknown cache kind 'value'"):
+        sdk.connect("value", kv_server.url, kv_server.http_url, "m", 30)
+    with pytest.raises(ValueError, match="unknown cache kind 'value'"):  # as upstream's connect
         sdk.connect("value", kv_server.url, kv_server.http_url, "m", 30)
     with pytest.raises(SDKError, match="tcp://HOST:PORT"):
         sdk.connect("kv", "localhost:6555", kv_server.http_url, "m", 30)

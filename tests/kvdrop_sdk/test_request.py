@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from kvdrop_sdk.adapters.toy import ToyEngine, encode_rows, positions_of
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context, connect
-from kvdrop_sdk.errors import RequestStreamError
+from kvdrop_sdk.errors import RequestStreamError, SDKError
 from kvdrop_sdk.events import PostCompletion, TokenEvent
 from kvdrop_sdk.layout import CacheLayout
 from kvdrop_sdk.request import (
@@ -118,11 +118,11 @@ def test_prefill_modify_decode_token_bookkeeping(setup: Setup) -> None:
     assert call.prompt == p and call.reused_positions == [] and call.stored_tokens == 64
     assert call.sampling_params == {"max_tokens": 1, "temperature": 0.0}
     g1 = call.generated[0]
-    assert s.output_tokens == [g1] and s.decoded_tokens == 1 and s.output_text == f" t{g1}"
+    assert s.generated_tokens == [g1] and s.decoded_tokens == 1 and s.output_text == f" t{g1}"
     assert s.tokens == [*p, g1] and not s.is_done and s.finish_reason == "length"
 
     # The cache holds the prompt's whole chunks only, computed at positions 0..63.
-    got = s.retrieve()
+    got = s.retrieve_all()
     assert got is not None and list(got) == [CacheKind.KV]
     assert torch.equal(got[CacheKind.KV], encode_rows(CacheKind.KV, p[:64], range(64), KV_LAYOUT))
 
@@ -138,7 +138,7 @@ def test_prefill_modify_decode_token_bookkeeping(setup: Setup) -> None:
     assert (result.total_tokens, result.kept_tokens, result.stored) == (64, 48, True)
     assert s.suffix_tokens == [*p[64:], g1] and result.suffix_tokens == 7
     assert s.tokens == kept + p[64:] + [g1]
-    edited = s.retrieve()
+    edited = s.retrieve_all()
     assert edited is not None
     assert positions_of(edited[CacheKind.KV]) == [*range(16), *range(32, 64)]
 
@@ -153,7 +153,7 @@ def test_prefill_modify_decode_token_bookkeeping(setup: Setup) -> None:
         prev = setup.engine.next_token(prev, pos)
         expected.append(prev)
     assert call.generated == expected
-    assert s.output_tokens == [g1, *expected] and s.decoded_tokens == 6
+    assert s.generated_tokens == [g1, *expected] and s.decoded_tokens == 6
     assert s.suffix_tokens == [] and s.tokens == sent + expected
     assert (m.input_tokens, m.output_tokens, len(m.tpot)) == (len(sent), 5, 4)
     assert s.output_text == "".join(f" t{t}" for t in [g1, *expected])
@@ -172,7 +172,7 @@ def test_prompt_of_whole_chunks_keeps_only_the_generated_token_as_suffix(setup: 
     p = prompt(3 * CHUNK, seed=2)
     s = create_request([setup.kv_ctx], setup.engine, p)
     s.generate({"max_tokens": 1})
-    g1 = s.output_tokens[0]
+    g1 = s.generated_tokens[0]
     s.modify_kv(drop_chunk(1))
     assert s.suffix_tokens == [g1]
     assert s.tokens == p[:16] + p[32:] + [g1]
@@ -200,7 +200,7 @@ def test_invalid_edit_raises_and_loses_nothing(setup: Setup, case: str, message:
     s = create_request([setup.kv_ctx], setup.engine, p)
     s.generate({"max_tokens": 1})
     before_tokens, before_suffix = s.tokens, s.suffix_tokens
-    before = s.retrieve()
+    before = s.retrieve_all()
     assert before is not None
 
     def bad(tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]) -> Any:
@@ -235,7 +235,7 @@ def test_invalid_edit_raises_and_loses_nothing(setup: Setup, case: str, message:
     assert s.request_stream_id in str(info.value)
     # Nothing changed: same tokens, same suffix, the cache still has the original prefix.
     assert s.tokens == before_tokens and s.suffix_tokens == before_suffix
-    after = s.retrieve()
+    after = s.retrieve_all()
     assert after is not None and torch.equal(after[CacheKind.KV], before[CacheKind.KV])
     # ... and a valid edit still works afterwards.
     assert s.modify_kv(drop_chunk(2)).kept_tokens == 48
@@ -260,7 +260,7 @@ def test_query_context_is_retrieved_with_kv(qsetup: Setup) -> None:
     # The decode prompt (32 kept + 16 new) has a new whole chunk: the engine stores KV and
     # queries for the kept chain, the new rows at the positions it gave them (32..47 again).
     s.generate({"max_tokens": 2})
-    again = s.retrieve()
+    again = s.retrieve_all()
     assert again is not None
     assert again[CacheKind.QUERY].shape == (1, 2, 48, 16)
     assert positions_of(again[CacheKind.QUERY]) == [*range(16), *range(32, 48), *range(32, 48)]
@@ -274,29 +274,31 @@ def test_retrieve_cuts_every_kind_to_the_common_length(qsetup: Setup) -> None:
     assert qsetup.q_ctx is not None
     qsetup.q_ctx.store(encode_rows(CacheKind.QUERY, p[:32], range(32), Q_LAYOUT), p[:32])
     s = create_request(qsetup.contexts, qsetup.engine, p)
-    got = s.retrieve()
+    got = s.retrieve_all()
     assert got is not None
     assert got[CacheKind.KV].shape[2] == got[CacheKind.QUERY].shape[2] == 32
     assert torch.equal(got[CacheKind.KV], encode_rows(CacheKind.KV, p[:32], range(32), KV_LAYOUT))
     # A stream whose queries are missing entirely retrieves nothing.
     other = prompt(2 * CHUNK, seed=6)
     qsetup.kv_ctx.store(encode_rows(CacheKind.KV, other, range(32), KV_LAYOUT), other)
-    assert create_request(qsetup.contexts, qsetup.engine, other).retrieve() is None
+    assert create_request(qsetup.contexts, qsetup.engine, other).retrieve_all() is None
 
 
 def test_update_stores_under_new_tokens_and_keeps_tail(setup: Setup) -> None:
     p = prompt(4 * CHUNK + 2, seed=7)
     s = create_request([setup.kv_ctx], setup.engine, p)
     s.generate({"max_tokens": 1})
-    g1 = s.output_tokens[0]
-    got = s.retrieve()
+    g1 = s.generated_tokens[0]
+    got = s.retrieve_all()
     assert got is not None
     kv = got[CacheKind.KV]
     with pytest.raises(RequestStreamError, match="31 tokens for a kv tensor of T=32"):
-        s.update(kv[:, :, 32:], p[32:63])
-    with pytest.raises(TypeError, match="KV tensor or a mapping"):
-        s.update([1, 2], p[:16])  # type: ignore[arg-type]
-    assert s.update({"kv": kv[:, :, 16:]}, p[16:64]) is True  # drop the first chunk
+        s.update(CacheKind.KV, kv[:, :, 32:], p[32:63])
+    with pytest.raises(RequestStreamError, match=r"kv must be a torch\.Tensor, got list"):
+        s.update(CacheKind.KV, [1, 2], p[:16])  # type: ignore[arg-type]
+    with pytest.raises(RequestStreamError, match="unknown cache kind 'v'"):
+        s.update("v", kv, p[:64])
+    assert s.update("kv", kv[:, :, 16:], p[16:64]) is True  # drop the first chunk
     assert s.tokens == p[16:64] + p[64:] + [g1] and s.suffix_tokens == [*p[64:], g1]
     s.generate({"max_tokens": 1})
     assert setup.engine.calls[-1].reused_positions == list(range(16, 64))
@@ -315,7 +317,7 @@ def test_edit_that_keeps_every_token_is_not_stored(
     with caplog.at_level(logging.WARNING, logger="kvdrop_sdk.request"):
         result = s.modify_kv(zero_values)
     assert result.stored is False and "first copy wins" in caplog.text
-    got = s.retrieve()  # the first copy is still there, unchanged
+    got = s.retrieve_all()  # the first copy is still there, unchanged
     assert got is not None
     assert torch.equal(got[CacheKind.KV], encode_rows(CacheKind.KV, p[:32], range(32), KV_LAYOUT))
 
@@ -326,11 +328,11 @@ def test_cache_salt_isolates_streams(setup: Setup) -> None:
     a.generate({"max_tokens": 1})
     a.modify_kv(drop_chunk(0))
     b = create_request([setup.kv_ctx], setup.engine, p, cache_salt="bob")
-    assert b.retrieve() is None
+    assert b.retrieve_all() is None
     b.generate({"max_tokens": 1})
     assert setup.engine.calls[-1].cache_salt == "bob"
     assert setup.engine.calls[-1].reused_positions == []
-    got = b.retrieve()
+    got = b.retrieve_all()
     assert got is not None and positions_of(got[CacheKind.KV]) == list(range(32))
 
 
@@ -358,7 +360,7 @@ def test_engine_failure_keeps_received_tokens(setup: Setup) -> None:
         RequestStreamError, match=r"after 2 token\(s\): ConnectionError: engine went"
     ):
         s.generate({"max_tokens": 8})
-    assert s.output_tokens == [5, 6] and s.output_text == "ab"
+    assert s.generated_tokens == [5, 6] and s.output_text == "ab"
     assert s.tokens[-2:] == [5, 6]
 
     closed: list[bool] = []
@@ -381,7 +383,7 @@ def test_done_rules(setup: Setup) -> None:
     first = setup.engine.next_token(p[-1], len(p))
     s = create_request([setup.kv_ctx], setup.engine, p)
     s.generate({"max_tokens": 4, "stop_token_ids": [first]})
-    assert s.is_done and s.finish_reason == "stop" and s.output_tokens == [first]
+    assert s.is_done and s.finish_reason == "stop" and s.generated_tokens == [first]
     with pytest.raises(RequestStreamError, match="is done"):
         s.generate({"max_tokens": 1})
 
@@ -422,7 +424,7 @@ def test_generate_appends_extra_suffix_tokens(setup: Setup) -> None:
     p = prompt(2 * CHUNK + 3, seed=14)
     s = create_request([setup.kv_ctx], setup.engine, p)
     s.generate({"max_tokens": 1})
-    g1 = s.output_tokens[0]
+    g1 = s.generated_tokens[0]
     s.modify_kv(drop_chunk(0))
     s.generate({"max_tokens": 1}, suffix_tokens=[11, 12])  # e.g. the next user turn
     assert setup.engine.calls[-1].prompt == [*p[16:32], *p[32:], g1, 11, 12]
@@ -446,11 +448,11 @@ def test_properties_do_not_wait_for_a_running_generate(setup: Setup) -> None:
     try:
         assert first_sent.wait(10)
         # Readable mid-generation: the first token is already there.
-        assert s.output_tokens == [1] and s.tokens == [5, 6, 7, 1] and s.output_text == "x"
+        assert s.generated_tokens == [1] and s.tokens == [5, 6, 7, 1] and s.output_text == "x"
     finally:
         release.set()
         worker.join(10)
-    assert s.output_tokens == [1, 2] and not s.is_done
+    assert s.generated_tokens == [1, 2] and not s.is_done
 
 
 class CacheModel:
@@ -542,4 +544,56 @@ def test_bookkeeping_matches_a_model(
             model.store(kept, [cached[i] for i in rows])
         generate(max_tokens)
     mine = [c for c in setup.engine.calls if c.cache_salt == s.cache_salt]
-    assert s.output_tokens == [tok for c in mine for tok in c.generated]
+    assert s.generated_tokens == [tok for c in mine for tok in c.generated]
+
+
+def test_upstream_signatures_and_output_tokens(qsetup: Setup) -> None:
+    """The per-stream calls as upstream spells them, and output_tokens as upstream means it."""
+    p = prompt(3 * CHUNK + 5, seed=31)
+    s = create_request(qsetup.contexts, qsetup.engine, p)
+    with pytest.raises(RequestStreamError, match=r"no cached query .* after 0\.05s"):
+        s.retrieve("query", 0.05, 0.01)  # nothing stored yet: polls, then gives up
+    s.generate({"max_tokens": 1})
+    g1 = s.generated_tokens[0]
+    assert s.output_tokens == [*p, g1]  # the whole sequence, as upstream
+    kv = s.retrieve(CacheKind.KV, 1.0, 0.01)  # (kind, timeout, poll_interval)
+    q = s.retrieve("query")
+    assert tuple(kv.shape) == (2, 2, 3 * CHUNK, 8) and tuple(q.shape) == (1, 2, 3 * CHUNK, 16)
+    result = s.modify_kv(drop_chunk(1), 1.0, 0.01)  # positional (fn, timeout, poll_interval)
+    kept = p[:CHUNK] + p[2 * CHUNK : 3 * CHUNK]
+    assert result.kept_tokens == 2 * CHUNK and s.suffix_tokens == [*p[3 * CHUNK :], g1]
+    # After an edit the sequence is the kept tokens; the tail waits as suffix, outside it.
+    assert s.output_tokens == kept and s.tokens == [*kept, *p[3 * CHUNK :], g1]
+    s.generate({"max_tokens": 2})
+    assert s.output_tokens == [*kept, *p[3 * CHUNK :], *s.generated_tokens]
+    assert len(s.generated_tokens) == 3
+
+
+def test_done_without_finish_reason_follows_upstream_default(setup: Setup) -> None:
+    def bare(n: int) -> PostCompletion:
+        def call(ids: list[int], params: dict[str, Any], salt: str) -> Iterator[TokenEvent]:
+            for i in range(n):
+                yield TokenEvent(i)
+
+        return call
+
+    one = create_request([], bare(1), [1, 2])
+    one.generate({})  # no max_tokens: upstream's default of 1, so one token is not done
+    assert not one.is_done
+    none = create_request([], bare(0), [1, 2])
+    none.generate({})
+    assert none.is_done
+
+
+def test_context_lookup_sessions_and_request_configs(setup: Setup) -> None:
+    p = prompt(2 * CHUNK + 1, seed=32)
+    create_request([setup.kv_ctx], setup.engine, p).generate({"max_tokens": 1})
+    ctx = setup.kv_ctx
+    ctx.maybe_submit_lookup_request("r1", p)
+    assert ctx.check_lookup_result("r1") == 2 * CHUNK and ctx.check_lookup_result("r2") == 0
+    ctx.end_session("r1")
+    assert ctx.check_lookup_result("r1") == 0 and ctx.mq_timeout == ctx.timeout
+    got = ctx.retrieve(p, "", {"tag": "x"})  # request_configs: accepted, not part of the key
+    assert got is not None and ctx.store(got, p[: 2 * CHUNK], "", request_configs=None) is False
+    with pytest.raises(SDKError, match="request_configs must be a dict or None, got list"):
+        ctx.retrieve(p, request_configs=[1])  # type: ignore[arg-type]

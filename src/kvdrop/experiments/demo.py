@@ -1,6 +1,8 @@
 """``kvdrop demo``: baseline vs token dropping, side by side, fully offline.
 
-Starts a kvdrop server and the reference engine in this process, builds a batch of long prompts
+Starts a kvdrop server and the reference engine in this process (or, with ``--cache-server
+lmcache``, runs the engine's LMCache backend against a real ``lmcache server``: the one at
+``--url``/``--http-url``, else one it starts), builds a batch of long prompts
 (pass-key retrieval with the real SmolLM2 model when installed, so answers can be checked; random
 tokens with random weights), and runs baseline (prefill, decode) and dropped (prefill, modify with
 a policy, decode) on the same engine, whose KV budget fits every dropped request at once but not
@@ -10,10 +12,13 @@ every baseline request. Prints the prefill / modify / decode tables and a summar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
+import uuid
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["add_arguments", "run"]
@@ -50,6 +55,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_.add_argument("--seed", type=int, default=0, help="seed of prompts and random weights")
     run_.add_argument("--json", action="store_true", help="print one JSON report on stdout")
     run_.add_argument("--no-progress", action="store_true", help="no progress bars")
+    cache = parser.add_argument_group("cache server")
+    cache.add_argument(
+        "--cache-server",
+        choices=("kvdrop", "lmcache"),
+        default="kvdrop",
+        help="kvdrop (default; started in this process unless --url is given) or lmcache (a real "
+        "`lmcache server`: pip install 'kvdrop[lmcache]', see docs/lmcache.md)",
+    )
+    cache.add_argument(
+        "--url",
+        default=None,
+        help="ZMQ address of a running cache server, e.g. tcp://127.0.0.1:6555 (default: start "
+        "one; an LMCache server needs --supported-transfer-mode auto, and --enable "
+        "transfer_query for query policies)",
+    )
+    cache.add_argument(
+        "--http-url", default=None, help="its HTTP address, e.g. http://127.0.0.1:8080"
+    )
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model",
@@ -92,6 +115,18 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag) <= 0:
             print(f"kvdrop demo: error: --{flag.replace('_', '-')} must be > 0", file=sys.stderr)
             return 2
+    if (args.url is None) != (args.http_url is None):
+        print("kvdrop demo: error: give --url and --http-url together", file=sys.stderr)
+        return 2
+    if args.cache_server == "lmcache":
+        from kvdrop_engine.errors import EngineSetupError
+        from kvdrop_engine.lmcache_connector import require_lmcache
+
+        try:
+            require_lmcache()
+        except EngineSetupError as exc:
+            print(f"kvdrop demo: error: {exc}", file=sys.stderr)
+            return 2
     try:
         params = _policy_params(args)
         kvdrop.get(args.policy, **params)  # validate before loading anything heavy
@@ -123,9 +158,6 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
     from kvdrop_engine.loading import load_model
     from kvdrop_sdk import kvcache, qcache
     from kvdrop_sdk.progress import ProgressBar
-    from kvdrop_sdk.server.app import Server
-    from kvdrop_sdk.server.config import ServerConfig
-    from kvdrop_sdk.server.pool import unique_shm_name
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -165,18 +197,15 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
     # Room for both runs' prompts (KV and queries) plus the kept copies, with slack: an eviction
     # here would shorten a request's cached prefix and blur the comparison.
     pool_gb = 4.0 * sum(lengths) * (kv_bytes + (q_bytes if needs_query else 0)) / 1e9 + 0.05
-    server = Server(
-        ServerConfig(
-            port=0,
-            http_port=0,
-            chunk_size=args.chunk_size,
-            l1_size_gb=pool_gb,
-            shm_name=unique_shm_name("kvdrop_demo"),
-            enable=("transfer_query",) if needs_query else (),
-        )
-    ).start()
-    try:
-        connector = ServerConnector(server.url, server.http_url, model_name)
+    # Fresh salts per run: a server that outlives this run (--url) never serves its cache again.
+    run_id = uuid.uuid4().hex[:8]
+    with _cache_server(args, pool_gb, needs_query) as (url, http_url, status):
+        if args.cache_server == "lmcache":
+            from kvdrop_engine.lmcache_connector import LMCacheConnector, connect_sdk
+
+            connector: Any = LMCacheConnector(url, http_url, model_name)
+        else:
+            connector = ServerConnector(url, http_url, model_name)
         engine = Engine(
             model,
             tokenizer=tokenizer,
@@ -184,9 +213,18 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
             block_size=block_size,
             connector=connector,
         ).start()
-        contexts = [kvcache.connect(server.url, server.http_url, model_name)]
-        if needs_query:
-            contexts.append(qcache.connect(server.url, server.http_url, model_name))
+        try:
+            if args.cache_server == "lmcache":
+                # lmcache.sdk's contexts (they speak LMCache's protocol) under kvdrop's batch.
+                contexts = connect_sdk(url, http_url, model_name, query=needs_query)
+            else:
+                contexts = [kvcache.connect(url, http_url, model_name)]
+                if needs_query:
+                    contexts.append(qcache.connect(url, http_url, model_name))
+        except BaseException:
+            engine.stop()
+            connector.close()
+            raise
         sampling = {"temperature": 0.0, "max_tokens": args.max_tokens, "ignore_eos": True}
 
         def progress(phase: str) -> ProgressBar | None:
@@ -199,7 +237,7 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
                 contexts,
                 prompts,
                 sampling,
-                cache_salt="baseline",
+                cache_salt=f"baseline-{run_id}",
                 progress=progress,
             )
             dropped = run_pipeline(
@@ -209,17 +247,15 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
                 prompts,
                 sampling,
                 modify_fn=modify_fn,
-                cache_salt="dropped",
+                cache_salt=f"dropped-{run_id}",
                 progress=progress,
             )
-            server_status = server.status_json()
+            server_status = status()
         finally:
             engine.stop()
             for ctx in contexts:
                 ctx.close()
             connector.close()
-    finally:
-        server.stop()
     summary = summarize_runs(baseline, dropped, len(prompts))
     return {
         "setup": {
@@ -237,6 +273,7 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
             "device": args.device,
             "torch_threads": torch.get_num_threads(),
             "wall_seconds": time.perf_counter() - t0,
+            "cache_server": args.cache_server,
             "server_evictions": server_status.get("evictions"),
         },
         "baseline": baseline.to_dict(),
@@ -244,6 +281,47 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
         "answers": [p.answer for p in prompts],
         "summary": summary,
     }
+
+
+@contextlib.contextmanager
+def _cache_server(
+    args: argparse.Namespace, pool_gb: float, needs_query: bool
+) -> Iterator[tuple[str, str, Any]]:
+    """``(url, http_url, status())`` of the cache server to use: the given one, else one started
+    here (a kvdrop server in this process, or an ``lmcache server`` subprocess)."""
+    if args.url is not None:
+        yield args.url, args.http_url, dict
+        return
+    if args.cache_server == "lmcache":
+        from kvdrop_engine.lmcache_connector import spawn_lmcache_server
+
+        log = (lambda m: None) if args.no_progress else (lambda m: print(m, file=sys.stderr))
+        log("starting an LMCache server (about 20 s)")
+        with spawn_lmcache_server(
+            l1_size_gb=round(max(pool_gb, 0.1), 3),
+            chunk_size=args.chunk_size,
+            transfer_query=needs_query,
+        ) as lmc:
+            yield lmc.url, lmc.http_url, dict
+        return
+    from kvdrop_sdk.server.app import Server
+    from kvdrop_sdk.server.config import ServerConfig
+    from kvdrop_sdk.server.pool import unique_shm_name
+
+    server = Server(
+        ServerConfig(
+            port=0,
+            http_port=0,
+            chunk_size=args.chunk_size,
+            l1_size_gb=pool_gb,
+            shm_name=unique_shm_name("kvdrop_demo"),
+            enable=("transfer_query",) if needs_query else (),
+        )
+    ).start()
+    try:
+        yield server.url, server.http_url, server.status_json
+    finally:
+        server.stop()
 
 
 def _print_report(report: dict[str, Any]) -> None:

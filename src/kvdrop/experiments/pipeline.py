@@ -163,10 +163,13 @@ def run_pipeline(
     cache_salt: str = "",
     progress: Callable[[str], ProgressCallback | None] = lambda phase: None,
     modify_timeout: float = 600.0,
+    modify_concurrency: int | None = None,
     fresh_decode: bool = False,
     suffixes: Sequence[Sequence[int]] | None = None,
 ) -> RunResult:
     """Prefill, optionally modify, then decode ``prompts`` through ``engine``'s post_completion.
+
+    ``modify_concurrency`` bounds the edits running at once (None: the batch's default).
 
     By default decoding continues each stream after the token its prefill sampled (from the full
     cache, as upstream's batched stream does). ``fresh_decode`` decodes instead from the stream's
@@ -176,7 +179,9 @@ def run_pipeline(
     """
     if suffixes is not None and len(suffixes) != len(prompts):
         raise ValueError(f"{len(suffixes)} suffixes for {len(prompts)} prompts; give one each")
-    batch = BatchedStream(max_concurrency=max(1, len(prompts)))
+    batch = BatchedStream(
+        max_concurrency=max(1, len(prompts)), modify_concurrency=modify_concurrency
+    )
     streams = []
     for p in prompts:
         stream = create_request(contexts, engine.post_completion, p.token_ids, cache_salt)
@@ -199,7 +204,7 @@ def run_pipeline(
     # Runs decode with ignore_eos (equal work in both runs); what follows the first EOS is not
     # part of the answer, so outputs are compared and shown up to it.
     eos = frozenset(getattr(engine, "eos_token_ids", ()) or ())
-    outputs = [_until_eos(list(s.output_tokens), eos) for s in streams]
+    outputs = [_until_eos(s.generated_tokens, eos) for s in streams]
     texts = [_detokenize(tokenizer, o) for o in outputs]
     result = RunResult(
         name,

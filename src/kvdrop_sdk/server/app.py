@@ -268,8 +268,8 @@ class Server:
                 "this server does not accept query tensors; start it with "
                 "`kvdrop server --enable transfer_query`",
             )
-        if kind.server_model_name(model) != model:
-            expected = kind.server_model_name(CacheKind.base_model_name(model))
+        expected = kind.server_model_name(kind.base_model_name(model))
+        if expected != model:
             raise ProtocolError(
                 "bad_model", f"{kind.value}-kind model names look like {expected!r}, got {model!r}"
             )

@@ -26,7 +26,13 @@ from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.layout import CacheLayout, dtype_name
 from kvdrop_sdk.protocol import RpcClient
 from kvdrop_sdk.server.pool import MAGIC, shm_path
-from kvdrop_sdk.transport.buffers import copy_rows, empty_tensor, tensor_buffer, tune_malloc
+from kvdrop_sdk.transport.buffers import (
+    copy_rows,
+    empty_tensor,
+    run_copies,
+    tensor_buffer,
+    tune_malloc,
+)
 from kvdrop_sdk.validate import is_int
 
 __all__ = ["MODES", "PUT_BATCH_BYTES", "ContiguousTransferWrapper", "TransferHelper"]
@@ -39,6 +45,30 @@ _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", ""}
 #: Socket stores are split into pipelined requests of about this many bytes.
 PUT_BATCH_BYTES = 32 << 20
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels answer EINVAL and we fault lazily
+
+
+_LIBC: Any = None
+
+
+def _populate(addr: int, nbytes: int) -> None:
+    """Fault in the pages of ``[addr, addr + nbytes)`` for writing (``MADV_POPULATE_WRITE``).
+
+    Through ctypes, which releases the GIL for the call: ``mmap.madvise`` holds it, and faulting
+    in a large slot of fresh shared memory takes milliseconds (about 3 GB/s on an H200 host's
+    VM), during which every other thread of the process -- the engine loop among them -- waited.
+    Older kernels refuse the advice (EINVAL); the pages are then faulted in by the copy."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+            _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if not _LIBC:
+        return
+    page = mmap.PAGESIZE
+    start = addr - addr % page
+    _LIBC.madvise(start, addr + nbytes - start, _MADV_POPULATE_WRITE)
 
 
 def _stored(reply: dict[str, Any]) -> int:
@@ -116,10 +146,7 @@ class ContiguousTransferWrapper:
             raise SDKError(f"server returned slot offset {offset!r} outside the shared pool")
         if offset not in self._populated and self._mm is not None:
             # Map the slot's pages in one call instead of one fault per 4 KiB page.
-            try:
-                self._mm.madvise(_MADV_POPULATE_WRITE, offset, nbytes)
-            except (OSError, ValueError):
-                pass
+            _populate(self._pool.data_ptr() + offset, nbytes)
             with self._populated_lock:
                 self._populated.add(offset)
         flat = self._pool[offset : offset + nbytes].view(layout.dtype)
@@ -178,12 +205,19 @@ class ContiguousTransferWrapper:
         try:
             if reply.get("nbytes") != layout.nbytes(kind, c):
                 raise SDKError(f"server slot size {reply.get('nbytes')} does not match the layout")
-            for i, off in zip(reply["chunks"], reply["offsets"]):
+            nbytes = reply["nbytes"]
+
+            def copy_in(i: int, off: Any) -> None:
+                # Checked per chunk: past the lease the server may have handed the slot on.
                 if time.monotonic() - started > 0.8 * lease_s:
                     raise SDKError(f"store took longer than its {lease_s:g} s reservation")
-                copy_rows(
-                    self._slot(off, reply["nbytes"], layout, kind), kv[:, :, i * c : (i + 1) * c]
-                )
+                copy_rows(self._slot(off, nbytes, layout, kind), kv[:, :, i * c : (i + 1) * c])
+
+            chunks = list(zip(reply["chunks"], reply["offsets"]))
+            run_copies(
+                [lambda i=i, off=off: copy_in(i, off) for i, off in chunks],
+                nbytes * len(chunks),
+            )
         except BaseException:
             self._rpc.call("abort", {"lease": lease})
             raise
@@ -232,14 +266,19 @@ class ContiguousTransferWrapper:
         if lease is None:
             return None
         offsets = reply["offsets"]
-        out = empty_tensor(layout.shape(kind, len(offsets) * c), layout.dtype)
+        out = empty_tensor(layout.shape(kind, len(offsets) * c), layout.dtype, populate=False)
         try:
-            if reply.get("nbytes") != layout.nbytes(kind, c):
-                raise SDKError(f"server slot size {reply.get('nbytes')} does not match the layout")
-            for j, off in enumerate(offsets):
-                copy_rows(
-                    out[:, :, j * c : (j + 1) * c], self._slot(off, reply["nbytes"], layout, kind)
-                )
+            nbytes = reply.get("nbytes")
+            if nbytes != layout.nbytes(kind, c):
+                raise SDKError(f"server slot size {nbytes} does not match the layout")
+
+            def copy_out(j: int, off: Any) -> None:
+                copy_rows(out[:, :, j * c : (j + 1) * c], self._slot(off, nbytes, layout, kind))
+
+            run_copies(
+                [lambda j=j, off=off: copy_out(j, off) for j, off in enumerate(offsets)],
+                nbytes * len(offsets),
+            )
         finally:
             released, _ = self._rpc.call("release", {"lease": lease})
         valid = int(released["valid_chunks"])

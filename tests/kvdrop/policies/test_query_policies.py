@@ -211,6 +211,9 @@ def test_needs_query_and_says_how_to_get_it(name: str) -> None:
     with pytest.raises(kvdrop.MissingQueryError, match="--enable transfer_query") as err:
         fn({OtherKind.KV: kv}, list(range(16)))
     assert name in str(err.value) and "query context" in str(err.value)
+    # LMCache users get LMCache's flags: the server's and the serving engine's.
+    assert "lmcache server ... --enable transfer_query" in str(err.value)
+    assert "lmcache.mp.transfer_intermediate_tensors" in str(err.value)
     out, kept = fn({OtherKind.KV: kv, OtherKind.QUERY: q}, list(range(16)))  # foreign enum ok
     assert out.shape == (2, 1, 4, 4) and len(kept) == 4
 

@@ -1,0 +1,140 @@
+"""CUDA graphs of the decode-only engine step: one capture per batch size bucket, replayed.
+
+A decode step of an 8B model is ~700 small kernel launches; launched one by one from Python they
+cost more than the step's memory traffic. :class:`DecodeGraphs` captures the whole step (model
+forward over a :class:`~kvdrop_engine.paged.PagedDecode` backend, plus the greedy ``argmax``)
+once per (padded batch size, block-table width) and replays it: a step is then one host-to-device
+copy of the step's ids, one graph launch and one device-to-host read of the chosen tokens.
+
+Rows past the real batch are padding: they write to and attend over the cache's scratch block.
+The block table is copied only when the batch's sequences change (a request's blocks are
+reserved at admission and never move).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from kvdrop_engine.paged import PagedDecode, PagedKVCache, SeqStep, blocks_needed
+
+__all__ = ["BATCH_BUCKETS", "DecodeGraphs"]
+
+#: Padded batch sizes a graph is captured for (a batch takes the smallest that fits).
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    ids: Tensor  # [4, B] int64 on the device: tokens, positions, slots, lens
+    table: Tensor  # [B, W] int32 on the device
+    host_ids: Tensor  # [4, B] int64, page-locked
+    logits: Tensor  # [B, V] float32 (graph output)
+    greedy: Tensor  # [B] int64 (graph output)
+    seq_ids: tuple[Hashable, ...] = ()
+
+
+class DecodeGraphs:
+    """Captured decode steps of ``model`` over ``cache`` (CUDA only; see the module docstring).
+
+    ``run(seqs, tokens)`` returns the step's ``logits [B, V]`` and greedy tokens ``[B]`` (device
+    views, valid until the next ``run``). ``capture_seconds`` is the time spent capturing.
+    """
+
+    def __init__(self, model: nn.Module, cache: PagedKVCache, max_batch_size: int) -> None:
+        if cache.device.type != "cuda":
+            raise ValueError("DecodeGraphs needs a CUDA cache")
+        self.model = model
+        self.cache = cache
+        self.max_batch_size = max_batch_size
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+        self.capture_seconds = 0.0
+
+    @property
+    def captured(self) -> list[tuple[int, int]]:
+        """(batch size, table width) of every graph captured so far."""
+        return sorted(self._graphs)
+
+    @staticmethod
+    def bucket(n: int) -> int:
+        """The padded batch size for ``n`` rows."""
+        return next((b for b in BATCH_BUCKETS if b >= n), n)
+
+    def run(self, seqs: Sequence[SeqStep], tokens: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """Decode one token for each of ``seqs`` (``tokens[i]`` at position ``seqs[i].start``)."""
+        n = len(seqs)
+        bs = self.cache.block_size
+        need = max(blocks_needed(s.start + 1, bs) for s in seqs)
+        width = max(16, 1 << (need - 1).bit_length())
+        key = (self.bucket(n), width)
+        g = self._graphs.get(key)
+        if g is None:
+            started = time.perf_counter()
+            g = self._capture(*key)
+            self._graphs[key] = g
+            self.capture_seconds += time.perf_counter() - started
+        seq_ids = tuple(s.seq_id for s in seqs)
+        if seq_ids != g.seq_ids:
+            self._fill_table(g, seqs, width)
+            g.seq_ids = seq_ids
+        pad = g.host_ids.shape[1] - n
+        positions = [s.start for s in seqs]
+        slots = [int(s.block_table[p // bs]) * bs + p % bs for s, p in zip(seqs, positions)]
+        rows = [
+            [*tokens, *[0] * pad],
+            [*positions, *[0] * pad],
+            [*slots, *[self.cache.scratch_block * bs] * pad],
+            [*(p + 1 for p in positions), *[1] * pad],
+        ]
+        host = g.host_ids
+        host.copy_(torch.tensor(rows, dtype=torch.long))
+        g.ids.copy_(host, non_blocking=True)
+        g.graph.replay()
+        return g.logits[:n], g.greedy[:n]
+
+    def _fill_table(self, g: _Graph, seqs: Sequence[SeqStep], width: int) -> None:
+        table = torch.full(tuple(g.table.shape), self.cache.scratch_block, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            blocks = list(s.block_table[:width])
+            table[i, : len(blocks)] = torch.as_tensor(blocks, dtype=torch.int32)
+        g.table.copy_(table)
+
+    def _capture(self, batch: int, width: int) -> _Graph:
+        dev = self.cache.device
+        ids = torch.zeros(4, batch, dtype=torch.long, device=dev)
+        ids[2] = self.cache.scratch_block * self.cache.block_size
+        ids[3] = 1
+        table = torch.full((batch, width), self.cache.scratch_block, dtype=torch.int32, device=dev)
+        host_ids = torch.empty(4, batch, dtype=torch.long, pin_memory=True)
+        backend = PagedDecode(self.cache, ids[2], table, ids[3])
+
+        def step() -> tuple[Tensor, Tensor]:
+            logits = self.model(ids[0], ids[1], backend)
+            return logits, logits.argmax(dim=-1)
+
+        with torch.inference_mode():
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up: kernel compilation, cuBLAS handles, workspaces
+                    step()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            # capture_begin/end rather than ``torch.cuda.graph``, whose entry also empties the
+            # allocator's cache and runs the garbage collector (about a second per capture in an
+            # engine holding tens of GB; the next steps then paid for fresh device allocations).
+            graph = torch.cuda.CUDAGraph()
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    logits, greedy = step()
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream(dev).wait_stream(side)
+        return _Graph(graph, ids, table, host_ids, logits, greedy)
