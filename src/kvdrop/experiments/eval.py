@@ -567,7 +567,9 @@ class _Measurement:
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.policies = policies
+        # Query policies run first: the server's LRU keeps the prompts' queries only while runs
+        # read them, and the edits of later runs may push them out (a lookup does not refresh).
+        self.policies = dict(sorted(policies.items(), key=lambda kv: not needs_query[kv[0]]))
         self.needs_query = needs_query
         self.any_query = any(needs_query.values())
         self.server_status: dict[str, Any] | None = None
@@ -706,17 +708,26 @@ class _Measurement:
         """One pipeline run over ``items``: prefill, modify with ``fn`` (if any), decode from the
         edited cache (the question appended in the ``after`` setting)."""
         from kvdrop.experiments.pipeline import Prompt, run_pipeline
+        from kvdrop_sdk.batch import BatchedStreamFailures
 
-        return run_pipeline(
-            name,
-            self.engine,
-            contexts,
-            [Prompt(s.prompt(setting), s.answer) for s, setting in items],
-            {"temperature": 0.0, "max_tokens": self.config.max_tokens},
-            modify_fn=fn,
-            cache_salt=salt,
-            suffixes=[s.suffix(setting) for s, setting in items],
-        )
+        try:
+            return run_pipeline(
+                name,
+                self.engine,
+                contexts,
+                [Prompt(s.prompt(setting), s.answer) for s, setting in items],
+                {"temperature": 0.0, "max_tokens": self.config.max_tokens},
+                modify_fn=fn,
+                cache_salt=salt,
+                suffixes=[s.suffix(setting) for s, setting in items],
+            )
+        except BatchedStreamFailures as exc:
+            first = next(iter(exc.failures.values()))
+            raise EvalError(
+                f"{name}: {len(exc.failures)} of {len(items)} streams failed in {exc.phase} "
+                f"({first}); a missing cached chunk means the server evicted this batch's "
+                "prompts: lower --batch-tokens"
+            ) from exc
 
     def _continuation(self, output: list[int]) -> list[int]:
         """The teacher-forced continuation: the full-KV answer and, if it stopped, its EOS."""
