@@ -23,10 +23,12 @@ schedules and hands out events.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +51,21 @@ from kvdrop_sdk.validate import positive_int, token_ids
 __all__ = ["DEFAULT_BUDGET_TOKENS", "Engine", "EngineStats", "StepPlan", "plan_step"]
 
 DEFAULT_BUDGET_TOKENS = 65536
+
+#: Engines whose loop thread runs; stopped at interpreter exit (see ``_stop_running_engines``).
+_RUNNING: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_engines() -> None:
+    """Stop engines the program never stopped, before the interpreter tears down.
+
+    A loop thread still alive at exit is a daemon thread frozen mid-call while torch and Python
+    shut down underneath it, which aborted the process (exit 134) in about half of the runs.
+    atexit handlers run before that, so every engine ends here as if ``stop()`` had been called.
+    """
+    for engine in list(_RUNNING):
+        engine.stop()
 
 
 @dataclass
@@ -282,10 +299,15 @@ class Engine:
             self._stopping = False
             self._thread = threading.Thread(target=self._loop, name="kvdrop-engine", daemon=True)
             self._thread.start()
+            _RUNNING.add(self)
         return self
 
     def stop(self) -> None:
-        """Stop the loop; requests still waiting or running fail with ``EngineError``."""
+        """Stop the loop; requests still waiting or running fail with ``EngineError``.
+
+        Idempotent. An engine never stopped is stopped at interpreter exit.
+        """
+        _RUNNING.discard(self)
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
