@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "run the reference engine (OpenAI-compatible HTTP)",
     ),
     "demo": ("kvdrop.experiments.demo", "prefill, drop, decode: baseline vs dropped, side by side"),
+    "eval": ("kvdrop.experiments.eval_cli", "accuracy and fidelity of policies against full KV"),
 }
 
 

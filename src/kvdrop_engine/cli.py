@@ -3,14 +3,16 @@
 Loads a model (a ``.gguf`` file, a local HF folder, the installed SmolLM2 GGUF by default, or
 random weights from a preset), starts the continuous-batching engine with a KV budget, optionally
 connects it to a cache server (a kvdrop server, or a real LMCache server with ``--cache-server
-lmcache``), and serves ``/v1/completions``, ``/v1/models`` and ``/health``
-until SIGINT/SIGTERM. Heavy imports (torch, the model) happen inside ``run``; the model is
-loaded by :func:`kvdrop_engine.loading.load_model`.
+lmcache``), and serves ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and
+``/health`` until SIGINT/SIGTERM. User errors (bad flags, a missing or unreadable model, a busy
+port) are one line on stderr and exit code 2. Heavy imports (torch, the model) happen inside
+``run``; the model is loaded by :func:`kvdrop_engine.loading.load_model`.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import threading
@@ -176,8 +178,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvdrop_engine.engine import Engine
-    from kvdrop_engine.http import CompletionHTTPServer
+    from kvdrop_engine.http import ROUTES, CompletionHTTPServer
     from kvdrop_engine.loading import load_model
+
+    # The HTTP layer logs what a user should see (a client that disconnected) in one line.
+    logging.basicConfig(level=logging.WARNING, format="kvdrop engine: %(message)s")
+    logging.getLogger("kvdrop_engine").setLevel(logging.INFO)
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -267,8 +273,7 @@ def run(args: argparse.Namespace) -> int:
     kv_note = f", {args.cache_server} KV store {args.kvdrop_url}" if connector is not None else ""
     print(
         f"kvdrop engine: serving {name!r} on {server.url} (KV budget {engine.num_blocks} blocks of "
-        f"{args.block_size} tokens{kv_note}); POST /v1/completions, GET /v1/models, "
-        "GET /health, GET /stats",
+        f"{args.block_size} tokens{kv_note}); {ROUTES}, GET /stats",
         flush=True,
     )
     try:

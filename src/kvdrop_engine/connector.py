@@ -56,6 +56,7 @@ __all__ = [
     "StoreJob",
     "WindowJob",
     "plan_prefix",
+    "plan_recompute",
     "server_has_transfer_query",
 ]
 
@@ -126,10 +127,7 @@ def plan_prefix(conn: EngineConnector, prompt: list[int], cache_salt: str) -> Pr
     n = min(cached, len(prompt) - 1)
     loaded = kv[:, :, :n] if kv is not None and n > 0 else None
     aligned = len(prompt) // conn.chunk_size * conn.chunk_size
-    # Windows need a connector that can store them (kvdrop's); others (an LMCache server's) store
-    # every prompt query in chunks, the upstream layout.
-    window = bool(conn.transfer_query) and callable(getattr(conn, "store_window", None))
-    full = getattr(conn, "query_capture", "full") == "full"
+    window, full = _query_modes(conn)
     if aligned <= cached:
         return PrefixPlan(loaded, n, capture_window=window)
     # Chunk queries (full mode) are captured for the computed tokens; a loaded prefix (shared
@@ -150,6 +148,29 @@ def plan_prefix(conn: EngineConnector, prompt: list[int], cache_salt: str) -> Pr
         query_offset=n,
         capture_window=window,
     )
+
+
+def plan_recompute(conn: EngineConnector, prompt: list[int]) -> PrefixPlan:
+    """Admission's plan when the server cannot be asked (down, slow, failing): compute the whole
+    prompt, then store its whole chunks (with queries when the connector stores them)."""
+    aligned = len(prompt) // conn.chunk_size * conn.chunk_size
+    window, full = _query_modes(conn)
+    return PrefixPlan(
+        None,
+        0,
+        store_upto=aligned,
+        capture_queries=bool(conn.transfer_query) and full and aligned > 0,
+        capture_window=window,
+    )
+
+
+def _query_modes(conn: EngineConnector) -> tuple[bool, bool]:
+    """(keep a query window, store every prompt query in chunks) for ``conn``."""
+    # Windows need a connector that can store them (kvdrop's); others (an LMCache server's) store
+    # every prompt query in chunks, the upstream layout.
+    window = bool(conn.transfer_query) and callable(getattr(conn, "store_window", None))
+    full = getattr(conn, "query_capture", "full") == "full"
+    return window, full
 
 
 @dataclass

@@ -12,11 +12,21 @@ its place in line (FIFO, no starvation). Finished requests free their blocks in 
 With a connector (:class:`kvdrop_engine.connector.ServerConnector`) the engine loads the longest
 cached prefix of each prompt from the kvdrop server on admission and computes only the rest; when a
 prompt's prefill ends it stores the prompt's whole chunks of KV (and, in the full query mode,
-post-RoPE queries). The store runs on the caller's thread before the first token is handed over,
-so a caller that has seen a token can rely on the prompt being in the server. With queries on, each
-request also keeps its query window (:class:`~kvdrop_engine.capture.WindowCapture`: the last
-``W`` computed positions, generated tokens included, and a strided sample), stored when the
-request ends, before its last token is handed over.
+post-RoPE queries). The store is started before the first token is handed over and waited for up
+to ``store_timeout_s``, so with a healthy server a caller that has seen a token can rely on the
+prompt being in the server. With queries on, each request also keeps its query window
+(:class:`~kvdrop_engine.capture.WindowCapture`: the last ``W`` computed positions, generated
+tokens included, and a strided sample), stored the same way when the request ends, before its
+last token is handed over.
+
+Server I/O never runs on the loop thread: up to ``load_concurrency`` loads run on a connector pool
+(each also copies its prefix into the request's blocks) while the loop keeps stepping the other
+requests; a load still waiting for the server after ``load_timeout_s`` is abandoned and the prompt
+is computed instead, as is one that fails. A failed or late store is logged and counted, and the
+request goes on. After a failure or a timeout the engine leaves the server alone for
+``connector_backoff_s`` seconds (loads recompute at once, stores are skipped), so a hung or dead
+server costs the first request one timeout, not every request. ``EngineStats.connector_fallbacks``
+and ``store_failures`` count what happened.
 
 The pieces, each small: :func:`plan_step` assembles one step's batch; :mod:`~kvdrop_engine.sampling`
 picks tokens; :mod:`~kvdrop_engine.connector` plans and runs the server I/O; the request's own
@@ -26,13 +36,17 @@ schedules and hands out events.
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -49,18 +63,39 @@ from kvdrop_engine.connector import (
     StoreJob,
     WindowJob,
     plan_prefix,
+    plan_recompute,
 )
 from kvdrop_engine.errors import EngineError, InvalidRequestError, RequestTooLargeError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.paged import PagedAttention, PagedKVCache, SeqStep, blocks_needed, use_kernel
 from kvdrop_engine.sampling import SamplingParams, finish_reason, make_generator, sample
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
+from kvdrop_sdk.errors import PartialStoreError
 from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.validate import positive_int, token_ids
 
 __all__ = ["DEFAULT_BUDGET_TOKENS", "Engine", "EngineStats", "StepPlan", "plan_step"]
 
 DEFAULT_BUDGET_TOKENS = 65536
+#: Threads that run stores (each caller waits for its own, up to ``store_timeout_s``).
+_STORE_THREADS = 4
+
+logger = logging.getLogger(__name__)
+
+#: Engines whose loop thread runs; stopped at interpreter exit (see ``_stop_running_engines``).
+_RUNNING: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_engines() -> None:
+    """Stop engines the program never stopped, before the interpreter tears down.
+
+    A loop thread still alive at exit is a daemon thread frozen mid-call while torch and Python
+    shut down underneath it, which aborted the process (exit 134) in about half of the runs.
+    atexit handlers run before that, so every engine ends here as if ``stop()`` had been called.
+    """
+    for engine in list(_RUNNING):
+        engine.stop()
 
 
 @dataclass
@@ -83,12 +118,15 @@ class EngineStats:
     #: Steps that only decoded (no prompt chunk), their wall time on the loop thread (plan, launch,
     #: wait for the tokens, hand them out; capturing a new CUDA graph is counted apart, in
     #: ``graph_capture_seconds``) and the cached tokens their attention read.
-    #: ``prefix_load_seconds``: loop-thread time spent loading admitted requests' cached prefixes.
+    #: ``prefix_load_seconds``: time spent loading cached prefixes (asking the server and copying
+    #: into the blocks), summed over requests; it runs on connector threads, not the loop.
     decode_only_steps: int = 0
     decode_step_seconds: float = 0.0
     decode_kv_tokens: int = 0
     graph_capture_seconds: float = 0.0
     prefix_load_seconds: float = 0.0
+    connector_fallbacks: int = 0  # loads that failed, timed out or were skipped: recomputed
+    store_failures: int = 0  # stores that failed, timed out or were skipped
 
     @property
     def tokens_computed(self) -> int:
@@ -120,6 +158,11 @@ class _Request:
     query_parts: list[Tensor] = field(default_factory=list)
     window: WindowCapture | None = None
     cancelled: bool = False
+    loading: Future[PrefixPlan] | None = None  # the prefix load in flight (not stepped yet)
+    load_deadline: float = float("inf")  # set when the load starts (not while it is queued)
+    #: "queued" (waiting for a connector thread), "io" (asking the server), "copy" (into the
+    #: blocks), "copied", or "abandoned" (the loop gave up on it)
+    load_state: str = "queued"
 
     @property
     def prefilling(self) -> bool:
@@ -226,6 +269,8 @@ class Engine:
     ``model.use_ops``), and decode-only steps replay CUDA graphs (``cuda_graphs``); None means
     "when available". Elsewhere the engine runs plain PyTorch. Up to ``load_concurrency``
     admitted requests load their cached prefixes from the connector at once.
+    ``load_timeout_s``, ``store_timeout_s`` and ``connector_backoff_s`` bound what a slow or dead
+    cache server can cost (see the module docstring).
     """
 
     def __init__(
@@ -242,6 +287,9 @@ class Engine:
         cuda_graphs: bool | None = None,
         fused_ops: bool | None = None,
         load_concurrency: int = 4,
+        load_timeout_s: float = 10.0,
+        store_timeout_s: float = 30.0,
+        connector_backoff_s: float = 30.0,
     ) -> None:
         cfg = model.config
         try:
@@ -256,6 +304,13 @@ class Engine:
             positive_int(max_batch_size, "max_batch_size")
             positive_int(max_prefill_tokens, "max_prefill_tokens")
             positive_int(load_concurrency, "load_concurrency")
+            for name, value in (
+                ("load_timeout_s", load_timeout_s),
+                ("store_timeout_s", store_timeout_s),
+                ("connector_backoff_s", connector_backoff_s),
+            ):
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                    raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
         param = next((p for p in model.parameters() if p.is_floating_point()), None)
@@ -268,7 +323,13 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.load_concurrency = load_concurrency
+        self.load_timeout_s = float(load_timeout_s)
+        self.store_timeout_s = float(store_timeout_s)
+        self.connector_backoff_s = float(connector_backoff_s)
         self._load_pool: ThreadPoolExecutor | None = None
+        self._store_pool: ThreadPoolExecutor | None = None
+        self._load_lock = threading.Lock()  # guards _Request.load_state
+        self._io_down_until = 0.0
         self.cache = PagedKVCache(
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,
@@ -318,19 +379,26 @@ class Engine:
             self._stopping = False
             self._thread = threading.Thread(target=self._loop, name="kvdrop-engine", daemon=True)
             self._thread.start()
+            _RUNNING.add(self)
         return self
 
     def stop(self) -> None:
-        """Stop the loop; requests still waiting or running fail with ``EngineError``."""
+        """Stop the loop; requests still waiting or running fail with ``EngineError``.
+
+        Idempotent. An engine never stopped is stopped at interpreter exit.
+        """
+        _RUNNING.discard(self)
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
             thread = self._thread
         if thread is not None:
             thread.join()
-        if self._load_pool is not None:
-            self._load_pool.shutdown(wait=True)
-            self._load_pool = None
+        with self._cv:
+            pools = [p for p in (self._load_pool, self._store_pool) if p is not None]
+            self._load_pool = self._store_pool = None
+        for pool in pools:  # a load or store stuck on a hung server is not waited for
+            pool.shutdown(wait=False, cancel_futures=True)
         with self._cv:
             pending = list(self._waiting) + list(self._running.values())
             self._waiting.clear()
@@ -445,24 +513,8 @@ class Engine:
                     if isinstance(item, EngineError):
                         raise item
                     raise EngineError(f"request failed: {item!r}") from item
-                if isinstance(item, StoreJob):
-                    assert self.connector is not None
-                    q_stored = item.run(self.connector)
-                    q_bytes = 0
-                    if q_stored and item.queries is not None:
-                        row = item.queries.shape[1] * item.queries.shape[3]
-                        q_bytes = q_stored * row * item.queries.element_size()
-                    with self._cv:
-                        self._stats.kv_tokens_stored += item.kv.shape[2]
-                        self._stats.query_tokens_stored += q_stored
-                        self._stats.query_bytes_stored += q_bytes
-                    continue
-                if isinstance(item, WindowJob):
-                    assert self.connector is not None
-                    rows, nbytes = item.run(self.connector)
-                    with self._cv:
-                        self._stats.query_rows_stored += rows
-                        self._stats.query_bytes_stored += nbytes
+                if isinstance(item, (StoreJob, WindowJob)):
+                    self._store(item)
                     continue
                 yield item
                 if item.finish_reason is not None:
@@ -478,15 +530,17 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and not (self._running or self._waiting):
-                    self._cv.wait()
+                while not self._stopping and not self._has_work_locked():
+                    self._cv.wait(self._wait_s_locked())
                 if self._stopping:
                     return
                 self._drop_cancelled_locked()
                 admitted = self._admit_locked()
-            self._load_prefixes(admitted)
+            for req in admitted:
+                self._start_load(req)
+            self._finish_loads()
             with self._cv:
-                batch = [r for r in self._running.values() if not r.cancelled]
+                batch = [r for r in self._running.values() if not r.cancelled and r.loading is None]
             if batch:
                 try:
                     self._step(batch)
@@ -494,8 +548,39 @@ class Engine:
                     for req in batch:
                         self._fail(req, exc)
 
+    def _has_work_locked(self) -> bool:
+        """Something to step, admit or drop, or a load to finish (not just loads in flight)."""
+        now = time.monotonic()
+        for req in self._running.values():
+            if req.loading is None or req.loading.done():
+                return True
+            if req.load_state == "queued" and (req.cancelled or not self._io_ok()):
+                return True
+            if req.load_state == "io" and (req.cancelled or now >= req.load_deadline):
+                return True
+        if self._waiting and len(self._running) < self.max_batch_size:
+            head = self._waiting[0]
+            need = self.blocks_for(len(head.prompt), head.params.max_tokens)
+            return head.cancelled or need <= self.cache.allocator.num_free
+        return False
+
+    def _wait_s_locked(self) -> float | None:
+        """How long the loop may sleep: until the first load deadline (loads notify when done)."""
+        deadlines = [
+            r.load_deadline
+            for r in self._running.values()
+            if r.loading is not None and r.load_state == "io" and r.load_deadline < float("inf")
+        ]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
     def _drop_cancelled_locked(self) -> None:
         for rid in [rid for rid, r in self._running.items() if r.cancelled]:
+            req = self._running[rid]
+            if req.loading is not None and not req.loading.done():
+                with self._load_lock:
+                    if req.load_state in ("copy", "copied"):
+                        continue  # its prefix is being copied into its blocks: free them after
+                    req.load_state = "abandoned"
             self._free(self._running.pop(rid))
         if any(r.cancelled for r in self._waiting):
             self._waiting = deque(r for r in self._waiting if not r.cancelled)
@@ -518,47 +603,164 @@ class Engine:
         st.peak_blocks_used = max(st.peak_blocks_used, self.cache.num_blocks - alloc.num_free)
         return admitted
 
-    def _load_prefixes(self, admitted: list[_Request]) -> None:
-        """Load the admitted requests' cached prefixes, several at once: each load is a host copy
-        out of the server's memory and a copy to the device, both of which release the GIL, so
-        concurrent loads use more of the host's cores and overlap one request's host copy with
-        another's transfer to the device."""
-        if self.connector is None or not admitted:
+    # ----------------------------------------------------------------- server I/O
+    def _io_ok(self) -> bool:
+        return time.monotonic() >= self._io_down_until
+
+    def _io_failed(self, what: str, reason: str) -> None:
+        """Log one line and leave the server alone for ``connector_backoff_s``."""
+        self._io_down_until = time.monotonic() + self.connector_backoff_s
+        logger.warning(
+            "kvdrop server %s %s; computing without it for %g s",
+            what,
+            reason,
+            self.connector_backoff_s,
+        )
+
+    def _wake(self, _: object = None) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def _start_load(self, req: _Request) -> None:
+        """Start loading the request's cached prefix on a connector thread (not on the loop)."""
+        if self.connector is None:
             return
-        started = time.perf_counter()
-
-        def load(req: _Request) -> None:
-            try:
-                self._load_prefix(req)
-            except Exception as exc:  # e.g. out of device memory: this request fails alone
-                self._fail(req, exc)
-
-        if len(admitted) == 1 or self.load_concurrency <= 1:
-            for req in admitted:
-                load(req)
-        else:
+        if not self._io_ok():
+            self._recompute(req)
+            return
+        with self._cv:
             if self._load_pool is None:
                 self._load_pool = ThreadPoolExecutor(
                     self.load_concurrency, thread_name_prefix="kvdrop-load"
                 )
-            list(self._load_pool.map(load, admitted))
-        with self._cv:
-            self._stats.prefix_load_seconds += time.perf_counter() - started
+            pool = self._load_pool
+        req.load_state = "queued"
+        req.load_deadline = float("inf")
+        req.loading = pool.submit(self._load_prefix, req)
+        req.loading.add_done_callback(self._wake)
 
-    def _load_prefix(self, req: _Request) -> None:
-        """Load the cached prefix from the server and decide what to store after prefill."""
-        if self.connector is None:
-            return
+    def _load_prefix(self, req: _Request) -> PrefixPlan:
+        """(connector thread) Ask the server, then copy the prefix into the request's blocks --
+        unless the loop gave up on the request meanwhile: then its blocks are not touched.
+
+        Loads run several at once: the host copy out of the server's memory and the copy to the
+        device both release the GIL, so one request's host copy overlaps another's transfer. With
+        CUDA graphs the copy into the blocks is left to the loop thread: a graph may be captured
+        in any step, and another thread's device calls during a capture would break it."""
+        assert self.connector is not None
+        with self._load_lock:
+            if req.load_state != "queued":
+                raise EngineError("the engine gave up on this load before it started")
+            req.load_state = "io"
+            req.load_deadline = time.monotonic() + self.load_timeout_s
+        self._wake()  # the loop now has a deadline to wait for
+        started = time.perf_counter()
         try:
             plan = plan_prefix(self.connector, req.prompt, req.cache_salt)
-        except EngineError as exc:
-            self._fail(req, exc)
-            return
-        if plan.kv is not None:
-            self.cache.load(req.blocks, plan.kv)
-        req.follow(plan, self.connector)
+            if self._graphs is not None:
+                return plan
+            with self._load_lock:
+                if req.load_state != "io":
+                    return plan
+                req.load_state = "copy"
+            if plan.kv is not None:
+                self.cache.load(req.blocks, plan.kv)
+            req.load_state = "copied"
+            return plan
+        finally:
+            with self._cv:
+                self._stats.prefix_load_seconds += time.perf_counter() - started
+
+    def _finish_loads(self) -> None:
+        """Apply finished loads; give up on those still waiting for the server past their
+        deadline (those requests compute their prompt)."""
         with self._cv:
-            self._stats.tokens_loaded += plan.num_loaded
+            loading = [r for r in self._running.values() if r.loading is not None]
+        now = time.monotonic()
+        for req in loading:
+            future = req.loading
+            assert future is not None
+            if req.cancelled:
+                continue  # dropped by _drop_cancelled_locked
+            if not future.done():
+                # Late: still asking the server past its deadline. Queued loads are given up
+                # while the engine leaves the server alone (their threads are busy with it).
+                # A load that is copying into the blocks is local and ends soon.
+                with self._load_lock:
+                    state = req.load_state
+                    late = state == "io" and now >= req.load_deadline
+                    skip = state == "queued" and not self._io_ok()
+                    if late or skip:
+                        req.load_state = "abandoned"
+                if late:
+                    self._io_failed("load", f"took longer than {self.load_timeout_s:g} s")
+                if late or skip:
+                    req.loading = None
+                    self._recompute(req)
+                continue
+            req.loading = None
+            try:
+                plan = future.result()
+                if req.load_state != "copied" and plan.kv is not None:
+                    self.cache.load(req.blocks, plan.kv)  # (CUDA graphs: on the loop thread)
+            except Exception as exc:
+                self._io_failed("load failed:", f"{type(exc).__name__}: {exc}")
+                self._recompute(req)
+                continue
+            req.follow(plan, self.connector)
+            with self._cv:
+                self._stats.tokens_loaded += plan.num_loaded
+
+    def _recompute(self, req: _Request) -> None:
+        assert self.connector is not None
+        req.follow(plan_recompute(self.connector, req.prompt), self.connector)
+        with self._cv:
+            self._stats.connector_fallbacks += 1
+
+    def _store(self, job: StoreJob | WindowJob) -> None:
+        """Run a prompt's store or a finished request's window store (caller's thread) for up to
+        ``store_timeout_s``; never raises."""
+        assert self.connector is not None
+        if not self._io_ok():
+            with self._cv:
+                self._stats.store_failures += 1
+            return
+        with self._cv:
+            if self._store_pool is None:
+                self._store_pool = ThreadPoolExecutor(
+                    _STORE_THREADS, thread_name_prefix="kvdrop-store"
+                )
+            pool = self._store_pool
+        future = pool.submit(job.run, self.connector)
+        future.add_done_callback(lambda f: self._stored(job, f))
+        try:
+            future.result(timeout=self.store_timeout_s)
+        except FutureTimeout:
+            self._io_failed("store", f"took longer than {self.store_timeout_s:g} s")
+        except Exception as exc:
+            if isinstance(exc.__cause__, PartialStoreError):
+                logger.warning("%s", exc)  # the server works; its pool is full of pins
+            else:
+                self._io_failed("store failed:", str(exc))
+
+    def _stored(self, job: StoreJob | WindowJob, future: Future[Any]) -> None:
+        with self._cv:
+            if future.cancelled() or future.exception() is not None:
+                self._stats.store_failures += 1
+                return
+            if isinstance(job, WindowJob):
+                rows, nbytes = future.result()
+                self._stats.query_rows_stored += rows
+                self._stats.query_bytes_stored += nbytes
+                return
+            q_stored = future.result()
+            self._stats.kv_tokens_stored += job.kv.shape[2]
+            self._stats.query_tokens_stored += q_stored
+            if q_stored and job.queries is not None:
+                q = job.queries  # [1, L, T, Dq]
+                self._stats.query_bytes_stored += (
+                    q_stored * q.shape[1] * q.shape[3] * q.element_size()
+                )
 
     def _step(self, batch: list[_Request]) -> None:
         started = time.perf_counter()
@@ -665,7 +867,10 @@ class Engine:
                     lambda layer: self.cache.keys(req.blocks, layer, computed),
                     self.config.head_dim**-0.5,
                 )
-            req.out.put(WindowJob(positions, queries, lse, sequence, req.cache_salt))
+            # Copied to the host here: the store runs on another thread, and device calls there
+            # could meet a CUDA graph capture of the loop thread.
+            job = WindowJob(positions.cpu(), queries.cpu(), lse.cpu(), sequence, req.cache_salt)
+            req.out.put(job)
 
     def _free(self, req: _Request) -> None:
         if req.blocks:

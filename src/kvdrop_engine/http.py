@@ -1,12 +1,18 @@
 """An OpenAI-compatible HTTP server around any ``PostCompletion`` callable: the transport only.
 
-Serves ``POST /v1/completions`` (JSON or server-sent events, one event per token), ``GET
-/v1/models``, ``GET /health`` and optionally ``GET /stats`` with the stdlib's threading HTTP
-server: every request runs in its own thread, so concurrent requests reach the engine together and
-it can batch them. What a request may contain and what a response holds is
-:mod:`kvdrop_engine.completions`; with ``return_tokens_as_token_ids`` (as vLLM's
+Serves ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or server-sent events, one
+event per token), ``GET /v1/models``, ``GET /health`` and optionally ``GET /stats`` with the
+stdlib's threading HTTP server: every request runs in its own thread, so concurrent requests reach
+the engine together and it can batch them. What a request may contain and what a response holds
+is :mod:`kvdrop_engine.completions`; with ``return_tokens_as_token_ids`` (as vLLM's
 ``--return-tokens-as-token-ids``) the logprobs tokens carry the token ids, which is how
-``kvdrop_sdk.adapters.openai.make_post_completion`` learns them.
+``kvdrop_sdk.adapters.openai.make_post_completion`` learns them. A client that goes away is
+logged in one line (its request is cancelled), never with a traceback.
+
+Hostile or unlucky clients cost little: bodies over ``MAX_BODY_BYTES``, text prompts over the
+character limit (refused before tokenizing) and deeply nested JSON get a 4xx answer; connections
+idle or half-sent for ``read_timeout`` seconds are closed; a client that disconnects cancels its
+request (streaming or not) and is logged in one line, without a traceback.
 
 Only standard-library networking; nothing here imports torch.
 """
@@ -15,6 +21,9 @@ from __future__ import annotations
 
 import json
 import logging
+import select
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,21 +32,33 @@ from typing import Any
 
 from kvdrop_engine.completions import (
     BadRequestError,
+    ChatCompletionBuilder,
     CompletionBuilder,
     CompletionRequest,
     error_body,
+    max_prompt_chars_for,
     models_body,
+    parse_chat_request,
     parse_completion_request,
 )
 from kvdrop_engine.tokenizer import TextTokenizer
 from kvdrop_sdk.events import PostCompletion, TokenEvent
 
-__all__ = ["MAX_BODY_BYTES", "CompletionHTTPServer"]
+__all__ = ["MAX_BODY_BYTES", "ROUTES", "CompletionHTTPServer"]
 
 logger = logging.getLogger(__name__)
 
 #: Largest request body accepted (a 100K-token prompt as JSON ids is about 0.7 MB).
 MAX_BODY_BYTES = 32 * 1024 * 1024
+#: Seconds between checks that a non-streaming request's client is still connected.
+_GONE_CHECK_S = 0.02
+_DISCONNECTS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
+
+#: The POST routes and the kind of request each takes.
+_POST_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}
+
+#: What the server answers, for its start-up line and its 404s.
+ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health"
 
 
 class _Server(ThreadingHTTPServer):
@@ -47,17 +68,31 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = 256
     app: CompletionHTTPServer
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away or stalled is one log line; anything else keeps its
+        traceback."""
+        exc = sys.exc_info()[1]
+        client = ":".join(str(part) for part in client_address[:2])
+        if isinstance(exc, _DISCONNECTS):  # reset, broken pipe, aborted, read timeout
+            logger.info("client %s disconnected (%s)", client, exc.strerror or exc)
+        else:
+            logger.exception("request from %s failed", client)
+
 
 class CompletionHTTPServer:
-    """OpenAI-compatible ``/v1/completions`` server for one ``PostCompletion``.
+    """OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions`` server for one
+    ``PostCompletion``.
 
     ``post_completion`` must be safe to call from many threads at once (each HTTP request runs in
-    its own thread). ``tokenizer`` enables text prompts; with ``detokenize`` the server computes
-    each token's text itself instead of using ``TokenEvent.text``. Errors the engine raises before
-    its first token as ``ValueError``/``TypeError`` are answered with 400, others with 500;
+    its own thread). ``tokenizer`` enables text prompts, and chat when it has a chat template
+    (``apply_chat_template``); with ``detokenize`` the server computes each token's text itself
+    instead of using ``TokenEvent.text``. Errors the engine raises before its first token as
+    ``ValueError``/``TypeError`` are answered with 400, others with 500;
     errors after streaming began are sent as an SSE ``{"error": ...}`` event before ``[DONE]``.
     ``health`` backs ``GET /health`` (503 when it returns False); ``stats``, when given, is served
-    as JSON at ``GET /stats`` (the reference engine's counters).
+    as JSON at ``GET /stats`` (the reference engine's counters). ``read_timeout`` closes
+    connections idle or half-sent for that long; ``max_prompt_chars`` bounds text prompts before
+    tokenizing (default: ``max_model_len`` x 16, or 2 Mi characters without ``max_model_len``).
     """
 
     def __init__(
@@ -74,11 +109,19 @@ class CompletionHTTPServer:
         max_model_len: int | None = None,
         health: Callable[[], bool] | None = None,
         stats: Callable[[], dict[str, Any]] | None = None,
+        read_timeout: float = 30.0,
+        max_prompt_chars: int | None = None,
     ) -> None:
         if not model_name:
             raise ValueError("model_name must be a non-empty string")
         if detokenize and tokenizer is None:
             raise ValueError("detokenize=True needs a tokenizer")
+        if not read_timeout > 0:
+            raise ValueError(f"read_timeout must be > 0 seconds, got {read_timeout!r}")
+        self.read_timeout = float(read_timeout)
+        self.max_prompt_chars = (
+            max_prompt_chars_for(max_model_len) if max_prompt_chars is None else max_prompt_chars
+        )
         self.post_completion = post_completion
         self.model_name = model_name
         self.tokenizer = tokenizer
@@ -149,15 +192,18 @@ class CompletionHTTPServer:
         """Body of ``GET /v1/models``."""
         return models_body(self.model_name, self.created, self.max_model_len)
 
-    def parse(self, body: Any) -> CompletionRequest:
-        """Validate a completion request with this server's settings."""
-        return parse_completion_request(
+    def parse(self, body: Any, *, chat: bool = False) -> CompletionRequest:
+        """Validate a completion (or, with ``chat``, a chat completion) request with this
+        server's settings."""
+        parse = parse_chat_request if chat else parse_completion_request
+        return parse(
             body,
             model_name=self.model_name,
             tokenizer=self.tokenizer,
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
             return_tokens_as_token_ids=self.return_tokens_as_token_ids,
+            max_prompt_chars=self.max_prompt_chars,
         )
 
 
@@ -167,6 +213,26 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "kvdrop-engine"
 
     # ---- plumbing ------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        # Reads and writes time out: an idle or half-sent request does not hold its thread.
+        self.timeout = self.server.app.read_timeout
+        super().setup()
+
+    def handle_one_request(self) -> None:
+        # A client closing its keep-alive connection between requests (what a pooled HTTP client
+        # does when it is dropped) is normal HTTP: only a request cut off is worth a log line.
+        self._in_request = False
+        try:
+            super().handle_one_request()
+        except _DISCONNECTS:
+            if self._in_request:
+                raise
+            self.close_connection = True
+
+    def parse_request(self) -> bool:
+        self._in_request = True  # the request line arrived: from now on a reset cuts it off
+        return super().parse_request()
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s %s", self.address_string(), format % args)
@@ -208,11 +274,32 @@ class _Handler(BaseHTTPRequestHandler):
             raise BadRequestError(
                 f"request body of {length} bytes is over the limit of {MAX_BODY_BYTES}", status=413
             )
-        raw = self.rfile.read(length)
+        try:
+            raw = self.rfile.read(length)
+        except TimeoutError:
+            raise BadRequestError(
+                f"the request body did not arrive within {self.timeout:g} s", status=408
+            ) from None
+        if len(raw) < length:
+            raise ConnectionResetError("the client closed the connection before its body")
         try:
             return json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise BadRequestError(f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise BadRequestError("the request body is JSON nested too deeply") from None
+
+    def _client_gone(self) -> bool:
+        """Whether the client closed its side (checked without blocking or consuming data)."""
+        try:
+            ready, _, _ = select.select([self.connection], [], [], 0)
+            if not ready:
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except (OSError, ValueError):
+            return True
 
     # ---- routes --------------------------------------------------------------------------
 
@@ -229,17 +316,15 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(200, app.stats())
         elif path == "/v1/models":
             self._send_json(200, app.models_payload())
-        elif path == "/v1/completions":
-            self._send_error(405, "use POST for /v1/completions")
+        elif path in _POST_ROUTES:
+            self._send_error(405, f"use POST for {path}")
         else:
-            self._send_error(
-                404, f"no route {path or '/'}; try /v1/completions, /v1/models, /health"
-            )
+            self._send_error(404, f"no route {path or '/'}; this server answers {ROUTES}")
 
     def do_POST(self) -> None:
         app = self.server.app
         path = self.path.split("?", 1)[0].rstrip("/")
-        if path != "/v1/completions":
+        if path not in _POST_ROUTES:
             # Drain a sane body so the connection stays usable; otherwise close it after refusing.
             length = self.headers.get("Content-Length") or "0"
             if length.isdigit() and int(length) <= MAX_BODY_BYTES:
@@ -247,12 +332,14 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self.close_connection = True
             status = 405 if path in ("/health", "/v1/models") else 404
-            self._send_error(status, f"no POST route {path or '/'}; POST /v1/completions")
+            self._send_error(
+                status, f"no POST route {path or '/'}; POST /v1/completions or /v1/chat/completions"
+            )
             return
         try:
-            req = app.parse(self._read_json())
+            req = app.parse(self._read_json(), chat=_POST_ROUTES[path])
         except BadRequestError as exc:
-            self.close_connection = exc.status in (411, 413)
+            self.close_connection = exc.status in (408, 411, 413)
             self._send_error(exc.status, str(exc), exc.param)
             return
         if app.closing:
@@ -287,16 +374,19 @@ class _Handler(BaseHTTPRequestHandler):
                 self._stream(app, req, first, events)
             else:
                 self._collect(app, req, first, events)
-        except (BrokenPipeError, ConnectionResetError):
+        except _DISCONNECTS as exc:
             self.close_connection = True
-            logger.info("client disconnected; request cancelled")
+            logger.info(
+                "client %s disconnected (%s); request cancelled",
+                self.address_string(),
+                exc.strerror or exc,
+            )
         finally:
             _close(events)
 
     def _builder(self, app: CompletionHTTPServer, req: CompletionRequest) -> CompletionBuilder:
-        return CompletionBuilder(
-            req, app.model_name, tokenizer=app.tokenizer, detokenize=app.detokenize
-        )
+        kind = ChatCompletionBuilder if req.chat else CompletionBuilder
+        return kind(req, app.model_name, tokenizer=app.tokenizer, detokenize=app.detokenize)
 
     def _stream(
         self,
@@ -311,6 +401,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         build = self._builder(app, req)
+        for opening in build.preamble():
+            self._sse(opening)
         event = first
         try:
             while event is not None:
@@ -322,7 +414,7 @@ class _Handler(BaseHTTPRequestHandler):
             if build.finish is None:
                 # The engine ended without a reason: an EOS it did not label, or server shutdown.
                 self._sse(build.chunk(finish="stop"))
-        except (BrokenPipeError, ConnectionResetError):
+        except _DISCONNECTS:
             raise
         except Exception as exc:
             logger.exception("engine failed while streaming")
@@ -341,12 +433,20 @@ class _Handler(BaseHTTPRequestHandler):
     ) -> None:
         build = self._builder(app, req)
         event = first
+        checked = time.monotonic()
         try:
             while event is not None:
                 piece = build.add(event)
                 if piece.finish is not None or app.closing:
                     break
+                now = time.monotonic()
+                if now - checked >= _GONE_CHECK_S:
+                    checked = now
+                    if self._client_gone():  # nobody will read the answer: stop generating
+                        raise ConnectionAbortedError("the client closed the connection")
                 event = next(events, None)
+        except ConnectionAbortedError:
+            raise
         except Exception as exc:
             logger.exception("engine failed while generating")
             self._send_error(500, f"the engine failed: {type(exc).__name__}: {exc}")

@@ -335,6 +335,8 @@ def load_model(spec: ModelSpecLike) -> tuple[Transformer, TextTokenizer | None, 
             f"--device {spec.device}: CUDA is not available (torch {torch.__version__}, "
             "no GPU or a CPU-only build); use --device cpu"
         )
+    if spec.model is not None and spec.random_preset is not None:
+        raise EngineSetupError("give --model or --random-preset, not both")
     if spec.random_preset is not None:
         try:
             config = preset_config(spec.random_preset)
@@ -345,6 +347,8 @@ def load_model(spec: ModelSpecLike) -> tuple[Transformer, TextTokenizer | None, 
     path = Path(spec.model) if spec.model is not None else weights.find_smollm2_gguf()
     if path is None:
         raise EngineSetupError(f"no --model given and the default model is missing: {INSTALL_HINT}")
+    if not path.exists():
+        raise EngineSetupError(f"--model {spec.model}: no such file or folder")
     tokenizer: TextTokenizer | None = None
     if path.is_file() and path.suffix == ".gguf":
         tokenizer = Tokenizer.from_gguf(path)

@@ -5,7 +5,8 @@ access). It supports byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt
 Qwen, Llama 3 ...): tokens and merges come from ``tokenizer.ggml.*``, tokens marked CONTROL become
 special tokens, and the pre-tokenizer follows ``tokenizer.ggml.pre`` as llama.cpp does. The chat
 template stored in the file is rendered with jinja2 in a sandbox, the way transformers renders it.
-:class:`JSONTokenizer` reads an HF ``tokenizer.json``. :class:`IncrementalDetokenizer` turns a
+:class:`JSONTokenizer` reads an HF ``tokenizer.json`` (and the chat template of the
+``tokenizer_config.json`` beside it). :class:`IncrementalDetokenizer` turns a
 growing list of generated ids into text deltas (used by the engine and by the HTTP server).
 """
 
@@ -90,7 +91,8 @@ class IncrementalDetokenizer:
 
 
 class JSONTokenizer:
-    """An HF ``tokenizer.json`` (via ``tokenizers``) with ``encode``/``decode``."""
+    """An HF ``tokenizer.json`` (via ``tokenizers``) with ``encode``/``decode``, and the chat
+    template of the ``tokenizer_config.json`` beside it when there is one."""
 
     def __init__(self, path: str | Path) -> None:
         try:
@@ -99,8 +101,21 @@ class JSONTokenizer:
             raise ImportError(
                 "the tokenizer needs 'tokenizers': pip install 'kvdrop[model]'"
             ) from e
+        path = Path(path)
         self._tk = HFTokenizer.from_file(str(path))
         self.vocab_size = self._tk.get_vocab_size(with_added_tokens=True)
+        self.name = path.parent.name or path.name
+        self.chat_template: str | None = None
+        self.bos_token: str | None = None
+        self.eos_token: str | None = None
+        config_file = path.with_name("tokenizer_config.json")
+        if config_file.is_file():
+            import json
+
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+            self.chat_template = _config_template(config.get("chat_template"))
+            self.bos_token = _token_text(config.get("bos_token"))
+            self.eos_token = _token_text(config.get("eos_token"))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``."""
@@ -109,6 +124,39 @@ class JSONTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` (special tokens kept)."""
         return self._tk.decode([int(t) for t in token_ids], skip_special_tokens=False)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> list[int]:
+        """Token ids of the rendered chat (the template writes BOS itself where it wants one)."""
+        text = _render_chat(
+            self.chat_template,
+            f"{self.name}: no chat_template in tokenizer_config.json",
+            messages,
+            add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+        return list(self._tk.encode(text, add_special_tokens=False).ids)
+
+
+def _config_template(value: Any) -> str | None:
+    """``chat_template`` of a tokenizer_config.json: a string, or a list of named templates."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    return value if isinstance(value, str) and value else None
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token of a tokenizer_config.json: a string or an ``AddedToken`` dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 class TokenizerError(ValueError):
@@ -226,15 +274,11 @@ class Tokenizer:
         **kwargs: Any,
     ) -> str:
         """The chat template rendered to text (jinja2 sandbox, trim_blocks/lstrip_blocks as HF)."""
-        if not self.chat_template:
-            raise TokenizerError(f"{self.name}: the GGUF file has no tokenizer.chat_template")
-        for i, m in enumerate(messages):
-            if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-                raise ValueError(f"messages[{i}] must be a mapping with 'role' and 'content'")
-        return _render(
+        return _render_chat(
             self.chat_template,
-            messages=[dict(m) for m in messages],
-            add_generation_prompt=add_generation_prompt,
+            f"{self.name}: the GGUF file has no tokenizer.chat_template",
+            messages,
+            add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             **kwargs,
@@ -254,6 +298,28 @@ class Tokenizer:
 
 def _opt_int(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+def _render_chat(
+    template: str | None,
+    missing: str,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool,
+    **context: Any,
+) -> str:
+    """Check ``messages`` and render them with the model's chat ``template`` (``missing`` is
+    the error when there is none)."""
+    if not template:
+        raise TokenizerError(missing)
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            raise ValueError(f"messages[{i}] must be a mapping with 'role' and 'content'")
+    return _render(
+        template,
+        messages=[dict(m) for m in messages],
+        add_generation_prompt=add_generation_prompt,
+        **context,
+    )
 
 
 def _render(template: str, **context: Any) -> str:

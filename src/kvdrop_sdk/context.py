@@ -3,20 +3,28 @@
 The context reads the server's settings over HTTP (``/config``), the model's layout over ZMQ, and
 moves tensors through its transfer helper (``transfer_ctx``: shared memory or socket). It is safe
 to share between threads: each call borrows its own socket.
+
+A server that restarts (same address, same ``--shm-name``) is followed: the first call that meets
+the new instance (a reply from it, or its "unregistered"/"layout_changed" answer) re-reads
+``/config``, re-maps the new shared-memory segment, registers the layout again if this context
+registered one, checks that the layout did not change, and is retried once. Calls made while the
+server is down fail after ``timeout`` seconds with an SDKError. Closing is never needed for
+correctness: an unclosed context is freed by the garbage collector without blocking.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import requests
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind
-from kvdrop_sdk.errors import CacheKindError, SDKError
+from kvdrop_sdk.errors import CacheKindError, SDKError, ServerRestartedError
 from kvdrop_sdk.hashing import TOKEN_BYTES, encode_tokens
 from kvdrop_sdk.layout import CacheLayout, dtype_name
 from kvdrop_sdk.protocol import RpcClient, RpcError, server_hint
@@ -25,6 +33,10 @@ from kvdrop_sdk.types import ModifyFnType
 from kvdrop_sdk.validate import is_number
 
 __all__ = ["Context", "ModifyFnType", "connect"]
+
+T = TypeVar("T")
+#: Error codes that mean "this server does not know what the context assumes": re-synchronise.
+_RESYNC_CODES = ("unregistered", "layout_changed")
 
 
 class Context:
@@ -74,6 +86,7 @@ class Context:
         self._requested_layout = layout
         self._layout: CacheLayout | None = None
         self._closed = False
+        self._sync_lock = threading.Lock()
         self._lookups: dict[str, int] = {}  # upstream's lookup sessions: request id -> tokens
         self.server_config = self._http_json("/config")
         _reject_lmcache_server(self.server_config, self.http_url, self.kind)
@@ -147,6 +160,54 @@ class Context:
         except ValueError as exc:
             raise SDKError(f"bad token ids: {exc}") from None
 
+    def _fetch_layout(self) -> CacheLayout:
+        """Register ``layout=`` (if given) and read the model's layout from the server."""
+        fields = self._fields()
+        fields.pop("salt")
+        try:
+            if self._requested_layout is not None:
+                self._rpc.call("register", {**fields, "layout": self._requested_layout.to_json()})
+            reply, _ = self._rpc.call("layout", fields)
+        except RpcError as exc:
+            raise SDKError(str(exc)) from None
+        try:
+            return CacheLayout.from_json(reply.get("layout"))
+        except ValueError as exc:
+            raise SDKError(f"server sent a bad layout: {exc}") from None
+
+    def _resync(self) -> None:
+        """Catch up with a restarted server (see the module docstring)."""
+        with self._sync_lock:
+            config = self._http_json("/config")
+            if config.get("chunk_size") != self.chunk_size:
+                raise SDKError(
+                    f"the server at {self.url} now uses chunk size {config.get('chunk_size')!r}, "
+                    f"not {self.chunk_size}; connect() again"
+                )
+            if config.get("instance") != self.transfer_ctx.instance:
+                self.transfer_ctx.remap(config)
+            self.server_config = config
+            layout = self._fetch_layout()
+            if self._layout is not None and layout != self._layout:
+                raise SDKError(
+                    f"the layout of {self.server_model_name!r} on the server changed from "
+                    f"{self._layout.to_json()} to {layout.to_json()} (restarted or re-registered); "
+                    "connect() again"
+                )
+            self._layout = layout
+
+    def _retry(self, call: Callable[[], T]) -> T:
+        """Run ``call``; after a server restart re-synchronise and run it once more."""
+        try:
+            return call()
+        except ServerRestartedError:
+            pass
+        except RpcError as exc:
+            if exc.code not in _RESYNC_CODES:
+                raise
+        self._resync()
+        return call()
+
     # -- public API ---------------------------------------------------------------------------
     @property
     def layout(self) -> CacheLayout:
@@ -158,18 +219,7 @@ class Context:
     def register_caches(self) -> CacheLayout:
         """Read this model's layout from the server; register ``layout=`` first if one was given."""
         self._check_open()
-        fields = self._fields()
-        fields.pop("salt")
-        try:
-            if self._requested_layout is not None:
-                self._rpc.call("register", {**fields, "layout": self._requested_layout.to_json()})
-            reply, _ = self._rpc.call("layout", fields)
-        except RpcError as exc:
-            raise SDKError(str(exc)) from None
-        try:
-            self._layout = CacheLayout.from_json(reply.get("layout"))
-        except ValueError as exc:
-            raise SDKError(f"server sent a bad layout: {exc}") from None
+        self._layout = self._fetch_layout()
         return self._layout
 
     def lookup(self, tokens: Sequence[int], cache_salt: str = "") -> int:
@@ -178,7 +228,8 @@ class Context:
         raw = self._encode(tokens)
         if len(raw) < self.chunk_size * TOKEN_BYTES:
             return 0
-        reply, _ = self._rpc.call("lookup", self._fields(cache_salt), [raw])
+        fields = self._fields(cache_salt)
+        reply, _ = self._retry(lambda: self._rpc.call("lookup", fields, [raw]))
         return int(reply["num_tokens"])
 
     def retrieve(
@@ -200,8 +251,11 @@ class Context:
         whole = len(raw) // (self.chunk_size * TOKEN_BYTES) * self.chunk_size * TOKEN_BYTES
         if whole == 0:
             return None
-        return self.transfer_ctx.retrieve(
-            self._fields(cache_salt), raw[:whole], layout, self.kind, self._lease_s
+        fields = self._fields(cache_salt)
+        return self._retry(
+            lambda: self.transfer_ctx.retrieve(
+                fields, raw[:whole], layout, self.kind, self._lease_s
+            )
         )
 
     def store(
@@ -215,6 +269,9 @@ class Context:
 
         ``kv`` is ``(2|1, L, T, width)`` with ``T == len(tokens)``; a tail shorter than a chunk is
         ignored. The first stored copy of a chunk wins. ``request_configs`` as in ``retrieve``.
+        When the server's pool is so full of pinned or reserved chunks that some chunks cannot be
+        kept, ``PartialStoreError`` (an SDKError) says how many were stored (a prefix) and how
+        many were dropped.
         """
         self._check_open()
         self._check_request_configs(request_configs)
@@ -244,8 +301,9 @@ class Context:
         kv = kv.detach()
         if kv.device.type != "cpu":
             kv = kv.cpu()
-        stored = self.transfer_ctx.store(
-            self._fields(cache_salt), kv, raw, layout, self.kind, self._lease_s
+        fields = self._fields(cache_salt)
+        stored = self._retry(
+            lambda: self.transfer_ctx.store(fields, kv, raw, layout, self.kind, self._lease_s)
         )
         return stored > 0
 

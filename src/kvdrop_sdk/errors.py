@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["BatchedStreamError", "CacheKindError", "RequestStreamError", "SDKError"]
+__all__ = [
+    "BatchedStreamError",
+    "CacheKindError",
+    "PartialStoreError",
+    "RequestStreamError",
+    "SDKError",
+    "ServerRestartedError",
+]
 
 
 class SDKError(RuntimeError):
@@ -15,6 +22,32 @@ class RequestStreamError(SDKError):
 
 class BatchedStreamError(SDKError):
     """One or more streams of a batch failed (the message lists each), or an id is unknown."""
+
+
+class PartialStoreError(SDKError):
+    """A store kept only some chunks (the server's pool was full of pinned or reserved chunks).
+
+    ``stored`` chunks are in the server (a prefix of the request), ``dropped`` are not,
+    ``duplicates`` were cached already. ``store()`` still returns False when every chunk was
+    cached already; it raises this instead of returning True when chunks were dropped.
+    """
+
+    def __init__(self, stored: int, dropped: int, duplicates: int = 0) -> None:
+        self.stored = stored
+        self.dropped = dropped
+        self.duplicates = duplicates
+        total = stored + dropped + duplicates
+        cached = f" ({duplicates} were cached already)" if duplicates else ""
+        super().__init__(
+            f"stored {stored} of {total} chunk(s){cached}: the server pool is full of pinned or "
+            f"reserved chunks and the last {dropped} were dropped; retry later or start the "
+            "server with a larger --l1-size-gb"
+        )
+
+
+class ServerRestartedError(SDKError):
+    """The server answering is not the one this context mapped (it restarted); nothing was read
+    or written through the old mapping. Contexts re-synchronise and retry once on their own."""
 
 
 class CacheKindError(SDKError, ValueError):

@@ -1,15 +1,19 @@
 """Wire protocol between SDK contexts and the kvdrop server (ZMQ DEALER -> ROUTER).
 
 A request is a multipart message ``[header, *payload]``: ``header`` is a small UTF-8 JSON object
-``{"v": 1, "op": ..., "rid": ..., ...}``; payload frames are raw bytes (token ids as little-endian
-int64, tensors as their contiguous bytes). A reply is ``[header, *payload]`` with ``"ok": true`` or
-``"ok": false, "code": ..., "error": ...`` and the request's ``rid``. Nothing is ever unpickled.
+``{"v": 1, "op": ..., "rid": ..., "client": ..., ...}``; payload frames are raw bytes (token ids as
+little-endian int64, tensors as their contiguous bytes). A reply is ``[header, *payload]`` with
+``"ok": true`` or ``"ok": false, "code": ..., "error": ...``, the request's ``rid`` and the server's
+``instance`` (random per server start: a client tells a restarted server from the one it mapped).
+``client`` is a random token per ``RpcClient``: the server binds leases to it. ``zmq.REQ`` peers
+work too (the server echoes their empty delimiter frame). Nothing is ever unpickled.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -86,6 +90,8 @@ def decode_header(raw: bytes | memoryview) -> dict[str, Any]:
         value = json.loads(bytes(raw).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError("bad_header", f"header is not UTF-8 JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("bad_header", "header JSON is nested too deeply") from None
     if not isinstance(value, dict):
         raise ProtocolError(
             "bad_header", f"header must be a JSON object, got {type(value).__name__}"
@@ -93,10 +99,17 @@ def decode_header(raw: bytes | memoryview) -> dict[str, Any]:
     return value
 
 
-def error_reply(rid: Any, code: str, message: str) -> bytes:
-    """Header of an error reply."""
+def error_reply(rid: Any, code: str, message: str, instance: str | None = None) -> bytes:
+    """Header of an error reply (``instance``: the answering server's instance id)."""
     return encode_header(
-        {"v": PROTOCOL_VERSION, "rid": rid, "ok": False, "code": code, "error": message}
+        {
+            "v": PROTOCOL_VERSION,
+            "rid": rid,
+            "ok": False,
+            "code": code,
+            "error": message,
+            "instance": instance,
+        }
     )
 
 
@@ -113,14 +126,19 @@ class RpcClient:
     """Thread-safe request/reply client: one DEALER socket per in-flight call, from a pool.
 
     A call that gets no reply within ``timeout`` raises SDKError and throws its socket away, so a
-    late reply can never be read as the answer to another request.
+    late reply can never be read as the answer to another request. Sockets come from the
+    process-wide ZMQ context, which is never terminated here: an unclosed client that the garbage
+    collector finds in a reference cycle is freed without blocking (terminating a private context
+    waits for sockets that the same collection has not closed yet). ``client_id`` is sent with
+    every request; the server binds the leases it hands out to it.
     """
 
     def __init__(self, url: str, timeout: float, http_url: str | None = None) -> None:
         self.url = url
         self.timeout = timeout
+        self.client_id = secrets.token_hex(16)
         self._hint = server_hint(url, http_url)
-        self._zctx = zmq.Context()
+        self._zctx = zmq.Context.instance()
         self._free: list[zmq.Socket] = []
         self._lock = threading.Lock()
         self._rids = itertools.count(1)
@@ -179,7 +197,13 @@ class RpcClient:
             for op, fields, frames in calls:
                 rid = next(self._rids)
                 rids.append(rid)
-                header = {"v": PROTOCOL_VERSION, "op": op, "rid": rid, **fields}
+                header = {
+                    "v": PROTOCOL_VERSION,
+                    "op": op,
+                    "rid": rid,
+                    "client": self.client_id,
+                    **fields,
+                }
                 sock.send_multipart([encode_header(header), *frames], copy=False)
             deadline = time.monotonic() + wait
             while len(replies) < len(rids):
@@ -225,7 +249,7 @@ class RpcClient:
         self.close()
 
     def close(self) -> None:
-        """Close every pooled socket and the ZMQ context (idempotent)."""
+        """Close every pooled socket (idempotent); the shared ZMQ context stays."""
         with self._lock:
             if self._closed:
                 return
@@ -233,4 +257,3 @@ class RpcClient:
             socks, self._free = self._free, []
         for sock in socks:
             sock.close(0)
-        self._zctx.term()

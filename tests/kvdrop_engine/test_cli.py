@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -106,9 +108,22 @@ def test_engine_subprocess_serves_and_stops_on_sigterm(engine_proc: EngineProces
     ).json()
     assert body["usage"]["completion_tokens"] == 3
 
+    # A client that resets the connection in the middle of its request: one log line.
+    with socket.create_connection(("127.0.0.1", engine_proc.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 50\r\n\r\n{")
+        time.sleep(0.3)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    deadline = time.monotonic() + 20
+    while "disconnected" not in engine_proc.log():
+        assert time.monotonic() < deadline, engine_proc.log()
+        time.sleep(0.1)
+
     assert engine_proc.stop(signal.SIGTERM) == 0
     log = engine_proc.log()
     assert "kvdrop engine: stopped" in log, log
+    assert "Traceback" not in log, log
+    (line,) = [x for x in log.splitlines() if "disconnected" in x]
+    assert line.startswith("kvdrop engine: client 127.0.0.1:"), line
     with pytest.raises(requests.exceptions.ConnectionError):
         requests.get(engine_proc.url + "/health", timeout=2)
 
@@ -275,7 +290,16 @@ def _hf_folder(root: Path) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.save(str(folder / "tokenizer.json"))
+    config = {"chat_template": CHAT_TEMPLATE, "bos_token": None, "eos_token": "<eos>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
+
+
+#: A small chat template in the HF style (jinja over ``messages``).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 def test_engine_serves_an_hf_folder_with_text_prompts(tmp_path: Path) -> None:
@@ -334,3 +358,49 @@ def test_default_model_answers_over_http(tmp_path: Path) -> None:
         if proc.proc.poll() is None:
             proc.proc.kill()
             proc.proc.wait()
+
+
+def test_openai_client_chats_with_an_hf_folder(tmp_path: Path) -> None:
+    """The official client against `kvdrop engine`: chat through the folder's chat template
+    (tokenizer_config.json), plain and streamed, and completions, as an in-process engine."""
+    openai = pytest.importorskip("openai")
+    from kvdrop_engine.engine import Engine
+    from kvdrop_engine.loading import load_checkpoint
+    from kvdrop_engine.tokenizer import JSONTokenizer
+
+    folder = _hf_folder(tmp_path)
+    tok = JSONTokenizer(folder / "tokenizer.json")
+    question = [{"role": "user", "content": "héllo"}]
+    prompt = tok.apply_chat_template(question)
+    assert tok.decode(prompt) == "<user>héllo\n<assistant>"
+    params = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with Engine(load_checkpoint(folder)) as eng:
+        want = eng.generate(prompt, params)
+        want_plain = eng.generate(tok.encode("héllo"), params)
+    proc = EngineProcess(tmp_path, "--model", str(folder), "--return-tokens-as-token-ids")
+    try:
+        proc.wait_healthy()
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0)
+        extra = {"ignore_eos": True}
+        reply = client.chat.completions.create(
+            model="tiny-llama", messages=question, max_tokens=6, temperature=0,
+            logprobs=True, extra_body=extra,
+        )  # fmt: skip
+        stream = client.chat.completions.create(
+            model="tiny-llama", messages=question, max_tokens=6, temperature=0,
+            stream=True, extra_body=extra,
+        )  # fmt: skip
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream)
+        plain = client.completions.create(
+            model="tiny-llama", prompt="héllo", max_tokens=6, temperature=0, extra_body=extra
+        )
+        assert proc.stop() == 0
+    finally:
+        if proc.proc.poll() is None:
+            proc.proc.kill()
+            proc.proc.wait()
+    (choice,) = reply.choices
+    assert [t.token for t in choice.logprobs.content] == [f"token_id:{t}" for t in want]
+    assert choice.message.content == streamed == tok.decode(want)
+    assert reply.usage.prompt_tokens == len(prompt)
+    assert plain.choices[0].text == tok.decode(want_plain)

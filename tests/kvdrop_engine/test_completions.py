@@ -1,4 +1,4 @@
-"""Completions requests and responses without a socket: parsing rules and response bodies."""
+"""Completions and chat requests and responses without a socket: parsing rules and bodies."""
 
 from __future__ import annotations
 
@@ -11,10 +11,13 @@ from hypothesis import strategies as st
 
 from kvdrop_engine.completions import (
     BadRequestError,
+    ChatCompletionBuilder,
     CompletionBuilder,
+    parse_chat_request,
     parse_completion_request,
 )
-from kvdrop_sdk.adapters.openai import parse_token_id_text
+from kvdrop_engine.tokenizer import TokenizerError
+from kvdrop_sdk.adapters.openai import parse_token_id_text, token_id_text
 from kvdrop_sdk.events import TokenEvent
 
 VOCAB = 1000
@@ -112,3 +115,192 @@ def test_parse_never_fails_with_anything_but_bad_request(body: Any) -> None:
     assert set(req.sampling_params) <= {
         "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop_token_ids"
     }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat completions
+# ---------------------------------------------------------------------------------------------
+
+
+class ChatTokenizer(CharTokenizer):
+    """Characters as tokens, and a chat template that writes ``<role>content|`` per message."""
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}|" for m in messages)
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+
+
+def chat(body: Any, **kw: Any) -> Any:
+    kw.setdefault("tokenizer", ChatTokenizer())
+    kw.setdefault("vocab_size", VOCAB)
+    return parse_chat_request(body, model_name="m", **kw)
+
+
+def test_chat_messages_go_through_the_template() -> None:
+    req = chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert req.chat and req.prompt_token_ids == ChatTokenizer().encode("<user>hi|<assistant>")
+    assert req.sampling_params == {"max_tokens": 3} and req.logprobs is None
+    # OpenAI's list form of content, and no generation prompt when asked
+    parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
+    req = chat(
+        {
+            "messages": [{"role": "user", "content": parts}],
+            "add_generation_prompt": False,
+            "max_completion_tokens": 2,
+        }
+    )
+    assert req.prompt_token_ids == ChatTokenizer().encode("<user>hi|") and req.max_tokens == 2
+
+
+def test_chat_max_tokens_default_is_the_rest_of_the_context() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    prompt = len("<user>hi|<assistant>")
+    assert chat({"messages": messages}, max_model_len=100).max_tokens == 100 - prompt
+    assert chat({"messages": messages}).max_tokens == 512  # context length unknown
+    with pytest.raises(BadRequestError, match="fills the model's context length"):
+        chat({"messages": messages}, max_model_len=prompt)
+    with pytest.raises(BadRequestError, match="exceeds the model's context length") as info:
+        chat({"messages": messages, "max_completion_tokens": 90}, max_model_len=100)
+    assert info.value.param == "max_completion_tokens"
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({}, "'messages' is required"),
+        ({"messages": []}, "'messages' is required"),
+        ({"messages": ["hi"]}, "messages[0] must be an object"),
+        ({"messages": [{"content": "hi"}]}, "messages[0] must be an object"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content must be a string"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "only text parts",
+        ),
+        (
+            {"messages": [{"role": "assistant", "content": "", "tool_calls": []}]},
+            "tool calls are not supported",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "unknown field(s) 'tools'"),
+        ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "unknown field(s)"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 0}, "needs 'logprobs'"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2},
+            "only 'top_logprobs': 0",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": 0}, "must be true or false"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "'n' must be 1"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": ["."]}, "stop strings"),
+    ],
+)
+def test_chat_bad_requests_say_what_is_wrong(body: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(BadRequestError) as info:
+        chat(body)
+    assert fragment in str(info.value) and info.value.status == 400
+
+
+def test_chat_needs_a_tokenizer_with_a_template() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(BadRequestError, match="no tokenizer with a chat template"):
+        chat(body, tokenizer=None)
+    with pytest.raises(BadRequestError, match="no tokenizer with a chat template"):
+        chat(body, tokenizer=CharTokenizer())
+
+    class Refusing(CharTokenizer):
+        def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True) -> Any:
+            raise TokenizerError("chat template error: roles must alternate")
+
+    with pytest.raises(BadRequestError, match=r"cannot apply the chat template: .*alternate"):
+        chat(body, tokenizer=Refusing())
+    with pytest.raises(BadRequestError, match="outside the model's vocabulary"):
+        chat(body, vocab_size=50)  # '<' is token 60
+    with pytest.raises(BadRequestError, match="does not exist") as info:
+        chat({**body, "model": "other"})
+    assert info.value.status == 404
+
+
+def test_chat_builder_body_and_chunks() -> None:
+    tok = ChatTokenizer()
+    req = chat(
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "logprobs": True},
+        return_tokens_as_token_ids=True,
+    )
+    build = ChatCompletionBuilder(req, "m", tokenizer=tok)
+    (role,) = build.preamble()
+    assert role["object"] == "chat.completion.chunk" and role["id"].startswith("chatcmpl-")
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    eos = ord("$")
+    pieces = [build.add(TokenEvent(t, chr(t))) for t in map(ord, "ok")]
+    # the token that stops the reply (EOS or a stop id) is listed but is not content
+    pieces.append(build.add(TokenEvent(eos, "$", "stop")))
+    chunks = [build.chunk(p) for p in pieces]
+    assert [c["choices"][0]["delta"] for c in chunks] == [
+        {"content": "o"},
+        {"content": "k"},
+        {"content": ""},
+    ]
+    assert [c["choices"][0]["logprobs"]["content"][0]["token"] for c in chunks] == [
+        token_id_text(t) for t in (ord("o"), ord("k"), eos)
+    ]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    body = build.body()
+    assert body["object"] == "chat.completion" and body["id"] == role["id"]
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "ok"}
+    assert choice["finish_reason"] == "stop"
+    assert [t["token"] for t in choice["logprobs"]["content"]] == [
+        token_id_text(t) for t in (ord("o"), ord("k"), eos)
+    ]
+    assert body["usage"] == {
+        "prompt_tokens": len(req.prompt_token_ids),
+        "completion_tokens": 3,
+        "total_tokens": len(req.prompt_token_ids) + 3,
+    }
+    assert build.usage_chunk()["choices"] == [] and build.usage_chunk()["usage"] == body["usage"]
+    assert build.chunk(finish="length")["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "length",
+    }
+
+
+def test_chat_builder_without_logprobs_or_tokens_as_ids() -> None:
+    req = chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    build = ChatCompletionBuilder(req, "m", tokenizer=ChatTokenizer())
+    build.add(TokenEvent(ord("a"), "a"))
+    piece = build.add(TokenEvent(ord("b"), "b"))
+    assert piece.finish == "length"  # max_tokens reached, text kept
+    body = build.body()
+    assert body["choices"][0]["message"]["content"] == "ab"
+    assert body["choices"][0]["logprobs"] is None
+
+
+_chat_fields = st.sampled_from(
+    ["messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stop", "stream",
+     "stream_options", "logprobs", "top_logprobs", "n", "model", "add_generation_prompt",
+     "cache_salt", "tools"]
+)  # fmt: skip
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant"]) | _json, "content": _json}
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    body=st.dictionaries(_chat_fields, _json, max_size=6)
+    | st.fixed_dictionaries(
+        {"messages": st.lists(_message | _json, max_size=3)},
+        optional={"max_tokens": _json, "logprobs": _json, "top_logprobs": _json},
+    )
+    | _json
+)
+def test_chat_parse_never_fails_with_anything_but_bad_request(body: Any) -> None:
+    try:
+        req = chat(body, max_model_len=4096)
+    except BadRequestError as exc:
+        assert str(exc) and 400 <= exc.status < 500
+        return
+    assert req.chat and req.prompt_token_ids and req.max_tokens >= 1
+    assert len(req.prompt_token_ids) + req.max_tokens <= 4096

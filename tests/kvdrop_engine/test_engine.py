@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import queue
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Sequence
 
 import pytest
 import torch
 
-from kvdrop_engine.engine import Engine, _Request, plan_step
+from kvdrop_engine.engine import Engine, _Request, _stop_running_engines, plan_step
 from kvdrop_engine.errors import EngineError, InvalidRequestError, RequestTooLargeError
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer, generate
@@ -244,6 +247,49 @@ def test_plan_step_puts_decodes_first_and_caps_prefill_tokens() -> None:
     assert plan.stepped == [(b, 1), (a, 10), (c, 2)]  # c gets what is left of the budget
     assert plan.sampled == [b, a]  # a's prompt ends in this step, c's does not
     assert plan.sample_rows == [0, 10]
+
+
+def test_engines_never_stopped_are_stopped_at_exit(model: Transformer) -> None:
+    engine = Engine(model)
+    first = engine.generate([5, 6, 7], {"max_tokens": 2, **GREEDY})
+    thread = engine._thread
+    assert thread is not None and thread.is_alive()
+    _stop_running_engines()  # what atexit runs
+    assert not thread.is_alive()
+    # as after stop(): a new request starts the loop again
+    assert engine.generate([5, 6, 7], {"max_tokens": 2, **GREEDY}) == first
+    engine.stop()
+
+
+def test_a_program_that_never_stops_its_engine_exits_cleanly() -> None:
+    """Without stop() the loop thread died at interpreter teardown inside a torch call: exit code
+    134 every time the program ended while a request was running, about half the time when
+    idle. Both programs must exit 0."""
+    program = textwrap.dedent(
+        """
+        from kvdrop_engine.engine import Engine
+        from kvdrop_engine.loading import preset_config
+        from kvdrop_engine.model import Transformer
+
+        engine = Engine(Transformer.random(preset_config("tiny"), seed=0))
+        print(engine.generate([1, 2, 3], {"max_tokens": 4, "temperature": 0}))
+        if BUSY:  # leave with a long request still decoding
+            events = engine.post_completion([1, 2, 3], {"max_tokens": 4000, "ignore_eos": True})
+            print(next(iter(events)).token_id)
+        """
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", f"BUSY = {busy}\n{program}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for busy in (True, False)
+    ]
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err.decode()[-2000:]
+        assert out.decode().startswith("[")
 
 
 def test_stats_count_decode_only_steps_and_the_tokens_they_read(model: Transformer) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -143,9 +145,11 @@ def test_stats_route_only_when_configured(
 
 def test_unknown_routes_and_methods(server: CompletionHTTPServer) -> None:
     r = requests.get(server.url + "/v1/chat", timeout=10)
-    assert r.status_code == 404 and "/v1/completions" in r.json()["error"]["message"]
-    r = requests.get(server.url + "/v1/completions", timeout=10)
-    assert r.status_code == 405
+    message = r.json()["error"]["message"]
+    assert r.status_code == 404
+    assert "POST /v1/completions" in message and "POST /v1/chat/completions" in message
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        assert requests.get(server.url + route, timeout=10).status_code == 405
     r = requests.post(server.url + "/health", json={}, timeout=10)
     assert r.status_code == 405
 
@@ -524,3 +528,187 @@ def test_server_rejects_bad_configuration(engine: CountingEngine) -> None:
         CompletionHTTPServer(engine, model_name="", port=0)
     with pytest.raises(ValueError, match="needs a tokenizer"):
         CompletionHTTPServer(engine, model_name="m", port=0, detokenize=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat completions, and the official openai client on both routes
+# ---------------------------------------------------------------------------------------------
+
+
+class ChatTokenizer(CharTokenizer):
+    """Characters as tokens; the template writes ``<role>content|`` per message."""
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}|" for m in messages)
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+
+
+@pytest.fixture
+def chat_server(engine: CountingEngine) -> Iterator[CompletionHTTPServer]:
+    with CompletionHTTPServer(
+        engine,
+        model_name="counting",
+        tokenizer=ChatTokenizer(),
+        port=0,
+        return_tokens_as_token_ids=True,
+        vocab_size=VOCAB,
+        max_model_len=100,
+    ) as srv:
+        yield srv
+
+
+QUESTION = [{"role": "user", "content": "hi"}]
+PROMPT = ChatTokenizer().encode("<user>hi|<assistant>")  # last token '>' = 62: replies 63, 64, ...
+
+
+def test_chat_over_http(chat_server: CompletionHTTPServer, engine: CountingEngine) -> None:
+    body = {"messages": QUESTION, "max_tokens": 3, "temperature": 0, "cache_salt": "s"}
+    r = requests.post(chat_server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    assert reply["object"] == "chat.completion" and reply["model"] == "counting"
+    assert reply["choices"][0]["message"] == {"role": "assistant", "content": "<63><64><65>"}
+    assert reply["choices"][0]["finish_reason"] == "length"
+    assert engine.calls == [(PROMPT, {"max_tokens": 3, "temperature": 0.0}, "s")]
+    # default max_tokens: the rest of the context (max_model_len 100)
+    r = requests.post(
+        chat_server.url + "/v1/chat/completions", json={"messages": QUESTION}, timeout=30
+    )
+    assert engine.calls[-1][1] == {"max_tokens": 100 - len(PROMPT)}
+    assert r.json()["usage"]["total_tokens"] <= 100
+
+
+def test_chat_errors_over_http(
+    chat_server: CompletionHTTPServer, server: CompletionHTTPServer
+) -> None:
+    r = requests.post(chat_server.url + "/v1/chat/completions", json={"messages": "hi"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    # a server without a chat template says where to go instead
+    r = requests.post(server.url + "/v1/chat/completions", json={"messages": QUESTION}, timeout=30)
+    assert r.status_code == 400 and "/v1/completions" in r.json()["error"]["message"]
+
+
+def test_openai_client_completions(server: CompletionHTTPServer) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["counting"]
+    reply = client.completions.create(
+        model="counting", prompt=[5, 6, 7], max_tokens=3, temperature=0, logprobs=0
+    )
+    (choice,) = reply.choices
+    assert choice.text == "<8><9><10>" and choice.finish_reason == "length"
+    assert choice.logprobs.tokens == ["token_id:8", "token_id:9", "token_id:10"]
+    assert reply.usage.prompt_tokens == 3 and reply.usage.completion_tokens == 3
+    stream = client.completions.create(
+        model="counting", prompt=[997], max_tokens=5, logprobs=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    tokens = [c.choices[0].logprobs.tokens[0] for c in chunks if c.choices]
+    assert tokens == ["token_id:998", "token_id:999"]  # 999 is EOS
+    assert [c.choices[0].finish_reason for c in chunks if c.choices] == [None, "stop"]
+    assert chunks[-1].usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError, match="max_token"):
+        client.completions.create(model="counting", prompt=[1], extra_body={"max_token": 3})
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt=[1])
+
+
+def test_openai_client_chat(chat_server: CompletionHTTPServer) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=chat_server.url + "/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(
+        model="counting", messages=QUESTION, max_tokens=3, temperature=0, logprobs=True
+    )
+    (choice,) = reply.choices
+    assert choice.message.role == "assistant" and choice.message.content == "<63><64><65>"
+    assert [t.token for t in choice.logprobs.content] == [
+        "token_id:63",
+        "token_id:64",
+        "token_id:65",
+    ]
+    assert reply.usage.prompt_tokens == len(PROMPT)
+    stream = client.chat.completions.create(
+        model="counting", messages=QUESTION, max_completion_tokens=2, stream=True, logprobs=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    deltas = [(c.choices[0].delta.role, c.choices[0].delta.content) for c in chunks if c.choices]
+    assert deltas == [("assistant", ""), (None, "<63>"), (None, "<64>")]
+    tokens = [
+        c.choices[0].logprobs.content[0].token
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+    ]
+    assert tokens == ["token_id:63", "token_id:64"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(
+            model="counting",
+            messages=QUESTION,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Clients that go away: one log line, no traceback
+# ---------------------------------------------------------------------------------------------
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with RST (SO_LINGER 0), as a killed client does."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def test_disconnects_are_one_log_line(
+    server: CompletionHTTPServer,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvdrop_engine.http")
+    # reset while the server reads the body
+    sock = socket.create_connection((server.host, server.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{")
+    time.sleep(0.2)
+    _reset(sock)
+    # reset in the middle of a stream
+    sock = socket.create_connection((server.host, server.port))
+    data = json.dumps({"prompt": [1], "max_tokens": 20_000, "stream": True, "ignore_eos": True})
+    head = f"POST /v1/completions HTTP/1.1\r\nContent-Length: {len(data)}\r\n\r\n"
+    sock.sendall(head.encode() + data.encode())
+    sock.recv(100)
+    _reset(sock)
+    deadline = time.monotonic() + 10
+    while len([r for r in caplog.records if "disconnected" in r.getMessage()]) < 2:
+        assert time.monotonic() < deadline, caplog.text
+        time.sleep(0.05)
+    lines = [r for r in caplog.records if "disconnected" in r.getMessage()]
+    assert all(r.levelno == logging.INFO and r.exc_info is None for r in lines)
+    assert all("\n" not in r.getMessage() for r in lines)
+    assert any("request cancelled" in r.getMessage() for r in lines)
+    assert "Traceback" not in capsys.readouterr().err
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_keep_alive_closed_between_requests_is_not_a_disconnect(
+    server: CompletionHTTPServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pooled client dropping its idle connection (RST) after a full answer logs nothing."""
+    caplog.set_level(logging.INFO, logger="kvdrop_engine.http")
+    sock = socket.create_connection((server.host, server.port))
+    data = json.dumps({"prompt": [1, 2], "max_tokens": 2})
+    head = f"POST /v1/completions HTTP/1.1\r\nContent-Length: {len(data)}\r\n\r\n"
+    sock.sendall(head.encode() + data.encode())
+    reply = b""
+    while b'"usage"' not in reply:
+        chunk = sock.recv(65536)
+        assert chunk, reply
+        reply += chunk
+    _reset(sock)
+    # the server noticed the reset (its next read failed) and is still healthy
+    time.sleep(0.5)
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    assert not [r for r in caplog.records if "disconnected" in r.getMessage()], caplog.text

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvdrop_engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from kvdrop_engine.tokenizer import IncrementalDetokenizer, JSONTokenizer, Tokenizer, TokenizerError
 from kvdrop_engine.weights import find_smollm2_gguf
 
 SMOLLM2 = find_smollm2_gguf()
@@ -140,6 +142,46 @@ def test_template_runs_sandboxed() -> None:
     tok = Tokenizer(_tiny_meta(**{"tokenizer.chat_template": evil}))
     with pytest.raises(TokenizerError, match=r"unsafe"):
         tok.render_chat([{"role": "user", "content": "x"}])
+
+
+def _json_tokenizer(folder: Path, config: dict[str, Any] | None) -> JSONTokenizer:
+    """A byte-level BPE tokenizer.json (no merges) and, if given, a tokenizer_config.json."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tk = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.save(str(folder / "tokenizer.json"))
+    if config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return JSONTokenizer(folder / "tokenizer.json")
+
+
+def test_json_tokenizer_chat_template_from_tokenizer_config(tmp_path: Path) -> None:
+    pytest.importorskip("tokenizers")
+    template = (
+        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    )
+    tok = _json_tokenizer(
+        tmp_path,
+        {
+            # the list form (named templates) and AddedToken dicts, as transformers writes them
+            "chat_template": [{"name": "default", "template": template + "{{ eos_token }}"}],
+            "bos_token": {"content": "<s>", "special": True},
+            "eos_token": "</s>",
+        },
+    )
+    ids = tok.apply_chat_template([{"role": "user", "content": "hé"}])
+    assert tok.decode(ids) == "<s>[user]hé</s>"
+    assert tok.decode(tok.apply_chat_template([{"role": "user", "content": "x"}], False)) == (
+        "<s>[user]x</s>"
+    )
+    (tmp_path / "plain").mkdir()
+    plain = _json_tokenizer(tmp_path / "plain", None)
+    with pytest.raises(TokenizerError, match=r"no chat_template in tokenizer_config\.json"):
+        plain.apply_chat_template([{"role": "user", "content": "x"}])
 
 
 class ByteTokenizer:

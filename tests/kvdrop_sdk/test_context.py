@@ -225,12 +225,13 @@ def test_unregistered_model_says_how_to_register(kv_server: ServerHandle, model_
 def test_layout_registered_once_then_read_by_other_contexts(
     kv_server: ServerHandle, model_name: str
 ) -> None:
-    with sdk.kvcache.connect(kv_server.url, kv_server.http_url, model_name, 30, layout=LAYOUT):
-        pass
+    with sdk.kvcache.connect(kv_server.url, kv_server.http_url, model_name, 30, layout=LAYOUT) as c:
+        assert c.store(make(CacheKind.KV, LAYOUT, CHUNK), tokens_for(CHUNK))
     with sdk.connect("kv", kv_server.url, kv_server.http_url, model_name, 30) as ctx:
         assert ctx.layout == LAYOUT
     other = CacheLayout(2, 2, 16, torch.float16)
-    with pytest.raises(SDKError, match="registered with"):
+    # Chunks are stored under the layout: another one is refused (see docs/sdk/server.md).
+    with pytest.raises(SDKError, match=r"registered with .* holds 1 chunk"):
         sdk.kvcache.connect(kv_server.url, kv_server.http_url, model_name, 30, layout=other)
 
 

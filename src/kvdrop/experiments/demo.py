@@ -7,6 +7,8 @@ lmcache``, runs the engine's LMCache backend against a real ``lmcache server``: 
 tokens with random weights), and runs baseline (prefill, decode) and dropped (prefill, modify with
 a policy, decode) on the same engine, whose KV budget fits every dropped request at once but not
 every baseline request. Prints the prefill / modify / decode tables and a summary, or ``--json``.
+User errors (bad flags, a missing or unreadable model, a pool the machine cannot hold) are one
+line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["DemoSetupError", "add_arguments", "run"]
+
+
+class DemoSetupError(ValueError):
+    """The flags or the machine cannot run the demo; the message says what to change."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,8 +126,9 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import kvdrop
 
-    for flag in ("num_requests", "prompt_tokens", "max_tokens", "chunk_size"):
-        if getattr(args, flag) <= 0:
+    for flag in ("num_requests", "prompt_tokens", "max_tokens", "chunk_size", "threads"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
             print(f"kvdrop demo: error: --{flag.replace('_', '-')} must be > 0", file=sys.stderr)
             return 2
     if (args.url is None) != (args.http_url is None):
@@ -143,7 +150,11 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, KeyError, kvdrop.PolicyConflictError) as exc:
         print(f"kvdrop demo: error: {exc}", file=sys.stderr)
         return 2
-    report = _experiment(args, params, needs_query)
+    try:
+        report = _experiment(args, params, needs_query)
+    except DemoSetupError as exc:
+        print(f"kvdrop demo: error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -164,6 +175,7 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
     )
     from kvdrop_engine.connector import ServerConnector
     from kvdrop_engine.engine import Engine
+    from kvdrop_engine.errors import EngineSetupError
     from kvdrop_engine.loading import load_model
     from kvdrop_sdk import kvcache, qcache
     from kvdrop_sdk.progress import ProgressBar
@@ -179,7 +191,11 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
         dtype=args.dtype,
         device=args.device,
     )
-    model, tokenizer, model_name = load_model(model_args)
+    try:
+        model, tokenizer, model_name = load_model(model_args)
+    except (EngineSetupError, OSError, ValueError, ImportError, RuntimeError) as exc:
+        # Missing files, bad checkpoints, missing extras, an unavailable --device.
+        raise DemoSetupError(str(exc)) from None
     cfg = model.config
     log(
         f"model {model_name}: {cfg.num_layers} layers, {cfg.num_heads} query / "
@@ -202,8 +218,20 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
     budget, baseline_fit, dropped_fit = engine_budget(
         lengths, args.max_tokens, args.keep_ratio, args.chunk_size, block_size
     )
+    longest = f"{max(lengths)} prompt tokens + --max-tokens {args.max_tokens}"
+    if max(lengths) + args.max_tokens > cfg.max_position_embeddings:
+        raise DemoSetupError(
+            f"the longest request ({longest}) exceeds the model's context length "
+            f"{cfg.max_position_embeddings}; lower --prompt-tokens or --max-tokens"
+        )
     if args.kv_budget_tokens is not None:
         budget = args.kv_budget_tokens
+        need = -(-(max(lengths) + args.max_tokens - 1) // block_size) * block_size
+        if budget < need:
+            raise DemoSetupError(
+                f"--kv-budget-tokens {budget} cannot hold the longest request ({longest}: "
+                f"{need} tokens in blocks of {block_size}); give at least {need}"
+            )
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
     q_bytes = cfg.num_layers * cfg.num_heads * cfg.head_dim * model.dtype.itemsize
     full_q = needs_query and (args.query_capture == "full" or lmcache)
@@ -324,16 +352,22 @@ def _cache_server(
     from kvdrop_sdk.server.config import ServerConfig
     from kvdrop_sdk.server.pool import unique_shm_name
 
-    server = Server(
-        ServerConfig(
-            port=0,
-            http_port=0,
-            chunk_size=args.chunk_size,
-            l1_size_gb=pool_gb,
-            shm_name=unique_shm_name("kvdrop_demo"),
-            enable=("transfer_query",) if needs_query else (),
-        )
-    ).start()
+    try:
+        server = Server(
+            ServerConfig(
+                port=0,
+                http_port=0,
+                chunk_size=args.chunk_size,
+                l1_size_gb=pool_gb,
+                shm_name=unique_shm_name("kvdrop_demo"),
+                enable=("transfer_query",) if needs_query else (),
+            )
+        ).start()
+    except OSError as exc:
+        raise DemoSetupError(
+            f"cannot start the cache server with a {pool_gb:.2f} GiB pool in /dev/shm: {exc}; "
+            "use fewer or shorter prompts (--num-requests, --prompt-tokens)"
+        ) from None
     try:
         yield server.url, server.http_url, server.status_json
     finally:

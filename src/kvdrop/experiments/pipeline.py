@@ -19,7 +19,7 @@ from kvdrop.selector import Selector
 from kvdrop_sdk.batch import BatchedStream, ProgressCallback
 from kvdrop_sdk.context import Context
 from kvdrop_sdk.metrics import Metrics
-from kvdrop_sdk.request import create_request
+from kvdrop_sdk.request import RequestStream, create_request
 from kvdrop_sdk.types import ModifyFnType
 
 __all__ = [
@@ -133,6 +133,7 @@ class RunResult:
     correct: int | None = None
     engine: dict[str, int] = field(default_factory=dict)
     decode_prompt_lengths: list[int] = field(default_factory=list)
+    decode_prompts: list[list[int]] = field(default_factory=list, repr=False)
     #: Engine counters of prefill + modify (``engine`` holds the decode phase's).
     prefill_engine: dict[str, int] = field(default_factory=dict)
 
@@ -171,9 +172,21 @@ def run_pipeline(
     progress: Callable[[str], ProgressCallback | None] = lambda phase: None,
     modify_timeout: float = 600.0,
     modify_concurrency: int | None = None,
+    fresh_decode: bool = False,
+    suffixes: Sequence[Sequence[int]] | None = None,
 ) -> RunResult:
     """Prefill, optionally modify, then decode ``prompts`` through ``engine``'s post_completion.
-    ``modify_concurrency`` bounds the edits running at once (None: the batch's default)."""
+
+    ``modify_concurrency`` bounds the edits running at once (None: the batch's default).
+
+    By default decoding continues each stream after the token its prefill sampled (from the full
+    cache, as upstream's batched stream does). ``fresh_decode`` decodes instead from the stream's
+    prompt without that token (the kept tokens and the uncached tail after a modify), so every
+    output token comes from the edited cache; ``suffixes`` (one token list per prompt, e.g. a
+    question asked after compression) are appended to that prompt and imply ``fresh_decode``.
+    """
+    if suffixes is not None and len(suffixes) != len(prompts):
+        raise ValueError(f"{len(suffixes)} suffixes for {len(prompts)} prompts; give one each")
     batch = BatchedStream(
         max_concurrency=max(1, len(prompts)), modify_concurrency=modify_concurrency
     )
@@ -191,7 +204,10 @@ def run_pipeline(
         modify = batch.modify(modify_fn, timeout=modify_timeout)
     prefill_engine = engine.stats().to_dict()
     engine.reset_stats()
-    decode_lengths = [len(s.tokens) for s in streams]
+    if fresh_decode or suffixes is not None:
+        batch, streams = _fresh_streams(engine, contexts, streams, suffixes or [()] * len(streams))
+    decode_prompts = [s.tokens for s in streams]
+    decode_lengths = [len(t) for t in decode_prompts]
     batch.progress = progress(f"{name}: decode")
     decode = batch.decode(sampling)
     tokenizer = getattr(engine, "tokenizer", None)
@@ -210,10 +226,34 @@ def run_pipeline(
         engine=engine.stats().to_dict(),
         decode_prompt_lengths=decode_lengths,
         prefill_engine=prefill_engine,
+        decode_prompts=decode_prompts,
     )
     if all(p.answer is not None for p in prompts) and tokenizer is not None:
         result.correct = sum(p.answer in t for p, t in zip(prompts, texts))
     return result
+
+
+def _fresh_streams(
+    engine: Any,
+    contexts: Sequence[Context],
+    streams: Sequence[RequestStream],
+    suffixes: Sequence[Sequence[int]],
+) -> tuple[BatchedStream, list[RequestStream]]:
+    """New streams over each stream's tokens minus the one its prefill sampled, plus a suffix;
+    the engine finds the (edited) cache under the same tokens and the stream's active salt."""
+    batch = BatchedStream(max_concurrency=max(1, len(streams)))
+    fresh = []
+    for s, suffix in zip(streams, suffixes):
+        if s.decoded_tokens != 1:
+            raise RuntimeError(
+                f"stream {s.request_stream_id} decoded {s.decoded_tokens} tokens before the "
+                "fresh decode; expected exactly the prefill's one"
+            )
+        tokens = s.tokens[:-1] + list(suffix)
+        stream = create_request(contexts, engine.post_completion, tokens, s.active_cache_salt)
+        batch.add(stream)
+        fresh.append(stream)
+    return batch, fresh
 
 
 def _until_eos(ids: list[int], eos: frozenset[int]) -> list[int]:

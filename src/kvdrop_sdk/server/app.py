@@ -3,13 +3,22 @@
 Requests arrive on ``tcp://host:port`` (ROUTER) and are forwarded to ``workers`` threads over an
 inproc DEALER; each worker answers one request at a time. Bulk copies happen outside the store's
 lock on pinned/reserved slots, so a slow copy never blocks bookkeeping for other clients.
+
+Every reply carries the server's ``instance`` id (random per start, also in the shm segment's
+header). A request larger than ``ServerConfig.max_message_bytes`` in all its frames together is
+refused (``oversized``) and freed before anything else happens; workers keep no reference to a
+request or a reply once it is answered, so pool slots pinned for a socket retrieve are released as
+soon as ZMQ has sent their bytes. Leases belong to the client token of the request that created
+them (or, without one, to the connection).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,13 +40,13 @@ from kvdrop_sdk.protocol import (
     error_reply,
 )
 from kvdrop_sdk.server.config import ServerConfig
-from kvdrop_sdk.server.pool import HEADER_BYTES, Pool
-from kvdrop_sdk.server.store import ChunkStore, StoreError
+from kvdrop_sdk.server.pool import HEADER_BYTES, Pool, check_pool_size, reap_stale_segments
+from kvdrop_sdk.server.store import INTERNAL_OWNER, ChunkStore, StoreError
 from kvdrop_sdk.server.windows import WindowStore, parse_put, reply_get, window_key
 from kvdrop_sdk.transport.buffers import copy_rows
 from kvdrop_sdk.validate import is_int, is_number
 
-__all__ = ["Server"]
+__all__ = ["Server", "ServerStartError"]
 
 log = logging.getLogger("kvdrop_sdk.server")
 
@@ -46,6 +55,27 @@ MAX_TOKEN_BYTES = TOKEN_BYTES * (1 << 24)
 _BACKEND = "inproc://kvdrop-workers"
 
 Reply = tuple[dict[str, Any], list[Any]]
+
+
+class ServerStartError(RuntimeError):
+    """The server cannot start; the one-line message says why and which flag to change."""
+
+
+def _split_envelope(parts: list[zmq.Frame]) -> tuple[list[zmq.Frame], list[zmq.Frame]]:
+    """(routing envelope, request) of a message from the ROUTER: DEALER peers send the request
+    right after their identity; ``zmq.REQ`` peers put an empty delimiter frame in between, which
+    must come back in the reply or REQ drops it."""
+    if len(parts) >= 3 and len(parts[1]) == 0:
+        return parts[:2], parts[2:]
+    return parts[:1], parts[1:]
+
+
+def _owner_of(header: dict[str, Any], peer: bytes) -> str:
+    """Who owns the leases a request creates: its client token, else its connection."""
+    client = header.get("client")
+    if isinstance(client, str) and 0 < len(client) <= 128:
+        return "c:" + client
+    return "p:" + peer.hex()
 
 
 def _field(header: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -103,10 +133,30 @@ class Server:
         """HTTP base address of /config, /status and /health."""
         return f"http://{self.config.host}:{self.http_port}"
 
+    @property
+    def instance(self) -> str | None:
+        """This start's instance id (sent in every reply and written in the segment header)."""
+        return self.pool.instance_id if self.pool else None
+
     def start(self) -> Server:
-        """Allocate the pool, bind the sockets and start the threads; returns self."""
+        """Allocate the pool, bind the sockets and start the threads; returns self.
+
+        Raises ``ServerStartError`` (one line: what is wrong, which flag to change) when the pool
+        does not fit, the shared-memory name is taken, or a port is in use. Segments left in
+        /dev/shm by servers that died are reclaimed first.
+        """
         cfg = self.config
-        self.pool = Pool(cfg.pool_bytes, cfg.shm_name, lazy=cfg.l1_use_lazy)
+        for path in reap_stale_segments():
+            log.info("removed %s, left behind by a server that died", path)
+        try:
+            check_pool_size(
+                cfg.pool_bytes + HEADER_BYTES,
+                shm=cfg.shm_name is not None,
+                lazy=cfg.l1_use_lazy,
+            )
+            self.pool = Pool(cfg.pool_bytes, cfg.shm_name, lazy=cfg.l1_use_lazy)
+        except (ValueError, FileExistsError) as exc:
+            raise ServerStartError(str(exc)) from None
         try:
             self.store = ChunkStore(HEADER_BYTES, self.pool.nbytes)
             # Query windows live on the heap beside the pool, bounded to a quarter of it.
@@ -116,15 +166,22 @@ class Server:
             frontend.setsockopt(zmq.LINGER, 0)
             frontend.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
             frontend.setsockopt(zmq.RCVBUF, SOCKET_BUFFER_BYTES)
-            # A frame bigger than the whole pool can never be stored: drop such peers early.
-            frontend.setsockopt(zmq.MAXMSGSIZE, max(cfg.pool_bytes, 1 << 26) + (1 << 20))
-            frontend.bind(f"tcp://{cfg.host}:{cfg.port or '*'}")
+            # A frame over the message limit can never be valid: drop such peers early.
+            frontend.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+            try:
+                frontend.bind(f"tcp://{cfg.host}:{cfg.port or '*'}")
+            except zmq.ZMQError as exc:
+                raise ServerStartError(_bind_error("--port", cfg.host, cfg.port, exc)) from None
             self.port = int(frontend.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
             backend = self._zctx.socket(zmq.DEALER)
             backend.setsockopt(zmq.LINGER, 0)
             backend.bind(_BACKEND)
-            self._http = ThreadingHTTPServer((cfg.host, cfg.http_port), _handler_for(self))
-            self._http.daemon_threads = True
+            try:
+                self._http = _HTTPServer((cfg.host, cfg.http_port), _handler_for(self))
+            except OSError as exc:
+                raise ServerStartError(
+                    _bind_error("--http-port", cfg.host, cfg.http_port, exc)
+                ) from None
             self.http_port = self._http.server_address[1]
         except BaseException:
             if self._zctx is not None:
@@ -202,40 +259,58 @@ class Server:
                 for item in [p for p in pending if p[0].done]:
                     pending.remove(item)
                     item[1]()
-                if not sock.poll(5 if pending else 100, zmq.POLLIN):
-                    continue
-                parts = sock.recv_multipart(copy=False)
-                if len(parts) < 2:
-                    continue  # no identity + header: nothing to answer
-                self._tls.after_send = None
-                reply = self.handle(parts[1:])
-                after_send = self._tls.after_send
-                try:
-                    if after_send is None:
-                        sock.send_multipart([parts[0], *reply], copy=False)
-                        continue
-                    frames = [zmq.Frame(f, copy=False, track=True) for f in reply[1:]]
-                    tracker = zmq.MessageTracker(*frames)
-                    sock.send_multipart([parts[0], reply[0], *frames], copy=False)
-                    pending.append((tracker, after_send))
-                except zmq.ZMQError:
-                    log.exception("could not send a reply")  # the worker keeps serving
-                    if after_send is not None:
-                        after_send()
+                if sock.poll(5 if pending else 100, zmq.POLLIN):
+                    self._serve_one(sock, pending)
         finally:
             sock.close(0)
             for _, after_send in pending:
                 after_send()
 
+    def _serve_one(
+        self, sock: zmq.Socket, pending: list[tuple[zmq.MessageTracker, Callable[[], None]]]
+    ) -> None:
+        """Receive, answer and forget one request. Everything it holds dies on return: a tracked
+        reply frame that stayed referenced would keep its pool slots pinned."""
+        parts = sock.recv_multipart(copy=False)
+        envelope, request = _split_envelope(parts)
+        if not request:
+            return  # no identity + header: nothing to answer
+        self._tls.after_send = None
+        reply = self.handle(request, peer=parts[0].bytes)
+        del parts, request
+        after_send, self._tls.after_send = self._tls.after_send, None
+        try:
+            if after_send is None:
+                sock.send_multipart([*envelope, *reply], copy=False)
+                return
+            frames = [zmq.Frame(f, copy=False, track=True) for f in reply[1:]]
+            tracker = zmq.MessageTracker(*frames)
+            sock.send_multipart([*envelope, reply[0], *frames], copy=False)
+            pending.append((tracker, after_send))
+        except zmq.ZMQError:
+            log.exception("could not send a reply")  # the worker keeps serving
+            if after_send is not None:
+                after_send()
+
     # -- request handling ----------------------------------------------------------------------
-    def handle(self, parts: list[zmq.Frame]) -> list[Any]:
-        """Answer one request (header + payload frames); never raises."""
+    def handle(self, parts: list[zmq.Frame], peer: bytes = b"") -> list[Any]:
+        """Answer one request (header + payload frames) from connection ``peer``; never raises."""
         rid: Any = None
+        self._tls.owner = ""
         with self._count_lock:
             self._requests += 1
         try:
+            total = sum(len(p) for p in parts)
+            limit = self.config.max_message_bytes
+            if total > limit:
+                raise ProtocolError(
+                    "oversized",
+                    f"message of {len(parts)} frames and {total} bytes is over the limit of "
+                    f"{limit} bytes (all frames together); split it into smaller requests",
+                )
             header = decode_header(parts[0].buffer)
             rid = header.get("rid")
+            self._tls.owner = _owner_of(header, peer)
             if header.get("v") != PROTOCOL_VERSION:
                 raise ProtocolError(
                     "bad_version",
@@ -249,6 +324,7 @@ class Server:
                 )
             fields, frames = handler(header, list(parts[1:]))
             reply = {"v": PROTOCOL_VERSION, "rid": rid, "ok": True, **fields}
+            reply["instance"] = self.instance
             return [encode_header(reply), *frames]
         except (ProtocolError, StoreError) as exc:
             code, message = exc.code, str(exc)
@@ -258,9 +334,9 @@ class Server:
         with self._count_lock:
             self._errors += 1
         try:
-            return [error_reply(rid, code, message)]
-        except (TypeError, ValueError):
-            return [error_reply(None, code, message)]
+            return [error_reply(rid, code, message, self.instance)]
+        except (TypeError, ValueError, RecursionError):
+            return [error_reply(None, code, message, self.instance)]
 
     def _model_kind(self, header: dict[str, Any]) -> tuple[str, CacheKind]:
         model = _field(header, "model", str)
@@ -292,6 +368,28 @@ class Server:
                 "head_dim, dtype) to connect() to register it yourself",
             )
         return layout
+
+    def _checked_layout(self, header: dict[str, Any], model: str, kind: CacheKind) -> CacheLayout:
+        """The registered layout; ``layout_changed`` when the request says it assumes another
+        (its client read the layout before a re-registration or a server restart)."""
+        layout = self._layout(model, kind)
+        assumed = header.get("layout")
+        if assumed is not None:
+            try:
+                same = CacheLayout.from_json(assumed) == layout
+            except ValueError as exc:
+                raise ProtocolError("bad_layout", f"bad layout: {exc}") from None
+            if not same:
+                raise StoreError(
+                    "layout_changed",
+                    f"model {model!r} kind {kind.value!r} is registered with {layout.to_json()}, "
+                    f"but the request assumes {assumed}; read the layout again (connect())",
+                )
+        return layout
+
+    @property
+    def _owner(self) -> str:
+        return str(getattr(self._tls, "owner", "") or "")
 
     def _keys(
         self, header: dict[str, Any], frames: list[zmq.Frame], model: str, kind: CacheKind
@@ -332,7 +430,7 @@ class Server:
             )
 
     def _op_ping(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
-        return {"instance": self.pool.instance_id if self.pool else None}, []
+        return {"instance": self.instance}, []
 
     def _op_register(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
         assert self.store is not None
@@ -341,7 +439,7 @@ class Server:
             layout = CacheLayout.from_json(header.get("layout"))
         except ValueError as exc:
             raise ProtocolError("bad_layout", f"bad layout: {exc}") from None
-        self.store.register(model, kind.value, layout)
+        self.store.register(model, kind.value, layout, owner=self._owner)
         return {"layout": layout.to_json()}, []
 
     def _op_layout(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
@@ -359,9 +457,9 @@ class Server:
         assert self.store is not None
         self._need_shm()
         model, kind = self._model_kind(header)
-        layout = self._layout(model, kind)
+        layout = self._checked_layout(header, model, kind)
         keys, _ = self._keys(header, frames, model, kind)
-        lid, slots = self.store.pin(keys, self._lease_s(header))
+        lid, slots = self.store.pin(keys, self._lease_s(header), owner=self._owner)
         return {
             "lease": lid,
             "offsets": [off for off, _ in slots],
@@ -371,16 +469,19 @@ class Server:
 
     def _op_release(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
         assert self.store is not None
-        return {"valid_chunks": self.store.release(_field(header, "lease", int))}, []
+        lease = _field(header, "lease", str)
+        return {"valid_chunks": self.store.release(lease, owner=self._owner)}, []
 
     def _op_reserve(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
         assert self.store is not None
         self._need_shm()
         model, kind = self._model_kind(header)
-        layout = self._layout(model, kind)
+        layout = self._checked_layout(header, model, kind)
         keys, _ = self._keys(header, frames, model, kind)
         nbytes = layout.nbytes(kind, self.config.chunk_size)
-        lid, slots, dup, dropped = self.store.reserve(keys, nbytes, self._lease_s(header))
+        lid, slots, dup, dropped = self.store.reserve(
+            keys, nbytes, self._lease_s(header), owner=self._owner, tag=(model, kind.value)
+        )
         return {
             "lease": lid,
             "chunks": [i for i, _ in slots],
@@ -392,20 +493,22 @@ class Server:
 
     def _op_commit(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
         assert self.store is not None
-        return {"stored": self.store.commit(_field(header, "lease", int))}, []
+        lease = _field(header, "lease", str)
+        return {"stored": self.store.commit(lease, owner=self._owner)}, []
 
     def _op_abort(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
         assert self.store is not None
-        self.store.abort(_field(header, "lease", int))
+        self.store.abort(_field(header, "lease", str), owner=self._owner)
         return {}, []
 
     def _op_get(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
         assert self.store is not None and self.pool is not None
         model, kind = self._model_kind(header)
-        layout = self._layout(model, kind)
+        layout = self._checked_layout(header, model, kind)
         keys, _ = self._keys(header, frames, model, kind)
-        # Pinned until ZMQ has sent the slots' bytes (no expiry: the worker unpins them).
-        lid, slots = self.store.pin(keys, float("inf"))
+        # Pinned until ZMQ has sent the slots' bytes (no expiry: the worker unpins them). The
+        # lease is the server's own: no client can release it early.
+        lid, slots = self.store.pin(keys, float("inf"), owner=INTERNAL_OWNER)
         if lid is None:
             return {"num_tokens": 0}, []
         try:
@@ -419,9 +522,10 @@ class Server:
                 for r in range(num_rows)
             ]
         except BaseException:
-            self.store.release(lid)
+            self.store.release(lid, owner=INTERNAL_OWNER)
             raise
-        self._tls.after_send = lambda: self.store.release(lid) if self.store else None
+        store = self.store
+        self._tls.after_send = lambda: store.release(lid, owner=INTERNAL_OWNER)
         shape = layout.shape(kind, len(slots) * self.config.chunk_size)
         return {
             "num_tokens": shape[2],
@@ -432,7 +536,7 @@ class Server:
     def _op_put(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
         assert self.store is not None
         model, kind = self._model_kind(header)
-        layout = self._layout(model, kind)
+        layout = self._checked_layout(header, model, kind)
         keys, num_tokens = self._keys(header, frames, model, kind)
         c = self.config.chunk_size
         if num_tokens % c:
@@ -473,7 +577,9 @@ class Server:
                 f"of {span} bytes each; got {len(data)} frames",
             )
         nbytes = layout.nbytes(kind, c)
-        lid, slots, dup, dropped = self.store.reserve(keys, nbytes, self.config.max_lease_s)
+        lid, slots, dup, dropped = self.store.reserve(
+            keys, nbytes, self.config.max_lease_s, owner=INTERNAL_OWNER, tag=(model, kind.value)
+        )
         if lid is None:
             return {"stored": 0, "duplicates": dup, "dropped": dropped}, []
         try:
@@ -483,9 +589,9 @@ class Server:
                     src = torch.frombuffer(data[i * num_rows + r].buffer, dtype=layout.dtype)
                     copy_rows(slot_rows[r], src)
         except BaseException:
-            self.store.abort(lid)
+            self.store.abort(lid, owner=INTERNAL_OWNER)
             raise
-        stored = self.store.commit(lid)
+        stored = self.store.commit(lid, owner=INTERNAL_OWNER)
         return {"stored": stored, "duplicates": dup, "dropped": dropped}, []
 
     def _op_put_window(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
@@ -515,13 +621,14 @@ class Server:
             "chunk_size": cfg.chunk_size,
             "shm_name": cfg.shm_name,
             "shm_bytes": self.pool.nbytes if self.pool else None,
-            "instance": self.pool.instance_id if self.pool else None,
+            "instance": self.instance,
             "features": list(cfg.enable),
             "l1_size_gb": cfg.l1_size_gb,
             "l1_bytes": cfg.pool_bytes,
             "l1_use_lazy": cfg.l1_use_lazy,
             "eviction_policy": cfg.eviction_policy.upper(),
             "workers": cfg.workers,
+            "max_message_bytes": cfg.max_message_bytes,
             "protocol_version": PROTOCOL_VERSION,
         }
 
@@ -539,10 +646,32 @@ class Server:
         }
 
 
+def _bind_error(flag: str, host: str, port: int, exc: Exception) -> str:
+    number = getattr(exc, "errno", None)
+    if number == errno.EADDRINUSE:
+        return f"{flag} {port} is in use on {host} (another server?); choose another {flag}"
+    return f"cannot bind {flag} {port} on {host}: {exc}"
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that left or stalled is one log line; anything else keeps its traceback."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.info("http client %s disconnected: %s", client_address, type(exc).__name__)
+        else:
+            log.exception("http request from %s failed", client_address)
+
+
 def _handler_for(server: Server) -> type[BaseHTTPRequestHandler]:
     """An HTTP handler class bound to ``server`` (GET /config, /status, /health)."""
 
     class Handler(BaseHTTPRequestHandler):
+        # Idle or half-sent requests are dropped after this long instead of holding a thread.
+        timeout = server.config.http_timeout_s
+
         def do_GET(self) -> None:
             """Answer /config, /status or /health as JSON; 404 with the known paths otherwise."""
             path = self.path.split("?", 1)[0].rstrip("/")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -76,6 +78,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write the bound ports as JSON to this file once serving (for launchers)",
     )
     parser.add_argument(
+        "--http-timeout-s",
+        type=float,
+        default=30.0,
+        help="drop an HTTP connection idle or half-sent for this long (default 30)",
+    )
+    parser.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="stop cleanly (unlinking the segment) when process PID exits; launchers such as "
+        "spawn_server pass their own pid so no server outlives them",
+    )
+    parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
 
@@ -98,7 +113,48 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         workers=args.workers,
         max_lease_s=args.max_lease_s,
         ready_file=args.ready_file,
+        http_timeout_s=args.http_timeout_s,
+        parent_pid=args.parent_pid,
     )
+
+
+def _pid_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def watch_parent(parent_pid: int, on_exit: Callable[[], None], interval: float = 0.25) -> None:
+    """Call ``on_exit`` (from a daemon thread) within ``interval`` s of process ``parent_pid``
+    exiting; at once if it is already gone.
+
+    Polling, not ``PR_SET_PDEATHSIG``: the kernel sends that signal when the parent *thread*
+    that started us exits, which would stop a server that a short-lived worker thread launched.
+    A parent that dies is noticed as our reparenting or as its pid vanishing.
+    """
+    import os
+    import threading
+
+    direct = os.getppid() == parent_pid
+
+    def gone() -> bool:
+        return (direct and os.getppid() != parent_pid) or not _pid_alive(parent_pid)
+
+    def poll() -> None:
+        while not gone():
+            time.sleep(interval)
+        on_exit()
+
+    if gone():
+        on_exit()
+        return
+    threading.Thread(target=poll, name="kvdrop-parent-watch", daemon=True).start()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
     import threading
 
-    from kvdrop_sdk.server.app import Server
+    from kvdrop_sdk.server.app import Server, ServerStartError
     from kvdrop_sdk.transport.buffers import tune_malloc
 
     tune_malloc()  # our own process: keep freed frame buffers for reuse
@@ -127,10 +183,15 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if config.parent_pid is not None:
+        watch_parent(config.parent_pid, stop.set)
+        if stop.is_set():
+            print(f"kvdrop server: parent process {config.parent_pid} is gone", file=sys.stderr)
+            return 1
     server = Server(config)
     try:
         server.start()
-    except OSError as exc:
+    except (ServerStartError, OSError) as exc:
         print(f"kvdrop server: cannot start: {exc}", file=sys.stderr)
         return 1
     try:

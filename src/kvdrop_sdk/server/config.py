@@ -32,6 +32,8 @@ class ServerConfig:
     workers: int = 4
     max_lease_s: float = 600.0
     ready_file: str | None = None
+    http_timeout_s: float = 30.0
+    parent_pid: int | None = None
 
     def __post_init__(self) -> None:
         self.enable = tuple(dict.fromkeys(self.enable))
@@ -62,11 +64,21 @@ class ServerConfig:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if not self.max_lease_s > 0:
             raise ValueError(f"--max-lease-s must be > 0, got {self.max_lease_s}")
+        if not self.http_timeout_s > 0:
+            raise ValueError(f"--http-timeout-s must be > 0, got {self.http_timeout_s}")
+        if self.parent_pid is not None and (not is_int(self.parent_pid) or self.parent_pid < 1):
+            raise ValueError(f"--parent-pid must be a process id, got {self.parent_pid}")
 
     @property
     def pool_bytes(self) -> int:
         """Size of the L1 pool in bytes."""
         return int(self.l1_size_gb * GIB)
+
+    @property
+    def max_message_bytes(self) -> int:
+        """Largest request accepted, all frames together (and so the largest single frame): the
+        pool or 64 MiB, whichever is larger, plus 16 MiB for token ids and headers."""
+        return max(self.pool_bytes, 64 << 20) + (16 << 20)
 
     @property
     def transfer_query(self) -> bool:

@@ -5,24 +5,42 @@ to readers) while its bytes are written, then *committed*. Readers *pin* committ
 lease; pinned or reserved chunks are never evicted. Leases expire so a crashed client cannot leak
 the pool; every allocation gets a fresh generation number so a reader whose lease expired can tell
 whether its chunks were evicted (and possibly overwritten) in the meantime.
+
+Leases are owned: their ids are 128 random bits and only the owner (the client token the request
+carried) may release, commit or abort one; anything else is answered like an id that never
+existed (``unknown_lease``). The ids of recently expired leases are remembered (bounded) so their
+owner learns "expired" rather than "unknown".
+
+Layouts: one per (model, kind). Registering the same layout again is a no-op; a different one
+replaces the registration only while no chunk of that (model, kind) is stored or being written
+(so a client that registered a wrong layout first cannot lock the real engine out), and is refused
+(``layout_conflict``) once chunks exist. At most ``max_layouts`` registrations are kept; when full,
+the least recently used registration without chunks makes room, else ``too_many_layouts``.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from kvdrop_sdk.layout import CacheLayout
 
-__all__ = ["ALIGN", "Allocator", "ChunkStore", "StoreError"]
+__all__ = ["ALIGN", "INTERNAL_OWNER", "MAX_LAYOUTS", "Allocator", "ChunkStore", "StoreError"]
 
 #: Slot offsets and sizes are rounded up to this many bytes (page aligned copies).
 ALIGN = 4096
+#: Owner of the server's own pins (socket retrieves); client owners never look like it.
+INTERNAL_OWNER = "server"
+#: Largest number of (model, kind) layout registrations kept.
+MAX_LAYOUTS = 1024
+_EXPIRED_MEMORY = 4096
+Tag = tuple[str, str]
 
 
 class StoreError(Exception):
@@ -88,6 +106,7 @@ class _Entry:
     offset: int
     nbytes: int
     gen: int
+    tag: Tag | None = None
     committed: bool = False
     pins: int = 0
 
@@ -97,7 +116,13 @@ class _Lease:
     write: bool
     items: list[tuple[bytes, int]]
     expiry: float
-    stored: int = 0
+    owner: str
+
+
+@dataclass
+class _Registration:
+    layout: CacheLayout
+    owner: str
 
 
 @dataclass
@@ -116,47 +141,76 @@ class _Stats:
 class ChunkStore:
     """Thread-safe map of chunk keys to pool slots: LRU eviction, leased pins and reservations."""
 
-    def __init__(self, start: int, end: int, clock: Any = time.monotonic) -> None:
+    def __init__(
+        self,
+        start: int,
+        end: int,
+        clock: Any = time.monotonic,
+        *,
+        max_layouts: int = MAX_LAYOUTS,
+    ) -> None:
         self._alloc = Allocator(start, end)
         self._entries: dict[bytes, _Entry] = {}
         self._lru: OrderedDict[bytes, None] = OrderedDict()
-        self._leases: dict[int, _Lease] = {}
-        self._layouts: dict[tuple[str, str], CacheLayout] = {}
+        self._leases: dict[str, _Lease] = {}
+        self._expired: OrderedDict[str, tuple[str, bool]] = OrderedDict()  # id -> (owner, write)
+        self._layouts: OrderedDict[Tag, _Registration] = OrderedDict()
+        self._tag_chunks: Counter[Tag] = Counter()
+        self.max_layouts = max_layouts
         self._gens = itertools.count(1)
-        self._lease_ids = itertools.count(1)
         self._clock = clock
         self._lock = threading.Lock()
         self.stats = _Stats()
 
     # -- layouts -------------------------------------------------------------------------------
-    def register(self, model: str, kind: str, layout: CacheLayout) -> CacheLayout:
-        """Register ``layout`` for (model, kind); re-registering a different layout is refused
-        (one without RoPE parameters matches one with them, which are kept)."""
+    def register(self, model: str, kind: str, layout: CacheLayout, owner: str = "") -> CacheLayout:
+        """Register ``layout`` for (model, kind) (see the module docstring for the rules); a
+        layout without RoPE parameters matches one with them, which are kept."""
+        tag = (model, kind)
         with self._lock:
-            old = self._layouts.get((model, kind))
+            old = self._layouts.get(tag)
             if old is not None:
                 try:
-                    layout = old.merged(layout)
+                    merged = old.layout.merged(layout)
                 except ValueError:
+                    pass
+                else:
+                    old.layout = merged
+                    self._layouts.move_to_end(tag)
+                    return merged
+            held = self._tag_chunks[tag]
+            if old is not None and held:
+                raise StoreError(
+                    "layout_conflict",
+                    f"model {model!r} kind {kind!r} is registered with {old.layout.to_json()}, "
+                    f"not {layout.to_json()}, and holds {held} chunk(s) stored under it; use "
+                    "another model name, or wait until its chunks are evicted",
+                )
+            if old is None and len(self._layouts) >= self.max_layouts:
+                idle = next((t for t in self._layouts if not self._tag_chunks[t]), None)
+                if idle is None:
                     raise StoreError(
-                        "layout_conflict",
-                        f"model {model!r} kind {kind!r} is registered with {old.to_json()}, "
-                        f"not {layout.to_json()}; restart the server to change a layout",
-                    ) from None
-            self._layouts[(model, kind)] = layout
+                        "too_many_layouts",
+                        f"{len(self._layouts)} layouts are registered and each holds chunks; "
+                        f"the server keeps at most {self.max_layouts}",
+                    )
+                del self._layouts[idle]
+            self._layouts[tag] = _Registration(layout, owner)
+            self._layouts.move_to_end(tag)
             return layout
 
     def layout(self, model: str, kind: str) -> CacheLayout | None:
         """The registered layout of (model, kind), or None."""
         with self._lock:
-            return self._layouts.get((model, kind))
+            reg = self._layouts.get((model, kind))
+            return None if reg is None else reg.layout
 
     def layouts(self) -> list[dict[str, Any]]:
         """Every registered layout as JSON rows."""
         with self._lock:
             return [
-                {"model": m, "kind": k, "layout": lay.to_json()}
-                for (m, k), lay in sorted(self._layouts.items())
+                {"model": m, "kind": k, "layout": reg.layout.to_json()}
+                for (m, k), reg in sorted(self._layouts.items())
             ]
 
     # -- internals (lock held) -----------------------------------------------------------------
@@ -164,9 +218,28 @@ class ChunkStore:
         now = self._clock()
         for lid in [lid for lid, lease in self._leases.items() if lease.expiry <= now]:
             self.stats.expired_leases += 1
-            self._end_lease(lid)
+            lease = self._end_lease(lid)
+            if lease is not None:
+                self._expired[lid] = (lease.owner, lease.write)
+                while len(self._expired) > _EXPIRED_MEMORY:
+                    self._expired.popitem(last=False)
 
-    def _end_lease(self, lid: int) -> _Lease | None:
+    def _owned(self, lid: Any, owner: str, write: bool) -> _Lease | None:
+        """The live lease ``lid`` of ``owner``; None if it expired; StoreError if it is unknown,
+        someone else's, or of the other kind (pin vs reservation)."""
+        lease = self._leases.get(lid) if isinstance(lid, str) else None
+        if lease is not None and lease.owner == owner:
+            if lease.write != write:
+                what = "a write reservation, not a pin" if lease.write else "a pin"
+                raise StoreError("bad_lease", f"lease {lid} is {what}")
+            return lease
+        if isinstance(lid, str) and self._expired.get(lid) == (owner, write):
+            return None
+        raise StoreError(
+            "unknown_lease", f"lease {lid!r} is unknown, already ended, or not this client's"
+        )
+
+    def _end_lease(self, lid: str) -> _Lease | None:
         lease = self._leases.pop(lid, None)
         if lease is None:
             return None
@@ -185,6 +258,10 @@ class ChunkStore:
         entry = self._entries.pop(key)
         self._lru.pop(key, None)
         self._alloc.free(entry.offset, entry.nbytes)
+        if entry.tag is not None:
+            self._tag_chunks[entry.tag] -= 1
+            if not self._tag_chunks[entry.tag]:
+                del self._tag_chunks[entry.tag]
 
     def _allocate(self, nbytes: int) -> int | None:
         while True:
@@ -206,9 +283,11 @@ class ChunkStore:
             found.append(key)
         return found
 
-    def _new_lease(self, write: bool, items: list[tuple[bytes, int]], lease_s: float) -> int:
-        lid = next(self._lease_ids)
-        self._leases[lid] = _Lease(write, items, self._clock() + lease_s)
+    def _new_lease(
+        self, write: bool, items: list[tuple[bytes, int]], lease_s: float, owner: str
+    ) -> str:
+        lid = secrets.token_hex(16)
+        self._leases[lid] = _Lease(write, items, self._clock() + lease_s, owner)
         return lid
 
     # -- operations ----------------------------------------------------------------------------
@@ -219,8 +298,11 @@ class ChunkStore:
             self.stats.lookups += 1
             return len(self._prefix(keys))
 
-    def pin(self, keys: list[bytes], lease_s: float) -> tuple[int | None, list[tuple[int, int]]]:
-        """Pin the longest committed prefix; returns (lease id or None on a miss, slots)."""
+    def pin(
+        self, keys: list[bytes], lease_s: float, *, owner: str = ""
+    ) -> tuple[str | None, list[tuple[int, int]]]:
+        """Pin the longest committed prefix for ``owner``; returns (lease id or None on a miss,
+        [(offset, nbytes)])."""
         with self._lock:
             self._expire()
             found = self._prefix(keys)
@@ -237,23 +319,29 @@ class ChunkStore:
                 self._lru.move_to_end(key)
                 items.append((key, entry.gen))
                 slots.append((entry.offset, entry.nbytes))
-            return self._new_lease(False, items, lease_s), slots
+            return self._new_lease(False, items, lease_s, owner), slots
 
-    def release(self, lid: int) -> int:
-        """Unpin a read lease; returns how many leading chunks were still intact (not evicted)."""
+    def release(self, lid: str, *, owner: str = "") -> int:
+        """Unpin ``owner``'s read lease; returns how many leading chunks were still intact (0 when
+        the lease had expired: they may have been evicted and overwritten)."""
         with self._lock:
             self._expire()
-            lease = self._leases.get(lid)
-            if lease is not None and lease.write:
-                raise StoreError("bad_lease", f"lease {lid} is a write reservation, not a pin")
+            lease = self._owned(lid, owner, write=False)
             if lease is None:
+                self._expired.pop(lid, None)
                 return 0
             self._end_lease(lid)
             return len(lease.items)
 
     def reserve(
-        self, keys: list[bytes], nbytes: int, lease_s: float
-    ) -> tuple[int | None, list[tuple[int, int]], int, int]:
+        self,
+        keys: list[bytes],
+        nbytes: int,
+        lease_s: float,
+        *,
+        owner: str = "",
+        tag: Tag | None = None,
+    ) -> tuple[str | None, list[tuple[int, int]], int, int]:
         """Reserve slots for the chunks of ``keys`` not present yet.
 
         Returns (lease id or None, [(chunk index, offset)], duplicate count, dropped count).
@@ -283,24 +371,26 @@ class ChunkStore:
                     dropped = len(keys) - i
                     break
                 gen = next(self._gens)
-                self._entries[key] = _Entry(off, nbytes, gen)
+                self._entries[key] = _Entry(off, nbytes, gen, tag)
+                if tag is not None:
+                    self._tag_chunks[tag] += 1
                 items.append((key, gen))
                 slots.append((i, off))
             self.stats.duplicate_chunks += duplicates
             self.stats.dropped_chunks += dropped
             if not items:
                 return None, [], duplicates, dropped
-            return self._new_lease(True, items, lease_s), slots, duplicates, dropped
+            return self._new_lease(True, items, lease_s, owner), slots, duplicates, dropped
 
-    def commit(self, lid: int) -> int:
-        """Make a reservation's chunks visible; returns how many were committed."""
+    def commit(self, lid: str, *, owner: str = "") -> int:
+        """Make ``owner``'s reservation's chunks visible; returns how many were committed."""
         with self._lock:
             self._expire()
-            lease = self._leases.get(lid)
-            if lease is None or not lease.write:
+            lease = self._owned(lid, owner, write=True)
+            if lease is None:
+                self._expired.pop(lid, None)
                 raise StoreError(
-                    "lease_expired",
-                    f"reservation {lid} is unknown or expired; nothing was stored",
+                    "lease_expired", f"reservation {lid} expired before commit; nothing was stored"
                 )
             del self._leases[lid]
             stored = 0
@@ -314,12 +404,14 @@ class ChunkStore:
             self.stats.stores += stored
             return stored
 
-    def abort(self, lid: int) -> None:
-        """Drop a reservation without storing (unknown ids are ignored)."""
+    def abort(self, lid: str, *, owner: str = "") -> None:
+        """Drop ``owner``'s reservation without storing (an expired one is already gone)."""
         with self._lock:
-            lease = self._leases.get(lid)
-            if lease is not None and lease.write:
-                self._end_lease(lid)
+            self._expire()
+            if self._owned(lid, owner, write=True) is None:
+                self._expired.pop(lid, None)
+                return
+            self._end_lease(lid)
 
     def snapshot(self) -> dict[str, Any]:
         """Pool usage and counters for ``/status``."""

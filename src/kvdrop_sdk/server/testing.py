@@ -1,4 +1,9 @@
-"""Start a REAL kvdrop server as a subprocess on free 127.0.0.1 ports (for tests and benchmarks)."""
+"""Start a REAL kvdrop server as a subprocess on free 127.0.0.1 ports (for tests and benchmarks).
+
+The server is started with ``--parent-pid`` set to this process: if this process dies without
+cleaning up (SIGKILL, the OOM killer), the server notices within a quarter second, stops and
+unlinks its shared-memory segment, so no orphan server or segment is left behind.
+"""
 
 from __future__ import annotations
 
@@ -105,10 +110,11 @@ def spawn_server(
     ``flags`` map to CLI flags (``l1_size_gb=0.01`` -> ``--l1-size-gb 0.01``, ``True`` -> bare flag,
     lists repeat the flag, e.g. ``enable=["transfer_query"]``). ``shm_name=True`` picks a unique
     name, ``None``/``False`` serves without shared memory. On exit the server gets SIGTERM; with
-    ``check_exit`` it must exit 0 and leave nothing in /dev/shm.
+    ``check_exit`` it must exit 0 and leave nothing in /dev/shm. The server exits on its own when
+    this process dies (``--parent-pid``; pass ``parent_pid=None`` to keep it running).
     """
     name = unique_shm_name("kvdrop_test") if shm_name is True else (shm_name or None)
-    flags = {"l1_size_gb": 0.25, "log_level": "WARNING", **flags}
+    flags = {"l1_size_gb": 0.25, "log_level": "WARNING", "parent_pid": os.getpid(), **flags}
     with tempfile.TemporaryDirectory(prefix="kvdrop-server-") as tmp:
         ready = os.path.join(tmp, "ready.json")
         log_path = os.path.join(tmp, "server.log")

@@ -3,6 +3,9 @@
 Shared memory: the server's pool is a /dev/shm file this process maps; a store reserves slots,
 copies each chunk straight into its slot (row ``memmove``s, see ``buffers.copy_rows``) and
 commits; a retrieve pins the slots, copies them out into one contiguous tensor and releases them.
+Slot offsets are only ever applied to a mapping of the same server instance as the reply that
+carried them: a reply from a restarted server raises ``ServerRestartedError`` before any byte is
+touched, and the context re-maps (``remap``) the new segment and retries.
 Socket: the bytes travel as ZMQ frames of bounded size (one per chunk and kv/layer row on store,
 sent straight from the caller's tensor; one per chunk on retrieve), so large transfers reuse heap
 memory instead of faulting in fresh pages.
@@ -16,15 +19,16 @@ import mmap
 import os
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind
-from kvdrop_sdk.errors import SDKError
+from kvdrop_sdk.errors import PartialStoreError, SDKError, ServerRestartedError
 from kvdrop_sdk.layout import CacheLayout, dtype_name
-from kvdrop_sdk.protocol import RpcClient
+from kvdrop_sdk.protocol import RpcClient, RpcError
 from kvdrop_sdk.server.pool import MAGIC, shm_path
 from kvdrop_sdk.transport.buffers import (
     copy_rows,
@@ -72,16 +76,22 @@ def _populate(addr: int, nbytes: int) -> None:
 
 
 def _stored(reply: dict[str, Any]) -> int:
-    """Chunks stored according to a put/commit reply; SDKError when the pool had no room."""
+    """Chunks stored according to a put/commit reply; ``PartialStoreError`` when some (or all)
+    chunks were dropped because the pool had no room."""
     stored, dropped = int(reply.get("stored", 0)), int(reply.get("dropped", 0))
-    if dropped and not stored:
-        raise SDKError(
-            f"the server pool is full of pinned or reserved chunks: {dropped} chunk(s) were not "
-            "stored; retry later or start the server with a larger --l1-size-gb"
-        )
     if dropped:
-        log.warning("server pool full: stored %d chunk(s), dropped the last %d", stored, dropped)
+        raise PartialStoreError(stored, dropped, int(reply.get("duplicates", 0)))
     return stored
+
+
+@dataclass
+class _Mapping:
+    """One mapped segment and the server instance it belongs to."""
+
+    mm: mmap.mmap
+    pool: torch.Tensor
+    instance: str | None
+    populated: set[int] = field(default_factory=set)
 
 
 class ContiguousTransferWrapper:
@@ -91,11 +101,12 @@ class ContiguousTransferWrapper:
         self, rpc: RpcClient, server_config: dict[str, Any], url: str, transport: str = "auto"
     ) -> None:
         self._rpc = rpc
-        self._mm: mmap.mmap | None = None
-        self._pool: torch.Tensor | None = None
+        self._url = url
+        self._transport = transport
+        self._mapping: _Mapping | None = None
         self.chunk_size = int(server_config["chunk_size"])
-        self._populated: set[int] = set()
         self._populated_lock = threading.Lock()
+        self.instance: str | None = server_config.get("instance")
         self.mode = "socket"
         reason = "transport='socket' was requested"
         if transport != "socket":
@@ -107,6 +118,48 @@ class ContiguousTransferWrapper:
         else:
             log.debug("using the socket transport: %s", reason)
             tune_malloc()
+
+    def remap(self, server_config: dict[str, Any]) -> None:
+        """Follow a restarted server: map its new segment (the old mapping is dropped once no
+        transfer uses it). With ``transport="auto"`` a segment that cannot be mapped any more
+        switches this helper to the socket transport; with "shm" it is an SDKError."""
+        self.instance = server_config.get("instance")
+        if self.mode != "shm":
+            return
+        old = self._mapping
+        reason = self._map(server_config, self._url)
+        if reason is not None:
+            if self._transport == "shm":
+                raise SDKError(f"the server restarted and its shared memory is unusable: {reason}")
+            log.warning("the server restarted; using the socket transport: %s", reason)
+            self._mapping = None
+            self.mode = "socket"
+            tune_malloc()
+        if old is not None and old is not self._mapping:
+            log.info("re-mapped the server's shared memory (instance %s)", self.instance)
+
+    def _current(self) -> _Mapping:
+        mapping = self._mapping
+        if mapping is None:
+            raise SDKError("this transfer helper has no shared-memory mapping (closed?)")
+        return mapping
+
+    def _same_server(self, mapping: _Mapping, reply: dict[str, Any], op: str) -> None:
+        """Raise ``ServerRestartedError`` (after ending the lease ``reply`` granted, if any)
+        unless ``reply`` comes from the instance ``mapping`` belongs to."""
+        if reply.get("instance") == mapping.instance:
+            return
+        lease = reply.get("lease")
+        if lease is not None:
+            undo = "release" if op == "pin" else "abort"
+            try:
+                self._rpc.call(undo, {"lease": lease})
+            except SDKError:
+                pass
+        raise ServerRestartedError(
+            f"the server at {self._url} restarted (instance {reply.get('instance')!r}, mapped "
+            f"{mapping.instance!r}); nothing was read or written through the old mapping"
+        )
 
     def _map(self, cfg: dict[str, Any], url: str) -> str | None:
         """Map the server's pool; returns None on success, else why it cannot be used."""
@@ -132,24 +185,25 @@ class ContiguousTransferWrapper:
             return f"shared memory {path} cannot be mapped ({exc})"
         finally:
             os.close(fd)
-        expected = MAGIC + str(cfg.get("instance", "")).encode("ascii", "replace")
+        instance = cfg.get("instance")
+        expected = MAGIC + str(instance or "").encode("ascii", "replace")
         if mm[: len(expected)] != expected:
             mm.close()
             return f"shared memory {path} belongs to another server instance"
-        self._mm = mm
-        self._pool = torch.frombuffer(mm, dtype=torch.uint8)
+        self._mapping = _Mapping(mm, torch.frombuffer(mm, dtype=torch.uint8), instance)
         return None
 
-    def _slot(self, offset: Any, nbytes: int, layout: CacheLayout, kind: CacheKind) -> torch.Tensor:
-        assert self._pool is not None
-        if not is_int(offset) or offset < 0 or offset + nbytes > self._pool.numel():
+    def _slot(
+        self, mapping: _Mapping, offset: Any, nbytes: int, layout: CacheLayout, kind: CacheKind
+    ) -> torch.Tensor:
+        if not is_int(offset) or offset < 0 or offset + nbytes > mapping.pool.numel():
             raise SDKError(f"server returned slot offset {offset!r} outside the shared pool")
-        if offset not in self._populated and self._mm is not None:
+        if offset not in mapping.populated:
             # Map the slot's pages in one call instead of one fault per 4 KiB page.
-            _populate(self._pool.data_ptr() + offset, nbytes)
+            _populate(mapping.pool.data_ptr() + offset, nbytes)
             with self._populated_lock:
-                self._populated.add(offset)
-        flat = self._pool[offset : offset + nbytes].view(layout.dtype)
+                mapping.populated.add(offset)
+        flat = mapping.pool[offset : offset + nbytes].view(layout.dtype)
         return flat.view(layout.shape(kind, self.chunk_size))
 
     # -- store -------------------------------------------------------------------------------------
@@ -185,6 +239,7 @@ class ContiguousTransferWrapper:
                 m = min(per_msg, n - first)
                 header = {
                     **fields,
+                    "layout": layout.to_json(),
                     "dtype": dtype_name(layout.dtype),
                     "shape": list(layout.shape(kind, m * c)),
                     "first_chunk": first,
@@ -192,12 +247,18 @@ class ContiguousTransferWrapper:
                 data = frames[first * rows_per_chunk : (first + m) * rows_per_chunk]
                 calls.append(("put", header, [token_bytes[: (first + m) * c * 8], *data]))
             replies = self._rpc.call_many(calls)
-            total = {"stored": 0, "dropped": 0}
+            total = {"stored": 0, "dropped": 0, "duplicates": 0}
             for reply, _ in replies:
-                total["stored"] += int(reply.get("stored", 0))
-                total["dropped"] += int(reply.get("dropped", 0))
+                for key in total:
+                    total[key] += int(reply.get(key, 0))
             return _stored(total)
-        reply, _ = self._rpc.call("reserve", {**fields, "lease_s": lease_s}, [token_bytes])
+        mapping = self._current()
+        reply, _ = self._rpc.call(
+            "reserve",
+            {**fields, "lease_s": lease_s, "layout": layout.to_json()},
+            [token_bytes],
+        )
+        self._same_server(mapping, reply, "reserve")
         lease = reply.get("lease")
         if lease is None:
             return _stored({"stored": 0, **reply})
@@ -211,7 +272,9 @@ class ContiguousTransferWrapper:
                 # Checked per chunk: past the lease the server may have handed the slot on.
                 if time.monotonic() - started > 0.8 * lease_s:
                     raise SDKError(f"store took longer than its {lease_s:g} s reservation")
-                copy_rows(self._slot(off, nbytes, layout, kind), kv[:, :, i * c : (i + 1) * c])
+                copy_rows(
+                    self._slot(mapping, off, nbytes, layout, kind), kv[:, :, i * c : (i + 1) * c]
+                )
 
             chunks = list(zip(reply["chunks"], reply["offsets"]))
             run_copies(
@@ -219,7 +282,10 @@ class ContiguousTransferWrapper:
                 nbytes * len(chunks),
             )
         except BaseException:
-            self._rpc.call("abort", {"lease": lease})
+            try:
+                self._rpc.call("abort", {"lease": lease})
+            except SDKError:
+                pass  # the reservation lapses on its own
             raise
         committed, _ = self._rpc.call("commit", {"lease": lease})
         return _stored({**reply, "stored": committed["stored"]})
@@ -236,7 +302,9 @@ class ContiguousTransferWrapper:
         """The longest cached chunk-aligned prefix as one contiguous tensor, or None."""
         c = self.chunk_size
         if self.mode == "socket":
-            reply, frames = self._rpc.call("get", fields, [token_bytes])
+            reply, frames = self._rpc.call(
+                "get", {**fields, "layout": layout.to_json()}, [token_bytes]
+            )
             n = int(reply.get("num_tokens", 0))
             if n == 0:
                 return None
@@ -261,7 +329,11 @@ class ContiguousTransferWrapper:
                 src = torch.frombuffer(frame.buffer, dtype=torch.uint8)
                 ctypes.memmove(base + r * row_bytes + i * span, src.data_ptr(), span)
             return out
-        reply, _ = self._rpc.call("pin", {**fields, "lease_s": lease_s}, [token_bytes])
+        mapping = self._current()
+        reply, _ = self._rpc.call(
+            "pin", {**fields, "lease_s": lease_s, "layout": layout.to_json()}, [token_bytes]
+        )
+        self._same_server(mapping, reply, "pin")
         lease = reply.get("lease")
         if lease is None:
             return None
@@ -273,15 +345,22 @@ class ContiguousTransferWrapper:
                 raise SDKError(f"server slot size {nbytes} does not match the layout")
 
             def copy_out(j: int, off: Any) -> None:
-                copy_rows(out[:, :, j * c : (j + 1) * c], self._slot(off, nbytes, layout, kind))
+                copy_rows(
+                    out[:, :, j * c : (j + 1) * c], self._slot(mapping, off, nbytes, layout, kind)
+                )
 
             run_copies(
                 [lambda j=j, off=off: copy_out(j, off) for j, off in enumerate(offsets)],
                 nbytes * len(offsets),
             )
         finally:
-            released, _ = self._rpc.call("release", {"lease": lease})
-        valid = int(released["valid_chunks"])
+            try:
+                released, _ = self._rpc.call("release", {"lease": lease})
+                valid = int(released["valid_chunks"])
+            except RpcError as exc:
+                if exc.code != "unknown_lease":
+                    raise
+                valid = 0  # the server restarted meanwhile: nothing read can be vouched for
         if valid == 0:
             return None
         if valid < len(offsets):
@@ -291,13 +370,13 @@ class ContiguousTransferWrapper:
 
     def close(self) -> None:
         """Unmap the shared pool (tensors already returned are independent copies)."""
-        self._pool = None
-        if self._mm is not None:
+        mapping, self._mapping = self._mapping, None
+        if mapping is not None:
+            mapping.pool = torch.empty(0, dtype=torch.uint8)
             try:
-                self._mm.close()
+                mapping.mm.close()
             except BufferError:
                 pass
-            self._mm = None
 
 
 TransferHelper = ContiguousTransferWrapper

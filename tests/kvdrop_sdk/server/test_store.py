@@ -117,19 +117,72 @@ def test_release_of_a_write_lease_is_refused() -> None:
     wlid, _, _, _ = store.reserve(keys("a"), ALIGN, 5)
     with pytest.raises(StoreError, match="write reservation"):
         store.release(wlid)
-    assert store.release(424242) == 0
+    for unknown in (424242, "f" * 32, None):
+        with pytest.raises(StoreError) as info:
+            store.release(unknown)  # type: ignore[arg-type]
+        assert info.value.code == "unknown_lease"
 
 
-def test_layout_registration_conflict() -> None:
-    store, _ = make_store(1)
+def test_leases_belong_to_their_owner() -> None:
+    store, clock = make_store(4)
+    put(store, keys("a", "b"))
+    pin, _ = store.pin(keys("a", "b"), 5, owner="alice")
+    res, _, _, _ = store.reserve(keys("c"), ALIGN, 5, owner="alice")
+    assert isinstance(pin, str) and len(pin) == 32 and pin != res
+    for call in (
+        lambda: store.release(pin, owner="mallory"),
+        lambda: store.commit(res, owner="mallory"),
+        lambda: store.abort(res, owner="mallory"),
+        lambda: store.release(pin),
+    ):
+        with pytest.raises(StoreError) as info:
+            call()
+        assert info.value.code == "unknown_lease"
+    assert store.snapshot()["pinned_objects"] == 2 and store.lookup(keys("c")) == 0
+    assert store.commit(res, owner="alice") == 1
+    clock.now = 10  # the pin lapses: its owner learns "expired" (0 valid), others "unknown"
+    with pytest.raises(StoreError, match="unknown"):
+        store.release(pin, owner="mallory")
+    assert store.release(pin, owner="alice") == 0
+    with pytest.raises(StoreError, match="unknown"):  # told once; then it is gone
+        store.release(pin, owner="alice")
+
+
+def test_layout_registration_rules() -> None:
+    store, _ = make_store(2)
     lay = CacheLayout(2, 2, 8, torch.float16)
+    other = CacheLayout(2, 2, 8, torch.float32)
+    assert store.register("m", "kv", other, owner="squatter") == other
+    # No chunk stored under the first registration: a different layout replaces it.
+    assert store.register("m", "kv", lay, owner="engine") == lay
     assert store.register("m", "kv", lay) == lay
-    assert store.register("m", "kv", lay) == lay
-    with pytest.raises(StoreError, match="restart the server") as info:
-        store.register("m", "kv", CacheLayout(2, 2, 8, torch.float32))
+    lid, _, _, _ = store.reserve(keys("a"), ALIGN, 5, tag=("m", "kv"))
+    with pytest.raises(StoreError, match="holds 1 chunk") as info:
+        store.register("m", "kv", other, owner="engine")
     assert info.value.code == "layout_conflict"
+    store.abort(lid)  # the reservation's chunk is gone: the layout may change again
+    assert store.register("m", "kv", other) == other
     assert store.layout("m", "query") is None
-    assert store.layouts() == [{"model": "m", "kind": "kv", "layout": lay.to_json()}]
+    assert store.layouts() == [{"model": "m", "kind": "kv", "layout": other.to_json()}]
+
+
+def test_layout_registry_is_bounded() -> None:
+    store = ChunkStore(0, 4 * ALIGN, max_layouts=3)
+    lay = CacheLayout(2, 2, 8, torch.float16)
+    for m in ("a", "b", "c"):
+        store.register(m, "kv", lay)
+    put_lid, _, _, _ = store.reserve(keys("x"), ALIGN, 5, tag=("a", "kv"))
+    store.commit(put_lid)
+    store.register("d", "kv", lay)  # evicts "b", the least recently used without chunks
+    assert [r["model"] for r in store.layouts()] == ["a", "c", "d"]
+    store.register("e", "kv", lay)
+    store.register("f", "kv", lay)
+    assert [r["model"] for r in store.layouts()] == ["a", "e", "f"]
+    for m in ("e", "f"):
+        store.reserve(keys(m), ALIGN, 5, tag=(m, "kv"))
+    with pytest.raises(StoreError) as info:
+        store.register("g", "kv", lay)
+    assert info.value.code == "too_many_layouts"
 
 
 @pytest.mark.parametrize(
