@@ -22,9 +22,10 @@ Token bookkeeping (the rules everything else relies on):
   prompt plus every token decoded so far. The next ``generate`` sends ``kept + suffix`` and the
   engine finds the edited KV under the kept tokens' chunk keys, computing only the suffix.
 * Edited caches belong to their request: the first edit switches the stream to its own cache
-  salt, ``f"{cache_salt}/edit/{request_stream_id}"`` (``active_cache_salt``); the edit is stored
-  and every later call reads and stores under it, so another request whose kept tokens happen to
-  coincide never reads this one's edited KV. Unedited prefixes keep sharing ``cache_salt``.
+  salt, :func:`edit_salt` (``f"{cache_salt}.edit.{request_stream_id}"``, the stream's
+  ``active_cache_salt``); the edit is stored and every later call reads and stores under it, so
+  another request whose kept tokens happen to coincide never reads this one's edited KV.
+  Unedited prefixes keep sharing ``cache_salt``.
 * Queries: an engine in the lean query mode saves, per call, the query rows of the last tokens
   of the whole sequence (the uncached tail and generated tokens included) and a strided sample,
   keyed by the call's token ids (:mod:`kvdrop_sdk.window`); in the full mode it stores every
@@ -57,6 +58,7 @@ present, else the cache is polled by retrieving, as upstream does).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import threading
@@ -85,10 +87,28 @@ __all__ = [
     "StreamPerfMetrics",
     "TokenEvent",
     "create_request",
+    "edit_salt",
 ]
 
 logger = logging.getLogger(__name__)
 _warned_plain_window = False
+
+
+#: Longest salt LMCache accepts (it also refuses "@", "/", "\\" and NUL in one).
+_MAX_SALT_CHARS = 128
+
+
+def edit_salt(cache_salt: str, request_stream_id: str) -> str:
+    """The salt a stream's edited KV lives under: its own, so no other request can read it.
+
+    Made of characters every server accepts (LMCache refuses "/" and salts over 128 characters):
+    ``f"{cache_salt}.edit.{request_stream_id}"``, with a long ``cache_salt`` replaced by its hash.
+    """
+    salt = f"{cache_salt}.edit.{request_stream_id}"
+    if len(salt) > _MAX_SALT_CHARS:
+        digest = hashlib.sha256(cache_salt.encode()).hexdigest()[:32]
+        salt = f"{digest}.edit.{request_stream_id}"
+    return salt
 
 
 def _warn_plain_window(stream_id: str) -> None:
@@ -231,7 +251,7 @@ class RequestStream:
     @property
     def active_cache_salt(self) -> str:
         """The salt the next call uses: ``cache_salt`` until the first edit, then the stream's
-        own ``f"{cache_salt}/edit/{request_stream_id}"`` (its edited KV is nobody else's)."""
+        own :func:`edit_salt` (its edited KV is nobody else's)."""
         return self._edit_salt if self._edit_salt is not None else self.cache_salt
 
     @property
@@ -803,7 +823,7 @@ class RequestStream:
         timeout: float = 30.0,
     ) -> bool:
         """Store an edit under the stream's own salt, then make ``tokens`` its prefix."""
-        salt = f"{self.cache_salt}/edit/{self._request_stream_id}"
+        salt = edit_salt(self.cache_salt, self._request_stream_id)
         results: dict[CacheKind, bool] = {}
         for kind in sorted(tensors, key=lambda k: k is CacheKind.KV):  # KV last
             ctx = self._contexts[kind]

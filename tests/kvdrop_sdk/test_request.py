@@ -538,7 +538,7 @@ def test_bookkeeping_matches_a_model(
     p = prompt(n, seed)
     model = CacheModel()
     s = create_request([setup.kv_ctx], setup.engine, p, cache_salt=uuid.uuid4().hex)
-    edit_salt = f"{s.cache_salt}/edit/{s.request_stream_id}"
+    edit_salt = f"{s.cache_salt}.edit.{s.request_stream_id}"
 
     def generate(max_tokens: int) -> None:
         sent = s.tokens
@@ -583,7 +583,7 @@ def test_two_requests_whose_kept_tokens_coincide_read_their_own_edits(setup: Set
         assert s.active_cache_salt == s.cache_salt == ""  # unedited: the shared salt
     assert a.modify_kv(drop_chunk(1)).stored and b.modify_kv(drop_chunk(0)).stored
     assert a.tokens[:CHUNK] == b.tokens[:CHUNK] == x
-    assert a.active_cache_salt == f"/edit/{a.request_stream_id}" != b.active_cache_salt
+    assert a.active_cache_salt == f".edit.{a.request_stream_id}" != b.active_cache_salt
     a.generate({"max_tokens": 2})
     assert setup.engine.calls[-1].reused_positions == list(range(CHUNK))
     assert setup.engine.calls[-1].cache_salt == a.active_cache_salt
@@ -734,3 +734,16 @@ def test_context_lookup_sessions_and_request_configs(setup: Setup) -> None:
     assert got is not None and ctx.store(got, p[: 2 * CHUNK], "", request_configs=None) is False
     with pytest.raises(SDKError, match="request_configs must be a dict or None, got list"):
         ctx.retrieve(p, request_configs=[1])  # type: ignore[arg-type]
+
+
+def test_edit_salt_is_accepted_by_every_server() -> None:
+    """LMCache refuses salts with "@", "/", "\\" or NUL, and over 128 characters."""
+    from kvdrop_sdk.request import edit_salt
+
+    sid = "0" * 32
+    assert edit_salt("user-1", sid) == f"user-1.edit.{sid}"
+    assert edit_salt("", sid) == f".edit.{sid}"
+    long_a, long_b = edit_salt("a" * 200, sid), edit_salt("b" * 200, sid)
+    assert len(long_a) <= 128 and long_a != long_b and long_a.endswith(f".edit.{sid}")
+    for salt in (edit_salt("x", sid), long_a):
+        assert not set(salt) & set("@/\\\x00")

@@ -306,7 +306,9 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
             "policy_params": params,
             "rerotate": not args.no_rerotate,
             "query_capture": ("full" if lmcache else args.query_capture) if needs_query else None,
-            "query_bytes_per_prompt_token": dropped.prefill_query_bytes / max(sum(lengths), 1),
+            "query_bytes_per_prompt_token": round(
+                dropped.prefill_query_bytes / max(sum(lengths), 1), 1
+            ),
             "num_requests": len(prompts),
             "prompt_lengths": lengths,
             "max_tokens": args.max_tokens,
