@@ -14,6 +14,10 @@ more requests share each decode step. Policies that read queries run on a second
 model and budget) whose connector captures them, and compute their own prefill (so their prefill
 rate is the rate *with* query capture; the baseline's is without).
 
+Each dropped run also reports its modify time per request and, for query policies, the query bytes
+the engine stored per prompt token (``--query-capture window``, the lean default: the last tokens'
+queries and a strided sample; ``full``: every prompt token's).
+
 Besides throughputs it prints, per run, the decode step time two ways -- the engine's own mean
 over decode-only steps and the decode phase's wall time per step (which includes loading cached
 prefixes) -- next to the step's floor: the bytes a decode step must read (the weights once, plus
@@ -101,6 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--keep-ratio", type=float, default=0.5)
     p.add_argument("--no-rerotate", action="store_true", help="keep kept keys at old positions")
+    p.add_argument(
+        "--query-capture",
+        choices=["window", "full"],
+        default="window",
+        help="queries the engine stores for query policies: the last tokens' and a strided "
+        "sample (window, default) or every prompt token's (full)",
+    )
     p.add_argument("--chunk-size", type=int, default=256, help="server chunk size")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
@@ -164,8 +175,8 @@ def server_gb(cfg: ModelConfig, dtype: torch.dtype, prompts: list[list[int]], ar
     evicts least recently used chunks, and each run needs only its own)."""
     item = torch.empty((), dtype=dtype).element_size()
     per_token = 2 * cfg.num_layers * cfg.kv_dim * item
-    if any(kvdrop.describe(p).needs_query for p in args.policy):
-        per_token += cfg.num_layers * cfg.q_dim * item
+    if any(kvdrop.describe(p).needs_query for p in args.policy) and args.query_capture == "full":
+        per_token += cfg.num_layers * cfg.q_dim * item  # windows live beside the pool
     runs = 1 if args.share_prefill else 2
     total = sum(len(p) + 1 + args.max_tokens for p in prompts) * per_token
     want = (runs + args.keep_ratio) * total * 1.15 / 2**30
@@ -276,7 +287,13 @@ def run(
         "prefill_tokens": res.prefill["input_tokens"],
         "prefill_s": res.prefill["duration"],
         "prefill_tok_s": res.prefill["input_tput"],
+        "query_B_per_tok": res.prefill_query_bytes / max(int(res.prefill["input_tokens"]), 1),
         "modify_s": res.modify["duration"] if res.modify is not None else None,
+        "modify_s_per_req": (
+            float(res.modify["duration"]) / int(res.modify["num_requests"])
+            if res.modify is not None and res.modify["num_requests"]
+            else None
+        ),
         "kept_fraction": res.modify["kept_fraction"] if res.modify is not None else 1.0,
         "decode_tokens": res.decode["output_tokens"],
         "decode_s": res.decode["duration"],
@@ -331,7 +348,8 @@ def warm_up(engine: Engine, args: argparse.Namespace, vocab: int) -> None:
 
 
 def build_policy(name: str, cfg: ModelConfig, args: argparse.Namespace) -> Any:
-    """``kvdrop.get(name, ...)`` with this run's keep ratio, chunk size and RoPE."""
+    """``kvdrop.get(name, ...)`` with this run's keep ratio and chunk size; the RoPE parameters
+    (and head_dim) come from the layout the engine registers, through the edit context."""
     info = kvdrop.describe(name)
     names = {p.name for p in info.params}
     params: dict[str, Any] = {"keep_ratio": args.keep_ratio, "chunk_size": args.chunk_size}
@@ -342,8 +360,7 @@ def build_policy(name: str, cfg: ModelConfig, args: argparse.Namespace) -> Any:
             params["device"] = args.policy_device
         else:
             log(f"{name} takes no device parameter; --policy-device ignored for it")
-    rerotate = None if args.no_rerotate else cfg.rope
-    fn = kvdrop.get(name, rerotate=rerotate, **params)
+    fn = kvdrop.get(name, rerotate=not args.no_rerotate, **params)
     return fn if args.edit_device is None else EditOnDevice(fn, args.edit_device)
 
 
@@ -380,7 +397,11 @@ def main(argv: list[str] | None = None) -> int:
 
         def engine_for(transfer_query: bool) -> tuple[ServerConnector, Engine]:
             connector = ServerConnector(
-                server.url, server.http_url, model_name, transfer_query=transfer_query
+                server.url,
+                server.http_url,
+                model_name,
+                transfer_query=transfer_query,
+                query_capture=args.query_capture,
             )
             engine = Engine(
                 model,
@@ -471,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens_total": sum(lengths),
         "max_tokens": args.max_tokens,
         "policies": " ".join(args.policy),
+        "query_capture": args.query_capture,
         "keep_ratio": args.keep_ratio,
         "chunk_size": args.chunk_size,
         "block_size": args.block_size,
@@ -492,7 +514,9 @@ def main(argv: list[str] | None = None) -> int:
     cols = [
         "run",
         "prefill_tok_s",
+        "query_B_per_tok",
         "modify_s",
+        "modify_s_per_req",
         "kept_fraction",
         "decode_tokens",
         "decode_s",

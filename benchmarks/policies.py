@@ -1,8 +1,16 @@
 """Time and peak memory of every registered policy on a realistic KV shape.
 
 Default: [2, 28, T, 1024] bfloat16 (a Qwen3-8B-like KV: 28 layers, 8 KV heads x 128) for
-T in 2K and 8K; ``--tokens 2048 8192 16384 32768`` for the full sweep. Query policies also get a
-[1, 28, T, 2048] query tensor (16 query heads x 128, GQA group 2) and ``head_dim=128``.
+T in 2K and 8K; ``--tokens 2048 8192 16384 32768`` for the full sweep. Query policies get what the
+SDK hands them from an engine in the lean query mode: the query window, ``[1, 28, W, 2048]`` rows
+(16 query heads x 128, GQA group 2) of the last 64 positions and every 64th, with their positions
+in the edit context (``--full-queries``: every position's, the upstream layout). Every call goes
+through the edit context as the SDK makes it (RoPE parameters included, so kept keys are
+re-rotated, as by default).
+
+``--device cuda`` scores on the GPU (the policies' ``device=``) with the tensors on the CPU, as the
+SDK retrieves them, so the time includes moving the keys and queries there;
+``--tensors-on-device`` puts the inputs on the device first (scoring alone).
 
 Each policy is timed (median of ``--repeats``) against the floor every policy pays: a plain
 ``index_select`` of the same number of rows, and against what moving the same KV costs on this
@@ -11,6 +19,7 @@ in the same run (``x_store_retrieve``; ``--no-store-retrieve`` skips it). Peak m
 RSS increase while the policy runs (kvdrop.experiments.profiling.PeakRSS), beside the input size.
 
     python benchmarks/policies.py [--tokens 2048 8192] [--policies knorm snapkv] [--json]
+    python benchmarks/policies.py --device cuda --tokens 12288 --policies snapkv h2o knorm
 """
 
 from __future__ import annotations
@@ -28,17 +37,35 @@ import torch
 
 import kvdrop
 from kvdrop.experiments.profiling import PeakRSS
+from kvdrop_rope import RopeConfig
 from kvdrop_sdk import CacheKind
 from kvdrop_sdk.table import format_table
+from kvdrop_sdk.types import EditContext
+
+#: The lean query window the reference engine saves by default: last W rows and every S-th.
+WINDOW, STRIDE = 64, 64
 
 
-def timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+def window_positions(num_tokens: int) -> torch.Tensor:
+    """Positions of the rows an engine in the lean mode saves for a ``num_tokens`` prompt."""
+    strided = set(range(0, num_tokens, STRIDE))
+    return torch.tensor(sorted(strided | set(range(max(num_tokens - WINDOW, 0), num_tokens))))
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any], repeats: int, device: str = "cpu") -> tuple[float, Any]:
     """Median wall time of ``fn`` over ``repeats`` runs (after one warm-up) and its last result."""
     result = fn()
     times = []
     for _ in range(repeats):
+        sync(device)
         t0 = time.perf_counter()
         result = fn()
+        sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times), result
 
@@ -80,22 +107,34 @@ def bench_policy(
 ) -> dict[str, Any]:
     info = kvdrop.describe(name)
     params: dict[str, Any] = {**info.example, "keep_ratio": args.keep_ratio, "chunk_size": 256}
-    if "head_dim" in {p.name for p in info.params}:
+    names = {p.name for p in info.params}
+    if "head_dim" in names:
         params["head_dim"] = args.head_dim
+    if "device" in names:
+        params["device"] = args.device
     fn = kvdrop.get(name, **params)
     num_tokens = kv.shape[2]
     tensors = {CacheKind.KV: kv}
+    qpos = None
     if info.needs_query:
-        tensors[CacheKind.QUERY] = query
+        qpos = torch.arange(num_tokens) if args.full_queries else window_positions(num_tokens)
+        tensors[CacheKind.QUERY] = query if args.full_queries else query[:, :, qpos].contiguous()
+    rope = RopeConfig(head_dim=args.head_dim, theta=1e6).to_json()  # Qwen3's
+    context = EditContext.of(
+        num_tokens, query_positions=qpos, rope=rope, head_dim=args.head_dim, chunk_size=256
+    )
     tokens = list(range(num_tokens))
-    seconds, (_, kept) = timed(lambda: fn(tensors, tokens), args.repeats)
+    seconds, (_, kept) = timed(
+        lambda: fn(tensors, tokens, context=context), args.repeats, args.device
+    )
     index = torch.tensor(kept)
-    floor, _ = timed(lambda: kv.index_select(2, index), args.repeats)
+    floor, _ = timed(lambda: kv.index_select(2, index.to(kv.device)), args.repeats, args.device)
     with PeakRSS() as mem:
-        fn(tensors, tokens)
+        fn(tensors, tokens, context=context)
     input_bytes = kv.numel() * kv.element_size()
     if info.needs_query:
-        input_bytes += query.numel() * query.element_size()
+        q_in = tensors[CacheKind.QUERY]
+        input_bytes += q_in.numel() * q_in.element_size()
     return {
         "policy": name,
         "T": num_tokens,
@@ -120,6 +159,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--keep-ratio", type=float, default=0.5)
     parser.add_argument("--policies", nargs="+", default=None, help="default: every policy")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where policies score (their device=): cpu, cuda, auto (default cpu)",
+    )
+    parser.add_argument(
+        "--tensors-on-device",
+        action="store_true",
+        help="put KV and queries on --device before timing (scoring alone, no transfer)",
+    )
+    parser.add_argument(
+        "--full-queries",
+        action="store_true",
+        help="hand query policies every position's query (upstream layout) instead of the "
+        "lean window",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
@@ -143,13 +198,15 @@ def main(argv: list[str] | None = None) -> int:
         kv = torch.empty(2, args.layers, num_tokens, width, dtype=dtype).normal_(generator=gen)
         query = torch.empty(1, args.layers, num_tokens, args.q_heads * args.head_dim, dtype=dtype)
         query.normal_(generator=gen)
+        if args.tensors_on_device:
+            kv, query = kv.to(args.device), query.to(args.device)
         first = len(rows)
         for name in names:
             rows.append(bench_policy(name, kv, query, args))
             print(f"  {name} T={num_tokens}: {rows[-1]['seconds']:.3f}s", file=sys.stderr)
         del query  # keep the peak low: the server holds another copy of the KV
         if not args.no_store_retrieve:
-            baseline = store_retrieve_s(kv, args)
+            baseline = store_retrieve_s(kv.cpu(), args)
             print(f"  store+retrieve T={num_tokens}: {baseline:.3f}s", file=sys.stderr)
             for row in rows[first:]:
                 row["store_retrieve_s"] = baseline
@@ -160,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         "kv_shape": f"[2, {args.layers}, T, {args.kv_heads * args.head_dim}]",
         "query_shape": f"[1, {args.layers}, T, {args.q_heads * args.head_dim}]",
         "dtype": args.dtype,
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+        "tensors_on": args.device if args.tensors_on_device else "cpu",
+        "queries": "full" if args.full_queries else f"window (last {WINDOW} + every {STRIDE}th)",
         "torch_threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
         "load_avg_1min": round(os.getloadavg()[0], 1),

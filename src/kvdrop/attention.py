@@ -54,6 +54,7 @@ def attention_mass(
     causal: bool = True,
     scale: float | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Summed softmax attention each key receives from the queries: ``[Hq, Tk]`` float32.
 
@@ -62,6 +63,11 @@ def attention_mass(
     sequence; with ``causal`` a query at position ``p`` sees keys ``0..p`` only (a query at
     ``p >= Tk`` sees all keys). Without ``q_pos`` every query sees every key. ``scale`` defaults
     to ``1 / sqrt(d)``. Each query's softmax row sums to 1, so the result sums to ``n`` per head.
+
+    ``lse`` (``[Hq, n]``, optional) is each query's log-normaliser over ALL the keys it attended
+    to, some of which may be missing from ``k`` (an uncached tail): its probabilities are then
+    ``exp(logit - lse)``, its true attention, and its row sums to the share that went to ``k``.
+    A NaN entry falls back to the softmax over ``k``.
     """
     num_q_heads, num_queries, head_dim = q.shape
     num_kv_heads, num_keys, _ = k.shape
@@ -79,6 +85,8 @@ def attention_mass(
     if causal:  # smaller blocks let early queries skip the keys they cannot see
         block = min(block, 64)
     ones = torch.ones(num_q_heads, 1, min(block, num_queries), dtype=torch.float32, device=k.device)
+    if lse is not None:
+        lse = lse.to(device=k.device, dtype=torch.float32).reshape(num_q_heads, num_queries)
     for start in range(0, num_queries, block):
         pos = q_pos[start : start + block]
         b = pos.numel()
@@ -93,7 +101,15 @@ def attention_mass(
             s.view(num_kv_heads, group, b, limit)[..., first_hidden:].masked_fill_(
                 hidden, -torch.inf
             )
-        p = torch.softmax(s, dim=-1).view(num_q_heads, b, limit)
+        if lse is None:
+            p = torch.softmax(s, dim=-1).view(num_q_heads, b, limit)
+        else:
+            norm = lse[:, start : start + b]  # [Hq, b]
+            p = torch.exp(s.view(num_q_heads, b, limit) - norm.nan_to_num(0.0)[..., None])
+            unknown = torch.isnan(norm)
+            if bool(unknown.any()):
+                soft = torch.softmax(s, dim=-1).view(num_q_heads, b, limit)
+                p = torch.where(unknown[..., None], soft, p)
         # Sum over the block's queries as a batched mat-vec (faster than a strided reduction).
         out[:, :limit] += torch.bmm(ones[:, :, :b], p).squeeze(1)
     return out

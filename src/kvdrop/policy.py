@@ -1,9 +1,11 @@
 """The policy contract: what every edit function kvdrop builds is, and what a factory is.
 
 - :class:`Policy`: the one protocol of an edit function (a ``ModifyFnType``) built by kvdrop:
-  ``name``, ``needs_query``, ``select_indices(tensors, tokens) -> (kv, index)`` and
-  ``__call__(tensors, tokens) -> (kv, tokens)``. Every built-in, every combinator and the adapter
-  of a plain plugin function implement it, so wrappers never probe attributes.
+  ``name``, ``needs_query``, ``select_indices(tensors, tokens, *, context) -> (kv, index)`` and
+  ``__call__(tensors, tokens, *, context) -> (kv, tokens)``. Every built-in, every combinator and
+  the adapter of a plain plugin function implement it, so wrappers never probe attributes. Every
+  policy accepts the SDK's :class:`~kvdrop_sdk.types.EditContext` (``accepts_edit_context``) and
+  re-rotates the keys it keeps when it knows the model's RoPE (:mod:`kvdrop.rope`).
 - :class:`ScorerPolicy`: a :class:`Scorer` (what a token is worth) under the shared
   :class:`~kvdrop.selector.Selector` (what to keep). Built-in policies are scorer dataclasses
   wrapped by :class:`ScorerFactory`.
@@ -20,19 +22,24 @@ import dataclasses
 import difflib
 import inspect
 import typing
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from kvdrop.errors import MissingQueryError, PolicyInputError, PolicyParamError
+from kvdrop.errors import MissingQueryError, PolicyInputError, PolicyParamError, PolicyWarning
 from kvdrop.params import Param, params_of_dataclass, validate_params
-from kvdrop.selector import SELECTOR_PARAMS, Selection, Selector, gather
+from kvdrop.rope import rerotate_in_place, rope_from_layout
+from kvdrop.selector import SELECTOR_PARAMS, Selection, Selector
+from kvdrop_rope import RopeConfig
 from kvdrop_sdk.cache_kind import CacheKind
-from kvdrop_sdk.types import ModifyFnType, get_tensor
+from kvdrop_sdk.types import EditContext, ModifyFnType, get_tensor, takes_edit_context
 
 __all__ = [
+    "DEFAULT_QUERY_HEAD_DIM",
+    "EditInputs",
     "FunctionFactory",
     "FunctionPolicy",
     "Policy",
@@ -45,8 +52,15 @@ __all__ = [
     "as_factory",
     "as_policy",
     "check_inputs",
+    "edit_inputs",
     "info_of",
+    "resolve_device",
 ]
+
+#: ``head_dim`` of a query scorer that leaves it None and is called without an edit context.
+DEFAULT_QUERY_HEAD_DIM = 128
+#: Warn when chunk alignment keeps less than this fraction of the tokens asked for.
+BUDGET_WARN_FRACTION = 0.75
 
 
 class Scorer:
@@ -60,10 +74,21 @@ class Scorer:
     A scorer that depends on what the selector will keep (the budget, the always-kept window,
     the chunk size) declares ``needs_selection = True`` and is called as
     ``score(kv, query, selection)`` with a :class:`~kvdrop.selector.Selection`.
+
+    A query scorer that declares ``sparse_queries = True`` (every built-in one) takes query rows
+    at any positions: ``query`` is ``[1, L, R, Dq]`` and ``selection.query_positions`` ``[R]``
+    says where each row sits (rows past ``T`` belong to the uncached tail). Engines in the lean
+    query mode store only such a window; a scorer without the flag gets ``[1, L, T, Dq]`` rows
+    aligned with the KV, or a PolicyInputError when only a window exists.
+
+    ``reads_values = False`` says ``score`` never reads ``kv[1]``: when scoring runs on another
+    device, only the keys travel there (``kv`` is then ``[1, L, T, D]``).
     """
 
     needs_query: ClassVar[bool] = False
     needs_selection: ClassVar[bool] = False
+    sparse_queries: ClassVar[bool] = False
+    reads_values: ClassVar[bool] = True
 
     def score(
         self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection | None = None
@@ -101,13 +126,50 @@ class PolicyInfo:
         }
 
 
-def check_inputs(
-    tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int], *, policy: str, needs_query: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Return ``(kv, query)`` from an edit function's arguments, or raise a teaching error.
+@dataclass(frozen=True)
+class EditInputs:
+    """One edit's validated inputs as a policy sees them (see :func:`edit_inputs`).
 
-    ``query`` is cut to the KV's ``T`` tokens, and ``None`` unless ``needs_query``.
+    ``query`` ``[1, L, R, Dq]`` with ``query_positions`` ``[R]`` (None when not needed) and
+    ``query_lse`` ``[1, L, R, Hq]`` (the rows' attention log-normalisers, or None);
+    ``prompt_tokens`` is ``N >= T``; ``positions`` the RoPE position of each KV row.
     """
+
+    kv: torch.Tensor
+    query: torch.Tensor | None
+    query_positions: torch.Tensor | None
+    prompt_tokens: int
+    positions: torch.Tensor
+    protected: int = 0
+    query_lse: torch.Tensor | None = None
+    head_dim: int | None = None
+    device: str | None = None
+    rope: Mapping[str, Any] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.kv.shape[2])
+
+
+def edit_inputs(
+    tensors: Mapping[Any, torch.Tensor],
+    tokens: Sequence[int],
+    *,
+    policy: str,
+    needs_query: bool,
+    context: EditContext | None = None,
+) -> EditInputs:
+    """Validate an edit function's arguments once; raise a teaching error when they are wrong.
+
+    Without a context the query must cover the KV's ``T`` tokens and is cut to them (positions
+    ``0..T-1``, the upstream layout). With one, its ``query_positions`` place the rows (default
+    ``0..R-1``), which may lie past ``T`` up to ``context.prompt_tokens``.
+    """
+    if context is not None and not isinstance(context, EditContext):
+        raise PolicyInputError(
+            f"{policy}: context must be a kvdrop_sdk.types.EditContext, got "
+            f"{type(context).__name__}"
+        )
     kv = get_tensor(tensors, CacheKind.KV)
     if kv is None:
         keys = ", ".join(repr(k) for k in tensors)
@@ -126,31 +188,109 @@ def check_inputs(
             f"{policy}: got {len(tokens)} token ids for a KV of {num_tokens} tokens; they must "
             "match and be non-empty"
         )
-    if not needs_query:
-        return kv, None
-    query = get_tensor(tensors, CacheKind.QUERY)
-    if query is None:
-        raise MissingQueryError(policy)
-    if query.dim() != 4 or query.shape[0] != 1 or query.shape[1] != kv.shape[1]:
+    if context is not None and context.num_tokens != num_tokens:
         raise PolicyInputError(
-            f"{policy}: query must be [1, L, T, Dq] with L={kv.shape[1]} like the KV; got "
-            f"{tuple(query.shape)}"
+            f"{policy}: the edit context describes {context.num_tokens} KV rows but the KV has "
+            f"{num_tokens}"
         )
-    if query.shape[2] < num_tokens:
-        raise PolicyInputError(
-            f"{policy}: query covers {query.shape[2]} tokens but the KV has {num_tokens}"
-        )
-    return kv, query[:, :, :num_tokens]
+    total = num_tokens if context is None else int(context.prompt_tokens or num_tokens)
+    positions = torch.arange(num_tokens) if context is None else context.positions
+    query = qpos = lse = None
+    if needs_query:
+        query = get_tensor(tensors, CacheKind.QUERY)
+        if query is None:
+            raise MissingQueryError(policy)
+        if (
+            not isinstance(query, torch.Tensor)
+            or query.dim() != 4
+            or query.shape[0] != 1
+            or query.shape[1] != kv.shape[1]
+        ):
+            shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query)
+            raise PolicyInputError(
+                f"{policy}: query must be [1, L, R, Dq] with L={kv.shape[1]} like the KV; got "
+                f"{shape}"
+            )
+        rows = query.shape[2]
+        if context is None or context.query_positions is None:
+            if context is None:
+                if rows < num_tokens:
+                    raise PolicyInputError(
+                        f"{policy}: query covers {rows} tokens but the KV has {num_tokens}"
+                    )
+                query, rows = query[:, :, :num_tokens], num_tokens
+            qpos = torch.arange(rows)
+        else:
+            qpos = context.query_positions
+            if qpos.numel() != rows:
+                raise PolicyInputError(
+                    f"{policy}: the edit context has {qpos.numel()} query positions for "
+                    f"{rows} query rows"
+                )
+            lse = context.query_lse
+            if lse is not None and tuple(lse.shape[1:3]) != (kv.shape[1], rows):
+                raise PolicyInputError(
+                    f"{policy}: the edit context's query_lse {tuple(lse.shape)} does not match "
+                    f"the {rows} query rows of {kv.shape[1]} layers"
+                )
+        if rows == 0:
+            raise PolicyInputError(f"{policy}: the query tensor has no rows")
+        total = max(total, int(qpos[-1]) + 1)
+    return EditInputs(
+        kv=kv,
+        query=query,
+        query_positions=qpos,
+        prompt_tokens=total,
+        positions=positions,
+        protected=0 if context is None else context.protected,
+        query_lse=lse,
+        head_dim=None if context is None else context.head_dim,
+        device=None if context is None else context.device,
+        rope=None if context is None else context.rope,
+    )
+
+
+def check_inputs(
+    tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int], *, policy: str, needs_query: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Return ``(kv, query)`` from an edit function's plain arguments, or raise a teaching error.
+
+    ``query`` is cut to the KV's ``T`` tokens, and ``None`` unless ``needs_query``.
+    """
+    inputs = edit_inputs(tensors, tokens, policy=policy, needs_query=needs_query)
+    return inputs.kv, inputs.query
+
+
+def resolve_device(requested: str, hint: str | None, tensor: torch.Tensor) -> torch.device:
+    """Where to score: ``requested`` unless "auto"; then the context's ``hint``; then CUDA when
+    available; else ``tensor``'s device."""
+    if requested != "auto":
+        return torch.device(requested)
+    if hint:
+        return torch.device(hint)
+    if tensor.device.type == "cpu" and torch.cuda.is_available():
+        return torch.device("cuda")
+    return tensor.device
 
 
 class Policy(abc.ABC):
     """An edit function built by kvdrop (a ``ModifyFnType`` for ``batch.modify(fn)``).
 
     Subclasses give ``name``, ``needs_query`` and ``select_indices``; calling the policy gathers
-    the kept KV rows and token ids (within budget the input comes back as is).
+    the kept KV rows and token ids (within budget the input comes back as is) and re-rotates the
+    kept keys to positions ``0..k-1`` when the RoPE parameters are known: ``rope`` (explicit, as
+    ``kvdrop.get(..., rerotate=config)`` sets it) or the edit context's. ``rerotate = False``
+    turns that off (``kvdrop.get(..., rerotate=False)``); with neither known a
+    :class:`~kvdrop.PolicyWarning` says why the kept keys stay where they were.
     """
 
     name: str
+    #: The SDK passes ``context=EditContext(...)`` to every kvdrop policy.
+    accepts_edit_context: ClassVar[bool] = True
+    #: Re-rotate kept keys when RoPE parameters are known (instances may turn it off).
+    rerotate: bool = True
+    #: Explicit RoPE parameters; they win over the edit context's.
+    rope: RopeConfig | None = None
 
     @property
     @abc.abstractmethod
@@ -159,19 +299,90 @@ class Policy(abc.ABC):
 
     @abc.abstractmethod
     def select_indices(
-        self, tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]
+        self,
+        tensors: Mapping[Any, torch.Tensor],
+        tokens: Sequence[int],
+        *,
+        context: EditContext | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The validated KV and the sorted int64 indices of the tokens this policy keeps (all of
-        them when the input is within budget). Wrappers that need positions (RoPE re-rotation)
-        use this instead of matching the returned tokens."""
+        """The validated KV and the sorted int64 indices (CPU) of the tokens this policy keeps
+        (all of them when the input is within budget)."""
 
     def __call__(
-        self, tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]
+        self,
+        tensors: Mapping[Any, torch.Tensor],
+        tokens: Sequence[int],
+        *,
+        context: EditContext | None = None,
+        positions: Sequence[int] | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
-        kv, index = self.select_indices(tensors, tokens)
-        if index.numel() == kv.shape[2]:
-            return kv, [int(t) for t in tokens]
-        return gather(kv, tokens, index)
+        kv, index = self.select_indices(tensors, tokens, context=context)
+        return self.keep(kv, tokens, index, context=context, positions=positions)
+
+    def rope_for(self, context: EditContext | None) -> RopeConfig | None:
+        """The RoPE parameters kept keys are re-rotated with (None: no re-rotation)."""
+        if not self.rerotate:
+            return None
+        if self.rope is not None:
+            return self.rope
+        return rope_from_layout(None if context is None else context.rope, policy=self.name)
+
+    def keep(
+        self,
+        kv: torch.Tensor,
+        tokens: Sequence[int],
+        index: torch.Tensor,
+        *,
+        context: EditContext | None = None,
+        positions: Sequence[int] | torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Gather the rows at ``index`` and move their keys to positions ``0..k-1``."""
+        num_tokens = kv.shape[2]
+        pos = _row_positions(self.name, num_tokens, positions, context)
+        index = index.to(device="cpu", dtype=torch.int64)
+        kept_tokens = [int(tokens[i]) for i in index.tolist()]
+        old = pos[index]
+        new = torch.arange(index.numel())
+        if index.numel() == num_tokens and torch.equal(old, new):
+            return kv, kept_tokens  # within budget and already contiguous: unchanged
+        out = kv.index_select(2, index.to(kv.device))  # fresh: keys re-rotated in place in it
+        rope = self.rope_for(context)
+        if rope is None:
+            if self.rerotate and not torch.equal(old, new):
+                _warn_no_rope(self.name)
+            return out, kept_tokens
+        rerotate_in_place(out[0], old, new, rope, int(pos.max()) + 1, len(new))
+        return out, kept_tokens
+
+
+def _row_positions(
+    name: str,
+    num_tokens: int,
+    positions: Sequence[int] | torch.Tensor | None,
+    context: EditContext | None,
+) -> torch.Tensor:
+    if positions is None:
+        return torch.arange(num_tokens) if context is None else context.positions
+    pos = torch.as_tensor(positions)
+    if pos.shape != (num_tokens,) or pos.dtype.is_floating_point:
+        raise PolicyInputError(
+            f"{name}: positions must be {num_tokens} ints (one per cached token); "
+            f"got shape {tuple(pos.shape)} dtype {pos.dtype}"
+        )
+    return pos.to(device="cpu", dtype=torch.int64)
+
+
+def _warn_no_rope(name: str) -> None:
+    warnings.warn(
+        f"{name}: kept keys stay at their old RoPE positions because no RoPE parameters are "
+        "known (the engine registered none with the cache layout, or the policy was called "
+        "without an EditContext); engines read a kept prefix at positions 0..k-1, so the model "
+        "would see wrong distances. Pass rerotate=<the model's config.json dict or a "
+        "kvdrop_rope.RopeConfig> to kvdrop.get, or rerotate=False if your engine keeps the "
+        "original positions.",
+        PolicyWarning,
+        stacklevel=3,
+    )
 
 
 _S = TypeVar("_S", bound="SelectorPolicy")
@@ -189,6 +400,25 @@ class SelectorPolicy(Policy):
         out.selector = selector
         return out
 
+    def plan_budget(self, inputs: EditInputs) -> int:
+        """This request's cached-token budget; warns (once per policy) when chunk alignment keeps
+        far less of the whole prompt than asked."""
+        sel = self.selector
+        budget = sel.budget(inputs.num_tokens, inputs.protected)
+        asked = sel.requested(inputs.num_tokens, inputs.prompt_tokens)
+        kept = budget + inputs.prompt_tokens - inputs.num_tokens
+        if kept < BUDGET_WARN_FRACTION * asked and not getattr(self, "_budget_warned", False):
+            self._budget_warned = True
+            warnings.warn(
+                f"{self.name}: chunk alignment keeps {kept} of {inputs.prompt_tokens} prompt "
+                f"tokens, {kept / max(asked, 1):.0%} of the {asked:.0f} asked for (budgets are "
+                f"whole chunks of {sel.chunk_size}, aligned down); use a smaller chunk_size or "
+                "keep more. Shown once per policy.",
+                PolicyWarning,
+                stacklevel=4,
+            )
+        return budget
+
 
 class ScorerPolicy(SelectorPolicy):
     """The edit function of a scorer + selector pair."""
@@ -205,27 +435,88 @@ class ScorerPolicy(SelectorPolicy):
     def needs_query(self) -> bool:
         return self.scorer.needs_query
 
+    def _scorer_for(self, inputs: EditInputs) -> Scorer:
+        """The scorer with a query scorer's ``head_dim=None`` filled in (layout's, else 128)."""
+        scorer = self.scorer
+        if (
+            scorer.needs_query
+            and dataclasses.is_dataclass(scorer)
+            and any(f.name == "head_dim" for f in dataclasses.fields(scorer))
+            and getattr(scorer, "head_dim", 0) is None
+        ):
+            head_dim = inputs.head_dim or DEFAULT_QUERY_HEAD_DIM
+            scorer = dataclasses.replace(scorer, head_dim=head_dim)  # type: ignore[type-var]
+        return scorer
+
+    def _queries_for(
+        self, scorer: Scorer, inputs: EditInputs
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The query rows and positions ``scorer`` can read (dense ``0..T-1`` unless sparse)."""
+        if not scorer.needs_query or inputs.query is None:
+            return None, None
+        qpos = inputs.query_positions
+        assert qpos is not None
+        if scorer.sparse_queries:
+            return inputs.query, qpos
+        t = inputs.num_tokens
+        if qpos.numel() < t or not torch.equal(qpos[:t], torch.arange(t)):
+            raise PolicyInputError(
+                f"{self.name}: this scorer reads the query of every cached token ([1, L, T, Dq]) "
+                f"but only {qpos.numel()} query rows exist (a query window); declare "
+                "sparse_queries = True and read selection.query_positions, or run the engine "
+                "with full query capture (--query-capture full)"
+            )
+        return inputs.query[:, :, :t], qpos[:t]
+
     def scores(
-        self, kv: torch.Tensor, query: torch.Tensor | None, budget: int | None = None
+        self,
+        kv: torch.Tensor,
+        query: torch.Tensor | None,
+        budget: int | None = None,
+        *,
+        inputs: EditInputs | None = None,
     ) -> torch.Tensor:
-        """The scorer's ``[T]`` scores of validated inputs (after its own ``check``).
+        """The scorer's ``[T]`` float32 CPU scores of validated inputs (after its ``check``).
 
         ``budget`` is what the ranking will be cut at (default: this selector's budget); only a
-        scorer with ``needs_selection`` sees it. Raises PolicyInputError on NaN scores.
+        scorer with ``needs_selection`` sees it. Scores are computed on the selector's ``device``
+        (keys and queries are moved there). Raises PolicyInputError on NaN scores.
         """
-        self.scorer.check(kv, query)
+        if inputs is None:
+            qpos = None if query is None else torch.arange(query.shape[2])
+            inputs = EditInputs(kv, query, qpos, kv.shape[2], torch.arange(kv.shape[2]))
+        scorer = self._scorer_for(inputs)
+        q, qpos = self._queries_for(scorer, inputs)
+        lse = inputs.query_lse if scorer.sparse_queries and q is not None else None
+        device = resolve_device(self.selector.device, inputs.device, kv)
+        if device != kv.device:
+            kv = (kv if scorer.reads_values else kv[:1]).to(device)
+        if q is not None and q.device != device:
+            q = q.to(device)
+        if lse is not None and lse.device != device:
+            lse = lse.to(device)
         num_tokens = kv.shape[2]
+        scorer.check(kv, q)
         with torch.no_grad():
-            if self.scorer.needs_selection:
-                selection = self.selector.selection(num_tokens, budget)
-                scores = self.scorer.score(kv, query, selection)
+            if scorer.needs_selection:
+                selection = self.selector.selection(
+                    num_tokens,
+                    budget,
+                    prompt_tokens=inputs.prompt_tokens,
+                    protected=inputs.protected,
+                    query_positions=qpos,
+                    query_lse=lse,
+                    head_dim=inputs.head_dim,
+                )
+                scores = scorer.score(kv, q, selection)
             else:
-                scores = self.scorer.score(kv, query)
+                scores = scorer.score(kv, q)
         if scores.shape != (num_tokens,):
             raise PolicyInputError(
                 f"{self.name}: scorer returned scores of shape {tuple(scores.shape)}; expected "
                 f"({num_tokens},)"
             )
+        scores = scores.detach().to(device="cpu", dtype=torch.float32)
         nan = int(torch.isnan(scores).sum())
         if nan:
             raise PolicyInputError(
@@ -236,34 +527,56 @@ class ScorerPolicy(SelectorPolicy):
         return scores
 
     def ranking(
-        self, kv: torch.Tensor, query: torch.Tensor | None, budget: int | None = None
+        self,
+        kv: torch.Tensor,
+        query: torch.Tensor | None,
+        budget: int | None = None,
+        *,
+        inputs: EditInputs | None = None,
     ) -> torch.Tensor:
         """Every token index in the order this policy keeps them (its selector's ranking)."""
-        return self.selector.ranking(self.scores(kv, query, budget))
+        scores = self.scores(kv, query, budget, inputs=inputs)
+        if inputs is None:
+            return self.selector.ranking(scores)
+        return self.selector.ranking(
+            scores, prompt_tokens=inputs.prompt_tokens, protected=inputs.protected
+        )
 
     def select_indices(
-        self, tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]
+        self,
+        tensors: Mapping[Any, torch.Tensor],
+        tokens: Sequence[int],
+        *,
+        context: EditContext | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        kv, query = check_inputs(tensors, tokens, policy=self.name, needs_query=self.needs_query)
-        num_tokens = kv.shape[2]
-        budget = self.selector.budget(num_tokens)
+        inputs = edit_inputs(
+            tensors, tokens, policy=self.name, needs_query=self.needs_query, context=context
+        )
+        kv, num_tokens = inputs.kv, inputs.num_tokens
+        budget = self.plan_budget(inputs)
         if budget >= num_tokens:
             return kv, torch.arange(num_tokens)
-        return kv, self.selector.select(self.scores(kv, query, budget), budget)
+        scores = self.scores(kv, inputs.query, budget, inputs=inputs)
+        return kv, self.selector.select(
+            scores, budget, prompt_tokens=inputs.prompt_tokens, protected=inputs.protected
+        )
 
 
 class FunctionPolicy(Policy):
     """A plain edit function ``fn(tensors, tokens) -> (kv, tokens)`` seen as a :class:`Policy`.
 
-    Calling it calls ``fn`` unchanged; ``select_indices`` finds the kept rows in the input
-    (greedy in order, matching the token id and the layer-0 key row, so repeated ids are told
-    apart), for wrappers such as RoPE re-rotation.
+    ``fn`` gets ``context=`` too when it declares so (``kvdrop_sdk.types.accepts_edit_context``)
+    and then re-rotates on its own. For a plain ``fn``, calling the policy finds the kept rows in
+    the input (greedy in order, matching the token id and the layer-0 key row, so repeated ids are
+    told apart) and re-rotates their keys when RoPE parameters are known; a ``fn`` whose output
+    rows are not input rows (e.g. it changed values) is returned as it is, with a warning.
     """
 
     def __init__(self, name: str, fn: ModifyFnType, needs_query: bool = False) -> None:
         self.name = name
         self.fn = fn
         self._needs_query = needs_query
+        self._takes_context = takes_edit_context(fn)
 
     def __repr__(self) -> str:
         return f"FunctionPolicy({self.name!r}, {self.fn!r})"
@@ -272,11 +585,19 @@ class FunctionPolicy(Policy):
     def needs_query(self) -> bool:
         return self._needs_query
 
-    def select_indices(
-        self, tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        kv, _ = check_inputs(tensors, tokens, policy=self.name, needs_query=self.needs_query)
-        out, kept = self.fn(tensors, tokens)
+    def _call_fn(
+        self,
+        tensors: Mapping[Any, torch.Tensor],
+        tokens: Sequence[int],
+        context: EditContext | None,
+    ) -> tuple[torch.Tensor, Sequence[int]]:
+        if self._takes_context:
+            return self.fn(tensors, tokens, context=context)  # type: ignore[call-arg]
+        return self.fn(tensors, tokens)
+
+    def _match(
+        self, kv: torch.Tensor, tokens: Sequence[int], out: torch.Tensor, kept: Sequence[int]
+    ) -> torch.Tensor:
         found: list[int] = []
         i = 0
         for j, tok in enumerate(kept):
@@ -291,12 +612,50 @@ class FunctionPolicy(Policy):
                 )
             found.append(i)
             i += 1
-        return kv, torch.tensor(found, dtype=torch.int64)
+        return torch.tensor(found, dtype=torch.int64)
+
+    def select_indices(
+        self,
+        tensors: Mapping[Any, torch.Tensor],
+        tokens: Sequence[int],
+        *,
+        context: EditContext | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = edit_inputs(
+            tensors, tokens, policy=self.name, needs_query=self.needs_query, context=context
+        ).kv
+        out, kept = self._call_fn(tensors, tokens, context)
+        return kv, self._match(kv, tokens, out, kept)
 
     def __call__(
-        self, tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]
+        self,
+        tensors: Mapping[Any, torch.Tensor],
+        tokens: Sequence[int],
+        *,
+        context: EditContext | None = None,
+        positions: Sequence[int] | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Sequence[int]]:
-        return self.fn(tensors, tokens)
+        out, kept = self._call_fn(tensors, tokens, context)
+        if self._takes_context and self.rope is None:
+            return out, kept  # it saw the context: its own choice of positions
+        rope = self.rope_for(context)
+        moved = len(kept) != len(tokens) or list(kept) != [int(t) for t in tokens]
+        if rope is None:
+            if self.rerotate and moved:
+                _warn_no_rope(self.name)
+            return out, kept
+        kv = edit_inputs(tensors, tokens, policy=self.name, needs_query=False, context=context).kv
+        try:
+            index = self._match(kv, tokens, out, kept)
+        except PolicyInputError:
+            warnings.warn(
+                f"{self.name}: its output rows are not input rows, so they cannot be re-rotated; "
+                "returned as they are",
+                PolicyWarning,
+                stacklevel=2,
+            )
+            return out, kept
+        return self.keep(kv, tokens, index, context=context, positions=positions)
 
 
 def as_policy(fn: Policy | ModifyFnType, name: str, needs_query: bool = False) -> Policy:

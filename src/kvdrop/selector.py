@@ -2,25 +2,33 @@
 
 A policy only says how much each token is worth (a ``[T]`` score, higher = keep). The selector
 turns scores into one kept-token list for the whole request (all layers and heads: the cache is
-keyed by token ids, so per-head selection cannot be stored):
+keyed by token ids, so per-head selection cannot be stored).
 
-1. budget ``k``: ``keep_ratio * T`` or ``keep_tokens``, aligned DOWN to a multiple of
-   ``chunk_size`` and never below one chunk; if ``k >= T`` the input is returned unchanged;
-2. forced tokens: the first ``n_sink`` (attention sinks) and the last ``window`` (recent /
-   observation window). If they alone exceed ``k``, the most recent are kept first, then sinks;
+The edit sees the ``T`` cached (chunk-aligned) tokens of a prompt of ``N >= T`` tokens; the other
+``N - T`` (the uncached tail, and tokens generated so far) are recomputed by the engine and never
+dropped, so they count as kept: the kept fraction of the whole prompt is ``(k + N - T) / N``.
+
+1. budget ``k`` of the cached part: ``keep_ratio * T`` or ``keep_tokens``, aligned DOWN to a
+   multiple of ``chunk_size`` and never below one chunk (nor below the protected prefix, rounded
+   up to whole chunks); if ``k >= T`` the input is returned unchanged. Policies warn when that
+   keeps far less of the whole prompt than asked (alignment at short lengths);
+2. forced tokens: the protected prefix (never dropped), the last ``window`` tokens of the whole
+   prompt that are cached (``window - (N - T)`` of them, the tail holds the rest) and the first
+   ``n_sink`` (attention sinks). If they exceed ``k``, protected come first, then the most recent,
+   then sinks;
 3. the rest of the budget goes to the highest-scoring remaining tokens (ties: earlier token first);
    with ``chunked=True`` whole chunks are picked by the sum of their token scores (ChunkKV-style);
 4. kept indices are sorted, and KV rows and token ids are gathered at exactly those indices.
 
 Steps 2-3 are one order over all tokens, :meth:`Selector.ranking`; the kept tokens are its first
 ``k``. Compositions cut several rankings at their shares of one budget, so there is exactly one
-implementation of the order.
+implementation of the order. Without an edit context ``N == T``: the plain upstream behaviour.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +44,16 @@ def _positive(x: int) -> bool:
 
 def _non_negative(x: int) -> bool:
     return x >= 0
+
+
+def _device_ok(name: str) -> bool:
+    if name == "auto":
+        return True
+    try:
+        torch.device(name)
+    except (RuntimeError, ValueError):
+        return False
+    return True
 
 
 #: Parameters every scoring policy accepts (a policy may change the defaults).
@@ -77,6 +95,16 @@ SELECTOR_PARAMS: tuple[Param, ...] = (
         "select whole chunks by the sum of their token scores "
         "(ChunkKV-style) instead of single tokens",
     ),
+    Param(
+        "device",
+        str,
+        "auto",
+        "where scores are computed: 'auto' (the edit context's device, else CUDA when available, "
+        "else where the tensors are), or a torch device ('cpu', 'cuda', 'cuda:1'); only the "
+        "kept indices come back",
+        "'auto' or a torch device string",
+        _device_ok,
+    ),
 )
 
 
@@ -90,6 +118,7 @@ class Selector:
     n_sink: int = 0
     window: int = 0
     chunked: bool = False
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         if self.keep_ratio is not None and self.keep_tokens is not None:
@@ -100,63 +129,118 @@ class Selector:
         if self.keep_ratio is None and self.keep_tokens is None:
             object.__setattr__(self, "keep_ratio", 0.5)
 
-    def budget(self, num_tokens: int) -> int:
-        """Tokens to keep out of ``num_tokens``: chunk-aligned down, at least one chunk, <= T."""
+    def requested(self, num_tokens: int, prompt_tokens: int | None = None) -> float:
+        """Tokens of the whole prompt this selector is asked to keep (unaligned):
+        ``keep_ratio`` of all ``prompt_tokens``, or ``keep_tokens`` plus the tail (never
+        dropped)."""
+        total = num_tokens if prompt_tokens is None else max(prompt_tokens, num_tokens)
+        if self.keep_tokens is not None:
+            return float(min(self.keep_tokens, num_tokens) + total - num_tokens)
+        assert self.keep_ratio is not None
+        return self.keep_ratio * total
+
+    def budget(self, num_tokens: int, protected: int = 0) -> int:
+        """Cached tokens to keep out of ``num_tokens``: chunk-aligned down, at least one chunk
+        and the protected prefix, at most ``T``."""
         if self.keep_tokens is not None:
             raw = self.keep_tokens
         else:
             assert self.keep_ratio is not None
             # A tiny epsilon keeps e.g. 0.3 * 1000 == 300 from flooring to 299.
             raw = int(self.keep_ratio * num_tokens + 1e-9)
-        aligned = max(self.chunk_size, raw - raw % self.chunk_size)
+        c = self.chunk_size
+        aligned = max(c, raw - raw % c)
+        if protected:
+            aligned = max(aligned, -(-min(protected, num_tokens) // c) * c)
         return min(aligned, num_tokens)
 
-    def selection(self, num_tokens: int, budget: int | None = None) -> Selection:
+    def selection(
+        self,
+        num_tokens: int,
+        budget: int | None = None,
+        *,
+        prompt_tokens: int | None = None,
+        protected: int = 0,
+        query_positions: torch.Tensor | None = None,
+        query_lse: torch.Tensor | None = None,
+        head_dim: int | None = None,
+    ) -> Selection:
         """What this selector keeps of a ``num_tokens`` request (``budget``: this many instead)."""
+        if budget is None:
+            budget = self.budget(num_tokens, protected)
         return Selection(
             num_tokens=num_tokens,
-            budget=self.budget(num_tokens) if budget is None else budget,
+            budget=budget,
             chunk_size=self.chunk_size,
             n_sink=self.n_sink,
             window=self.window,
             chunked=self.chunked,
+            prompt_tokens=num_tokens if prompt_tokens is None else max(prompt_tokens, num_tokens),
+            protected=min(protected, num_tokens),
+            query_positions=query_positions,
+            query_lse=query_lse,
+            head_dim=head_dim,
         )
 
-    def ranking(self, scores: torch.Tensor) -> torch.Tensor:
+    def ranking(
+        self, scores: torch.Tensor, *, prompt_tokens: int | None = None, protected: int = 0
+    ) -> torch.Tensor:
         """Every token index in the order this selector keeps them, given ``[T]`` scores.
 
-        Forced recent tokens first (most recent first), then sinks, then by score (ties: earlier
-        first; NaN ranks lowest). Chunked selectors rank whole chunks the same way by the sum of
-        their token scores; a partial tail chunk comes last. :meth:`select` keeps a prefix of it.
+        Protected tokens first, then the forced recent tokens (most recent first), then sinks,
+        then by score (ties: earlier first; NaN ranks lowest). Chunked selectors rank whole chunks
+        the same way by the sum of their token scores; a partial tail chunk comes last.
+        :meth:`select` keeps a prefix of it.
         """
         scores = torch.nan_to_num(scores.detach().to(torch.float32).cpu(), nan=-torch.inf)
+        num_tokens = scores.shape[0]
+        total = num_tokens if prompt_tokens is None else max(prompt_tokens, num_tokens)
+        recent = max(0, min(num_tokens, self.window - (total - num_tokens)))
+        protected = min(protected, num_tokens)
         if not self.chunked:
-            return _token_ranking(scores, self.n_sink, self.window)
+            return _token_ranking(scores, self.n_sink, recent, protected)
         c = self.chunk_size
-        n_chunks = scores.shape[0] // c
+        n_chunks = num_tokens // c
         full = n_chunks * c
         chunk_scores = scores[:full].view(n_chunks, c).sum(dim=1)
         sink_chunks = -(-min(self.n_sink, full) // c)
-        window_chunks = -(-min(self.window, full) // c)
-        order = _token_ranking(chunk_scores, sink_chunks, window_chunks)
+        window_chunks = -(-min(recent, full) // c)
+        protected_chunks = -(-min(protected, full) // c)
+        order = _token_ranking(chunk_scores, sink_chunks, window_chunks, protected_chunks)
         tokens = (order[:, None] * c + torch.arange(c)).reshape(-1)
-        return torch.cat([tokens, torch.arange(full, scores.shape[0])])
+        return torch.cat([tokens, torch.arange(full, num_tokens)])
 
-    def select(self, scores: torch.Tensor, budget: int | None = None) -> torch.Tensor:
+    def select(
+        self,
+        scores: torch.Tensor,
+        budget: int | None = None,
+        *,
+        prompt_tokens: int | None = None,
+        protected: int = 0,
+    ) -> torch.Tensor:
         """Sorted int64 indices of the kept tokens: the first ``budget`` of :meth:`ranking`."""
         num_tokens = scores.shape[0]
-        k = self.budget(num_tokens) if budget is None else budget
+        k = self.budget(num_tokens, protected) if budget is None else budget
         if k >= num_tokens:
             return torch.arange(num_tokens)
-        return torch.sort(self.ranking(scores)[:k]).values
+        order = self.ranking(scores, prompt_tokens=prompt_tokens, protected=protected)
+        return torch.sort(order[:k]).values
 
 
 @dataclass(frozen=True)
 class Selection:
     """What the selector keeps of one request, handed to scorers that declare
     ``needs_selection = True`` (e.g. H2O gives a share of ``budget`` to recent tokens, SnapKV
-    observes the last ``window`` queries). ``budget`` is the number of tokens this scorer's
-    ranking will be cut at (in a composition: the part's share)."""
+    observes the last ``window`` queries). ``budget`` is the number of cached tokens this scorer's
+    ranking will be cut at (in a composition: the part's share).
+
+    ``prompt_tokens`` is the length ``N`` of the whole prompt (the ``N - T`` tokens after the
+    cached ones are recomputed, never dropped); ``query_positions`` the position of each row of
+    the query tensor the scorer gets (rows may lie past ``T``: the uncached tail);
+    ``query_lse`` ``[1, L, R, Hq]`` the rows' attention log-normalisers over every key they saw
+    (NaN where unknown; see ``kvdrop_sdk.types.EditContext``); ``head_dim`` the layout's, when
+    known.
+    """
 
     num_tokens: int
     budget: int
@@ -164,13 +248,40 @@ class Selection:
     n_sink: int
     window: int
     chunked: bool
+    prompt_tokens: int | None = None
+    protected: int = 0
+    query_positions: torch.Tensor | None = field(default=None, compare=False)
+    query_lse: torch.Tensor | None = field(default=None, compare=False)
+    head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens is None:
+            object.__setattr__(self, "prompt_tokens", self.num_tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        """``N``: the whole prompt (``num_tokens`` when no longer prompt is known)."""
+        return self.num_tokens if self.prompt_tokens is None else self.prompt_tokens
+
+    @property
+    def tail(self) -> int:
+        """Tokens after the cached ones (recomputed by the engine, never dropped)."""
+        return self.total_tokens - self.num_tokens
+
+    @property
+    def recent(self) -> int:
+        """Cached tokens the selector keeps as the recent window (the tail counts towards it)."""
+        return max(0, min(self.num_tokens, self.window - self.tail))
 
 
-def _token_ranking(scores: torch.Tensor, n_sink: int, window: int) -> torch.Tensor:
+def _token_ranking(
+    scores: torch.Tensor, n_sink: int, window: int, protected: int = 0
+) -> torch.Tensor:
     num_tokens = scores.shape[0]
     recent = torch.arange(num_tokens - 1, max(num_tokens - window, 0) - 1, -1)
     sinks = torch.arange(min(n_sink, num_tokens))
-    forced = _first_unique(torch.cat([recent, sinks]))
+    first = torch.arange(min(protected, num_tokens))
+    forced = _first_unique(torch.cat([first, recent, sinks]))
     free = torch.ones(num_tokens, dtype=torch.bool)
     free[forced] = False
     candidates = free.nonzero().squeeze(1)

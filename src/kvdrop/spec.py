@@ -8,7 +8,9 @@ builds the combinator objects of :mod:`kvdrop.combinators` from them:
 - ``"chunk(policy=snapkv)"``: :class:`~kvdrop.combinators.Chunk` (registered as ``chunk``);
 - ``"budget(policy=snapkv, tiers='4096:1.0,*:0.5')"``: :class:`~kvdrop.combinators.Budget`
   (registered as ``budget``); from Python, ``rule=callable(T) -> ratio | tokens``;
-- ``kvdrop.get(name, rerotate=rope)``: :class:`~kvdrop.combinators.Rerotate` around any of them.
+- ``kvdrop.get(name, rerotate=rope)``: :class:`~kvdrop.combinators.Rerotate` around any of them
+  (fixed RoPE parameters; by default every policy re-rotates with the edit context's, and
+  ``rerotate=False`` turns re-rotation off).
 
 Grammar: ``TERM ('+' TERM)*`` with ``TERM = NAME ['(' KEY=VALUE (',' KEY=VALUE)* ')']``. A value
 is a quoted string (``'...'`` or ``"..."``), a JSON literal (``8``, ``0.5``, ``true``, ``null``,
@@ -63,18 +65,23 @@ def factory(name: str) -> PolicyFactory:
     return SpecFactory(name) if is_spec(name) else registry.factory(name)
 
 
-def get(name: str, *, rerotate: Any = None, **params: Any) -> Policy:
+def get(name: str, *, rerotate: Any = True, **params: Any) -> Policy:
     """Build policy ``name`` (a registered name or a spec string); ``params`` are validated now,
     not at first use.
 
-    ``rerotate`` (a ``kvdrop_rope.RopeConfig`` or an HF ``config.json`` dict) wraps the policy
-    in :class:`~kvdrop.combinators.Rerotate`, so its kept keys are re-rotated to positions
-    ``0..k-1``.
+    Kept keys are re-rotated to positions ``0..k-1`` (where engines read a kept prefix) with the
+    RoPE parameters of the edit context, i.e. the ones the engine registered with the layout
+    (``rerotate=True``, the default; ``None`` means the same). ``rerotate=False`` keeps them at
+    their old positions; a ``kvdrop_rope.RopeConfig`` or an HF ``config.json`` dict fixes the
+    parameters (:class:`~kvdrop.combinators.Rerotate`), for callers without an edit context.
     """
     policy = factory(name)(**params)
-    if rerotate is not None:
-        policy = Rerotate(policy, rerotate, name)
-    return policy
+    if rerotate is None or rerotate is True:
+        return policy
+    if rerotate is False:
+        policy.rerotate = False
+        return policy
+    return Rerotate(policy, rerotate, name)
 
 
 def describe(name: str) -> PolicyInfo:
@@ -233,6 +240,7 @@ class SpecFactory(PolicyFactory):
 
 _KEEP = [p for p in SELECTOR_PARAMS if p.name in ("keep_ratio", "keep_tokens")]
 _CHUNK_SIZE = next(p for p in SELECTOR_PARAMS if p.name == "chunk_size")
+_DEVICE = next(p for p in SELECTOR_PARAMS if p.name == "device")
 _HEAD_DIM = Param(
     "head_dim",
     int | None,
@@ -260,6 +268,7 @@ _COMPOSE_PARAMS: tuple[Param, ...] = (
     *_KEEP,
     _CHUNK_SIZE,
     _HEAD_DIM,
+    _DEVICE,
 )
 
 
@@ -312,7 +321,11 @@ class ComposeFactory(PolicyFactory):
     def __call__(self, **params: Any) -> Compose:
         values = validate_params("compose", _COMPOSE_PARAMS, params)
         terms = _part_list(values["policies"])
-        shared = {"chunk_size": values["chunk_size"], "head_dim": values["head_dim"]}
+        shared = {
+            "chunk_size": values["chunk_size"],
+            "head_dim": values["head_dim"],
+            "device": values["device"],
+        }
         parts = []
         for name, own in terms:
             if is_spec(name):
@@ -324,6 +337,7 @@ class ComposeFactory(PolicyFactory):
             values["weights"],
             keep_ratio=values["keep_ratio"],
             keep_tokens=values["keep_tokens"],
+            device=values["device"],
         )
 
 

@@ -108,6 +108,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="http://127.0.0.1:8080",
         help="HTTP address of the same server (default http://127.0.0.1:8080)",
     )
+    kv.add_argument(
+        "--query-capture",
+        choices=["window", "full"],
+        default="window",
+        help="queries saved for query-based policies when the server runs with transfer_query: "
+        "per request the last --query-window tokens' and every --query-stride-th (window, "
+        "default), or every prompt token's in chunks, the upstream layout (full)",
+    )
+    kv.add_argument(
+        "--query-window",
+        type=int,
+        default=64,
+        help="W: queries of the last W computed tokens are saved (default 64, SnapKV's window)",
+    )
+    kv.add_argument(
+        "--query-stride",
+        type=int,
+        default=64,
+        help="S: queries of every S-th position are saved too (H2O's sample; 0 = none; default 64)",
+    )
+    kv.add_argument(
+        "--store-decoded-kv",
+        action="store_true",
+        help="also store the KV of whole chunks completed by generated tokens when a request "
+        "ends, so a later edit can drop from them",
+    )
 
 
 def _positive(name: str, value: int) -> None:
@@ -132,6 +158,9 @@ def _check_args(args: argparse.Namespace) -> None:
         )
     if args.threads is not None:
         _positive("--threads", args.threads)
+    _positive("--query-window", args.query_window)
+    if args.query_stride < 0:
+        raise EngineSetupError(f"--query-stride must be >= 0, got {args.query_stride}")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise EngineSetupError("--served-model-name must not be empty")
     if args.model is not None and not Path(args.model).exists():
@@ -191,7 +220,15 @@ def run(args: argparse.Namespace) -> int:
     elif args.kvdrop_url is not None:
         from kvdrop_engine.connector import ServerConnector
 
-        connector = ServerConnector(args.kvdrop_url, args.kvdrop_http_url, name)
+        connector = ServerConnector(
+            args.kvdrop_url,
+            args.kvdrop_http_url,
+            name,
+            query_capture=args.query_capture,
+            query_window=args.query_window,
+            query_stride=args.query_stride,
+            store_decoded=args.store_decoded_kv,
+        )
     try:
         engine = Engine(
             model,

@@ -6,13 +6,27 @@ admission: what to load, what to store after prefill) and :class:`StoreJob` (aft
 the caller's thread) are the engine's two uses of it.
 
 The engine calls ``bind`` once with its model config and dtype; the connector then registers the
-model's KV layout ``[2, L, T, Hkv*d]`` (and, when the server runs with ``transfer_query``, the query
-layout ``[1, L, T, Hq*d]`` of all query heads, post-RoPE) by opening one SDK ``Context`` per kind.
+model's KV layout ``[2, L, T, Hkv*d]`` with the model's RoPE parameters (so edit functions can
+re-rotate kept keys without being told) and, when the server runs with ``transfer_query``, the
+query layout ``[1, L, T, Hq*d]`` of all query heads, post-RoPE, by opening one SDK ``Context`` per
+kind.
+
+Queries come in two modes (``query_capture``):
+
+* ``"window"`` (default, lean): per request, only the rows a policy can use -- the last
+  ``query_window`` computed positions of the whole sequence (the prompt's uncached tail and the
+  generated tokens included) and every ``query_stride``-th position -- stored once at the end of
+  the request as a window record keyed by its token ids (:mod:`kvdrop_sdk.window`,
+  :class:`~kvdrop_engine.capture.WindowCapture`), with each row's attention log-normalisers.
+  About ``(W + T / S) / T`` of the full queries.
+* ``"full"`` (upstream layout, for LMCache-style consumers): every prompt token's query in whole
+  chunks under ``<model>##query``, plus the window record.
 
 ``load`` returns the longest cached chunk-aligned KV prefix of a prompt (queries are never needed to
-decode); ``store`` pushes a prompt's whole chunks of KV and queries. Every call is keyed by the
-request's own token ids and cache salt, and SDK contexts are thread-safe (each call borrows its own
-socket), so any number of concurrent requests can go through one connector.
+decode); ``store`` pushes a prompt's whole chunks of KV (and chunk queries); ``store_window`` the
+window record. Every call is keyed by the request's own token ids and cache salt, and SDK contexts
+are thread-safe (each call borrows its own socket), so any number of concurrent requests can go
+through one connector.
 """
 
 from __future__ import annotations
@@ -30,16 +44,28 @@ from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
 from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.layout import CacheLayout
+from kvdrop_sdk.window import QueryWindow, store_window
 
 __all__ = [
+    "DEFAULT_QUERY_STRIDE",
+    "DEFAULT_QUERY_WINDOW",
+    "QUERY_CAPTURE_MODES",
     "EngineConnector",
     "PrefixPlan",
     "ServerConnector",
     "StoreJob",
+    "WindowJob",
     "plan_prefix",
     "plan_recompute",
     "server_has_transfer_query",
 ]
+
+#: Query capture modes: "window" (lean: last W + strided rows) or "full" (every prompt row).
+QUERY_CAPTURE_MODES = ("window", "full")
+#: Default W: at least the largest observation window of a built-in policy (SnapKV's 64).
+DEFAULT_QUERY_WINDOW = 64
+#: Default S of the strided sample (H2O's queries): ``T / 64`` rows over a ``T``-token sequence.
+DEFAULT_QUERY_STRIDE = 64
 
 
 class EngineConnector(Protocol):
@@ -47,6 +73,9 @@ class EngineConnector(Protocol):
 
     chunk_size: int
     transfer_query: bool
+    # Optional (``ServerConnector`` has them; a connector without ``store_window`` stores every
+    # prompt query in chunks): query_capture, query_window, query_stride, store_decoded and
+    # store_window(tokens, window, cache_salt).
 
     def bind(self, config: Any, dtype: torch.dtype) -> None:
         """Register the model's KV (and query) layout; called once by the engine."""
@@ -75,14 +104,15 @@ class EngineConnector(Protocol):
 class PrefixPlan:
     """What admission does with a prompt: copy ``kv`` (its first ``num_loaded`` tokens, or None)
     into the request's blocks; after prefill store the first ``store_upto`` prompt tokens (0 =
-    nothing new to store), with queries captured from token ``query_offset`` on when
-    ``capture_queries``."""
+    nothing new to store), with chunk queries captured from token ``query_offset`` on when
+    ``capture_queries`` (full mode); keep a query window when ``capture_window``."""
 
     kv: Tensor | None
     num_loaded: int
     store_upto: int = 0
     capture_queries: bool = False
     query_offset: int = 0
+    capture_window: bool = False
 
 
 def plan_prefix(conn: EngineConnector, prompt: list[int], cache_salt: str) -> PrefixPlan:
@@ -97,28 +127,50 @@ def plan_prefix(conn: EngineConnector, prompt: list[int], cache_salt: str) -> Pr
     n = min(cached, len(prompt) - 1)
     loaded = kv[:, :, :n] if kv is not None and n > 0 else None
     aligned = len(prompt) // conn.chunk_size * conn.chunk_size
+    window, full = _query_modes(conn)
     if aligned <= cached:
-        return PrefixPlan(loaded, n)
-    # Queries are captured for the computed tokens; a loaded prefix (shared with an earlier
-    # prompt) must have its queries cached too, or the query cache would hold a hole. After a
-    # modify the kept tokens have none: their prompt stores KV only.
-    if not conn.transfer_query:
-        return PrefixPlan(loaded, n, store_upto=aligned)
+        return PrefixPlan(loaded, n, capture_window=window)
+    # Chunk queries (full mode) are captured for the computed tokens; a loaded prefix (shared
+    # with an earlier prompt) must have its queries cached too, or the query cache would hold a
+    # hole. After a modify the kept tokens have none: their prompt stores KV only.
+    if not conn.transfer_query or not full:
+        return PrefixPlan(loaded, n, store_upto=aligned, capture_window=window)
     try:
         q_cached = conn.lookup_queries(prompt, cache_salt) if n else 0
     except Exception as exc:
         raise EngineError(f"query lookup in the server failed: {exc}") from exc
     capture = n == 0 or q_cached >= n
-    return PrefixPlan(loaded, n, store_upto=aligned, capture_queries=capture, query_offset=n)
+    return PrefixPlan(
+        loaded,
+        n,
+        store_upto=aligned,
+        capture_queries=capture,
+        query_offset=n,
+        capture_window=window,
+    )
 
 
 def plan_recompute(conn: EngineConnector, prompt: list[int]) -> PrefixPlan:
     """Admission's plan when the server cannot be asked (down, slow, failing): compute the whole
     prompt, then store its whole chunks (with queries when the connector stores them)."""
     aligned = len(prompt) // conn.chunk_size * conn.chunk_size
+    window, full = _query_modes(conn)
     return PrefixPlan(
-        None, 0, store_upto=aligned, capture_queries=conn.transfer_query and aligned > 0
+        None,
+        0,
+        store_upto=aligned,
+        capture_queries=bool(conn.transfer_query) and full and aligned > 0,
+        capture_window=window,
     )
+
+
+def _query_modes(conn: EngineConnector) -> tuple[bool, bool]:
+    """(keep a query window, store every prompt query in chunks) for ``conn``."""
+    # Windows need a connector that can store them (kvdrop's); others (an LMCache server's) store
+    # every prompt query in chunks, the upstream layout.
+    window = bool(conn.transfer_query) and callable(getattr(conn, "store_window", None))
+    full = getattr(conn, "query_capture", "full") == "full"
+    return window, full
 
 
 @dataclass
@@ -145,6 +197,37 @@ class StoreJob:
         return int(stored or 0)
 
 
+@dataclass
+class WindowJob:
+    """A finished request's query window to push to the server, from the caller's thread (before
+    its last token is handed over, so a caller that saw the end finds the window):
+    ``positions`` ``[R]``, ``queries`` ``[L, R, Hq, d]`` and log-normalisers ``lse``
+    ``[L, R, Hq]`` (on the model's device), for the call over ``tokens``."""
+
+    positions: Tensor
+    queries: Tensor
+    lse: Tensor
+    tokens: list[int]
+    cache_salt: str
+
+    def run(self, conn: EngineConnector) -> tuple[int, int]:
+        """Store it; returns ``(rows, bytes)`` sent."""
+        q = self.queries
+        queries = q.reshape(q.shape[0], q.shape[1], -1).unsqueeze(0).to("cpu")
+        lse = self.lse.unsqueeze(0).to(device="cpu", dtype=torch.float32)
+        positions = self.positions
+        try:
+            conn.store_window(  # type: ignore[attr-defined]
+                self.tokens, QueryWindow(queries, positions, lse), self.cache_salt
+            )
+        except Exception as exc:
+            raise EngineError(
+                f"storing the request's query window in the kvdrop server failed: {exc}"
+            ) from exc
+        nbytes = queries.numel() * queries.element_size() + lse.numel() * lse.element_size()
+        return int(positions.numel()), nbytes
+
+
 def server_has_transfer_query(http_url: str, timeout: float = 10.0) -> bool:
     """Whether the server at ``http_url`` lists "transfer_query" in ``GET /config``'s "features"
     (the kvdrop server's key; "enabled" is accepted too)."""
@@ -165,7 +248,11 @@ class ServerConnector:
     """The engine's link to a kvdrop server (see module docstring).
 
     ``transfer_query=None`` follows the server's ``/config``; ``True`` demands it (error if the
-    server lacks it); ``False`` never stores queries.
+    server lacks it); ``False`` never stores queries. ``query_capture`` is "window" (lean, the
+    default) or "full" (see the module docstring); ``query_window`` (W) and ``query_stride``
+    (S; 0 = no strided sample) size the window. ``store_decoded`` also stores, at the end of a
+    request, the KV of the whole chunks its generated tokens completed (so a later edit can drop
+    from them too; off by default: it reads the request's KV back from the engine once more).
     """
 
     def __init__(
@@ -177,11 +264,29 @@ class ServerConnector:
         transfer_query: bool | None = None,
         timeout: float = 60.0,
         transport: str = "auto",
+        query_capture: str = "window",
+        query_window: int = DEFAULT_QUERY_WINDOW,
+        query_stride: int = DEFAULT_QUERY_STRIDE,
+        store_decoded: bool = False,
     ) -> None:
         if not isinstance(model_name, str) or not model_name:
             raise ValueError(f"model_name must be a non-empty str, got {model_name!r}")
         if transfer_query is not None and not isinstance(transfer_query, bool):
             raise ValueError(f"transfer_query must be a bool or None, got {transfer_query!r}")
+        if query_capture not in QUERY_CAPTURE_MODES:
+            raise ValueError(
+                f"query_capture must be one of {QUERY_CAPTURE_MODES}, got {query_capture!r}"
+            )
+        if not isinstance(query_window, int) or isinstance(query_window, bool) or query_window < 1:
+            raise ValueError(f"query_window must be an int >= 1, got {query_window!r}")
+        if not isinstance(query_stride, int) or isinstance(query_stride, bool) or query_stride < 0:
+            raise ValueError(f"query_stride must be an int >= 0, got {query_stride!r}")
+        if not isinstance(store_decoded, bool):
+            raise ValueError(f"store_decoded must be a bool, got {store_decoded!r}")
+        self.query_capture = query_capture
+        self.query_window = query_window
+        self.query_stride = query_stride
+        self.store_decoded = store_decoded
         self.url = url
         self.http_url = http_url
         self.model_name = model_name
@@ -199,7 +304,15 @@ class ServerConnector:
         """Register the layouts of a model with ``config`` (L, heads, head_dim) in ``dtype``."""
         if self._kv_ctx is not None:
             raise SDKError("this connector is already bound to an engine; make one per engine")
-        self.kv_layout = CacheLayout(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+        rope = getattr(config, "rope", None)
+        to_json = getattr(rope, "to_json", None)
+        self.kv_layout = CacheLayout(
+            config.num_layers,
+            config.num_kv_heads,
+            config.head_dim,
+            dtype,
+            rope=to_json() if callable(to_json) else None,
+        )
         server_q = server_has_transfer_query(self.http_url, timeout=min(self.timeout, 10.0))
         if self._want_query and not server_q:
             raise SDKError(
@@ -312,6 +425,15 @@ class ServerConnector:
             )
         self._q_ctx.store(queries, toks, cache_salt)
         return len(toks) // self.chunk_size * self.chunk_size
+
+    def store_window(
+        self, tokens: Sequence[int], window: QueryWindow, cache_salt: str = ""
+    ) -> bool:
+        """Store the query window of the call over ``tokens`` (False without transfer_query)."""
+        self._ctx()
+        if self._q_ctx is None:
+            return False
+        return store_window(self._q_ctx, list(tokens), window, cache_salt)
 
     def close(self) -> None:
         """Close the contexts (idempotent)."""

@@ -11,9 +11,13 @@ its place in line (FIFO, no starvation). Finished requests free their blocks in 
 
 With a connector (:class:`kvdrop_engine.connector.ServerConnector`) the engine loads the longest
 cached prefix of each prompt from the kvdrop server on admission and computes only the rest; when a
-prompt's prefill ends it stores the prompt's whole chunks of KV (and post-RoPE queries). The store
-is started before the first token is handed over and waited for up to ``store_timeout_s``, so with
-a healthy server a caller that has seen a token can rely on the prompt being in the server.
+prompt's prefill ends it stores the prompt's whole chunks of KV (and, in the full query mode,
+post-RoPE queries). The store is started before the first token is handed over and waited for up
+to ``store_timeout_s``, so with a healthy server a caller that has seen a token can rely on the
+prompt being in the server. With queries on, each request also keeps its query window
+(:class:`~kvdrop_engine.capture.WindowCapture`: the last ``W`` computed positions, generated
+tokens included, and a strided sample), stored the same way when the request ends, before its
+last token is handed over.
 
 Server I/O never runs on the loop thread: up to ``load_concurrency`` loads run on a connector pool
 (each also copies its prefix into the request's blocks) while the loop keeps stepping the other
@@ -50,10 +54,14 @@ import torch
 from torch import Tensor, nn
 
 from kvdrop_engine import kernels
+from kvdrop_engine.capture import WindowCapture, log_normalisers
 from kvdrop_engine.connector import (
+    DEFAULT_QUERY_STRIDE,
+    DEFAULT_QUERY_WINDOW,
     EngineConnector,
     PrefixPlan,
     StoreJob,
+    WindowJob,
     plan_prefix,
     plan_recompute,
 )
@@ -102,6 +110,8 @@ class EngineStats:
     tokens_loaded: int = 0
     kv_tokens_stored: int = 0
     query_tokens_stored: int = 0
+    query_rows_stored: int = 0
+    query_bytes_stored: int = 0
     peak_running: int = 0
     peak_blocks_used: int = 0
     peak_waiting: int = 0
@@ -146,6 +156,7 @@ class _Request:
     query_offset: int = 0  # captured queries start here; the server holds the ones before
     store_upto: int = 0  # whole-chunk prompt tokens to store after prefill (0 = none)
     query_parts: list[Tensor] = field(default_factory=list)
+    window: WindowCapture | None = None
     cancelled: bool = False
     loading: Future[PrefixPlan] | None = None  # the prefix load in flight (not stepped yet)
     load_deadline: float = float("inf")  # set when the load starts (not while it is queued)
@@ -157,20 +168,41 @@ class _Request:
     def prefilling(self) -> bool:
         return self.num_computed < len(self.prompt)
 
-    def follow(self, plan: PrefixPlan) -> None:
+    def follow(self, plan: PrefixPlan, conn: EngineConnector | None = None) -> None:
         """Take admission's decision: ``plan.num_loaded`` tokens are in the blocks already."""
         self.num_computed = plan.num_loaded
         self.store_upto = plan.store_upto
         self.capture_queries = plan.capture_queries
         self.query_offset = plan.query_offset
+        if plan.capture_window and conn is not None:
+            window = getattr(conn, "query_window", DEFAULT_QUERY_WINDOW)
+            stride = getattr(conn, "query_stride", DEFAULT_QUERY_STRIDE)
+            self.window = WindowCapture(len(self.prompt), window, stride)
 
-    def keep_queries(self, per_layer: list[Tensor], n: int) -> None:
-        """Keep the captured queries (``[n, Hq, d]`` per layer) of the next ``n`` computed prompt
-        tokens that will be stored."""
-        keep = max(0, min(n, self.store_upto - self.num_computed))
-        if keep:
-            q = torch.stack([t[:keep] for t in per_layer])  # [L, keep, Hq, d]
-            self.query_parts.append(q.reshape(q.shape[0], keep, -1).cpu())
+    def capture_offsets(self, n: int) -> list[int] | None:
+        """Offsets of the next ``n`` computed tokens whose queries this step must capture."""
+        if self.prefilling and self.capture_queries and self.num_computed < self.store_upto:
+            return list(range(n))  # full mode: every prompt row up to store_upto
+        if self.window is not None:
+            return self.window.wanted(self.num_computed, n) or None
+        return None
+
+    def take_queries(self, rows: Tensor, offsets: list[int]) -> None:
+        """Hand this step's captured rows ``[L, r, Hq, d]`` (at ``offsets``) to the chunk store
+        (full mode) and the query window."""
+        start = self.num_computed
+        if self.prefilling and self.capture_queries and start < self.store_upto:
+            keep = max(0, min(len(offsets), self.store_upto - start))
+            if keep:
+                q = rows[:, :keep]
+                self.query_parts.append(q.reshape(q.shape[0], keep, -1).cpu())
+        if self.window is not None:
+            wanted = self.window.wanted(start, max(offsets) + 1)
+            if wanted:
+                at = {off: i for i, off in enumerate(offsets)}
+                pick = [at[off] for off in wanted]
+                sel = rows if len(pick) == len(offsets) else rows[:, pick]
+                self.window.add([start + off for off in wanted], sel)
 
 
 @dataclass
@@ -481,7 +513,7 @@ class Engine:
                     if isinstance(item, EngineError):
                         raise item
                     raise EngineError(f"request failed: {item!r}") from item
-                if isinstance(item, StoreJob):
+                if isinstance(item, (StoreJob, WindowJob)):
                     self._store(item)
                     continue
                 yield item
@@ -675,18 +707,19 @@ class Engine:
                 self._io_failed("load failed:", f"{type(exc).__name__}: {exc}")
                 self._recompute(req)
                 continue
-            req.follow(plan)
+            req.follow(plan, self.connector)
             with self._cv:
                 self._stats.tokens_loaded += plan.num_loaded
 
     def _recompute(self, req: _Request) -> None:
         assert self.connector is not None
-        req.follow(plan_recompute(self.connector, req.prompt))
+        req.follow(plan_recompute(self.connector, req.prompt), self.connector)
         with self._cv:
             self._stats.connector_fallbacks += 1
 
-    def _store(self, job: StoreJob) -> None:
-        """Run a prompt's store (caller's thread) for up to ``store_timeout_s``; never raises."""
+    def _store(self, job: StoreJob | WindowJob) -> None:
+        """Run a prompt's store or a finished request's window store (caller's thread) for up to
+        ``store_timeout_s``; never raises."""
         assert self.connector is not None
         if not self._io_ok():
             with self._cv:
@@ -710,29 +743,44 @@ class Engine:
             else:
                 self._io_failed("store failed:", str(exc))
 
-    def _stored(self, job: StoreJob, future: Future[int]) -> None:
+    def _stored(self, job: StoreJob | WindowJob, future: Future[Any]) -> None:
         with self._cv:
             if future.cancelled() or future.exception() is not None:
                 self._stats.store_failures += 1
                 return
+            if isinstance(job, WindowJob):
+                rows, nbytes = future.result()
+                self._stats.query_rows_stored += rows
+                self._stats.query_bytes_stored += nbytes
+                return
+            q_stored = future.result()
             self._stats.kv_tokens_stored += job.kv.shape[2]
-            self._stats.query_tokens_stored += future.result()
+            self._stats.query_tokens_stored += q_stored
+            if q_stored and job.queries is not None:
+                q = job.queries  # [1, L, T, Dq]
+                self._stats.query_bytes_stored += (
+                    q_stored * q.shape[1] * q.shape[3] * q.element_size()
+                )
 
     def _step(self, batch: list[_Request]) -> None:
         started = time.perf_counter()
         plan = plan_step(batch, self.max_prefill_tokens)
-        capture = {r.rid for r, _ in plan.stepped if r.prefilling and r.capture_queries}
         decode_only = plan.num_prefill == 0
         greedy = None
-        captured: dict[Any, list[Tensor]] = {}
+        capture: dict[int, list[int]] = {}
         capture_s = 0.0
         if decode_only and self._graphs is not None:
             # One graph replay; the only host sync is reading the chosen tokens (in sample).
+            # Replayed decode steps capture no queries: a window then ends with the prompt.
             before = self._graphs.capture_seconds
             logits, greedy = self._graphs.run(plan.seqs, plan.tokens)
             capture_s = self._graphs.capture_seconds - before
         else:
-            attn = PagedAttention(self.cache, plan.seqs, capture=capture)
+            for req, n in plan.stepped:
+                offsets = req.capture_offsets(n)
+                if offsets:
+                    capture[req.rid] = offsets
+            attn = PagedAttention(self.cache, plan.seqs, capture_rows=capture)
             dev = self.device
             with torch.inference_mode():
                 logits = self.model(
@@ -741,10 +789,9 @@ class Engine:
                     attn,
                     logits_rows=torch.tensor(plan.sample_rows, dtype=torch.long, device=dev),
                 )
-            captured = attn.captured
         for req, n in plan.stepped:
-            if req.rid in captured:
-                req.keep_queries(captured[req.rid], n)
+            if req.rid in capture:
+                req.take_queries(attn.captured_rows(req.rid), capture[req.rid])
             req.num_computed += n
         with self._cv:
             self._stats.steps += 1
@@ -785,12 +832,45 @@ class Engine:
         req.output.append(tok)
         reason = finish_reason(tok, len(req.output), req.params, self.eos_token_ids)
         text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
+        if reason is not None:
+            self._finish_jobs(req)
         req.out.put(TokenEvent(token_id=tok, text=text, finish_reason=reason))
         if reason is not None:
             with self._cv:
                 self._running.pop(req.rid, None)
                 self._stats.requests_finished += 1
             self._free(req)
+
+    def _finish_jobs(self, req: _Request) -> None:
+        """Queue what a finished request leaves in the server (run by the caller before the last
+        token): the KV of whole chunks its generated tokens completed (``store_decoded``) and its
+        query window, keyed by prompt + every generated token."""
+        conn = self.connector
+        if conn is None or req.cancelled:
+            return
+        sequence = req.prompt + req.output
+        computed = len(sequence) - 1  # the last generated token was never fed back
+        if getattr(conn, "store_decoded", False) and conn.chunk_size:
+            aligned = computed // conn.chunk_size * conn.chunk_size
+            if aligned > max(req.store_upto, len(req.prompt) // conn.chunk_size * conn.chunk_size):
+                kv = self.cache.read_cpu(req.blocks, aligned)
+                req.out.put(StoreJob(kv, None, sequence[:aligned], req.cache_salt))
+        rows = None if req.window is None else req.window.rows()
+        req.window = None
+        if rows is not None:
+            positions, queries = rows
+            # Log-normalisers from the request's own keys, while its blocks are still its own.
+            with torch.inference_mode():
+                lse = log_normalisers(
+                    queries,
+                    positions,
+                    lambda layer: self.cache.keys(req.blocks, layer, computed),
+                    self.config.head_dim**-0.5,
+                )
+            # Copied to the host here: the store runs on another thread, and device calls there
+            # could meet a CUDA graph capture of the loop thread.
+            job = WindowJob(positions.cpu(), queries.cpu(), lse.cpu(), sequence, req.cache_salt)
+            req.out.put(job)
 
     def _free(self, req: _Request) -> None:
         if req.blocks:

@@ -219,6 +219,21 @@ class _Handler(BaseHTTPRequestHandler):
         self.timeout = self.server.app.read_timeout
         super().setup()
 
+    def handle_one_request(self) -> None:
+        # A client closing its keep-alive connection between requests (what a pooled HTTP client
+        # does when it is dropped) is normal HTTP: only a request cut off is worth a log line.
+        self._in_request = False
+        try:
+            super().handle_one_request()
+        except _DISCONNECTS:
+            if self._in_request:
+                raise
+            self.close_connection = True
+
+    def parse_request(self) -> bool:
+        self._in_request = True  # the request line arrived: from now on a reset cuts it off
+        return super().parse_request()
+
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s %s", self.address_string(), format % args)
 

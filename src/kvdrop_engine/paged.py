@@ -13,8 +13,9 @@ sequences prefilling a chunk of new tokens with sequences decoding one token. On
 decoding sequences share one paged-attention kernel launch that reads their blocks in place
 (:func:`kvdrop_engine.kernels.paged_decode`); the plain PyTorch path (CPU, CI) batches them into
 ``scaled_dot_product_attention`` calls over a padded gather of their blocks. Each prefill chunk is
-one call. Query capture is keyed by sequence id, never by batch position. ``PagedDecode`` is the
-backend of a decode-only step over fixed device tensors, which a CUDA graph can replay
+one call. Query capture is keyed by sequence id, never by batch position, and takes only the rows
+asked for (one ``index_select`` per layer for the whole step). ``PagedDecode`` is the backend of a
+decode-only step over fixed device tensors, which a CUDA graph can replay
 (:mod:`kvdrop_engine.graphs`).
 
 Storage holds one block more than the budget: the *scratch* block (id ``num_blocks``) that padded
@@ -24,7 +25,7 @@ rows of a replayed decode graph write to and read from; the allocator never hand
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Hashable, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -187,6 +188,11 @@ class PagedKVCache:
         self.k.view(flat)[:, slots] = kv[0]
         self.v.view(flat)[:, slots] = kv[1]
 
+    def keys(self, block_table: Sequence[int], layer: int, num_tokens: int) -> Tensor:
+        """Keys of tokens ``0 .. num_tokens-1`` of one layer: ``[T, Hkv, d]`` (a gathered copy)."""
+        slots = self.slots(block_table, 0, num_tokens)
+        return self.k[layer].view(-1, self.num_kv_heads, self.head_dim)[slots]
+
     def read(self, block_table: Sequence[int], num_tokens: int) -> Tensor:
         """KV of tokens ``0 .. num_tokens-1`` in the server layout ``[2, L, T, Hkv*d]``, on the
         cache's device."""
@@ -298,8 +304,10 @@ class PagedAttention:
     Build one per engine step with the step's sequences in forward-row order. Each layer call
     writes the new k/v into the sequences' blocks, then computes causal attention of every new
     query over its sequence's cached and new keys (grouped-query attention without repeating K/V).
-    ``capture`` names sequence ids whose post-RoPE queries are kept in ``captured[seq_id][layer]``
-    (``[num_new, Hq, d]``).
+    ``capture`` names sequence ids whose post-RoPE queries are all kept, ``capture_rows`` maps
+    sequence ids to the offsets (``0..num_new-1``) of the rows to keep; ``captured_rows(seq_id)``
+    returns them as ``[L, rows, Hq, d]`` after the forward (``captured[seq_id][layer]`` is the
+    per-layer view).
     """
 
     def __init__(
@@ -308,6 +316,7 @@ class PagedAttention:
         seqs: Sequence[SeqStep],
         *,
         capture: Collection[Hashable] = (),
+        capture_rows: Mapping[Hashable, Sequence[int]] | None = None,
         max_decode_padding: float = 0.25,
     ) -> None:
         self.cache = cache
@@ -315,7 +324,9 @@ class PagedAttention:
         bs = cache.block_size
         dev = cache.device
         slot_parts: list[Tensor] = []
-        self._capture_rows: dict[Hashable, tuple[int, int]] = {}
+        self._capture_spans: dict[Hashable, tuple[int, int]] = {}
+        capture_index: list[int] = []
+        capture_rows = capture_rows or {}
         decodes: list[tuple[int, SeqStep]] = []  # (row, seq)
         self._groups: list[_Group] = []
         row = 0
@@ -323,8 +334,21 @@ class PagedAttention:
             if s.num_new <= 0:
                 raise ValueError(f"sequence {s.seq_id!r} brings no new tokens")
             slot_parts.append(cache.slots(s.block_table, s.start, s.start + s.num_new))
+            offsets: Sequence[int] | None = None
             if s.seq_id in capture:
-                self._capture_rows[s.seq_id] = (row, row + s.num_new)
+                offsets = range(s.num_new)
+            elif s.seq_id in capture_rows:
+                offsets = capture_rows[s.seq_id]
+            if offsets is not None:
+                first = len(capture_index)
+                for off in offsets:
+                    if not 0 <= off < s.num_new:
+                        raise ValueError(
+                            f"capture offset {off} is outside sequence {s.seq_id!r}'s "
+                            f"{s.num_new} new tokens"
+                        )
+                    capture_index.append(row + off)
+                self._capture_spans[s.seq_id] = (first, len(capture_index))
             total = s.start + s.num_new
             if s.num_new == 1:
                 decodes.append((row, s))
@@ -347,7 +371,26 @@ class PagedAttention:
             self._kernel = PagedDecode.build(cache, [s for _, s in decodes], rows=rows)
         else:
             self._groups.extend(self._decode_groups(decodes, max_decode_padding))
-        self.captured: dict[Hashable, list[Tensor]] = {sid: [] for sid in self._capture_rows}
+        self._capture_index = (
+            torch.tensor(capture_index, dtype=torch.long, device=dev) if capture_index else None
+        )
+        self._capture_layers: list[Tensor] = []
+        self._stacked: Tensor | None = None
+
+    def captured_rows(self, seq_id: Hashable) -> Tensor:
+        """The captured query rows of ``seq_id``: ``[L, rows, Hq, d]`` (after the forward)."""
+        first, end = self._capture_spans[seq_id]
+        if self._stacked is None or self._stacked.shape[0] != len(self._capture_layers):
+            self._stacked = torch.stack(self._capture_layers)
+        return self._stacked[:, first:end]
+
+    @property
+    def captured(self) -> dict[Hashable, list[Tensor]]:
+        """Captured queries per sequence id and layer (``[rows, Hq, d]`` each)."""
+        return {
+            sid: [layer[first:end] for layer in self._capture_layers]
+            for sid, (first, end) in self._capture_spans.items()
+        }
 
     def _decode_groups(
         self, decodes: list[tuple[int, SeqStep]], max_padding: float
@@ -397,8 +440,8 @@ class PagedAttention:
             raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
         group = hq // hkv
         cache.write(layer, self.slot_mapping, k, v)
-        for sid, (r0, r1) in self._capture_rows.items():
-            self.captured[sid].append(q[r0:r1].detach().clone())
+        if self._capture_index is not None:
+            self._capture_layers.append(q.detach().index_select(0, self._capture_index))
         kc, vc = cache.k[layer], cache.v[layer]  # [num_blocks + 1, bs, Hkv, d]
         out = torch.empty_like(q)
         scale = d**-0.5

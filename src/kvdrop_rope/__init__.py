@@ -161,6 +161,38 @@ class RopeConfig:
             max_position_embeddings=int(max_pos),
         )
 
+    def to_json(self) -> dict[str, Any]:
+        """Every field as a JSON-safe dict (what an engine registers with its cache layout)."""
+        return {
+            "head_dim": self.head_dim,
+            "theta": float(self.theta),
+            "rotary_dim": int(self.rotary_dim),  # type: ignore[arg-type]
+            "interleaved": bool(self.interleaved),
+            "scaling": None if self.scaling is None else dict(self.scaling),
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RopeConfig:
+        """Inverse of :meth:`to_json`; ValueError naming a missing or unexpected field."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"RoPE parameters must be a mapping, got {type(d).__name__}")
+        names = {
+            "head_dim",
+            "theta",
+            "rotary_dim",
+            "interleaved",
+            "scaling",
+            "max_position_embeddings",
+        }
+        missing, extra = names - d.keys(), d.keys() - names
+        if missing or extra:
+            raise ValueError(
+                f"RoPE parameters must have exactly {sorted(names)}; missing {sorted(missing)}, "
+                f"unexpected {sorted(map(str, extra))}"
+            )
+        return cls(**{k: d[k] for k in names})
+
     def inv_freq(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
         """Inverse frequencies (float32, ``[rotary_dim // 2]``) and the attention factor that
         multiplies cos/sin (1.0 except for yarn). ``seq_len`` matters only for dynamic NTK."""

@@ -149,17 +149,22 @@ class BatchedStream:
         timeout: float = 30.0,
         poll_interval: float = 0.2,
         stream_ids: Sequence[str] | None = None,
+        *,
+        device: str | None = None,
     ) -> Metrics:
         """Apply ``fn`` to every stream's cached chunk-aligned prefix and store the result.
 
         Each stream waits up to ``timeout`` seconds (polling every ``poll_interval``) for its
-        cache, as in ``RequestStream.modify_kv``. Reports the wall-clock duration and the kept /
-        total edited tokens over the batch.
+        cache, as in ``RequestStream.modify_kv``. Reports the wall-clock duration, the kept /
+        total edited (cached) tokens, and ``kept_fraction``: the kept share of the WHOLE prompts
+        (the uncached tails, never dropped, count as kept). ``device`` reaches ``fn`` as
+        ``EditContext.device``.
         """
-        results, failures, duration = self._modify(fn, stream_ids, timeout, poll_interval)
+        results, failures, duration = self._modify(fn, stream_ids, timeout, poll_interval, device)
         edited = [r for r in results.values() if not r.skipped]
         kept = sum(r.kept_tokens for r in edited)
         total = sum(r.total_tokens for r in edited)
+        tail = sum(r.suffix_tokens for r in edited)
         metrics = Metrics("Batched Stream Modify Metrics")
         metrics.add(NUM_STREAMS, len(self.request_streams), CONFIG)
         metrics.add("num_requests", len(edited), RESULTS)
@@ -168,7 +173,11 @@ class BatchedStream:
         metrics.add("duration", duration, RESULTS)
         metrics.add("kept_tokens", kept, RESULTS)
         metrics.add("total_tokens", total, RESULTS)
-        metrics.add("kept_fraction", kept / total if total else float("nan"), RESULTS)
+        metrics.add("prompt_tokens", total + tail, RESULTS)
+        metrics.add(
+            "kept_fraction", (kept + tail) / (total + tail) if total else float("nan"), RESULTS
+        )
+        metrics.add("cached_kept_fraction", kept / total if total else float("nan"), RESULTS)
         return self._finish("modify", metrics, failures, fmt)
 
     # ----------------------------------------------------------------- upstream's building blocks
@@ -267,6 +276,7 @@ class BatchedStream:
         stream_ids: Sequence[str] | None,
         timeout: float,
         poll_interval: float,
+        device: str | None = None,
     ) -> tuple[dict[str, ModifyResult], dict[str, BaseException], float]:
         if not callable(fn):
             raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
@@ -275,7 +285,7 @@ class BatchedStream:
         results, failures, duration = self._run(
             "modify",
             streams,
-            lambda s: s.modify_kv(fn, timeout=timeout, poll_interval=poll_interval),
+            lambda s: s.modify_kv(fn, timeout, poll_interval, device=device),
             self.modify_concurrency,
         )
         self.modify_results.update(results)

@@ -40,6 +40,7 @@ UNITS: dict[str, str] = {
     "output_tokens": "tokens",
     "kept_tokens": "tokens",
     "total_tokens": "tokens",
+    "prompt_tokens": "tokens",
     "input_tput": "tokens/s",
     "output_tput": "tokens/s",
     "ttft": "s",

@@ -56,6 +56,8 @@ OPS = (
     "abort",
     "pin",
     "release",
+    "put_window",
+    "get_window",
 )
 
 

@@ -11,14 +11,29 @@ Token bookkeeping (the rules everything else relies on):
 * ``generate`` sends ``tokens``, then folds the suffix into the prefix and appends the generated
   tokens: after a prefill with ``max_tokens=1`` the stream holds ``prompt + [g1]``, while the server
   holds only the whole chunks of ``prompt`` (the engine never saw ``g1`` as input).
-* ``modify_kv(fn)`` retrieves the longest cached chunk-aligned prefix of ``tokens`` (``T`` tokens,
-  every context cut to the same ``T``), calls ``fn(tensors, tokens[:T])`` (``tensors`` is a
-  :class:`~kvdrop_sdk.cache_kind.KindMap`: LMCache's own enum indexes it too), validates the result
-  ``(kv', kept)`` (``[2, L, T', D]``, same L/D/dtype, ``len(kept) == T'``, ``T'`` a non-zero
-  multiple of the chunk size), stores it under ``kept`` and sets ``prefix = kept``,
-  ``suffix_tokens = tokens[T:]`` -- the un-cached tail of the prompt plus every token decoded so
-  far. The next ``generate`` sends ``kept + suffix`` and the engine finds the edited KV under the
-  kept tokens' chunk keys, computing only the suffix.
+* ``modify_kv(fn)`` retrieves the longest cached chunk-aligned prefix of ``tokens`` (``T`` tokens)
+  and the query rows the engine saved for exactly ``tokens`` (see below), calls
+  ``fn(tensors, tokens[:T])`` (``tensors`` is a :class:`~kvdrop_sdk.cache_kind.KindMap`: LMCache's
+  own enum indexes it too) -- or ``fn(tensors, tokens[:T], context=EditContext(...))`` when ``fn``
+  declares it takes one (``kvdrop_sdk.types.accepts_edit_context``; every kvdrop policy does) --
+  validates the result ``(kv', kept)`` (``[2, L, T', D]``, same L/D/dtype, ``len(kept) == T'``,
+  ``T'`` a non-zero multiple of the chunk size, the protected prefix kept), stores it under
+  ``kept`` and sets ``prefix = kept``, ``suffix_tokens = tokens[T:]`` -- the un-cached tail of the
+  prompt plus every token decoded so far. The next ``generate`` sends ``kept + suffix`` and the
+  engine finds the edited KV under the kept tokens' chunk keys, computing only the suffix.
+* Edited caches belong to their request: the first edit switches the stream to its own cache
+  salt, :func:`edit_salt` (``f"{cache_salt}.edit.{request_stream_id}"``, the stream's
+  ``active_cache_salt``); the edit is stored and every later call reads and stores under it, so
+  another request whose kept tokens happen to coincide never reads this one's edited KV.
+  Unedited prefixes keep sharing ``cache_salt``.
+* Queries: an engine in the lean query mode saves, per call, the query rows of the last tokens
+  of the whole sequence (the uncached tail and generated tokens included) and a strided sample,
+  keyed by the call's token ids (:mod:`kvdrop_sdk.window`); in the full mode it stores every
+  prompt token's query in chunks (upstream layout). A function that takes an edit context gets
+  ``{QUERY: [1, L, R, Dq]}`` with ``context.query_positions``: the window, or the chunk queries
+  followed by the window's rows past them. A plain function gets the chunk queries (cut with the
+  KV to a common ``T``), or no query tensor when only a window exists. Functions whose
+  ``needs_query`` is False get no query tensor.
 * Nothing changes when ``fn`` fails or returns something invalid: the stream keeps its tokens and
   the server keeps what it stored (validation happens before the store).
 * The server keeps the first copy of a chunk: an edit that changes values but keeps a chunk's
@@ -43,6 +58,7 @@ present, else the cache is polled by retrieving, as upstream does).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import threading
@@ -50,18 +66,17 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind, KindMap
-from kvdrop_sdk.errors import RequestStreamError
+from kvdrop_sdk.context import Context
+from kvdrop_sdk.errors import RequestStreamError, SDKError
 from kvdrop_sdk.events import PostCompletion, TokenEvent
-from kvdrop_sdk.types import ModifyFnType
+from kvdrop_sdk.types import EditContext, ModifyFnType, takes_edit_context
 from kvdrop_sdk.validate import is_int, token_ids
-
-if TYPE_CHECKING:
-    from kvdrop_sdk.context import Context
+from kvdrop_sdk.window import retrieve_window
 
 __all__ = [
     "ModifyFnType",
@@ -72,9 +87,43 @@ __all__ = [
     "StreamPerfMetrics",
     "TokenEvent",
     "create_request",
+    "edit_salt",
 ]
 
 logger = logging.getLogger(__name__)
+_warned_plain_window = False
+
+
+#: Longest salt LMCache accepts (it also refuses "@", "/", "\\" and NUL in one).
+_MAX_SALT_CHARS = 128
+
+
+def edit_salt(cache_salt: str, request_stream_id: str) -> str:
+    """The salt a stream's edited KV lives under: its own, so no other request can read it.
+
+    Made of characters every server accepts (LMCache refuses "/" and salts over 128 characters):
+    ``f"{cache_salt}.edit.{request_stream_id}"``, with a long ``cache_salt`` replaced by its hash.
+    """
+    salt = f"{cache_salt}.edit.{request_stream_id}"
+    if len(salt) > _MAX_SALT_CHARS:
+        digest = hashlib.sha256(cache_salt.encode()).hexdigest()[:32]
+        salt = f"{digest}.edit.{request_stream_id}"
+    return salt
+
+
+def _warn_plain_window(stream_id: str) -> None:
+    """Log once: a plain edit function gets no query tensor when only a window exists."""
+    global _warned_plain_window
+    if _warned_plain_window:
+        return
+    _warned_plain_window = True
+    logger.warning(
+        "stream %s: the engine saved only a query window (lean query mode), which a plain edit "
+        "function fn(tensors, tokens) cannot place; it gets no query tensor. Mark it with "
+        "kvdrop_sdk.types.accepts_edit_context to receive the window and its positions "
+        "(context.query_positions), or run the engine with full query capture",
+        stream_id,
+    )
 
 
 @dataclass(frozen=True)
@@ -110,15 +159,34 @@ class ModifyResult:
     duration: float
     skipped: bool = False
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The whole sequence the edit saw: the edited prefix plus the tokens after it."""
+        return self.total_tokens + self.suffix_tokens
+
+    @property
+    def kept_fraction(self) -> float:
+        """Kept share of the whole sequence (the tail is never dropped); 1.0 when skipped."""
+        total = self.prompt_tokens
+        return (self.kept_tokens + self.suffix_tokens) / total if total else 1.0
+
 
 def create_request(
     contexts: Iterable[Context] | Context,
     post_completion: PostCompletion,
     prompt_token_ids: Sequence[int],
     cache_salt: str = "",
+    *,
+    protected_tokens: int = 0,
 ) -> RequestStream:
-    """A new request stream over ``contexts`` (one per cache kind, e.g. KV and QUERY)."""
-    return RequestStream(contexts, post_completion, prompt_token_ids, cache_salt)
+    """A new request stream over ``contexts`` (one per cache kind, e.g. KV and QUERY).
+
+    ``protected_tokens``: the first tokens of the prompt (e.g. a system prompt) that no edit may
+    drop; edit functions see it as ``EditContext.protected`` and the stream checks the result.
+    """
+    return RequestStream(
+        contexts, post_completion, prompt_token_ids, cache_salt, protected_tokens=protected_tokens
+    )
 
 
 class RequestStream:
@@ -134,6 +202,8 @@ class RequestStream:
         post_completion: PostCompletion,
         prompt_token_ids: Sequence[int],
         cache_salt: str = "",
+        *,
+        protected_tokens: int = 0,
     ) -> None:
         if hasattr(contexts, "kind") and hasattr(contexts, "retrieve"):
             contexts = [contexts]  # type: ignore[list-item]
@@ -152,10 +222,14 @@ class RequestStream:
         prompt = token_ids(prompt_token_ids, "prompt_token_ids")
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
+        if not is_int(protected_tokens) or protected_tokens < 0:
+            raise ValueError(f"protected_tokens must be an int >= 0, got {protected_tokens!r}")
         self.post_completion = post_completion
         self.cache_salt = cache_salt
+        self.protected_tokens = min(protected_tokens, len(prompt))
         self.prompt_token_ids: list[int] = prompt
         self._request_stream_id = uuid.uuid4().hex
+        self._edit_salt: str | None = None  # set by the first edit (see active_cache_salt)
         self._prefix: list[int] = list(prompt)
         self._suffix: list[int] = []
         self._output_tokens: list[int] = []
@@ -173,6 +247,12 @@ class RequestStream:
     def request_stream_id(self) -> str:
         """Unique id of this stream (a uuid4 hex string)."""
         return self._request_stream_id
+
+    @property
+    def active_cache_salt(self) -> str:
+        """The salt the next call uses: ``cache_salt`` until the first edit, then the stream's
+        own :func:`edit_salt` (its edited KV is nobody else's)."""
+        return self._edit_salt if self._edit_salt is not None else self.cache_salt
 
     @property
     def contexts(self) -> dict[CacheKind, Context]:
@@ -277,7 +357,7 @@ class RequestStream:
             start = time.perf_counter()
             events: Any = None
             try:
-                events = self.post_completion(list(prompt), params, self.cache_salt)
+                events = self.post_completion(list(prompt), params, self.active_cache_salt)
                 for event in events:
                     now = time.perf_counter()
                     token_id = getattr(event, "token_id", None)
@@ -344,7 +424,7 @@ class RequestStream:
         deadline = time.monotonic() + max(float(timeout), 0.0)
         while True:
             tokens = self.tokens
-            tensor = ctx.retrieve(tokens, self.cache_salt)
+            tensor = ctx.retrieve(tokens, self.active_cache_salt)
             if tensor is not None and tensor.shape[2] > 0:
                 return tensor
             if time.monotonic() >= deadline:
@@ -356,7 +436,8 @@ class RequestStream:
 
     def retrieve_all(self) -> KindMap | None:
         """Every context's tensor for the longest cached chunk-aligned prefix of ``tokens``, all
-        cut to the same (shortest) length; None if any kind has nothing cached (kvdrop's)."""
+        cut to the same (shortest) length (kvdrop's); None when no KV is cached. Other kinds with
+        nothing cached (e.g. queries of an engine in the lean mode) are left out."""
         with self._op_lock:
             got = self._retrieve_all(self.tokens)
         return None if got is None else KindMap(got[0])
@@ -395,27 +476,33 @@ class RequestStream:
 
     # ----------------------------------------------------------------- modify
     def modify_kv(
-        self, fn: ModifyFnType, timeout: float = 30.0, poll_interval: float = 0.2
+        self,
+        fn: ModifyFnType,
+        timeout: float = 30.0,
+        poll_interval: float = 0.2,
+        *,
+        device: str | None = None,
     ) -> ModifyResult:
         """Edit the cached chunk-aligned prefix with ``fn`` and store the result back.
 
         Waits up to ``timeout`` seconds (polling every ``poll_interval``) for the last prompt's
         whole chunks to appear (engines may store asynchronously; a synchronous engine's are
         there at once), then edits whatever is cached. A stream whose tokens or last
-        prompt had no whole chunk is left as it is (``skipped``). Raises ``RequestStreamError``
-        when nothing is cached (e.g. before any generate), ``fn`` fails, or its output is
-        invalid; the stream and the server are then unchanged.
+        prompt had no whole chunk is left as it is (``skipped``). ``device`` reaches ``fn`` as
+        ``EditContext.device`` (where to score). Raises ``RequestStreamError`` when nothing is
+        cached (e.g. before any generate), ``fn`` fails, or its output is invalid; the stream
+        and the server are then unchanged.
         """
         if not callable(fn):
             raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
         start = time.perf_counter()
         with self._op_lock:
-            self._context(CacheKind.KV)
+            kv_ctx = self._context(CacheKind.KV)
             current = self.tokens
             chunk = self._chunk_size()
             if len(current) < chunk:
                 return ModifyResult(0, 0, len(self._suffix), False, 0.0, skipped=True)
-            got = self._retrieve_when_cached(current, timeout, poll_interval)
+            got = self._retrieve_when_cached(current, timeout, poll_interval, kinds=(CacheKind.KV,))
             if got is None and self._expected_cached == 0:
                 # The last prompt had no whole chunk: there was never anything to edit.
                 return ModifyResult(0, 0, len(self._suffix), False, 0.0, skipped=True)
@@ -427,8 +514,27 @@ class RequestStream:
                     "and cache_salt)"
                 )
             tensors, cached = got
+            with_context = takes_edit_context(fn)
+            query_positions = query_lse = None
+            q_ctx = self._contexts.get(CacheKind.QUERY)
+            if q_ctx is not None and getattr(fn, "needs_query", True) is not False:
+                query, query_positions, query_lse, cached = self._queries(
+                    q_ctx, current, cached, with_context
+                )
+                if query is not None:
+                    tensors[CacheKind.QUERY] = query
+                kv = tensors[CacheKind.KV]
+                if kv.shape[2] != cached:
+                    tensors[CacheKind.KV] = kv[:, :, :cached].contiguous()
+            kept_input = list(current[:cached])
             try:
-                result = fn(KindMap(tensors), list(current[:cached]))
+                if with_context:
+                    context = self._edit_context(
+                        kv_ctx, cached, len(current), query_positions, query_lse, device
+                    )
+                    result = fn(KindMap(tensors), kept_input, context=context)  # type: ignore[call-arg]
+                else:
+                    result = fn(KindMap(tensors), kept_input)
             except Exception as exc:
                 raise RequestStreamError(
                     f"stream {self._request_stream_id}: edit function failed: "
@@ -445,6 +551,13 @@ class RequestStream:
             except (TypeError, ValueError) as exc:
                 raise RequestStreamError(f"stream {self._request_stream_id}: {exc}") from None
             self._check_tensor(CacheKind.KV, new_kv, new_tokens, tensors[CacheKind.KV])
+            protected = min(self.protected_tokens, cached)
+            if new_tokens[:protected] != kept_input[:protected]:
+                raise RequestStreamError(
+                    f"stream {self._request_stream_id}: the edit dropped some of the first "
+                    f"{protected} (protected) tokens; an edit must keep the protected prefix "
+                    "(kvdrop policies read it from EditContext.protected)"
+                )
             stored = self._store_and_commit(
                 {CacheKind.KV: new_kv}, new_tokens, current[cached:], timeout
             )
@@ -455,6 +568,75 @@ class RequestStream:
                 stored=stored,
                 duration=time.perf_counter() - start,
             )
+
+    def _queries(
+        self, q_ctx: Any, tokens: list[int], cached: int, with_context: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, int]:
+        """``(query, positions, lse, T)`` for an edit of the first ``cached`` tokens (see the
+        module docstring): chunk queries (upstream layout, cut to a common ``T`` with the KV)
+        and/or the engine's window of the call that produced ``tokens`` (kvdrop servers only)."""
+        salt = self.active_cache_salt
+        dense = q_ctx.retrieve(tokens, salt)
+        if dense is not None and dense.shape[2] == 0:
+            dense = None
+        window = None
+        if isinstance(q_ctx, Context) and (with_context or dense is None):
+            window = retrieve_window(q_ctx, tokens, salt)
+        if dense is not None:
+            cached = min(cached, int(dense.shape[2]))
+            if dense.shape[2] != cached:
+                dense = dense[:, :, :cached].contiguous()
+            if not with_context:
+                return dense, None, None, cached
+            positions = torch.arange(cached)
+            lse = None
+            if window is not None:
+                later = window.positions >= cached
+                if bool(later.any()):
+                    dense = torch.cat([dense, window.queries[:, :, later]], dim=2)
+                    positions = torch.cat([positions, window.positions[later]])
+                    if window.lse is not None:  # unknown (NaN) for the chunk rows
+                        known = window.lse[:, :, later]
+                        unknown = torch.full(
+                            (1, known.shape[1], cached, known.shape[3]), float("nan")
+                        )
+                        lse = torch.cat([unknown, known], dim=2)
+            return dense, positions, lse, cached
+        if window is None:
+            return None, None, None, cached
+        if not with_context:
+            _warn_plain_window(self._request_stream_id)
+            return None, None, None, cached
+        return window.queries, window.positions, window.lse, cached
+
+    def _edit_context(
+        self,
+        kv_ctx: Any,
+        cached: int,
+        prompt_tokens: int,
+        query_positions: torch.Tensor | None,
+        query_lse: torch.Tensor | None,
+        device: str | None,
+    ) -> EditContext:
+        layout = getattr(kv_ctx, "layout", None)
+        if isinstance(kv_ctx, Context) and layout is not None and layout.rope is None:
+            # The engine may have registered its RoPE after this context read the layout.
+            try:
+                layout = kv_ctx.register_caches()
+            except SDKError:
+                pass
+        return EditContext(
+            positions=torch.arange(cached),
+            query_positions=query_positions,
+            query_lse=query_lse,
+            rope=getattr(layout, "rope", None),
+            prompt_tokens=prompt_tokens,
+            protected=min(self.protected_tokens, cached),
+            device=device,
+            head_dim=getattr(layout, "head_dim", None),
+            chunk_size=int(kv_ctx.chunk_size),
+            request_id=self._request_stream_id,
+        )
 
     # ----------------------------------------------------------------- helpers
     def _context(self, kind: CacheKind) -> Context:
@@ -477,63 +659,85 @@ class RequestStream:
         except ValueError as exc:
             raise RequestStreamError(f"stream {self._request_stream_id}: {exc}") from None
 
-    def _lookup(self, ctx: Any, tokens: list[int]) -> int:
-        """Cached chunk-aligned tokens of ``tokens`` in ``ctx``: its ``lookup`` when it has one
-        (kvdrop's), else the length ``retrieve`` returns (``lmcache.sdk``'s contexts)."""
+    def _lookup(self, ctx: Any, tokens: list[int], salt: str | None = None) -> int:
+        """Cached chunk-aligned tokens of ``tokens`` in ``ctx`` (under ``salt``, default the
+        active one): its ``lookup`` when it has one (kvdrop's), else the length ``retrieve``
+        returns (``lmcache.sdk``'s contexts)."""
+        salt = self.active_cache_salt if salt is None else salt
         lookup = getattr(ctx, "lookup", None)
         if callable(lookup):
-            return int(lookup(tokens, self.cache_salt))
-        tensor = ctx.retrieve(tokens, self.cache_salt)
+            return int(lookup(tokens, salt))
+        tensor = ctx.retrieve(tokens, salt)
         return 0 if tensor is None else int(tensor.shape[2])
 
     def _cached_len(self, tokens: list[int]) -> int:
-        """Chunk-aligned cached length common to every context (0 without contexts)."""
+        """Chunk-aligned cached length of the KV (queries may legitimately hold nothing), or
+        the length common to every context without a KV one (0 without contexts)."""
+        kv_ctx = self._contexts.get(CacheKind.KV)
+        if kv_ctx is not None:
+            return self._lookup(kv_ctx, tokens)
         if not self._contexts:
             return 0
         return min(self._lookup(ctx, tokens) for ctx in self._contexts.values())
 
     def _retrieve_when_cached(
-        self, tokens: list[int], timeout: float, poll_interval: float
+        self,
+        tokens: list[int],
+        timeout: float,
+        poll_interval: float,
+        kinds: Sequence[CacheKind] | None = None,
     ) -> tuple[dict[CacheKind, torch.Tensor], int] | None:
-        """``_retrieve_all(tokens)`` once the last prompt's whole chunks are cached, or whatever
-        is cached when ``timeout`` runs out."""
+        """``_retrieve_all(tokens, kinds)`` once the last prompt's whole chunks are cached, or
+        whatever is cached when ``timeout`` runs out."""
         chunk = self._chunk_size()
         expected = min(self._expected_cached or 0, (len(tokens) // chunk) * chunk)
         deadline = time.monotonic() + max(timeout, 0.0)
         kv_ctx = self._contexts[CacheKind.KV]
+        salt = self.active_cache_salt
         if callable(getattr(kv_ctx, "lookup", None)):
             while (
                 expected > 0
-                and kv_ctx.lookup(tokens, self.cache_salt) < expected
+                and kv_ctx.lookup(tokens, salt) < expected
                 and time.monotonic() < deadline
             ):
                 time.sleep(poll_interval)
-            return self._retrieve_all(tokens)
+            return self._retrieve_all(tokens, kinds)
         while True:  # no cheap lookup (lmcache.sdk's contexts): poll by retrieving, as upstream
-            got = self._retrieve_all(tokens)
+            got = self._retrieve_all(tokens, kinds)
             have = 0 if got is None else got[1]
             if expected <= 0 or have >= expected or time.monotonic() >= deadline:
                 return got
             time.sleep(poll_interval)
 
-    def _retrieve_all(self, tokens: list[int]) -> tuple[dict[CacheKind, torch.Tensor], int] | None:
+    def _retrieve_all(
+        self, tokens: list[int], kinds: Sequence[CacheKind] | None = None
+    ) -> tuple[dict[CacheKind, torch.Tensor], int] | None:
+        """Tensors of ``kinds`` (default every context's) cut to their common cached length;
+        None when the KV (or, without a KV context, any kind) has nothing cached."""
         if not self._contexts:
             raise RequestStreamError(
                 f"stream {self._request_stream_id} has no contexts; pass them to create_request"
             )
         got: dict[CacheKind, torch.Tensor] = {}
+        salt = self.active_cache_salt
         for kind, ctx in self._contexts.items():
-            tensor = ctx.retrieve(tokens, self.cache_salt)
+            if kinds is not None and kind not in kinds:
+                continue
+            tensor = ctx.retrieve(tokens, salt)
             if tensor is None or tensor.shape[2] == 0:
-                return None
+                if kind is CacheKind.KV or CacheKind.KV not in self._contexts:
+                    return None
+                continue
             got[kind] = tensor
+        if not got:
+            return None
         common = min(t.shape[2] for t in got.values())
         for kind, tensor in got.items():
             if tensor.shape[2] != common:
                 got[kind] = tensor[:, :, :common].contiguous()
         return got, common
 
-    def _await_visible(self, ctx: Any, tokens: list[int], timeout: float) -> None:
+    def _await_visible(self, ctx: Any, tokens: list[int], timeout: float, salt: str) -> None:
         """Poll until ``ctx`` serves the whole chunks just stored under ``tokens``.
 
         An LMCache server acknowledges a store before it commits it; without this wait the next
@@ -542,7 +746,7 @@ class RequestStream:
         """
         whole = len(tokens) // self._chunk_size() * self._chunk_size()
         deadline = time.monotonic() + max(timeout, 0.0)
-        while self._lookup(ctx, tokens) < whole:
+        while self._lookup(ctx, tokens, salt) < whole:
             if time.monotonic() >= deadline:
                 logger.warning(
                     "stream %s: the server does not serve the %d stored tokens after %gs",
@@ -618,13 +822,15 @@ class RequestStream:
         suffix: list[int],
         timeout: float = 30.0,
     ) -> bool:
+        """Store an edit under the stream's own salt, then make ``tokens`` its prefix."""
+        salt = edit_salt(self.cache_salt, self._request_stream_id)
         results: dict[CacheKind, bool] = {}
         for kind in sorted(tensors, key=lambda k: k is CacheKind.KV):  # KV last
             ctx = self._contexts[kind]
             try:
-                results[kind] = bool(ctx.store(tensors[kind], tokens, self.cache_salt))
+                results[kind] = bool(ctx.store(tensors[kind], tokens, salt))
                 if results[kind] and not callable(getattr(ctx, "lookup", None)):
-                    self._await_visible(ctx, tokens, timeout)
+                    self._await_visible(ctx, tokens, timeout, salt)
             except Exception as exc:  # kvdrop's SDKError or lmcache.sdk's LMCacheSDKError
                 raise RequestStreamError(
                     f"stream {self._request_stream_id}: storing the edited {kind.value} "
@@ -640,5 +846,6 @@ class RequestStream:
         with self._state:
             self._prefix = list(tokens)
             self._suffix = list(suffix)
+            self._edit_salt = salt
         self._expected_cached = len(tokens)
         return stored

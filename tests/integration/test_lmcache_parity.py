@@ -120,7 +120,10 @@ def document_example(
         s.output_tokens[: (len(p) // CHUNK + 1) // 2 * CHUNK]
         for s, p in zip(streams, prompts(), strict=True)
     ]
-    retrieved = other.retrieve(kept[0])
+    # kvdrop_sdk stores an edit under its request's own salt (so requests whose kept tokens
+    # coincide never read each other's edit); upstream under the request's salt ("" here).
+    salt = getattr(streams[0], "active_cache_salt", "")
+    retrieved = other.retrieve(kept[0], salt)
     result = {
         "reports": [r.to_dict() for r in reports],
         "output_tokens": [s.output_tokens for s in streams],
@@ -135,7 +138,7 @@ def document_example(
             batch.perf_metrics[s.request_stream_id].output_tokens for s in streams
         ],
         "retrieved_shape": tuple(retrieved.shape),
-        "store_again": other.store(retrieved, kept[0]),  # every chunk cached: False
+        "store_again": other.store(retrieved, kept[0], salt),  # every chunk cached: False
         "chunk_size": kv_ctx.chunk_size,
         "kinds": (kv_ctx.kind.value, q_ctx.kind.value),
         "positional_perf": lmc_request.StreamPerfMetrics(1.0, 2, 3, 4.0, 5.0, [0.5], 0.25).ttft,
@@ -149,7 +152,8 @@ def document_example(
 
 def run_on_kvdrop(model: Transformer, srv: ServerHandle) -> dict[str, Any]:
     name = f"doc-{uuid.uuid4().hex[:8]}"
-    conn = ServerConnector(srv.url, srv.http_url, name)
+    # The document's edit reads every prompt token's query ([1, L, T, Dq]): the full mode.
+    conn = ServerConnector(srv.url, srv.http_url, name, query_capture="full")
     with Engine(model, num_blocks=512, connector=conn) as engine:
         result = document_example(kvdrop_sdk, srv.url, srv.http_url, name, engine)
     conn.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,7 @@ import kvdrop
 from kvdrop import Scorer, ScorerFactory, Selection, param, registry
 from kvdrop.policy import FunctionPolicy
 from kvdrop_sdk import CacheKind
+from kvdrop_sdk.types import EditContext
 
 
 @dataclass(frozen=True)
@@ -121,3 +123,19 @@ def test_a_plain_function_plugin_gets_its_parameters_checked(plain: str) -> None
     _, index = fn.select_indices({CacheKind.KV: kv}, list(range(10, 18)))
     assert index.tolist() == [0, 1, 2]
     assert [p.type for p in kvdrop.describe(plain).params] == [int, int]
+
+
+def test_alignment_that_keeps_far_less_than_asked_is_reported_once() -> None:
+    kv = torch.randn(2, 1, 768, 8)
+    fn = kvdrop.get("knorm", keep_ratio=0.5, chunk_size=256, rerotate=False)
+    with pytest.warns(kvdrop.PolicyWarning, match="keeps 256 of 768 prompt tokens, 67%"):
+        fn({CacheKind.KV: kv}, list(range(768)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fn({CacheKind.KV: kv}, list(range(768)))  # once per policy
+        # The whole prompt is 1018 tokens: 256 cached + the 250-token tail is what was asked.
+        again = kvdrop.get("knorm", keep_ratio=0.5, chunk_size=256, rerotate=False)
+        _, kept = again(
+            {CacheKind.KV: kv}, list(range(768)), context=EditContext.of(768, prompt_tokens=1018)
+        )
+    assert len(kept) == 256

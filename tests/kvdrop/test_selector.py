@@ -74,3 +74,29 @@ def test_selection_reports_what_the_selector_keeps() -> None:
         True,
     )
     assert sel.selection(100, budget=16).budget == 16
+
+
+def test_budget_is_of_the_cached_part_and_what_is_asked_counts_the_tail() -> None:
+    sel = Selector(keep_ratio=0.5, chunk_size=256)
+    # 1018-token prompt, 768 cached: half of them is 384, aligned down to one chunk; the
+    # 250-token tail is kept anyway, so 506 of the 509 asked of the whole prompt are kept.
+    assert sel.budget(768) == 256 and sel.requested(768, 1018) == 509
+    assert Selector(keep_ratio=0.5, chunk_size=256).budget(1024) == 512
+    assert Selector(keep_ratio=0.1, chunk_size=16).budget(64) == 16  # at least one chunk
+    assert Selector(keep_tokens=600, chunk_size=16).budget(768) == 592
+    assert Selector(keep_tokens=5000).requested(1018) == 1018
+    assert Selector(keep_tokens=300).requested(768, 1018) == 550
+
+
+def test_recent_window_counts_the_tail_and_protected_tokens_come_first() -> None:
+    sel = Selector(keep_tokens=16, chunk_size=4, window=10, n_sink=2)
+    scores = torch.arange(40, dtype=torch.float32).flip(0)  # earlier = better
+    # 6 tail tokens: only the last 4 cached ones are forced recent.
+    order = sel.ranking(scores, prompt_tokens=46).tolist()
+    assert order[:6] == [39, 38, 37, 36, 0, 1]
+    # Protected: the first 9 come before everything, and the budget grows to cover them.
+    order = sel.ranking(scores, prompt_tokens=46, protected=9).tolist()
+    assert order[:9] == list(range(9)) and order[9:13] == [39, 38, 37, 36]
+    assert Selector(keep_tokens=4, chunk_size=4).budget(40, protected=9) == 12
+    kept = Selector(keep_tokens=4, chunk_size=4).select(scores.flip(0), protected=9)
+    assert kept.tolist()[:9] == list(range(9))

@@ -192,8 +192,9 @@ def test_port_in_use(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_engine_with_kvdrop_server_through_the_sdk(tmp_path: Path) -> None:
-    """Server + `kvdrop engine --kvdrop-url` + SDK batch over HTTP: prefill stores KV and queries,
-    a chunk-dropping edit is stored, decode continues from the edited cache."""
+    """Server + `kvdrop engine --kvdrop-url --query-capture full` + SDK batch over HTTP: prefill
+    stores KV and queries, a chunk-dropping edit is stored, decode continues from the edited
+    cache."""
     from kvdrop_sdk import qcache
     from kvdrop_sdk.batch import BatchedStream
     from kvdrop_sdk.cache_kind import CacheKind
@@ -213,6 +214,8 @@ def test_engine_with_kvdrop_server_through_the_sdk(tmp_path: Path) -> None:
             srv.http_url,
             "--kv-budget-tokens",
             "4096",
+            "--query-capture",
+            "full",
         )
         try:
             proc.wait_healthy()
@@ -236,14 +239,17 @@ def test_engine_with_kvdrop_server_through_the_sdk(tmp_path: Path) -> None:
                 return kv[:, :, keep].contiguous(), [tokens[i] for i in keep]
 
             metrics = batch.modify(drop_middle_chunk).to_dict()
-            assert metrics["metrics"]["kept_fraction"] == pytest.approx(512 / 768)
+            # Of the whole prompts: the 32-token tails and the prefill's token are kept.
+            assert metrics["metrics"]["kept_fraction"] == pytest.approx((512 + 33) / (768 + 33))
+            assert metrics["metrics"]["cached_kept_fraction"] == pytest.approx(512 / 768)
             batch.decode({"temperature": 0, "max_tokens": 8, "ignore_eos": True})
             for stream, p in zip(batch, prompts, strict=True):
                 assert len(stream.generated_tokens) == 9  # 1 from prefill + 8 decoded
                 kept = p[:256] + p[512:768]
                 # As upstream: the whole sequence, kept tokens, the re-sent tail, generated.
                 assert stream.output_tokens == kept + p[768:] + stream.generated_tokens
-                assert kv_ctx.lookup(kept) == 512
+                assert kv_ctx.lookup(kept, stream.active_cache_salt) == 512
+                assert kv_ctx.lookup(kept) == 256  # only the unedited first chunk is shared
             # Decode loaded the 512 kept tokens and computed only the 33-token suffix
             # (32-token prompt tail + the prefill's token); prefill had computed everything.
             stats = requests.get(proc.url + "/stats", timeout=10).json()

@@ -18,6 +18,7 @@ from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context, connect
 from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.server.testing import ServerHandle, spawn_server
+from kvdrop_sdk.window import retrieve_window
 
 CHUNK = 16
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -83,6 +84,8 @@ def test_registers_layouts_and_follows_server_config(
         assert kv_ctx.layout.shape(CacheKind.KV, 5) == (2, cfg.num_layers, 5, cfg.kv_dim)
         assert q_ctx.layout.shape(CacheKind.QUERY, 5) == (1, cfg.num_layers, 5, cfg.q_dim)
         assert kv_ctx.layout.dtype == torch.float32
+        # The RoPE parameters travel with the KV layout: edits can re-rotate without being told.
+        assert kv_ctx.layout.rope == model.config.rope.to_json()
         kv_ctx.close()
         q_ctx.close()
         with pytest.raises(SDKError, match="already bound"):
@@ -95,7 +98,7 @@ def test_prefill_stores_whole_chunks_of_kv_and_queries(
     model: Transformer, server: ServerHandle
 ) -> None:
     prompt = tokens(3 * CHUNK + 5, seed=1)
-    conn = ServerConnector(server.url, server.http_url, "store-model")
+    conn = ServerConnector(server.url, server.http_url, "store-model", query_capture="full")
     with Engine(model, num_blocks=16, connector=conn) as eng:
         first = eng.generate(prompt, {**GREEDY, "max_tokens": 4})
         st = eng.stats()
@@ -219,7 +222,7 @@ def test_shared_prefix_completes_queries_from_the_server(
     shared = tokens(2 * CHUNK, seed=20)
     a = shared + tokens(CHUNK + 3, seed=21)
     b = shared + tokens(2 * CHUNK + 5, seed=22)
-    conn = ServerConnector(server.url, server.http_url, "shared-model")
+    conn = ServerConnector(server.url, server.http_url, "shared-model", query_capture="full")
     with Engine(model, num_blocks=16, connector=conn) as eng:
         eng.generate(a, {**GREEDY, "max_tokens": 2})
         eng.reset_stats()
@@ -248,7 +251,7 @@ def test_kv_prefix_without_queries_stores_kv_only(model: Transformer, server: Se
     with Engine(model, num_blocks=16, connector=kv_only) as eng:
         eng.generate([*prefix, 7], {**GREEDY, "max_tokens": 1})
     kv_only.close()
-    conn = ServerConnector(server.url, server.http_url, "hole-model")
+    conn = ServerConnector(server.url, server.http_url, "hole-model", query_capture="full")
     with Engine(model, num_blocks=16, connector=conn) as eng:
         eng.generate(longer, {**GREEDY, "max_tokens": 2})
         st = eng.stats()
@@ -268,7 +271,7 @@ def test_eight_concurrent_requests_store_their_own_kv_and_queries(
     prompts = [
         (common if i % 2 else []) + tokens(CHUNK * (2 + i % 3) + i, seed=100 + i) for i in range(8)
     ]
-    conn = ServerConnector(server.url, server.http_url, "conc-model")
+    conn = ServerConnector(server.url, server.http_url, "conc-model", query_capture="full")
     # small prefill chunks and a budget for ~5 requests: prefill chunks of different requests
     # share steps with each other and with decodes, and some requests wait for admission.
     eng = Engine(model, num_blocks=24, block_size=CHUNK, max_prefill_tokens=40, connector=conn)
@@ -302,7 +305,57 @@ def test_eight_concurrent_requests_store_their_own_kv_and_queries(
         torch.testing.assert_close(kv, kv_ref[:, :, :aligned], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(q, q_ref[:, :, :aligned], atol=1e-5, rtol=1e-5)
         assert outs[i] == generate(model, p, 8, stop_at_eos=False)
+        # Each request's query window (prompt and decode rows) is its own, too.
+        window = retrieve_window(q_ctx, p + outs[i])
+        assert window is not None, f"request {i} has no window"
+        _, q_all = reference(model, p + outs[i][:-1])
+        rows = q_all[:, :, window.positions]
+        torch.testing.assert_close(window.queries, rows, atol=1e-5, rtol=1e-5)
     kv_ctx.close()
+    q_ctx.close()
+    conn.close()
+
+
+def test_window_mode_stores_the_last_rows_and_a_strided_sample_only(
+    model: Transformer, server: ServerHandle
+) -> None:
+    """The lean mode: no query chunks, one window per call keyed by prompt + generated tokens,
+    holding the rows of the last W computed positions (decode steps included) and of every
+    S-th position, with their attention log-normalisers over every key they saw."""
+    cfg = model.config
+    prompt = tokens(5 * CHUNK + 5, seed=30)  # 85 tokens
+    conn = ServerConnector(
+        server.url, server.http_url, "window-model", query_window=8, query_stride=32
+    )
+    with Engine(model, num_blocks=16, connector=conn, max_prefill_tokens=40) as eng:
+        out = eng.generate(prompt, {**GREEDY, "max_tokens": 4})
+        st = eng.stats()
+    _, q_ctx = contexts(server, "window-model")
+    assert conn.query_capture == "window" and conn.lookup_queries(prompt) == 0
+    assert st.query_tokens_stored == 0 and st.kv_tokens_stored == 5 * CHUNK
+    assert retrieve_window(q_ctx, prompt) is None  # keyed by every token of the call
+    window = retrieve_window(q_ctx, prompt + out)
+    assert window is not None and window.lse is not None
+    computed = len(prompt) + len(out) - 1  # the last generated token was never fed back
+    assert window.positions.tolist() == [0, 32, 64, *range(computed - 8, computed)]
+    assert st.query_rows_stored == 11
+    row = cfg.num_layers * (cfg.q_dim * 4 + cfg.num_heads * 4)  # float32 queries + lse
+    assert st.query_bytes_stored == 11 * row
+    seq = prompt + out[:-1]
+    _, q_ref = reference(model, seq)
+    torch.testing.assert_close(window.queries, q_ref[:, :, window.positions], atol=1e-5, rtol=1e-5)
+    # lse: log-sum-exp of each row's causal logits over the whole sequence so far
+    group = cfg.num_heads // cfg.num_kv_heads
+    kv_ref, _ = reference(model, seq)
+    n = len(seq)
+    causal = torch.arange(n)[None, :] > torch.arange(n)[:, None]
+    for layer in range(cfg.num_layers):
+        qh = q_ref[0, layer].view(n, cfg.num_heads, cfg.head_dim)
+        kh = kv_ref[0, layer].view(n, cfg.num_kv_heads, cfg.head_dim)
+        logits = torch.einsum("qhd,khd->hqk", qh, kh.repeat_interleave(group, dim=1))
+        logits = (logits * cfg.head_dim**-0.5).masked_fill(causal, -torch.inf)
+        ref = torch.logsumexp(logits, dim=-1)[:, window.positions].T
+        torch.testing.assert_close(window.lse[0, layer], ref, atol=1e-4, rtol=1e-5)
     q_ctx.close()
     conn.close()
 

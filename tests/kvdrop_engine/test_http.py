@@ -691,3 +691,24 @@ def test_disconnects_are_one_log_line(
     assert any("request cancelled" in r.getMessage() for r in lines)
     assert "Traceback" not in capsys.readouterr().err
     assert requests.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_keep_alive_closed_between_requests_is_not_a_disconnect(
+    server: CompletionHTTPServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pooled client dropping its idle connection (RST) after a full answer logs nothing."""
+    caplog.set_level(logging.INFO, logger="kvdrop_engine.http")
+    sock = socket.create_connection((server.host, server.port))
+    data = json.dumps({"prompt": [1, 2], "max_tokens": 2})
+    head = f"POST /v1/completions HTTP/1.1\r\nContent-Length: {len(data)}\r\n\r\n"
+    sock.sendall(head.encode() + data.encode())
+    reply = b""
+    while b'"usage"' not in reply:
+        chunk = sock.recv(65536)
+        assert chunk, reply
+        reply += chunk
+    _reset(sock)
+    # the server noticed the reset (its next read failed) and is still healthy
+    time.sleep(0.5)
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    assert not [r for r in caplog.records if "disconnected" in r.getMessage()], caplog.text

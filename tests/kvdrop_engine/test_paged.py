@@ -242,3 +242,39 @@ def test_staged_transfers_match_plain_copies_on_gpu() -> None:  # pragma: no cov
     assert results == [True] * 9
     dev = base.cuda()
     assert torch.equal(to_host(dev), base) and to_host(dev).is_pinned()
+
+
+def test_captured_rows_of_chunked_prefill_and_decode_steps_match_dense(model: Transformer) -> None:
+    """Chosen rows of a chunked prefill and of decode steps (batched with another sequence)."""
+    cfg = model.config
+    cache = make_cache(cfg)
+    gen = torch.Generator().manual_seed(5)
+    seq = torch.randint(3, cfg.vocab_size, (20,), generator=gen)
+    other = torch.randint(3, cfg.vocab_size, (24,), generator=gen)
+    tables = {"s": cache.allocator.allocate(6), "o": cache.allocator.allocate(6)}
+    done = {"s": 0, "o": 0}
+    schedule = [[("s", 9), ("o", 12)], [("o", 8), ("s", 9)], [("o", 1), ("s", 1)], [("s", 1)]]
+    wanted = {0: [0, 4, 8], 1: [2, 8], 2: [0], 3: [0]}  # offsets of "s" per step
+    got, positions = [], []
+    with torch.inference_mode():
+        for i, step in enumerate(schedule):
+            steps = [SeqStep(s, tables[s], done[s], n) for s, n in step]
+            toks = torch.cat([{"s": seq, "o": other}[s][done[s] : done[s] + n] for s, n in step])
+            pos = torch.cat([torch.arange(done[s], done[s] + n) for s, n in step])
+            attn = PagedAttention(cache, steps, capture_rows={"s": wanted[i]})
+            model(toks, pos, attn)
+            got.append(attn.captured_rows("s"))
+            positions += [done["s"] + off for off in wanted[i]]
+            for s, n in step:
+                done[s] += n
+    dense = Recorder(DenseAttention(cfg))
+    with torch.inference_mode():
+        model(seq[: done["s"]], torch.arange(done["s"]), dense)
+    q = torch.cat(got, dim=1)  # [L, rows, Hq, d]
+    for layer in range(cfg.num_layers):
+        torch.testing.assert_close(q[layer], dense.q[layer][0][positions], atol=1e-6, rtol=1e-6)
+        keys = cache.keys(tables["s"], layer, done["s"])
+        ref = dense.inner.keys(layer).reshape(done["s"], cfg.num_kv_heads, cfg.head_dim)
+        torch.testing.assert_close(keys, ref, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="outside"):
+        PagedAttention(cache, [SeqStep("s", tables["s"], 0, 2)], capture_rows={"s": [2]})

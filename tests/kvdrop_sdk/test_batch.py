@@ -119,7 +119,11 @@ def test_prefill_modify_decode_batch(engine_and_ctx: tuple[ToyEngine, Context]) 
     assert mod.title == "Batched Stream Modify Metrics"
     assert mod["num_requests"] == 7 and mod["num_skipped"] == 1
     assert mod["total_tokens"] == sum(aligned) and mod["kept_tokens"] == sum(kept)
-    assert mod["kept_fraction"] == pytest.approx(sum(kept) / sum(aligned))
+    # kept_fraction is of the whole prompts: the uncached tails (and g1) are never dropped.
+    tails = sum(n + 1 - a for n, a in zip(lengths, aligned, strict=True) if a)
+    assert mod["prompt_tokens"] == sum(aligned) + tails
+    assert mod["kept_fraction"] == pytest.approx((sum(kept) + tails) / (sum(aligned) + tails))
+    assert mod["cached_kept_fraction"] == pytest.approx(sum(kept) / sum(aligned))
     assert mod["duration"] > 0  # type: ignore[operator]
     for s, p, a in zip(streams, prompts, aligned, strict=True):
         sid = s.request_stream_id

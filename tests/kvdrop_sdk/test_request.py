@@ -32,7 +32,8 @@ from kvdrop_sdk.request import (
     create_request,
 )
 from kvdrop_sdk.server.testing import spawn_server
-from kvdrop_sdk.types import ModifyFnType
+from kvdrop_sdk.types import EditContext, ModifyFnType, accepts_edit_context
+from kvdrop_sdk.window import QueryWindow, store_window
 
 CHUNK = 16
 KV_LAYOUT = CacheLayout(num_layers=2, num_heads=2, head_dim=4, dtype=torch.float32)
@@ -278,10 +279,15 @@ def test_retrieve_cuts_every_kind_to_the_common_length(qsetup: Setup) -> None:
     assert got is not None
     assert got[CacheKind.KV].shape[2] == got[CacheKind.QUERY].shape[2] == 32
     assert torch.equal(got[CacheKind.KV], encode_rows(CacheKind.KV, p[:32], range(32), KV_LAYOUT))
-    # A stream whose queries are missing entirely retrieves nothing.
+    # A stream whose queries are missing entirely (an engine in the lean query mode) retrieves
+    # its KV alone; one without KV retrieves nothing.
     other = prompt(2 * CHUNK, seed=6)
     qsetup.kv_ctx.store(encode_rows(CacheKind.KV, other, range(32), KV_LAYOUT), other)
-    assert create_request(qsetup.contexts, qsetup.engine, other).retrieve_all() is None
+    got = create_request(qsetup.contexts, qsetup.engine, other).retrieve_all()
+    assert got is not None and set(got) == {CacheKind.KV} and got[CacheKind.KV].shape[2] == 32
+    third = prompt(2 * CHUNK, seed=16)
+    qsetup.q_ctx.store(encode_rows(CacheKind.QUERY, third, range(32), Q_LAYOUT), third)
+    assert create_request(qsetup.contexts, qsetup.engine, third).retrieve_all() is None
 
 
 def test_update_stores_under_new_tokens_and_keeps_tail(setup: Setup) -> None:
@@ -304,7 +310,7 @@ def test_update_stores_under_new_tokens_and_keeps_tail(setup: Setup) -> None:
     assert setup.engine.calls[-1].reused_positions == list(range(16, 64))
 
 
-def test_edit_that_keeps_every_token_is_not_stored(
+def test_edits_go_to_the_streams_own_salt_where_the_first_copy_wins(
     setup: Setup, caplog: pytest.LogCaptureFixture
 ) -> None:
     p = prompt(2 * CHUNK + 4, seed=8)
@@ -314,12 +320,24 @@ def test_edit_that_keeps_every_token_is_not_stored(
     def zero_values(tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]) -> tuple:
         return torch.zeros_like(tensors[CacheKind.KV]), list(tokens)
 
+    # The first edit goes to the stream's own salt, where nothing was cached yet: it is stored.
+    assert s.modify_kv(zero_values).stored is True
+    got = s.retrieve_all()
+    assert got is not None and not got[CacheKind.KV].any()
+
+    # A second edit keeping the same tokens finds its own first copy: not stored.
+    def ones(tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]) -> tuple:
+        return torch.ones_like(tensors[CacheKind.KV]), list(tokens)
+
     with caplog.at_level(logging.WARNING, logger="kvdrop_sdk.request"):
-        result = s.modify_kv(zero_values)
+        result = s.modify_kv(ones)
     assert result.stored is False and "first copy wins" in caplog.text
     got = s.retrieve_all()  # the first copy is still there, unchanged
-    assert got is not None
-    assert torch.equal(got[CacheKind.KV], encode_rows(CacheKind.KV, p[:32], range(32), KV_LAYOUT))
+    assert got is not None and not got[CacheKind.KV].any()
+    # The shared (unedited) prefix under the original salt is untouched.
+    shared = setup.kv_ctx.retrieve(p)
+    assert shared is not None
+    assert torch.equal(shared, encode_rows(CacheKind.KV, p[:32], range(32), KV_LAYOUT))
 
 
 def test_cache_salt_isolates_streams(setup: Setup) -> None:
@@ -460,6 +478,7 @@ class CacheModel:
 
     def __init__(self) -> None:
         self.chunks: dict[tuple[int, ...], list[int]] = {}
+        self.edited = False  # the model of the stream's own edit salt
 
     def lookup(self, tokens: Sequence[int]) -> list[int]:
         positions: list[int] = []
@@ -514,10 +533,12 @@ def test_bookkeeping_matches_a_model(
     setup: Setup, n: int, rounds: list[tuple[list[bool], int]], seed: int
 ) -> None:
     """Random prompts, random chunk subsets kept, several modify/decode rounds: the stream, the
-    engine's prompts and the rows it reuses always match a plain model of the server."""
+    engine's prompts and the rows it reuses always match a plain model of the server. The first
+    edit moves the stream to its own salt, whose cache starts empty."""
     p = prompt(n, seed)
     model = CacheModel()
     s = create_request([setup.kv_ctx], setup.engine, p, cache_salt=uuid.uuid4().hex)
+    edit_salt = f"{s.cache_salt}.edit.{s.request_stream_id}"
 
     def generate(max_tokens: int) -> None:
         sent = s.tokens
@@ -541,10 +562,126 @@ def test_bookkeeping_matches_a_model(
             kept = [before[i] for i in rows]
             assert s.tokens == kept + before[t:] and s.suffix_tokens == before[t:]
             assert (result.kept_tokens, result.total_tokens) == (len(rows), t)
+            if s.active_cache_salt != edit_salt or not model.edited:
+                assert s.active_cache_salt == edit_salt
+                model = CacheModel()
+                model.edited = True
             model.store(kept, [cached[i] for i in rows])
         generate(max_tokens)
-    mine = [c for c in setup.engine.calls if c.cache_salt == s.cache_salt]
+    mine = [c for c in setup.engine.calls if c.cache_salt in (s.cache_salt, edit_salt)]
     assert s.generated_tokens == [tok for c in mine for tok in c.generated]
+
+
+def test_two_requests_whose_kept_tokens_coincide_read_their_own_edits(setup: Setup) -> None:
+    """The same kept tokens at different original positions: with one shared salt the second
+    edit would be skipped (first copy wins) and its request would read the first one's rows."""
+    x, tail = prompt(CHUNK, seed=30), prompt(5, seed=31)
+    a = create_request([setup.kv_ctx], setup.engine, x + prompt(CHUNK, seed=32) + tail)
+    b = create_request([setup.kv_ctx], setup.engine, prompt(CHUNK, seed=33) + x + tail)
+    for s in (a, b):
+        s.generate({"max_tokens": 1})
+        assert s.active_cache_salt == s.cache_salt == ""  # unedited: the shared salt
+    assert a.modify_kv(drop_chunk(1)).stored and b.modify_kv(drop_chunk(0)).stored
+    assert a.tokens[:CHUNK] == b.tokens[:CHUNK] == x
+    assert a.active_cache_salt == f".edit.{a.request_stream_id}" != b.active_cache_salt
+    a.generate({"max_tokens": 2})
+    assert setup.engine.calls[-1].reused_positions == list(range(CHUNK))
+    assert setup.engine.calls[-1].cache_salt == a.active_cache_salt
+    b.generate({"max_tokens": 2})
+    assert setup.engine.calls[-1].reused_positions == list(range(CHUNK, 2 * CHUNK))
+    # Unedited prefixes keep sharing: a new request with a's prompt reuses a's prefill chunks.
+    c = create_request([setup.kv_ctx], setup.engine, a.prompt_token_ids)
+    c.generate({"max_tokens": 1})
+    assert setup.engine.calls[-1].reused_positions == list(range(2 * CHUNK))
+
+
+def test_edit_context_goes_only_to_functions_that_ask(qsetup: Setup) -> None:
+    p = prompt(3 * CHUNK + 5, seed=40)
+    s = create_request(qsetup.contexts, qsetup.engine, p, protected_tokens=4)
+    s.generate({"max_tokens": 1})
+    plain: dict[str, Any] = {}
+
+    def plain_fn(tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]) -> tuple:
+        plain["keys"] = set(tensors)
+        return tensors[CacheKind.KV], list(tokens)
+
+    s.modify_kv(plain_fn)  # called with two arguments; the chunk queries come along
+    assert plain["keys"] == {CacheKind.KV, CacheKind.QUERY}
+    s = create_request(qsetup.contexts, qsetup.engine, p, protected_tokens=4)
+    s.generate({"max_tokens": 1})
+    seen: dict[str, Any] = {}
+
+    @accepts_edit_context
+    def fn(tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int], *, context: Any) -> tuple:
+        seen["context"], seen["query"] = context, tensors[CacheKind.QUERY]
+        return drop_chunk(1)(tensors, tokens)
+
+    s.modify_kv(fn, device="cpu")
+    ctx = seen["context"]
+    assert isinstance(ctx, EditContext)
+    assert ctx.positions.tolist() == list(range(48)) and ctx.prompt_tokens == len(p) + 1
+    assert (ctx.protected, ctx.device, ctx.head_dim, ctx.chunk_size) == (4, "cpu", 4, CHUNK)
+    assert ctx.request_id == s.request_stream_id and ctx.rope is None  # the toy registers none
+    assert ctx.query_positions.tolist() == list(range(48)) and ctx.query_lse is None
+    assert seen["query"].shape == (1, 2, 48, 16)
+
+
+def test_protected_prefix_must_survive_the_edit(setup: Setup) -> None:
+    p = prompt(3 * CHUNK + 2, seed=41)
+    s = create_request([setup.kv_ctx], setup.engine, p, protected_tokens=20)
+    s.generate({"max_tokens": 1})
+    before = s.tokens
+    with pytest.raises(RequestStreamError, match="protected"):
+        s.modify_kv(drop_chunk(1))  # chunk 1 holds protected tokens 16..19
+    assert s.tokens == before and s.active_cache_salt == ""
+    assert s.modify_kv(drop_chunk(2)).kept_tokens == 2 * CHUNK
+    with pytest.raises(ValueError, match="protected_tokens"):
+        create_request([setup.kv_ctx], setup.engine, p, protected_tokens=-1)
+
+
+def test_query_window_reaches_functions_that_can_place_it(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine in the lean mode stores only a window (simulated here with store_window): a
+    context-taking function gets it with its positions and log-normalisers, a plain one gets no
+    query tensor (and a log line says why)."""
+    q_ctx = connect(
+        CacheKind.QUERY, setup.kv_ctx.url, setup.kv_ctx.http_url, setup.model, layout=Q_LAYOUT
+    )
+    try:
+        p = prompt(3 * CHUNK + 5, seed=42)
+        s = create_request([setup.kv_ctx, q_ctx], setup.engine, p)
+        s.generate({"max_tokens": 1})
+        rows = torch.tensor([0, 16, 32, 49, 50, 51, 52])  # strided + the call's last tokens
+        queries = encode_rows(CacheKind.QUERY, [p[i] for i in rows], rows.tolist(), Q_LAYOUT)
+        lse = torch.arange(2 * 7 * 4, dtype=torch.float32).view(1, 2, 7, 4)
+        assert store_window(q_ctx, s.tokens, QueryWindow(queries, rows, lse))
+        seen: dict[str, Any] = {}
+
+        @accepts_edit_context
+        def fn(tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int], *, context: Any):
+            seen["query"], seen["context"] = tensors[CacheKind.QUERY], context
+            return drop_chunk(1)(tensors, tokens)
+
+        s.modify_kv(fn)
+        assert torch.equal(seen["query"], queries)
+        assert seen["context"].query_positions.tolist() == rows.tolist()
+        assert torch.equal(seen["context"].query_lse, lse)
+        # After the edit the stream holds other tokens: that window is not its any more.
+        other = create_request([setup.kv_ctx, q_ctx], setup.engine, p, cache_salt="other")
+        other.generate({"max_tokens": 1})
+        assert store_window(q_ctx, other.tokens, QueryWindow(queries, rows, lse), "other")
+        plain: dict[str, Any] = {}
+
+        def plain_fn(tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]) -> tuple:
+            plain["keys"] = set(tensors)
+            return drop_chunk(1)(tensors, tokens)
+
+        with caplog.at_level(logging.WARNING, logger="kvdrop_sdk.request"):
+            other.modify_kv(plain_fn)
+        assert plain["keys"] == {CacheKind.KV}
+    finally:
+        q_ctx.close()
 
 
 def test_upstream_signatures_and_output_tokens(qsetup: Setup) -> None:
@@ -597,3 +734,16 @@ def test_context_lookup_sessions_and_request_configs(setup: Setup) -> None:
     assert got is not None and ctx.store(got, p[: 2 * CHUNK], "", request_configs=None) is False
     with pytest.raises(SDKError, match="request_configs must be a dict or None, got list"):
         ctx.retrieve(p, request_configs=[1])  # type: ignore[arg-type]
+
+
+def test_edit_salt_is_accepted_by_every_server() -> None:
+    """LMCache refuses salts with "@", "/", "\\" or NUL, and over 128 characters."""
+    from kvdrop_sdk.request import edit_salt
+
+    sid = "0" * 32
+    assert edit_salt("user-1", sid) == f"user-1.edit.{sid}"
+    assert edit_salt("", sid) == f".edit.{sid}"
+    long_a, long_b = edit_salt("a" * 200, sid), edit_salt("b" * 200, sid)
+    assert len(long_a) <= 128 and long_a != long_b and long_a.endswith(f".edit.{sid}")
+    for salt in (edit_salt("x", sid), long_a):
+        assert not set(salt) & set("@/\\\x00")

@@ -10,6 +10,7 @@ import torch
 
 from kvdrop.errors import PolicyInputError, PolicyParamError
 from kvdrop.policy import Policy, SelectorPolicy
+from kvdrop_sdk.types import EditContext
 
 __all__ = ["Budget", "Rule", "TierRule", "parse_tiers"]
 
@@ -105,8 +106,9 @@ class _FixedRule:
 
 class Budget(Policy):
     """``policy`` (a scorer policy or a composition) with its budget set per request by
-    ``rule(T)`` or ``tiers`` (``"4096:1.0,16384:0.5,*:0.25"``); with neither, its own budget.
-    The chosen budget is chunk-aligned as always."""
+    ``rule(N)`` or ``tiers`` (``"4096:1.0,16384:0.5,*:0.25"``); with neither, its own budget.
+    ``N`` is the whole prompt's length (the edit context's ``prompt_tokens``; the cached tokens
+    without one). The chosen budget is chunk-aligned as always."""
 
     def __init__(
         self,
@@ -160,6 +162,11 @@ class Budget(Policy):
         return self.policy.with_selector(dataclasses.replace(self.policy.selector, **keep))
 
     def select_indices(
-        self, tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]
+        self,
+        tensors: Mapping[Any, torch.Tensor],
+        tokens: Sequence[int],
+        *,
+        context: EditContext | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.for_length(len(tokens)).select_indices(tensors, tokens)
+        length = len(tokens) if context is None else max(context.prompt_tokens or 0, len(tokens))
+        return self.for_length(length).select_indices(tensors, tokens, context=context)

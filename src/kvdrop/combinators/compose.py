@@ -9,8 +9,9 @@ from typing import Any
 import torch
 
 from kvdrop.errors import PolicyParamError, PolicyWarning
-from kvdrop.policy import ScorerPolicy, SelectorPolicy, check_inputs
+from kvdrop.policy import ScorerPolicy, SelectorPolicy, edit_inputs
 from kvdrop.selector import Selector
+from kvdrop_sdk.types import EditContext
 
 __all__ = ["Compose"]
 
@@ -35,6 +36,7 @@ class Compose(SelectorPolicy):
         keep_ratio: float | None = None,
         keep_tokens: int | None = None,
         name: str | None = None,
+        device: str = "auto",
     ) -> None:
         self.parts = list(parts)
         self.name = name or "+".join(p.name for p in self.parts)
@@ -63,7 +65,7 @@ class Compose(SelectorPolicy):
         self.weights = [float(w) for w in weights]
         try:
             self.selector = Selector(
-                keep_ratio=keep_ratio, keep_tokens=keep_tokens, chunk_size=sizes[0]
+                keep_ratio=keep_ratio, keep_tokens=keep_tokens, chunk_size=sizes[0], device=device
             )
         except PolicyParamError as exc:
             raise PolicyParamError(f"compose: {exc}") from None
@@ -92,11 +94,17 @@ class Compose(SelectorPolicy):
         return out
 
     def select_indices(
-        self, tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]
+        self,
+        tensors: Mapping[Any, torch.Tensor],
+        tokens: Sequence[int],
+        *,
+        context: EditContext | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        kv, query = check_inputs(tensors, tokens, policy=self.name, needs_query=self.needs_query)
-        num_tokens = kv.shape[2]
-        budget = self.selector.budget(num_tokens)
+        inputs = edit_inputs(
+            tensors, tokens, policy=self.name, needs_query=self.needs_query, context=context
+        )
+        kv, query, num_tokens = inputs.kv, inputs.query, inputs.num_tokens
+        budget = self.plan_budget(inputs)
         if budget >= num_tokens:
             return kv, torch.arange(num_tokens)
         quotas = self.quotas(budget)
@@ -113,7 +121,7 @@ class Compose(SelectorPolicy):
         for part, quota in zip(self.parts, quotas):
             if quota == 0:
                 continue
-            order = part.ranking(kv, query if part.needs_query else None, quota)
+            order = part.ranking(kv, query if part.needs_query else None, quota, inputs=inputs)
             picked = order[~chosen[order]][:quota]
             chosen[picked] = True
         return kv, chosen.nonzero().squeeze(1)

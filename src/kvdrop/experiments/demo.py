@@ -45,8 +45,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_.add_argument(
         "--no-rerotate",
         action="store_true",
-        help="keep kept keys at their old RoPE positions (default: re-rotate them "
-        "to 0..k-1, as the engine reads the kept prefix)",
+        help="keep kept keys at their old RoPE positions (default: policies re-rotate them "
+        "to 0..k-1, where the engine reads the kept prefix, with the RoPE parameters the "
+        "engine registered)",
+    )
+    run_.add_argument(
+        "--query-capture",
+        choices=["window", "full"],
+        default="window",
+        help="queries the engine saves for query policies: the last tokens' and a strided "
+        "sample (window, default) or every prompt token's (full, the upstream layout; always "
+        "with --cache-server lmcache)",
     )
     run_.add_argument("--num-requests", type=int, default=16, help="prompts in the batch")
     run_.add_argument("--prompt-tokens", type=int, default=512, help="minimum prompt length")
@@ -192,9 +201,12 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
         f"model {model_name}: {cfg.num_layers} layers, {cfg.num_heads} query / "
         f"{cfg.num_kv_heads} KV heads x {cfg.head_dim} (loaded in {time.perf_counter() - t0:.1f}s)"
     )
-    if "head_dim" in {p.name for p in kvdrop.describe(args.policy).params}:
-        params.setdefault("head_dim", cfg.head_dim)
-    rerotate = None if args.no_rerotate else cfg.rope
+    lmcache = args.cache_server == "lmcache"
+    if lmcache and "head_dim" in {p.name for p in kvdrop.describe(args.policy).params}:
+        params.setdefault("head_dim", cfg.head_dim)  # lmcache.sdk has no layouts to read it from
+    # kvdrop's SDK hands the policy an edit context with the layout's head_dim and RoPE, as a
+    # user's kvdrop.get("snapkv", keep_ratio=0.5) gets it; lmcache.sdk contexts carry neither.
+    rerotate: Any = (cfg.rope if lmcache else True) if not args.no_rerotate else False
     modify_fn = kvdrop.get(args.policy, rerotate=rerotate, **params)
 
     if tokenizer is not None:
@@ -222,9 +234,11 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
             )
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
     q_bytes = cfg.num_layers * cfg.num_heads * cfg.head_dim * model.dtype.itemsize
-    # Room for both runs' prompts (KV and queries) plus the kept copies, with slack: an eviction
-    # here would shorten a request's cached prefix and blur the comparison.
-    pool_gb = 4.0 * sum(lengths) * (kv_bytes + (q_bytes if needs_query else 0)) / 1e9 + 0.05
+    full_q = needs_query and (args.query_capture == "full" or lmcache)
+    # Room for both runs' prompts (KV and, in the full query mode, queries) plus the kept copies,
+    # with slack: an eviction here would shorten a request's cached prefix and blur the
+    # comparison. Query windows live beside the pool (the server gives them a quarter of its size).
+    pool_gb = 4.0 * sum(lengths) * (kv_bytes + (q_bytes if full_q else 0)) / 1e9 + 0.05
     # Fresh salts per run: a server that outlives this run (--url) never serves its cache again.
     run_id = uuid.uuid4().hex[:8]
     with _cache_server(args, pool_gb, needs_query) as (url, http_url, status):
@@ -233,7 +247,7 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
 
             connector: Any = LMCacheConnector(url, http_url, model_name)
         else:
-            connector = ServerConnector(url, http_url, model_name)
+            connector = ServerConnector(url, http_url, model_name, query_capture=args.query_capture)
         engine = Engine(
             model,
             tokenizer=tokenizer,
@@ -290,7 +304,11 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
             "model": model_name,
             "policy": args.policy,
             "policy_params": params,
-            "rerotate": rerotate is not None,
+            "rerotate": not args.no_rerotate,
+            "query_capture": ("full" if lmcache else args.query_capture) if needs_query else None,
+            "query_bytes_per_prompt_token": round(
+                dropped.prefill_query_bytes / max(sum(lengths), 1), 1
+            ),
             "num_requests": len(prompts),
             "prompt_lengths": lengths,
             "max_tokens": args.max_tokens,
@@ -394,6 +412,11 @@ def _print_report(report: dict[str, Any]) -> None:
         f"decode throughput gain: {s['decode_gain']:.2f}x   identical answers (to EOS): "
         f"{s['identical_outputs']:.0%}   matching leading tokens: {s['matching_prefix']:.0%}"
     )
+    if setup.get("query_capture"):
+        print(
+            f"queries saved ({setup['query_capture']} mode): "
+            f"{setup['query_bytes_per_prompt_token']:,.0f} bytes per prompt token"
+        )
     texts = report["dropped"]["texts"]
     if any(texts):
         print()

@@ -134,6 +134,13 @@ class RunResult:
     engine: dict[str, int] = field(default_factory=dict)
     decode_prompt_lengths: list[int] = field(default_factory=list)
     decode_prompts: list[list[int]] = field(default_factory=list, repr=False)
+    #: Engine counters of prefill + modify (``engine`` holds the decode phase's).
+    prefill_engine: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def prefill_query_bytes(self) -> int:
+        """Query bytes the engine stored during prefill (chunk queries and windows)."""
+        return int(self.prefill_engine.get("query_bytes_stored", 0))
 
     @property
     def decode_tput(self) -> float:
@@ -148,6 +155,7 @@ class RunResult:
             "correct": self.correct,
             "engine": self.engine,
             "decode_prompt_lengths": self.decode_prompt_lengths,
+            "prefill_engine": self.prefill_engine,
             "texts": self.texts,
         }
 
@@ -182,6 +190,7 @@ def run_pipeline(
     batch = BatchedStream(
         max_concurrency=max(1, len(prompts)), modify_concurrency=modify_concurrency
     )
+    engine.reset_stats()
     streams = []
     for p in prompts:
         stream = create_request(contexts, engine.post_completion, p.token_ids, cache_salt)
@@ -193,6 +202,7 @@ def run_pipeline(
     if modify_fn is not None:
         batch.progress = progress(f"{name}: modify")
         modify = batch.modify(modify_fn, timeout=modify_timeout)
+    prefill_engine = engine.stats().to_dict()
     engine.reset_stats()
     if fresh_decode or suffixes is not None:
         batch, streams = _fresh_streams(engine, contexts, streams, suffixes or [()] * len(streams))
@@ -215,6 +225,7 @@ def run_pipeline(
         texts,
         engine=engine.stats().to_dict(),
         decode_prompt_lengths=decode_lengths,
+        prefill_engine=prefill_engine,
         decode_prompts=decode_prompts,
     )
     if all(p.answer is not None for p in prompts) and tokenizer is not None:
@@ -229,7 +240,7 @@ def _fresh_streams(
     suffixes: Sequence[Sequence[int]],
 ) -> tuple[BatchedStream, list[RequestStream]]:
     """New streams over each stream's tokens minus the one its prefill sampled, plus a suffix;
-    the engine finds the (edited) cache under the same tokens and salt."""
+    the engine finds the (edited) cache under the same tokens and the stream's active salt."""
     batch = BatchedStream(max_concurrency=max(1, len(streams)))
     fresh = []
     for s, suffix in zip(streams, suffixes):
@@ -239,7 +250,7 @@ def _fresh_streams(
                 "fresh decode; expected exactly the prefill's one"
             )
         tokens = s.tokens[:-1] + list(suffix)
-        stream = create_request(contexts, engine.post_completion, tokens, s.cache_salt)
+        stream = create_request(contexts, engine.post_completion, tokens, s.active_cache_salt)
         batch.add(stream)
         fresh.append(stream)
     return batch, fresh

@@ -8,13 +8,15 @@ itself (blocked softmax mass, R-KV's redundancy, pooling) is the public :mod:`kv
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from kvdrop.errors import PolicyInputError
+from kvdrop.errors import PolicyInputError, PolicyWarning
 from kvdrop.params import param
+from kvdrop.selector import Selection
 
 __all__ = [
     "HEAD_AGG",
@@ -27,11 +29,14 @@ __all__ = [
     "head_agg_param",
     "heads",
     "kv_head_dim",
+    "last_rows",
     "layer_agg_param",
+    "layer_lse",
     "odd_kernel",
     "per_layer",
     "query_head_dim",
     "reduce",
+    "spread_rows",
     "window_fill",
 ]
 
@@ -57,9 +62,10 @@ def kv_head_dim() -> Any:
 def query_head_dim() -> Any:
     """The ``head_dim`` parameter of query scorers (D and Dq are multiples of it)."""
     return param(
-        128,
-        "per-head dimension: D and Dq must be multiples of it (GQA group = Dq / D)",
-        allowed="an int >= 1 dividing D and Dq",
+        None,
+        "per-head dimension: D and Dq must be multiples of it (GQA group = Dq / D); None = the "
+        "layout's head_dim from the edit context (128 when called without one)",
+        allowed="None or an int >= 1 dividing D and Dq",
         check=lambda d: d >= 1,
     )
 
@@ -144,9 +150,82 @@ def group_heads(x: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
 
 def window_fill(prefix_scores: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """``[T]`` scores: the prefix's, then the window (always kept by the selector) at the max."""
-    out = torch.zeros(num_tokens, dtype=torch.float32)
+    out = torch.zeros(num_tokens, dtype=torch.float32, device=prefix_scores.device)
     n = prefix_scores.numel()
     out[:n] = prefix_scores
     if n:
         out[n:] = prefix_scores.max()
     return out
+
+
+def _positions(query: torch.Tensor, selection: Selection) -> torch.Tensor:
+    qpos = selection.query_positions
+    return torch.arange(query.shape[2]) if qpos is None else qpos.to("cpu")
+
+
+def _take(
+    query: torch.Tensor, selection: Selection, rows: torch.Tensor, qpos: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    index = rows.to(query.device)
+    lse = selection.query_lse
+    if lse is not None:
+        lse = lse.index_select(2, rows.to(lse.device))
+    return query.index_select(2, index), qpos[rows], lse
+
+
+def layer_lse(lse: torch.Tensor | None, layer: int) -> torch.Tensor | None:
+    """Layer ``layer`` of ``[1, L, r, Hq]`` log-normalisers as ``[Hq, r]`` (None stays None)."""
+    return None if lse is None else lse[0, layer].transpose(0, 1)
+
+
+def last_rows(
+    policy: str, query: torch.Tensor, selection: Selection, count: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The query rows of the last ``count`` positions of the WHOLE prompt (its uncached tail
+    included), their positions and log-normalisers: ``([1, L, r, Dq], [r], [1, L, r, Hq])``.
+
+    When the saved queries miss some of those positions (an engine window smaller than
+    ``count``), the rows that exist are used and a PolicyWarning says so; with none of them, the
+    latest ``count`` rows that exist stand in.
+    """
+    qpos = _positions(query, selection)
+    first = max(selection.total_tokens - count, 0)
+    rows = (qpos >= first).nonzero().squeeze(1)
+    # Positions after the last saved row (the token generated last, never fed back) cannot have
+    # a query: only the ones up to it are expected.
+    expected = max(0, int(qpos[-1]) - first + 1)
+    if rows.numel() < expected:
+        warnings.warn(
+            f"{policy}: the saved queries cover only part of the last {count} prompt tokens it "
+            "observes; raise the engine's query window (--query-window) or lower the policy's",
+            PolicyWarning,
+            stacklevel=4,
+        )
+    if rows.numel() == 0:
+        rows = torch.arange(max(qpos.numel() - count, 0), qpos.numel())
+    return _take(query, selection, rows, qpos)
+
+
+def spread_rows(
+    query: torch.Tensor, selection: Selection, count: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``count`` query rows spread evenly over the whole prompt (always the last row): for each
+    of ``count`` evenly spaced target positions the nearest row that exists, without repeats.
+    With every position present this is exactly the evenly strided positions; ``None`` or more
+    rows than exist: all rows."""
+    qpos = _positions(query, selection)
+    n = qpos.numel()
+    if count is None or count >= n:
+        return query, qpos, selection.query_lse
+    total = selection.total_tokens
+    if count == 1:
+        rows = torch.tensor([n - 1])
+    else:
+        targets = torch.linspace(0, total - 1, count, dtype=torch.float64).round().long()
+        right = torch.searchsorted(qpos, targets).clamp(max=n - 1)
+        left = (right - 1).clamp(min=0)
+        closer_left = (targets - qpos[left]).abs() <= (qpos[right] - targets).abs()
+        rows = torch.unique(torch.where(closer_left, left, right))
+        if int(rows[-1]) != n - 1:
+            rows = torch.cat([rows, torch.tensor([n - 1])])
+    return _take(query, selection, rows, qpos)

@@ -23,6 +23,7 @@ class ChunkHalvingScorer(Scorer):
     """
 
     needs_selection = True  # ranks the selector's chunks
+    reads_values = False
 
     def score(
         self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection

@@ -14,8 +14,10 @@ from kvdrop.policies._common import (
     LAYER_AGG,
     check_query_shapes,
     group_heads,
+    layer_lse,
     query_head_dim,
     reduce,
+    spread_rows,
 )
 from kvdrop.policy import Scorer, ScorerFactory
 from kvdrop.selector import Selection
@@ -23,30 +25,27 @@ from kvdrop.selector import Selection
 __all__ = ["H2OScorer", "h2o"]
 
 
-def _strided_positions(num_tokens: int, num_queries: int | None) -> torch.Tensor:
-    """All positions, or ``num_queries`` evenly spaced ones that always include the last."""
-    if num_queries is None or num_queries >= num_tokens:
-        return torch.arange(num_tokens)
-    if num_queries == 1:
-        return torch.tensor([num_tokens - 1])
-    pos = torch.linspace(0, num_tokens - 1, num_queries, dtype=torch.float64).round().long()
-    return torch.unique(pos)  # sorted; endpoints 0 and T-1 are exact
-
-
 @dataclass(frozen=True)
 class H2OScorer(Scorer):
     """H2O heavy hitters (Zhang et al., 2023): attention accumulated over the prefill queries.
 
-    Per layer and query head: each key's softmax attention summed over the queries (all, or
-    ``num_queries`` evenly strided ones that always include the last; causal), divided by how
-    many of those queries can see it (so early keys are not favoured just for being seen more
-    often). Combined over GQA groups, KV heads and layers. ``recent_ratio`` of the keep budget
-    goes to the most recent tokens (H2O's local window), the rest to the heaviest hitters.
+    Per layer and query head: each key's softmax attention summed over the queries (all saved
+    ones, or ``num_queries`` spread evenly over the whole prompt -- for each evenly spaced
+    position the nearest saved query -- always including the last; causal; normalised over every
+    key the query saw when its log-normaliser is known, else over the cached keys), divided by how
+    many of those queries can see it (so early keys are not favoured
+    just for being seen more often). Combined over GQA groups, KV heads and layers.
+    ``recent_ratio`` of the whole prompt's kept tokens goes to the most recent ones (H2O's local
+    window; the uncached tail counts towards it), the rest to the heaviest hitters. In the lean
+    query mode the engine saves a strided sample (every ``--query-stride``-th position) and the
+    last tokens' queries, so the spread is that of the sample.
     """
 
     needs_query = True
     needs_selection = True  # gives a share of the budget to recent tokens
-    head_dim: int = query_head_dim()
+    sparse_queries = True
+    reads_values = False
+    head_dim: int | None = query_head_dim()
     num_queries: int | None = param(
         128,
         "queries whose attention is accumulated: None = all T (cost O(T^2)); else this many, "
@@ -70,21 +69,24 @@ class H2OScorer(Scorer):
     def score(
         self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection
     ) -> torch.Tensor:
-        assert query is not None
+        assert query is not None and self.head_dim is not None
         num_tokens = kv.shape[2]
-        positions = _strided_positions(num_tokens, self.num_queries)
-        # How many of the chosen queries see key j (position >= j); >= 1 as T-1 is chosen.
+        rows, positions, lse = spread_rows(query, selection, self.num_queries)
+        # How many of the chosen queries see key j (position >= j, or the key is cached and the
+        # query sits in the tail); at least 1 for every key the last query sees.
         seen_by = torch.searchsorted(positions, torch.arange(num_tokens), side="left")
-        seen_by = (positions.numel() - seen_by).to(torch.float32)
+        seen_by = (positions.numel() - seen_by).clamp(min=1).to(torch.float32).to(kv.device)
         per_layer = []
         for layer in range(kv.shape[1]):
             keys = heads_f32(kv[0, layer], self.head_dim)
-            q = heads_f32(query[0, layer].index_select(0, positions), self.head_dim)
-            mass = attention_mass(q, keys, positions) / seen_by
+            q = heads_f32(rows[0, layer], self.head_dim)
+            mass = attention_mass(q, keys, positions, lse=layer_lse(lse, layer)) / seen_by
             grouped = group_heads(mass, keys.shape[0], self.group_agg)
             per_layer.append(reduce(grouped, 0, self.head_agg))
         scores = reduce(torch.stack(per_layer), 0, self.layer_agg)
-        recent = min(int(self.recent_ratio * selection.budget + 1e-9), num_tokens)
+        tail = selection.tail
+        recent = int(self.recent_ratio * (selection.budget + tail) + 1e-9) - tail
+        recent = max(0, min(recent, num_tokens))
         if recent:
             scores[num_tokens - recent :] = KEEP
         return scores

@@ -27,6 +27,7 @@ class KeyDiffScorer(Scorer):
     Per layer and head: s = -cos(k_t, mean_t k_t); combined over heads then layers.
     """
 
+    reads_values = False
     head_dim: int | None = kv_head_dim()
     head_agg: str = head_agg_param()
     layer_agg: str = layer_agg_param()

@@ -27,6 +27,7 @@ class KnormScorer(Scorer):
     Score = -||k|| per head, combined over heads (head_agg) then layers (layer_agg).
     """
 
+    reads_values = False
     head_dim: int | None = kv_head_dim()
     head_agg: str = head_agg_param()
     layer_agg: str = layer_agg_param()

@@ -13,6 +13,7 @@ from kvdrop.policies._common import (
     LAYER_AGG,
     check_query_shapes,
     group_heads,
+    last_rows,
     odd_kernel,
     query_head_dim,
     reduce,
@@ -28,8 +29,9 @@ __all__ = ["RKVScorer", "rkv"]
 class RKVScorer(Scorer):
     """R-KV (Cai et al., 2025): SnapKV-style importance minus key redundancy.
 
-    Per layer, for the tokens before the observation window (the last ``window`` tokens, always
-    kept): importance = softmax attention of the window queries over those earlier keys only,
+    Per layer, for the cached tokens before the observation window (the last ``window`` tokens
+    of the whole prompt, uncached tail included, always kept): importance = softmax attention of
+    the window queries over those earlier keys only,
     averaged over the window, combined over each GQA group (``group_agg``, default max), then
     max-pooled (``kernel`` 7); redundancy = R-KV's key similarity per KV head: cosine matrix of
     ``k / (||k|| + 1e-8)`` over all T keys with the diagonal zeroed, in each row the entry of the
@@ -40,7 +42,9 @@ class RKVScorer(Scorer):
 
     needs_query = True
     needs_selection = True  # observes the selector's window
-    head_dim: int = query_head_dim()
+    sparse_queries = True  # reads the window rows by position
+    reads_values = False
+    head_dim: int | None = query_head_dim()
     kernel: int = odd_kernel(7)
     pooling: str = param("max", "pooling of importance scores", choices=("avg", "max"))
     group_agg: str = param("max", "how the query heads of a GQA group combine", choices=HEAD_AGG)
@@ -65,18 +69,19 @@ class RKVScorer(Scorer):
     def score(
         self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection
     ) -> torch.Tensor:
-        assert query is not None
+        assert query is not None and self.head_dim is not None
         num_tokens = kv.shape[2]
-        obs = max(num_tokens - max(selection.window, 1), 0)
+        window = max(selection.window, 1)
+        obs = max(min(num_tokens, selection.total_tokens - window), 0)
         if obs == 0:
-            return torch.zeros(num_tokens)
-        window = num_tokens - obs
+            return torch.zeros(num_tokens, device=kv.device)
+        rows, _, _ = last_rows("rkv", query, selection, window)
         per_layer = []
         for layer in range(kv.shape[1]):
             keys = heads_f32(kv[0, layer], self.head_dim)
-            q = heads_f32(query[0, layer, obs:], self.head_dim)
+            q = heads_f32(rows[0, layer], self.head_dim)
             # Every window query sees every earlier key: no mask, softmax over the prefix only.
-            importance = attention_mass(q, keys[:, :obs], None) / window
+            importance = attention_mass(q, keys[:, :obs], None) / rows.shape[2]
             importance = pool1d(
                 group_heads(importance, keys.shape[0], self.group_agg), self.kernel, self.pooling
             )

@@ -13,6 +13,8 @@ from kvdrop.policies._common import (
     LAYER_AGG,
     check_query_shapes,
     group_heads,
+    last_rows,
+    layer_lse,
     odd_kernel,
     query_head_dim,
     reduce,
@@ -29,18 +31,25 @@ class SnapKVScorer(Scorer):
     """SnapKV (Li et al., 2024): what the last ``window`` prompt tokens attend to.
 
     Per layer and query head: softmax(q.k / sqrt(d)) of the observation window's queries (the
-    last ``window`` cached tokens) over all keys, causal inside the window; summed over the
-    window queries and kept for the earlier keys only; pooled along tokens (``kernel``,
-    ``pooling``); combined over each GQA group (``group_agg``), then over KV heads
-    (``head_agg``), then over layers (``layer_agg``). The window itself is always kept (it is
-    the selector's ``window``; ``window=0`` observes the last query alone and forces nothing). As
+    last ``window`` tokens of the WHOLE prompt: the uncached tail the engine recomputes is
+    included) over the cached keys, causal inside the window; summed over the window queries
+    and kept for the keys before the window only; pooled along tokens (``kernel``, ``pooling``);
+    combined over each GQA group (``group_agg``), then over KV heads (``head_agg``), then over
+    layers (``layer_agg``). The window is always kept (its cached part is the selector's forced
+    ``window``, the rest is the tail; ``window=0`` observes the last query alone and forces
+    nothing). A window query in the tail sees every cached key. Its attention is the true one:
+    normalised over every key it saw, the tail's included (the engine records each saved row's
+    log-normaliser, ``EditContext.query_lse``), so a query that looked mostly at the tail adds
+    little; without log-normalisers the softmax runs over the cached keys only. As
     upstream, the defaults are window 64, kernel 5, avg pooling, mean everywhere -- but the budget
     is chunk-aligned.
     """
 
     needs_query = True
     needs_selection = True  # observes the selector's window
-    head_dim: int = query_head_dim()
+    sparse_queries = True  # reads the window rows by position
+    reads_values = False
+    head_dim: int | None = query_head_dim()
     kernel: int = odd_kernel(5)
     pooling: str = param("avg", "pooling of token scores", choices=("avg", "max"))
     group_agg: str = param("mean", "how the query heads of a GQA group combine", choices=HEAD_AGG)
@@ -53,18 +62,19 @@ class SnapKVScorer(Scorer):
     def score(
         self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection
     ) -> torch.Tensor:
-        assert query is not None
+        assert query is not None and self.head_dim is not None
         num_tokens = kv.shape[2]
-        # Tokens before the observation window (window 0 observes the last query alone).
-        obs = max(num_tokens - max(selection.window, 1), 0)
+        window = max(selection.window, 1)  # window 0 observes the last query alone
+        # Cached tokens before the observation window (it may lie entirely in the tail).
+        obs = max(min(num_tokens, selection.total_tokens - window), 0)
         if obs == 0:
-            return torch.zeros(num_tokens)
-        positions = torch.arange(obs, num_tokens)
+            return torch.zeros(num_tokens, device=kv.device)
+        rows, positions, lse = last_rows("snapkv", query, selection, window)
         per_layer = []
         for layer in range(kv.shape[1]):
             keys = heads_f32(kv[0, layer], self.head_dim)
-            q = heads_f32(query[0, layer, obs:], self.head_dim)
-            mass = attention_mass(q, keys, positions)[:, :obs]
+            q = heads_f32(rows[0, layer], self.head_dim)
+            mass = attention_mass(q, keys, positions, lse=layer_lse(lse, layer))[:, :obs]
             pooled = pool1d(mass, self.kernel, self.pooling)
             grouped = group_heads(pooled, keys.shape[0], self.group_agg)
             per_layer.append(reduce(grouped, 0, self.head_agg))

@@ -15,6 +15,8 @@ __all__ = ["StreamingScorer", "streaming"]
 class StreamingScorer(Scorer):
     """StreamingLLM: the first n_sink tokens (attention sinks) plus the most recent tokens."""
 
+    reads_values = False
+
     def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
         return torch.arange(kv.shape[2], dtype=torch.float32)
 

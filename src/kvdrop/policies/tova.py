@@ -8,8 +8,16 @@ import torch
 
 from kvdrop.attention import attention_mass, heads_f32
 from kvdrop.params import param
-from kvdrop.policies._common import LAYER_AGG, check_query_shapes, query_head_dim, reduce
+from kvdrop.policies._common import (
+    LAYER_AGG,
+    check_query_shapes,
+    last_rows,
+    layer_lse,
+    query_head_dim,
+    reduce,
+)
 from kvdrop.policy import Scorer, ScorerFactory
+from kvdrop.selector import Selection
 
 __all__ = ["TovaScorer", "tova"]
 
@@ -18,12 +26,17 @@ __all__ = ["TovaScorer", "tova"]
 class TovaScorer(Scorer):
     """TOVA (Oren et al., 2024): keep the tokens the last query attends to most.
 
-    Per layer: softmax attention of the last ``num_queries`` queries (causal) over all keys,
-    averaged over those queries and over all query heads; layers combine by ``layer_agg``.
+    Per layer: softmax attention of the last ``num_queries`` queries of the whole prompt (the
+    uncached tail included; causal; normalised over every key they saw when the engine recorded
+    their log-normalisers, else over the cached keys) over all keys, averaged over
+    those queries and over all query heads; layers combine by ``layer_agg``.
     """
 
     needs_query = True
-    head_dim: int = query_head_dim()
+    needs_selection = True  # reads where the query rows sit
+    sparse_queries = True
+    reads_values = False
+    head_dim: int | None = query_head_dim()
     num_queries: int = param(
         1, "last queries whose attention is averaged", allowed="an int >= 1", check=lambda n: n >= 1
     )
@@ -32,16 +45,16 @@ class TovaScorer(Scorer):
     def check(self, kv: torch.Tensor, query: torch.Tensor | None) -> None:
         check_query_shapes("tova", kv, query, self.head_dim)
 
-    def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
-        assert query is not None
-        num_tokens = kv.shape[2]
-        first = max(num_tokens - self.num_queries, 0)
-        positions = torch.arange(first, num_tokens)
+    def score(
+        self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection
+    ) -> torch.Tensor:
+        assert query is not None and self.head_dim is not None
+        rows, positions, lse = last_rows("tova", query, selection, self.num_queries)
         per_layer = []
         for layer in range(kv.shape[1]):
             keys = heads_f32(kv[0, layer], self.head_dim)
-            q = heads_f32(query[0, layer, first:], self.head_dim)
-            mass = attention_mass(q, keys, positions)
+            q = heads_f32(rows[0, layer], self.head_dim)
+            mass = attention_mass(q, keys, positions, lse=layer_lse(lse, layer))
             per_layer.append(mass.mean(dim=0) / positions.numel())
         return reduce(torch.stack(per_layer), 0, self.layer_agg)
 

@@ -42,6 +42,7 @@ from kvdrop_sdk.protocol import (
 from kvdrop_sdk.server.config import ServerConfig
 from kvdrop_sdk.server.pool import HEADER_BYTES, Pool, check_pool_size, reap_stale_segments
 from kvdrop_sdk.server.store import INTERNAL_OWNER, ChunkStore, StoreError
+from kvdrop_sdk.server.windows import WindowStore, parse_put, reply_get, window_key
 from kvdrop_sdk.transport.buffers import copy_rows
 from kvdrop_sdk.validate import is_int, is_number
 
@@ -93,6 +94,7 @@ class Server:
         self.config = config
         self.pool: Pool | None = None
         self.store: ChunkStore | None = None
+        self.windows: WindowStore | None = None
         self.port = config.port
         self.http_port = config.http_port
         self._stop = threading.Event()
@@ -116,6 +118,8 @@ class Server:
             "abort": self._op_abort,
             "pin": self._op_pin,
             "release": self._op_release,
+            "put_window": self._op_put_window,
+            "get_window": self._op_get_window,
         }
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -155,6 +159,8 @@ class Server:
             raise ServerStartError(str(exc)) from None
         try:
             self.store = ChunkStore(HEADER_BYTES, self.pool.nbytes)
+            # Query windows live on the heap beside the pool, bounded to a quarter of it.
+            self.windows = WindowStore(max(64 << 20, cfg.pool_bytes // 4))
             self._zctx = zmq.Context()
             frontend = self._zctx.socket(zmq.ROUTER)
             frontend.setsockopt(zmq.LINGER, 0)
@@ -588,6 +594,22 @@ class Server:
         stored = self.store.commit(lid, owner=INTERNAL_OWNER)
         return {"stored": stored, "duplicates": dup, "dropped": dropped}, []
 
+    def _op_put_window(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
+        assert self.windows is not None
+        model, kind = self._model_kind(header)
+        tokens, record = parse_put(header, frames, self._layout(model, kind))
+        key = window_key(model, _field(header, "salt", str), tokens)
+        return {"stored": self.windows.put(key, record)}, []
+
+    def _op_get_window(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
+        assert self.windows is not None
+        model, kind = self._model_kind(header)
+        self._layout(model, kind)
+        if len(frames) != 1:
+            raise ProtocolError("bad_frames", "get_window takes one frame: the token ids")
+        key = window_key(model, _field(header, "salt", str), frames[0].buffer)
+        return reply_get(self.windows.get(key))
+
     # -- HTTP ------------------------------------------------------------------------------------
     def config_json(self) -> dict[str, Any]:
         """What ``GET /config`` returns."""
@@ -618,6 +640,7 @@ class Server:
         return {
             "layouts": self.store.layouts(),
             **self.store.snapshot(),
+            **(self.windows.snapshot() if self.windows is not None else {}),
             **counts,
             "uptime_s": round(time.monotonic() - self._started, 3),
         }

@@ -164,13 +164,20 @@ class ChunkStore:
 
     # -- layouts -------------------------------------------------------------------------------
     def register(self, model: str, kind: str, layout: CacheLayout, owner: str = "") -> CacheLayout:
-        """Register ``layout`` for (model, kind) (see the module docstring for the rules)."""
+        """Register ``layout`` for (model, kind) (see the module docstring for the rules); a
+        layout without RoPE parameters matches one with them, which are kept."""
         tag = (model, kind)
         with self._lock:
             old = self._layouts.get(tag)
-            if old is not None and old.layout == layout:
-                self._layouts.move_to_end(tag)
-                return layout
+            if old is not None:
+                try:
+                    merged = old.layout.merged(layout)
+                except ValueError:
+                    pass
+                else:
+                    old.layout = merged
+                    self._layouts.move_to_end(tag)
+                    return merged
             held = self._tag_chunks[tag]
             if old is not None and held:
                 raise StoreError(

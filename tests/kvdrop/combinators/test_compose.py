@@ -92,7 +92,7 @@ def test_a_part_left_without_budget_is_reported(
 ) -> None:
     """One chunk of budget for two parts: the first takes it, the second gets nothing, and the
     PolicyWarning says so (rather than silently running streaming alone)."""
-    fn = kvdrop.get("streaming+knorm", keep_ratio=0.25, chunk_size=16)
+    fn = kvdrop.get("streaming+knorm", keep_ratio=0.25, chunk_size=16, rerotate=False)
     with pytest.warns(kvdrop.PolicyWarning, match="leaves knorm without tokens"):
         _, kept = fn(inputs(64), list(range(64)))
     alone = kvdrop.get("streaming", keep_tokens=16, chunk_size=16)(inputs(64), list(range(64)))

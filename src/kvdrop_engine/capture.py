@@ -1,0 +1,125 @@
+"""Lean query capture: the query rows of one request that the drop policies can use.
+
+Storing every prompt token's post-RoPE query costs ``Hq / (2 * Hkv)`` times the KV (2x for
+Qwen3-8B), yet SnapKV, TOVA and R-KV read only the queries of the last 16-64 tokens and H2O a
+strided sample. :class:`WindowCapture` keeps exactly those for one request while it runs:
+
+* the last ``window`` computed positions of the WHOLE sequence: the prompt's last tokens (its
+  uncached tail included) and then every generated token that was fed back (decode steps), so a
+  second edit after decoding observes the latest tokens;
+* the positions that are multiples of ``stride`` (a strided sample over everything computed).
+
+When the request ends, :func:`log_normalisers` adds each row's attention log-normalisers (per
+layer and query head, the log-sum-exp of its scaled logits over every key it attended to, the keys
+of the uncached tail included), read once from the request's own KV before its blocks are freed:
+with them a policy that scores the cached keys gets the row's true attention probabilities there.
+Computing them at the end (not at every step) keeps decode steps free of that work.
+
+Rows of positions the engine did not compute (a prefix loaded from the cache) are not available.
+The rows go to the kvdrop server as one record keyed by the request's model, salt and token ids
+(:mod:`kvdrop_sdk.window`). They stay on the model's device until then.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+__all__ = ["LSE_TILE_BYTES", "WindowCapture", "log_normalisers"]
+
+#: Bound of one float32 logits tile in :func:`log_normalisers` (rows are blocked under it).
+LSE_TILE_BYTES = 64 << 20
+
+
+class WindowCapture:
+    """The rows one request keeps: last ``window`` computed positions + multiples of ``stride``.
+
+    ``num_prompt`` is the request's prompt length: positions ``>= num_prompt`` are decode steps
+    (always captured, they are the newest). ``stride`` 0 keeps no strided sample.
+    """
+
+    def __init__(self, num_prompt: int, window: int, stride: int) -> None:
+        if window < 1 or stride < 0 or num_prompt < 1:
+            raise ValueError(
+                f"window >= 1, stride >= 0 and num_prompt >= 1 expected, got {window}, {stride}, "
+                f"{num_prompt}"
+            )
+        self.num_prompt = num_prompt
+        self.window = window
+        self.stride = stride
+        self._recent: deque[tuple[int, Tensor]] = deque()  # (position, query [L, Hq, d])
+        self._sampled: list[tuple[int, Tensor]] = []
+        self.last = -1
+
+    def wanted(self, start: int, num_new: int) -> list[int]:
+        """Offsets in ``0..num_new-1`` of the positions ``start..start+num_new-1`` to capture."""
+        end = start + num_new
+        keep = set(range(max(start, self.num_prompt - self.window), end))
+        if self.stride:
+            first = -(-start // self.stride) * self.stride
+            keep.update(range(first, end, self.stride))
+        return sorted(p - start for p in keep)
+
+    def add(self, positions: list[int], rows: Tensor) -> None:
+        """Keep ``rows`` ``[L, r, Hq, d]`` of ``positions`` (increasing, after every earlier
+        one); rows that leave the window are dropped unless they are strided samples."""
+        if not positions:
+            return
+        if positions[0] <= self.last or len(positions) != rows.shape[1]:
+            raise ValueError("captured rows must come in position order, one per position")
+        rows = rows.detach().clone()  # a private copy: the step's capture buffer is shared
+        for i, p in enumerate(positions):
+            self._recent.append((p, rows[:, i]))
+        self.last = positions[-1]
+        while self._recent and self._recent[0][0] <= self.last - self.window:
+            p, row = self._recent.popleft()
+            if self.stride and p % self.stride == 0:
+                self._sampled.append((p, row.clone()))
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._sampled) + len(self._recent)
+
+    def rows(self) -> tuple[Tensor, Tensor] | None:
+        """``(positions [R] int64 CPU, queries [L, R, Hq, d])`` on the model's device, or None."""
+        kept = self._sampled + list(self._recent)
+        if not kept:
+            return None
+        positions = torch.tensor([p for p, _ in kept], dtype=torch.int64)
+        return positions, torch.stack([row for _, row in kept], dim=1)
+
+
+def log_normalisers(
+    queries: Tensor, positions: Tensor, keys: Callable[[int], Tensor], scale: float
+) -> Tensor:
+    """``[L, R, Hq]`` float32: per layer, row and query head, ``logsumexp`` of the row's scaled
+    logits ``q . k * scale`` over the keys at positions ``0..p`` (``p`` the row's position).
+
+    ``queries`` is ``[L, R, Hq, d]``; ``keys(layer)`` returns that layer's keys ``[N, Hkv, d]``
+    of positions ``0..N-1`` with ``N > max(positions)``. Float32 math, rows blocked so one logits
+    tile stays under :data:`LSE_TILE_BYTES`.
+    """
+    num_layers, num_rows, num_q_heads, head_dim = queries.shape
+    out = torch.empty(num_layers, num_rows, num_q_heads, dtype=torch.float32, device=queries.device)
+    pos = positions.to(queries.device)
+    for layer in range(num_layers):
+        k = keys(layer).to(torch.float32)  # [N, Hkv, d]
+        n, num_kv_heads = k.shape[0], k.shape[1]
+        group = num_q_heads // num_kv_heads
+        kh = k.permute(1, 2, 0)  # [Hkv, d, N]
+        step = max(1, LSE_TILE_BYTES // (4 * num_q_heads * n))
+        for i in range(0, num_rows, step):
+            q = queries[layer, i : i + step].to(torch.float32) * scale  # [r, Hq, d]
+            r = q.shape[0]
+            qh = q.view(r, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
+            logits = torch.matmul(qh.reshape(num_kv_heads, r * group, head_dim), kh)
+            logits = logits.view(num_kv_heads, r, group, n)
+            hidden = torch.arange(n, device=k.device)[None, :] > pos[i : i + step, None]
+            logits = logits.masked_fill(hidden[None, :, None, :], -torch.inf)
+            out[layer, i : i + r] = (
+                torch.logsumexp(logits, dim=-1).permute(1, 0, 2).reshape(r, num_q_heads)
+            )
+    return out

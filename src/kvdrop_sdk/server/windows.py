@@ -1,0 +1,200 @@
+"""The server's store of query windows: the few query rows of one engine call that policies read.
+
+An engine that captures queries keeps, per call, only the rows a policy can use (the last ``W``
+tokens of the call's whole sequence and a strided sample, see ``kvdrop_engine.capture``) and
+stores them here as one record, keyed by ``sha256(model, salt, every token id of the call)``:
+exactly that request finds it, nothing else. A record is ``[1, L, R, Dq]`` query rows in the
+model's query layout plus their ``R`` positions (int64, strictly increasing, each below the number
+of tokens). Records live on the heap beside the chunk pool, bounded by ``capacity_bytes`` with LRU
+eviction; for one key the record with more rows is kept (a call that loaded most of its prompt
+from the cache computes fewer rows than the call that stored it).
+
+Ops (``put_window`` / ``get_window``): frames ``[token ids, positions (little-endian int64),
+rows, (lse)]`` in, ``[positions, rows, (lse)]`` out; the header carries ``model``, ``kind``
+("query"), ``salt`` and, on put, ``rows``, ``dtype`` and ``lse: true`` when the rows' attention
+log-normalisers follow (float32 ``[1, L, R, Hq]``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from kvdrop_sdk.hashing import TOKEN_BYTES, decode_tokens
+from kvdrop_sdk.layout import CacheLayout, dtype_name
+from kvdrop_sdk.protocol import ProtocolError
+from kvdrop_sdk.validate import is_int
+
+__all__ = [
+    "MAX_WINDOW_ROWS",
+    "WindowRecord",
+    "WindowStore",
+    "parse_put",
+    "reply_get",
+    "window_key",
+]
+
+#: Most rows one record may hold (a strided sample of a 1M-token sequence at stride 16, say).
+MAX_WINDOW_ROWS = 1 << 16
+_VERSION = b"kvdrop-window-v1"
+
+
+def window_key(model: str, salt: str, token_bytes: bytes | memoryview) -> bytes:
+    """The record key of one call: model, salt and every token id (length-prefixed fields)."""
+    h = hashlib.sha256(_VERSION)
+    for field in (model.encode("utf-8"), salt.encode("utf-8")):
+        h.update(struct.pack("<Q", len(field)) + field)
+    h.update(bytes(token_bytes))
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class WindowRecord:
+    """One stored window: ``rows`` query rows (bytes of ``[1, L, rows, width]``) and positions."""
+
+    rows: int
+    dtype: str
+    positions: bytes
+    data: bytes
+    lse: bytes | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.positions) + len(self.data) + len(self.lse or b"")
+
+
+class WindowStore:
+    """Key -> :class:`WindowRecord`, LRU-bounded by bytes; thread-safe."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if not is_int(capacity_bytes) or capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        self.capacity_bytes = capacity_bytes
+        self._records: OrderedDict[bytes, WindowRecord] = OrderedDict()
+        self._used = 0
+        self._evictions = 0
+        self._lock = threading.Lock()
+
+    def put(self, key: bytes, record: WindowRecord) -> bool:
+        """Keep ``record`` unless one with at least as many rows is stored; False when not kept
+        (also when it is larger than the whole capacity)."""
+        if record.nbytes > self.capacity_bytes:
+            return False
+        with self._lock:
+            old = self._records.get(key)
+            if old is not None:
+                if old.rows >= record.rows:
+                    self._records.move_to_end(key)
+                    return False
+                self._used -= old.nbytes
+                del self._records[key]
+            while self._records and self._used + record.nbytes > self.capacity_bytes:
+                _, evicted = self._records.popitem(last=False)
+                self._used -= evicted.nbytes
+                self._evictions += 1
+            self._records[key] = record
+            self._used += record.nbytes
+            return True
+
+    def get(self, key: bytes) -> WindowRecord | None:
+        """The record stored under ``key`` (now most recently used), or None."""
+        with self._lock:
+            record = self._records.get(key)
+            if record is not None:
+                self._records.move_to_end(key)
+            return record
+
+    def snapshot(self) -> dict[str, int]:
+        """Counters for ``/status``."""
+        with self._lock:
+            return {
+                "windows": len(self._records),
+                "window_bytes": self._used,
+                "window_capacity_bytes": self.capacity_bytes,
+                "window_evictions": self._evictions,
+            }
+
+
+def parse_put(
+    header: dict[str, Any], frames: list[Any], layout: CacheLayout
+) -> tuple[bytes, WindowRecord]:
+    """Validate a ``put_window`` request against the query ``layout``; return the token bytes
+    and the record (copies of the frames). ``ProtocolError`` says what was wrong."""
+    has_lse = header.get("lse", False)
+    if not isinstance(has_lse, bool):
+        raise ProtocolError("bad_field", f"field 'lse' must be a bool, got {has_lse!r}")
+    if len(frames) != 3 + has_lse:
+        raise ProtocolError(
+            "bad_frames",
+            f"put_window takes {3 + has_lse} frames (tokens, positions, rows"
+            f"{', lse' if has_lse else ''}), got {len(frames)}",
+        )
+    tokens, positions, data = (bytes(f.buffer) for f in frames[:3])
+    lse = bytes(frames[3].buffer) if has_lse else None
+    num_tokens = _token_count(tokens)
+    rows = header.get("rows")
+    if not is_int(rows) or not 0 < rows <= MAX_WINDOW_ROWS:
+        raise ProtocolError(
+            "bad_field", f"field 'rows' must be an int in [1, {MAX_WINDOW_ROWS}], got {rows!r}"
+        )
+    if header.get("dtype") != dtype_name(layout.dtype):
+        raise ProtocolError(
+            "dtype_mismatch",
+            f"window dtype {header.get('dtype')!r} but the query layout is "
+            f"{dtype_name(layout.dtype)!r}",
+        )
+    if len(positions) != rows * TOKEN_BYTES:
+        raise ProtocolError(
+            "bad_data",
+            f"{rows} rows need {rows * TOKEN_BYTES} position bytes, got {len(positions)}",
+        )
+    pos = decode_tokens(positions)
+    if any(b <= a for a, b in itertools.pairwise(pos)) or pos[0] < 0 or pos[-1] >= num_tokens:
+        raise ProtocolError(
+            "bad_data",
+            f"window positions must increase strictly within [0, {num_tokens}) (one row per "
+            "computed token of the call)",
+        )
+    expected = rows * layout.num_layers * layout.width * layout.itemsize
+    if len(data) != expected:
+        raise ProtocolError(
+            "bad_data",
+            f"window of {rows} rows in layout {layout.to_json()} is {expected} bytes, got "
+            f"{len(data)}",
+        )
+    if lse is not None and len(lse) != 4 * rows * layout.num_layers * layout.num_heads:
+        raise ProtocolError(
+            "bad_data",
+            f"lse of {rows} rows is float32 [1, {layout.num_layers}, {rows}, {layout.num_heads}], "
+            f"got {len(lse)} bytes",
+        )
+    return tokens, WindowRecord(rows, dtype_name(layout.dtype), positions, data, lse)
+
+
+def reply_get(record: WindowRecord | None) -> tuple[dict[str, Any], list[bytes]]:
+    """The ``get_window`` reply for ``record`` (``found: false`` without frames on a miss)."""
+    if record is None:
+        return {"found": False}, []
+    header = {
+        "found": True,
+        "rows": record.rows,
+        "dtype": record.dtype,
+        "lse": record.lse is not None,
+    }
+    frames = [record.positions, record.data]
+    if record.lse is not None:
+        frames.append(record.lse)
+    return header, frames
+
+
+def _token_count(raw: bytes) -> int:
+    if not raw or len(raw) % TOKEN_BYTES:
+        raise ProtocolError(
+            "bad_tokens", f"token frame must be a non-empty multiple of {TOKEN_BYTES} bytes"
+        )
+    return len(raw) // TOKEN_BYTES

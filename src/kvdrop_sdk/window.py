@@ -1,0 +1,162 @@
+"""Query windows: the few query rows of one engine call, stored and read through a query context.
+
+An engine in the lean query mode does not store every prompt token's query (that costs more than
+the KV it helps to shrink: Qwen3-8B has 32 query heads for 8 KV heads). Per call it keeps the
+rows a policy can use -- the last ``W`` tokens of the call's whole sequence (the uncached tail and
+the generated tokens included) and a strided sample -- and stores them as one
+:class:`QueryWindow` keyed by the call's model, cache salt and every token id (prompt + generated),
+i.e. exactly the token list a request stream holds after that call. ``RequestStream.modify_kv``
+reads it and hands the rows to the edit function with their positions
+(``EditContext.query_positions``). The server side is :mod:`kvdrop_sdk.server.windows`.
+
+Each row may carry its attention log-normalisers ``lse`` (per query head, the log-sum-exp of its
+scaled logits over every key it attended to, the uncached tail's keys included): with them
+``exp(q.k / sqrt(d) - lse)`` is the row's true attention probability on a cached key, although
+the tail's keys are not in the cache (``EditContext.query_lse``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvdrop_sdk.cache_kind import CacheKind
+from kvdrop_sdk.context import Context
+from kvdrop_sdk.errors import SDKError
+from kvdrop_sdk.hashing import decode_tokens, encode_tokens
+from kvdrop_sdk.layout import dtype_name
+from kvdrop_sdk.protocol import RpcError
+from kvdrop_sdk.transport.buffers import tensor_buffer
+
+__all__ = ["QueryWindow", "retrieve_window", "store_window"]
+
+
+@dataclass(frozen=True)
+class QueryWindow:
+    """Query rows ``[1, L, R, Dq]`` (CPU), their positions ``[R]`` (int64, increasing) and
+    optionally their attention log-normalisers ``lse`` ``[1, L, R, Hq]`` (float32)."""
+
+    queries: torch.Tensor
+    positions: torch.Tensor
+    lse: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        q, pos = self.queries, self.positions
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != 1:
+            shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+            raise SDKError(f"window queries must be a [1, L, R, Dq] tensor, got {shape}")
+        if not isinstance(pos, torch.Tensor) or pos.dim() != 1 or pos.dtype != torch.int64:
+            raise SDKError("window positions must be a 1-D int64 tensor")
+        if pos.numel() != q.shape[2] or pos.numel() == 0:
+            raise SDKError(
+                f"window has {q.shape[2]} query rows but {pos.numel()} positions; expected one "
+                "position per row and at least one row"
+            )
+        if bool((pos[1:] <= pos[:-1]).any()) or int(pos[0]) < 0:
+            raise SDKError("window positions must be non-negative and strictly increasing")
+        lse = self.lse
+        if lse is not None and (
+            not isinstance(lse, torch.Tensor)
+            or lse.dim() != 4
+            or tuple(lse.shape[:3]) != tuple(q.shape[:3])
+            or lse.dtype != torch.float32
+        ):
+            shape = tuple(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__
+            raise SDKError(
+                f"window lse must be a float32 [1, L, R, Hq] tensor matching the queries "
+                f"{tuple(q.shape)}, got {shape}"
+            )
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.positions.numel())
+
+
+def _query_ctx(ctx: Context) -> Context:
+    if CacheKind.parse(getattr(ctx, "kind", None)) is not CacheKind.QUERY:
+        raise SDKError(f"query windows go through a query context, got a {ctx.kind!r} context")
+    return ctx
+
+
+def store_window(
+    ctx: Context,
+    tokens: Sequence[int],
+    window: QueryWindow,
+    cache_salt: str = "",
+) -> bool:
+    """Store ``window`` for the call over ``tokens`` (prompt + generated); False when the server
+    kept a record with at least as many rows (or the window exceeds its window budget)."""
+    _query_ctx(ctx)
+    ctx._check_open()
+    layout = ctx.layout
+    q = window.queries
+    expected = (1, layout.num_layers, window.num_rows, layout.width)
+    if tuple(q.shape) != expected or q.dtype != layout.dtype:
+        raise SDKError(
+            f"window queries have shape {tuple(q.shape)} dtype {q.dtype}; expected {expected} "
+            f"{layout.dtype} (query layout of {ctx.server_model_name!r})"
+        )
+    raw = ctx._encode(tokens)
+    if int(window.positions[-1]) >= len(raw) // 8:
+        raise SDKError(
+            f"window position {int(window.positions[-1])} is past the call's {len(raw) // 8} tokens"
+        )
+    data = q.detach().to("cpu").contiguous()
+    fields = {**ctx._fields(cache_salt), "rows": window.num_rows, "dtype": dtype_name(q.dtype)}
+    positions = encode_tokens(window.positions.tolist())
+    frames = [raw, positions, tensor_buffer(data)]
+    if window.lse is not None:
+        if window.lse.shape[3] != layout.num_heads:
+            raise SDKError(
+                f"window lse has {window.lse.shape[3]} heads; the query layout has "
+                f"{layout.num_heads}"
+            )
+        frames.append(tensor_buffer(window.lse.detach().to("cpu").contiguous()))
+        fields["lse"] = True
+    try:
+        reply, _ = ctx._rpc.call("put_window", fields, frames)
+    except RpcError as exc:
+        raise SDKError(f"storing the query window failed: {exc}") from None
+    return bool(reply.get("stored"))
+
+
+def retrieve_window(
+    ctx: Context, tokens: Sequence[int], cache_salt: str = ""
+) -> QueryWindow | None:
+    """The window stored for exactly ``tokens`` under ``cache_salt``, or None."""
+    _query_ctx(ctx)
+    ctx._check_open()
+    layout = ctx.layout
+    raw = ctx._encode(tokens)
+    if not raw:
+        return None
+    try:
+        reply, frames = ctx._rpc.call("get_window", ctx._fields(cache_salt), [raw])
+    except RpcError as exc:
+        raise SDKError(f"reading the query window failed: {exc}") from None
+    if not reply.get("found"):
+        return None
+    rows = reply.get("rows")
+    has_lse = reply.get("lse") is True
+    if (
+        len(frames) != 2 + has_lse
+        or reply.get("dtype") != dtype_name(layout.dtype)
+        or not isinstance(rows, int)
+    ):
+        raise SDKError(f"server sent a malformed window reply {reply!r} with {len(frames)} frames")
+    positions = torch.tensor(decode_tokens(frames[0].buffer), dtype=torch.int64)
+    shape = (1, layout.num_layers, rows, layout.width)
+    buf = bytearray(frames[1].buffer)
+    if len(buf) != rows * layout.num_layers * layout.width * layout.itemsize:
+        raise SDKError(f"server sent {len(buf)} window bytes for {rows} rows of {shape}")
+    queries = torch.frombuffer(buf, dtype=layout.dtype).view(shape)
+    lse = None
+    if has_lse:
+        lse_shape = (1, layout.num_layers, rows, layout.num_heads)
+        lse_buf = bytearray(frames[2].buffer)
+        if len(lse_buf) != 4 * rows * layout.num_layers * layout.num_heads:
+            raise SDKError(f"server sent {len(lse_buf)} lse bytes for {lse_shape}")
+        lse = torch.frombuffer(lse_buf, dtype=torch.float32).view(lse_shape)
+    return QueryWindow(queries, positions, lse)
