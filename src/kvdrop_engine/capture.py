@@ -30,7 +30,8 @@ from torch import Tensor
 
 __all__ = ["LSE_TILE_BYTES", "WindowCapture", "log_normalisers"]
 
-#: Bound of one float32 logits tile in :func:`log_normalisers` (rows are blocked under it).
+#: Bound of one float32 logits tile in :func:`log_normalisers` (rows are blocked under it); on a
+#: GPU four times this (fewer, larger launches: a request's whole window in one tile per layer).
 LSE_TILE_BYTES = 64 << 20
 
 
@@ -110,7 +111,8 @@ def log_normalisers(
         n, num_kv_heads = k.shape[0], k.shape[1]
         group = num_q_heads // num_kv_heads
         kh = k.permute(1, 2, 0)  # [Hkv, d, N]
-        step = max(1, LSE_TILE_BYTES // (4 * num_q_heads * n))
+        tile = LSE_TILE_BYTES * (4 if queries.is_cuda else 1)
+        step = max(1, tile // (4 * num_q_heads * n))
         for i in range(0, num_rows, step):
             q = queries[layer, i : i + step].to(torch.float32) * scale  # [r, Hq, d]
             r = q.shape[0]

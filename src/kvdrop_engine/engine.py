@@ -67,7 +67,14 @@ from kvdrop_engine.connector import (
 )
 from kvdrop_engine.errors import EngineError, InvalidRequestError, RequestTooLargeError
 from kvdrop_engine.graphs import DecodeGraphs
-from kvdrop_engine.paged import PagedAttention, PagedKVCache, SeqStep, blocks_needed, use_kernel
+from kvdrop_engine.paged import (
+    PagedAttention,
+    PagedKVCache,
+    SeqStep,
+    blocks_needed,
+    to_host,
+    use_kernel,
+)
 from kvdrop_engine.sampling import SamplingParams, finish_reason, make_generator, sample
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
 from kvdrop_sdk.errors import PartialStoreError
@@ -867,9 +874,11 @@ class Engine:
                     lambda layer: self.cache.keys(req.blocks, layer, computed),
                     self.config.head_dim**-0.5,
                 )
-            # Copied to the host here: the store runs on another thread, and device calls there
-            # could meet a CUDA graph capture of the loop thread.
-            job = WindowJob(positions.cpu(), queries.cpu(), lse.cpu(), sequence, req.cache_salt)
+            # Copied to the host here (through page-locked memory): the store runs on another
+            # thread, and device calls there could meet a CUDA graph capture of the loop thread.
+            job = WindowJob(
+                to_host(positions), to_host(queries), to_host(lse), sequence, req.cache_salt
+            )
             req.out.put(job)
 
     def _free(self, req: _Request) -> None:
