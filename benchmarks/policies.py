@@ -37,6 +37,7 @@ import torch
 
 import kvdrop
 from kvdrop.experiments.profiling import PeakRSS
+from kvdrop.errors import PolicyInputError
 from kvdrop_rope import RopeConfig
 from kvdrop_sdk import CacheKind
 from kvdrop_sdk.table import format_table
@@ -102,6 +103,24 @@ def store_retrieve_s(kv: torch.Tensor, args: argparse.Namespace) -> float:
     return statistics.median(times)
 
 
+def edit_inputs(
+    needs_query: bool, kv: torch.Tensor, query: torch.Tensor, args: argparse.Namespace, full: bool
+) -> tuple[dict[CacheKind, torch.Tensor], EditContext]:
+    """The tensors and edit context an engine's edit would hand a policy: the KV, and for query
+    policies every position's query (``full``) or the lean window with its positions."""
+    num_tokens = kv.shape[2]
+    tensors = {CacheKind.KV: kv}
+    qpos = None
+    if needs_query:
+        qpos = torch.arange(num_tokens) if full else window_positions(num_tokens)
+        tensors[CacheKind.QUERY] = query if full else query[:, :, qpos].contiguous()
+    rope = RopeConfig(head_dim=args.head_dim, theta=1e6).to_json()  # Qwen3's
+    context = EditContext.of(
+        num_tokens, query_positions=qpos, rope=rope, head_dim=args.head_dim, chunk_size=256
+    )
+    return tensors, context
+
+
 def bench_policy(
     name: str, kv: torch.Tensor, query: torch.Tensor, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -114,19 +133,23 @@ def bench_policy(
         params["device"] = args.device
     fn = kvdrop.get(name, **params)
     num_tokens = kv.shape[2]
-    tensors = {CacheKind.KV: kv}
-    qpos = None
-    if info.needs_query:
-        qpos = torch.arange(num_tokens) if args.full_queries else window_positions(num_tokens)
-        tensors[CacheKind.QUERY] = query if args.full_queries else query[:, :, qpos].contiguous()
-    rope = RopeConfig(head_dim=args.head_dim, theta=1e6).to_json()  # Qwen3's
-    context = EditContext.of(
-        num_tokens, query_positions=qpos, rope=rope, head_dim=args.head_dim, chunk_size=256
-    )
     tokens = list(range(num_tokens))
-    seconds, (_, kept) = timed(
-        lambda: fn(tensors, tokens, context=context), args.repeats, args.device
-    )
+    full = bool(args.full_queries)
+    tensors, context = edit_inputs(info.needs_query, kv, query, args, full)
+    try:
+        seconds, (_, kept) = timed(
+            lambda: fn(tensors, tokens, context=context), args.repeats, args.device
+        )
+    except PolicyInputError:
+        if full or not info.needs_query:
+            raise
+        # A scorer that reads every cached token's query (e.g. the example plugin's
+        # last-queries) refuses a window: it gets the full queries, and the row says so.
+        full = True
+        tensors, context = edit_inputs(True, kv, query, args, full)
+        seconds, (_, kept) = timed(
+            lambda: fn(tensors, tokens, context=context), args.repeats, args.device
+        )
     index = torch.tensor(kept)
     floor, _ = timed(lambda: kv.index_select(2, index.to(kv.device)), args.repeats, args.device)
     with PeakRSS() as mem:
@@ -138,6 +161,7 @@ def bench_policy(
     return {
         "policy": name,
         "T": num_tokens,
+        "queries": ("full" if full else "window") if info.needs_query else "-",
         "kept": len(kept),
         "seconds": seconds,
         "ms_per_1k_tokens": 1000 * seconds / (num_tokens / 1000),
