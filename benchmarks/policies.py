@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 import kvdrop
-from kvdrop.experiments.profiling import PeakRSS
 from kvdrop.errors import PolicyInputError
+from kvdrop.experiments.profiling import PeakRSS
 from kvdrop_rope import RopeConfig
 from kvdrop_sdk import CacheKind
 from kvdrop_sdk.table import format_table
