@@ -297,6 +297,13 @@ class Policy(abc.ABC):
     def needs_query(self) -> bool:
         """Whether the policy reads the prefill query tensor (``tensors[CacheKind.QUERY]``)."""
 
+    @property
+    def needs_full_queries(self) -> bool:
+        """Whether it reads the query of every cached token, so the engine must capture them all
+        (``--query-capture full``); False when the lean query window is enough. A function
+        policy is assumed to read them all."""
+        return self.needs_query
+
     @abc.abstractmethod
     def select_indices(
         self,
@@ -434,6 +441,10 @@ class ScorerPolicy(SelectorPolicy):
     @property
     def needs_query(self) -> bool:
         return self.scorer.needs_query
+
+    @property
+    def needs_full_queries(self) -> bool:
+        return self.scorer.needs_query and not self.scorer.sparse_queries
 
     def _scorer_for(self, inputs: EditInputs) -> Scorer:
         """The scorer with a query scorer's ``head_dim=None`` filled in (layout's, else 128)."""

@@ -139,3 +139,18 @@ def test_alignment_that_keeps_far_less_than_asked_is_reported_once() -> None:
             {CacheKind.KV: kv}, list(range(768)), context=EditContext.of(768, prompt_tokens=1018)
         )
     assert len(kept) == 256
+
+
+def test_needs_full_queries_says_whether_a_query_window_is_enough() -> None:
+    """Built-in query scorers read the lean window; a scorer without sparse_queries, or a
+    function, needs every cached token's query; wrappers answer for what they hold."""
+    assert not kvdrop.get("snapkv", keep_ratio=0.5).needs_full_queries
+    assert not kvdrop.get("h2o", keep_ratio=0.5).needs_full_queries
+    assert not kvdrop.get("knorm", keep_ratio=0.5).needs_full_queries
+    assert not kvdrop.get("chunk(policy=snapkv)").needs_full_queries
+    fn = FunctionPolicy("fn", lambda t, k: (t, k), needs_query=True)
+    assert fn.needs_full_queries
+    if "last-queries" in kvdrop.available():  # the example plugin
+        assert kvdrop.get("last-queries", keep_ratio=0.5).needs_full_queries
+        assert kvdrop.get("streaming+last-queries", keep_ratio=0.5).needs_full_queries
+        assert not kvdrop.get("streaming+snapkv", keep_ratio=0.5).needs_full_queries

@@ -147,6 +147,10 @@ class Budget(Policy):
     def needs_query(self) -> bool:
         return self.policy.needs_query
 
+    @property
+    def needs_full_queries(self) -> bool:
+        return self.policy.needs_full_queries
+
     def for_length(self, num_tokens: int) -> SelectorPolicy:
         """The inner policy with this request's budget."""
         value = self.rule(num_tokens)

@@ -51,6 +51,10 @@ class Rerotate(Policy):
     def needs_query(self) -> bool:
         return self.policy.needs_query
 
+    @property
+    def needs_full_queries(self) -> bool:
+        return self.policy.needs_full_queries
+
     def select_indices(
         self,
         tensors: Mapping[Any, torch.Tensor],

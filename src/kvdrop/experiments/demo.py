@@ -208,6 +208,12 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
     # user's kvdrop.get("snapkv", keep_ratio=0.5) gets it; lmcache.sdk contexts carry neither.
     rerotate: Any = (cfg.rope if lmcache else True) if not args.no_rerotate else False
     modify_fn = kvdrop.get(args.policy, rerotate=rerotate, **params)
+    query_capture = args.query_capture
+    if query_capture == "window" and modify_fn.needs_full_queries:
+        # A scorer that reads every cached token's query (a plugin without sparse_queries)
+        # cannot work from a window: capture them all rather than fail in modify.
+        log(f"{args.policy} reads every prompt token's query: capturing them all (full mode)")
+        query_capture = "full"
 
     if tokenizer is not None:
         prompts = passkey_prompts(tokenizer, args.num_requests, args.prompt_tokens, args.seed)
@@ -234,7 +240,7 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
             )
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
     q_bytes = cfg.num_layers * cfg.num_heads * cfg.head_dim * model.dtype.itemsize
-    full_q = needs_query and (args.query_capture == "full" or lmcache)
+    full_q = needs_query and (query_capture == "full" or lmcache)
     # Room for both runs' prompts (KV and, in the full query mode, queries) plus the kept copies,
     # with slack: an eviction here would shorten a request's cached prefix and blur the
     # comparison. Query windows live beside the pool (the server gives them a quarter of its size).
@@ -247,7 +253,7 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
 
             connector: Any = LMCacheConnector(url, http_url, model_name)
         else:
-            connector = ServerConnector(url, http_url, model_name, query_capture=args.query_capture)
+            connector = ServerConnector(url, http_url, model_name, query_capture=query_capture)
         engine = Engine(
             model,
             tokenizer=tokenizer,
@@ -305,7 +311,7 @@ def _experiment(args: argparse.Namespace, params: dict[str, Any], needs_query: b
             "policy": args.policy,
             "policy_params": params,
             "rerotate": not args.no_rerotate,
-            "query_capture": ("full" if lmcache else args.query_capture) if needs_query else None,
+            "query_capture": ("full" if lmcache else query_capture) if needs_query else None,
             "query_bytes_per_prompt_token": round(
                 dropped.prefill_query_bytes / max(sum(lengths), 1), 1
             ),

