@@ -35,16 +35,18 @@ def continuation_logprobs(
     requests: Sequence[tuple[Sequence[int], Sequence[int]]],
     *,
     connector: EngineConnector | None = None,
-    cache_salt: str = "",
+    cache_salt: str | Sequence[str] = "",
     max_batch_tokens: int = 16384,
 ) -> list[Tensor]:
     """For each ``(prompt, continuation)``, float32 log-probabilities ``[len(continuation), V]``:
     row ``i`` is the model's distribution of the token after ``prompt + continuation[:i]``.
 
-    With a ``connector`` the longest cached chunk-aligned prefix of each prompt (under
-    ``cache_salt``) is loaded, at most all but the prompt's last token, exactly as the engine does;
-    without one everything is computed. Requests are packed into forward passes of at most
-    ``max_batch_tokens`` cached plus computed tokens (a longer request runs alone).
+    With a ``connector`` the longest cached chunk-aligned prefix of each prompt is loaded (under
+    ``cache_salt``, or, when it is a sequence of one salt per request, under the request's own:
+    e.g. each edited stream's ``active_cache_salt``), at most all but the prompt's last token,
+    exactly as the engine does; without one everything is computed. Requests are packed into
+    forward passes of at most ``max_batch_tokens`` cached plus computed tokens (a longer request
+    runs alone).
     Bad input raises :class:`~kvdrop_engine.errors.InvalidRequestError`.
     """
     cfg = model.config
@@ -59,20 +61,29 @@ def continuation_logprobs(
             checked.append((p, c))
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(str(exc)) from None
-    if not isinstance(cache_salt, str):
-        raise InvalidRequestError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+    if isinstance(cache_salt, str):
+        salts = [cache_salt] * len(checked)
+    elif isinstance(cache_salt, Sequence):
+        salts = list(cache_salt)
+    else:
+        salts = []
+    if len(salts) != len(checked) or not all(isinstance(s, str) for s in salts):
+        raise InvalidRequestError(
+            "cache_salt must be a str or one str per request "
+            f"({len(checked)} requests), got {cache_salt!r:.200}"
+        )
     out: list[Tensor] = []
-    group: list[tuple[list[int], list[int]]] = []
+    group: list[tuple[list[int], list[int], str]] = []
     used = 0
-    for prompt, cont in checked:
+    for (prompt, cont), salt in zip(checked, salts):
         size = len(prompt) + len(cont)
         if group and used + size > max_batch_tokens:
-            out.extend(_forward(model, group, connector, cache_salt))
+            out.extend(_forward(model, group, connector))
             group, used = [], 0
-        group.append((prompt, cont))
+        group.append((prompt, cont, salt))
         used += size
     if group:
-        out.extend(_forward(model, group, connector, cache_salt))
+        out.extend(_forward(model, group, connector))
     return out
 
 
@@ -105,9 +116,8 @@ class _PrefixAttention:
 
 def _forward(
     model: nn.Module,
-    group: list[tuple[list[int], list[int]]],
+    group: list[tuple[list[int], list[int], str]],
     connector: EngineConnector | None,
-    cache_salt: str,
 ) -> list[Tensor]:
     """One packed forward over ``group``; returns each request's continuation log-probs."""
     param = next(p for p in model.parameters() if p.is_floating_point())
@@ -117,7 +127,7 @@ def _forward(
     tokens: list[int] = []
     positions: list[int] = []
     rows: list[int] = []
-    for prompt, cont in group:
+    for prompt, cont, cache_salt in group:
         loaded = 0
         prefix = None
         if connector is not None:
@@ -144,4 +154,4 @@ def _forward(
             logits_rows=torch.tensor(rows, dtype=torch.long, device=dev),
         )
         logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
-    return list(torch.split(logprobs, [len(c) for _, c in group]))
+    return list(torch.split(logprobs, [len(c) for _, c, _ in group]))

@@ -92,6 +92,14 @@ def test_reads_the_cache_the_server_holds(model: Transformer, server: ServerHand
         # A prompt the server lacks is computed whole, like without a connector.
         (fresh,) = continuation_logprobs(model, [(prompt, cont)], connector=conn, cache_salt="c")
         torch.testing.assert_close(fresh, want, atol=1e-4, rtol=1e-4)
+        # One salt per request: each reads its own cache (an edited stream's own salt).
+        both = continuation_logprobs(
+            model, [(prompt, cont), (prompt, cont)], connector=conn, cache_salt=["b", "a"]
+        )
+        torch.testing.assert_close(both[0], edited, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(both[1], want, atol=1e-4, rtol=1e-4)
+        with pytest.raises(InvalidRequestError, match="one str per request"):
+            continuation_logprobs(model, [(prompt, cont)], connector=conn, cache_salt=["a", "b"])
     finally:
         engine.stop()
         kv_ctx.close()

@@ -705,7 +705,7 @@ class _Measurement:
                     self.model,
                     list(zip(run.decode_prompts, conts)),
                     connector=self.connector,
-                    cache_salt=salt,
+                    cache_salt=run.decode_salts,  # each stream's edit is under its own salt
                     max_batch_tokens=self.config.batch_tokens,
                 )
                 score_s = time.perf_counter() - t

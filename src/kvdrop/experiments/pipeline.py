@@ -134,6 +134,8 @@ class RunResult:
     engine: dict[str, int] = field(default_factory=dict)
     decode_prompt_lengths: list[int] = field(default_factory=list)
     decode_prompts: list[list[int]] = field(default_factory=list, repr=False)
+    #: Each decode stream's salt (after an edit its own: the edited KV is stored under it).
+    decode_salts: list[str] = field(default_factory=list, repr=False)
     #: Engine counters of prefill + modify (``engine`` holds the decode phase's).
     prefill_engine: dict[str, int] = field(default_factory=dict)
 
@@ -227,6 +229,7 @@ def run_pipeline(
         decode_prompt_lengths=decode_lengths,
         prefill_engine=prefill_engine,
         decode_prompts=decode_prompts,
+        decode_salts=[s.active_cache_salt for s in streams],
     )
     if all(p.answer is not None for p in prompts) and tokenizer is not None:
         result.correct = sum(p.answer in t for p, t in zip(prompts, texts))

@@ -85,6 +85,11 @@ def test_suffixes_follow_the_edited_prompt(setup: Any) -> None:
         assert set(prompt[: 2 * CHUNK]) <= set(p.token_ids[: 4 * CHUNK])
     # The decode loaded both edits from the server (not recomputed from the kept tokens).
     assert run.engine["tokens_loaded"] == 2 * 2 * CHUNK
+    # Each edit lives under its stream's own salt, which the run reports for later readers
+    # (kvdrop eval's fidelity scoring loads the edited prefix through it).
+    assert len(set(run.decode_salts)) == 2 and all(".edit." in s for s in run.decode_salts)
+    for prompt, salt in zip(run.decode_prompts, run.decode_salts):
+        assert engine.connector.lookup(prompt, salt) == 2 * CHUNK
     # Without an edit the suffix simply follows the prompt.
     run = run_pipeline("plain", engine, [ctx], ps, GREEDY, cache_salt="plain", suffixes=suffixes)
     for p, prompt, suffix, out in zip(ps, run.decode_prompts, suffixes, run.outputs):
