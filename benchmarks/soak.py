@@ -38,7 +38,7 @@ from kvdrop_sdk.hashing import encode_tokens
 from kvdrop_sdk.protocol import RpcClient, RpcError, encode_header
 from kvdrop_sdk.server.fuzz import FuzzTarget, fuzz_messages, send_fuzz
 from kvdrop_sdk.server.pool import shm_path, unique_shm_name
-from kvdrop_sdk.server.testing import spawn_server
+from kvdrop_sdk.server.testing import spawn_server, spawn_server_in_child
 from kvdrop_sdk.table import format_table
 
 Row = dict[str, Any]
@@ -425,21 +425,7 @@ def _client_kill() -> Row:
 
 
 def _parent_kill() -> Row:
-    script = textwrap.dedent(
-        """
-        import sys
-        from kvdrop_sdk.server.testing import spawn_server
-        with spawn_server(l1_size_gb=0.01) as srv:
-            print(srv.proc.pid, srv.shm_name, flush=True)
-            sys.stdin.read()
-        """
-    )
-    parent = subprocess.Popen(
-        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    assert parent.stdout is not None
-    pid_text, name = parent.stdout.readline().split()
-    pid = int(pid_text)
+    parent, pid, name = spawn_server_in_child()
     parent.kill()
     parent.wait()
     gone = _wait(lambda: not _alive(pid), 10)

@@ -23,7 +23,7 @@ import requests
 
 from kvdrop_sdk.server.pool import shm_path, unique_shm_name
 
-__all__ = ["ServerHandle", "spawn_server", "stop_process"]
+__all__ = ["ServerHandle", "spawn_server", "spawn_server_in_child", "stop_process"]
 
 
 def stop_process(proc: subprocess.Popen[Any], sig: int, timeout: float) -> int:
@@ -167,3 +167,27 @@ def spawn_server(
             raise RuntimeError(f"server exited with {proc.returncode}")
         if check_exit and leaked:
             raise RuntimeError(f"server left /dev/shm/{name} behind")
+
+
+_CHILD_SCRIPT = """
+import sys
+from kvdrop_sdk.server.testing import spawn_server
+with spawn_server(l1_size_gb=0.01) as srv:
+    print(srv.proc.pid, srv.shm_name, flush=True)
+    sys.stdin.read()
+"""
+
+
+def spawn_server_in_child() -> tuple[subprocess.Popen[str], int, str]:
+    """A child Python process that runs :func:`spawn_server` and waits: ``(child, server pid,
+    shm name)``. Killing the child tests that a server does not outlive the process that started
+    it (the parent watchdog)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD_SCRIPT],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    pid_text, name = child.stdout.readline().split()
+    return child, int(pid_text), name

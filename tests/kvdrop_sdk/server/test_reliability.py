@@ -27,7 +27,7 @@ from kvdrop_sdk import CacheKind, CacheLayout, SDKError
 from kvdrop_sdk.hashing import encode_tokens
 from kvdrop_sdk.protocol import RpcClient, RpcError, encode_header
 from kvdrop_sdk.server.pool import shm_path, unique_shm_name
-from kvdrop_sdk.server.testing import ServerHandle, spawn_server
+from kvdrop_sdk.server.testing import ServerHandle, spawn_server, spawn_server_in_child
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -314,21 +314,7 @@ def test_pool_larger_than_dev_shm_is_refused() -> None:
 
 
 def test_spawned_server_dies_with_its_parent() -> None:
-    script = textwrap.dedent(
-        """
-        import sys
-        from kvdrop_sdk.server.testing import spawn_server
-        with spawn_server(l1_size_gb=0.01) as srv:
-            print(srv.proc.pid, srv.shm_name, flush=True)
-            sys.stdin.read()
-        """
-    )
-    parent = subprocess.Popen(
-        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    assert parent.stdout is not None
-    pid_text, name = parent.stdout.readline().split()
-    pid = int(pid_text)
+    parent, pid, name = spawn_server_in_child()
     try:
         assert pid_alive(pid) and os.path.exists(shm_path(name))
         parent.kill()  # as the OOM killer would: no cleanup code runs in the parent
