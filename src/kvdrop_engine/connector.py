@@ -44,6 +44,7 @@ from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
 from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.layout import CacheLayout
+from kvdrop_sdk.query_capture import QueryCapture
 from kvdrop_sdk.window import QueryWindow, store_window
 
 __all__ = [
@@ -447,3 +448,41 @@ class ServerConnector:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: Connector kinds :func:`make_connector` builds.
+CONNECTOR_KINDS = ("kvdrop", "lmcache")
+
+
+def make_connector(
+    kind: str,
+    url: str,
+    http_url: str,
+    model_name: str,
+    *,
+    queries: QueryCapture | None = None,
+    **options: Any,
+) -> EngineConnector:
+    """The engine's connector of ``kind`` ("kvdrop": a kvdrop server, "lmcache": an LMCache
+    server), capturing ``queries`` (:meth:`QueryCapture.for_policies`; none when omitted).
+    ``options`` are the connector's own keyword arguments."""
+    queries = queries or QueryCapture()
+    if kind == "lmcache":
+        from kvdrop_engine.lmcache_connector import LMCacheConnector, require_lmcache
+
+        require_lmcache()
+        return LMCacheConnector(
+            url, http_url, model_name, transfer_query=queries.enabled or None, **options
+        )
+    if kind != "kvdrop":
+        raise ValueError(f"connector kind must be one of {CONNECTOR_KINDS}, got {kind!r}")
+    return ServerConnector(
+        url,
+        http_url,
+        model_name,
+        transfer_query=queries.enabled or None,
+        query_capture="full" if queries.full else "window",
+        query_window=queries.window,
+        query_stride=queries.stride,
+        **options,
+    )
