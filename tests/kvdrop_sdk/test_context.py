@@ -398,3 +398,22 @@ def test_socket_store_split_into_pipelined_requests(
         assert after["requests"] - before["requests"] >= 5  # one put per chunk
         assert bits_equal(ctx.retrieve(tokens), kv[:, :, : 5 * CHUNK])
         assert ctx.store(kv, tokens) is False
+
+
+@pytest.mark.parametrize("transport", ["socket", "shm"])
+def test_retrieve_copies_out_on_several_threads(
+    kv_server: ServerHandle, model_name: str, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks copied out of frames / slots by the copy threads land where they belong."""
+    from kvdrop_sdk.transport import buffers
+
+    monkeypatch.setattr(buffers, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setenv("KVDROP_COPY_THREADS", "3")
+    with sdk.kvcache.connect(
+        kv_server.url, kv_server.http_url, model_name, 30, layout=LAYOUT, transport=transport
+    ) as ctx:
+        tokens = tokens_for(7 * CHUNK, 900 + len(transport))
+        kv = make(CacheKind.KV, LAYOUT, len(tokens), seed=23)
+        assert ctx.store(kv, tokens)
+        for _ in range(2):  # a fresh buffer, then a recycled one
+            assert bits_equal(ctx.retrieve(tokens), kv)

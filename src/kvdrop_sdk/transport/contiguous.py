@@ -33,6 +33,7 @@ from kvdrop_sdk.server.pool import MAGIC, shm_path
 from kvdrop_sdk.transport.buffers import (
     copy_rows,
     empty_tensor,
+    populate_write,
     run_copies,
     tensor_buffer,
     tune_malloc,
@@ -48,31 +49,6 @@ MODES = ("auto", "shm", "socket")
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", ""}
 #: Socket stores are split into pipelined requests of about this many bytes.
 PUT_BATCH_BYTES = 32 << 20
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels answer EINVAL and we fault lazily
-
-
-_LIBC: Any = None
-
-
-def _populate(addr: int, nbytes: int) -> None:
-    """Fault in the pages of ``[addr, addr + nbytes)`` for writing (``MADV_POPULATE_WRITE``).
-
-    Through ctypes, which releases the GIL for the call: ``mmap.madvise`` holds it, and faulting
-    in a large slot of fresh shared memory takes milliseconds (about 3 GB/s on an H200 host's
-    VM), during which every other thread of the process -- the engine loop among them -- waited.
-    Older kernels refuse the advice (EINVAL); the pages are then faulted in by the copy."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL(None, use_errno=True)
-            _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except (OSError, AttributeError):
-            _LIBC = False
-    if not _LIBC:
-        return
-    page = mmap.PAGESIZE
-    start = addr - addr % page
-    _LIBC.madvise(start, addr + nbytes - start, _MADV_POPULATE_WRITE)
 
 
 def _stored(reply: dict[str, Any]) -> int:
@@ -200,7 +176,7 @@ class ContiguousTransferWrapper:
             raise SDKError(f"server returned slot offset {offset!r} outside the shared pool")
         if offset not in mapping.populated:
             # Map the slot's pages in one call instead of one fault per 4 KiB page.
-            _populate(mapping.pool.data_ptr() + offset, nbytes)
+            populate_write(mapping.pool.data_ptr() + offset, nbytes)
             with self._populated_lock:
                 mapping.populated.add(offset)
         flat = mapping.pool[offset : offset + nbytes].view(layout.dtype)
@@ -320,14 +296,18 @@ class ContiguousTransferWrapper:
                     f"server sent shape {reply.get('shape')} in {len(frames)} frames, "
                     f"expected {list(shape)} in {n // c * num_rows} frames of {span} bytes"
                 )
-            out = empty_tensor(shape, layout.dtype)
-            # Frame (chunk i, row r) goes to row r, tokens [i*c, (i+1)*c) of ``out``.
+            out = empty_tensor(shape, layout.dtype, populate=False)
+            # Frame (chunk i, row r) goes to row r, tokens [i*c, (i+1)*c) of ``out``; one copy
+            # task per chunk, spread over the copy threads (which fault in fresh pages too).
             row_bytes = n * shape[3] * layout.itemsize
             base = out.data_ptr()
-            for k, frame in enumerate(frames):
-                i, r = divmod(k, num_rows)
-                src = torch.frombuffer(frame.buffer, dtype=torch.uint8)
-                ctypes.memmove(base + r * row_bytes + i * span, src.data_ptr(), span)
+
+            def copy_chunk(i: int) -> None:
+                for r in range(num_rows):
+                    src = torch.frombuffer(frames[i * num_rows + r].buffer, dtype=torch.uint8)
+                    ctypes.memmove(base + r * row_bytes + i * span, src.data_ptr(), span)
+
+            run_copies([lambda i=i: copy_chunk(i) for i in range(n // c)], span * len(frames))
             return out
         mapping = self._current()
         reply, _ = self._rpc.call(
