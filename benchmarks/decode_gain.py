@@ -254,6 +254,10 @@ def step_floor(row: dict[str, Any], wbytes: int, token_bytes: int, bandwidth: fl
     seconds = row.pop("decode_step_seconds")
     row["graph_capture_s"] = row.pop("graph_capture_seconds")
     row["prefix_load_s"] = row.pop("prefix_load_seconds")
+    # One load's rate: the bytes loaded over the time loads took, summed over requests (loads
+    # run several at once, so the phase saw up to load_concurrency times this).
+    loaded_gb = row["loaded_tokens"] * token_bytes / 1e9
+    row["load_gb_s"] = loaded_gb / row["prefix_load_s"] if row["prefix_load_s"] else math.nan
     row["phase_ms_per_step"] = 1e3 * row["decode_s"] / max(1, row["decode_steps"])
     row["step_ms"] = 1e3 * seconds / steps if steps else math.nan
     row["kv_tokens_per_step"] = kv_tokens / steps if steps else math.nan
@@ -553,6 +557,7 @@ def print_report(report: dict[str, Any]) -> None:
         "phase_ms_per_step",
         "phase_over_floor",
         "prefix_load_s",
+        "load_gb_s",
         "graph_capture_s",
     ]
     print(
