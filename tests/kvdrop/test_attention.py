@@ -182,3 +182,16 @@ def test_redundancy_penalises_duplicates_but_spares_the_latest_copy() -> None:
     # Each copy's row zeroes its LAST similar key (R-KV keeps the most recent duplicate), so
     # copy 19 loses the similarity of the nine rows before it.
     assert red[19] < red[10:18].min()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("clustered", [False, True])
+@pytest.mark.parametrize("threshold", [0.5, -0.2])
+def test_redundancy_on_the_gpu_equals_quadratic(clustered: bool, threshold: float) -> None:
+    """The GPU's default scan (all rows, float16 filter, cuBLAS) against the float64 form."""
+    gen = torch.Generator().manual_seed(21 + clustered)
+    h, t, d = 6, 700, 128
+    k = clustered_keys(gen, h, t, d) if clustered else torch.randn(h, t, d, generator=gen)
+    got = key_redundancy(unit_keys(k.cuda()), threshold, col_block=128, tile_bytes=4 * t * 128)
+    assert got.device.type == "cuda"
+    assert rel_err(got.cpu(), ref_redundancy(k, threshold)) < 1e-5

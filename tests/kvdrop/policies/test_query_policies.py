@@ -201,6 +201,19 @@ def test_rkv_one_scan_of_every_layer_equals_reference(
     assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("extra", [extra for name, extra in CASES if name == "rkv"])
+def test_rkv_on_the_gpu_equals_reference(extra: dict[str, Any]) -> None:
+    params: dict[str, Any] = {"head_dim": 8, "keep_ratio": 0.5, "chunk_size": 4, **extra}
+    fn = kvdrop.get("rkv", device="cuda", **params)
+    assert isinstance(fn, ScorerPolicy)
+    kv, q = make_inputs(8, 41, 3, 2, 2, 8)
+    got = fn.scores(kv, q).double()
+    defaults = {p.name: p.default for p in kvdrop.describe("rkv").params}
+    ref = ref_rkv(kv, q, {**defaults, **params})
+    assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
 @pytest.mark.parametrize("name", ["snapkv", "h2o", "tova", "rkv"])
 def test_kept_tokens_are_the_reference_top_k(name: str) -> None:
     params: dict[str, Any] = {"head_dim": 16, "keep_tokens": 24, "chunk_size": 8}
