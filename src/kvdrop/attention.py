@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from kvdrop import kernels
+
 __all__ = [
     "BF16_FILTER_MARGIN",
     "DEFAULT_BLOCK_BYTES",
@@ -203,7 +205,7 @@ def key_redundancy(
     """
     num_heads, num_keys, _ = kn.shape
     col_sum = torch.einsum("hd,htd->ht", kn.sum(dim=1), kn)
-    col_sum -= (kn * kn).sum(dim=-1)  # the diagonal is zeroed before anything else
+    col_sum -= torch.einsum("htd,htd->ht", kn, kn)  # the zeroed diagonal (no [H, T, d] temp)
     if all_rows is None:
         all_rows = kn.device.type != "cpu"
     if all_rows:
@@ -278,8 +280,10 @@ def _last_similar_all_rows(
     """Same as :func:`_last_similar_row_blocks`, every row of a group of heads per column block.
 
     A float16 product of the block rules out the rows whose every entry is below ``threshold``
-    minus :func:`fp16_filter_margin`; the rest (all rows, at worst) are multiplied again in
-    float32 and decided exactly. The group's tiles stay under ``tile_bytes``.
+    minus :func:`fp16_filter_margin` (its row maxima come from the fused
+    :func:`kvdrop.kernels.similarity_row_max` where Triton runs, else from a ``[h, T, block]``
+    product); the rest (all rows, at worst) are multiplied again in float32 and decided exactly.
+    The group's tiles stay under ``tile_bytes``.
     """
     num_heads, num_keys, head_dim = kn.shape
     last = torch.zeros(num_heads, num_keys, dtype=torch.int64, device=kn.device)
@@ -311,10 +315,14 @@ def _scan_columns(
     while c1 > 0:
         c0 = max(0, c1 - width)
         diag = torch.arange(c0, c1, device=kn.device)
-        rough = torch.matmul(kn16, kn16[:, c0:c1].transpose(1, 2))  # [h, T, c1 - c0]
-        rough[:, diag, diag - c0] = -torch.inf  # the diagonal never counts as similar
-        todo = (rough.amax(dim=-1) > rough_below) & ~found
-        del rough
+        if kernels.available(kn16):  # the row maxima straight from a fused kernel
+            best = kernels.similarity_row_max(kn16, c0, c1)
+        else:
+            rough = torch.matmul(kn16, kn16[:, c0:c1].transpose(1, 2))  # [h, T, c1 - c0]
+            rough[:, diag, diag - c0] = -torch.inf  # the diagonal never counts as similar
+            best = rough.amax(dim=-1)
+            del rough
+        todo = (best > rough_below) & ~found
         counts = todo.sum(dim=-1)
         most, left = torch.stack([counts.max(), (~found).sum()]).tolist()  # the block's one sync
         if not left:

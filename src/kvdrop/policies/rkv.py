@@ -99,7 +99,9 @@ class RKVScorer(Scorer):
             redundancy = torch.stack(unit)
         else:  # every layer's heads in one scan: a few large launches instead of many small
             heads = unit[0].shape[0]
-            redundancy = key_redundancy(torch.cat(unit), self.threshold)
+            stacked = torch.cat(unit)
+            del unit[:]
+            redundancy = key_redundancy(stacked, self.threshold)
             redundancy = redundancy.view(num_layers, heads, num_tokens)
         del unit
         per_layer = [
