@@ -417,3 +417,18 @@ def test_retrieve_copies_out_on_several_threads(
         assert ctx.store(kv, tokens)
         for _ in range(2):  # a fresh buffer, then a recycled one
             assert bits_equal(ctx.retrieve(tokens), kv)
+
+
+def test_shm_retrieve_by_one_torch_gather(
+    kv_server: ServerHandle, model_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVDROP_SHM_COPY=torch: the slots gathered by one index_select land where they belong."""
+    monkeypatch.setenv("KVDROP_SHM_COPY", "torch")
+    with sdk.kvcache.connect(
+        kv_server.url, kv_server.http_url, model_name, 30, layout=LAYOUT, transport="shm"
+    ) as ctx:
+        tokens = tokens_for(6 * CHUNK + 5, 1300)
+        kv = make(CacheKind.KV, LAYOUT, len(tokens), seed=29)
+        assert ctx.store(kv, tokens)
+        assert bits_equal(ctx.retrieve(tokens), kv[:, :, : 6 * CHUNK])
+        assert bits_equal(ctx.retrieve(tokens[: 3 * CHUNK]), kv[:, :, : 3 * CHUNK])

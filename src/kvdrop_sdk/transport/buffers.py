@@ -23,9 +23,11 @@ __all__ = [
     "copy_rows",
     "copy_threads",
     "empty_tensor",
+    "gather_spans",
     "populate_write",
     "rows",
     "run_copies",
+    "shm_copy_mode",
     "tensor_buffer",
     "tune_malloc",
 ]
@@ -288,3 +290,29 @@ def run_copies(tasks: Sequence[Callable[[], None]], nbytes: int) -> None:
                 other.cancel()
     if error is not None:
         raise error
+
+
+def shm_copy_mode() -> str:
+    """How shm retrieves copy slots out: ``KVDROP_SHM_COPY`` = ``threads`` (default: row
+    ``memmove``s on the copy threads) or ``torch`` (one ``index_select`` over the whole retrieve,
+    parallel in torch's own threads, no Python between rows)."""
+    mode = os.environ.get("KVDROP_SHM_COPY", "threads")
+    return mode if mode in ("threads", "torch") else "threads"
+
+
+def gather_spans(out: torch.Tensor, pool: torch.Tensor, offsets: Sequence[int], span: int) -> None:
+    """Fill contiguous ``out`` (``num_rows * len(offsets) * span`` bytes, row-major over (row,
+    chunk)) with ``pool[offsets[j] + r * span :][:span]`` for row ``r`` and chunk ``j``: the
+    layout of a ``[lead, L, T, W]`` tensor assembled from per-chunk slots. One ``index_select``
+    over rows of ``g = gcd(span, offsets)`` bytes of the uint8 ``pool``."""
+    flat = out.view(-1).view(torch.uint8)
+    num_rows = flat.numel() // (span * max(len(offsets), 1))
+    if not offsets or num_rows == 0:
+        return
+    grain = math.gcd(span, *offsets)
+    starts = (
+        torch.tensor(offsets, dtype=torch.int64)[None, :] + span * torch.arange(num_rows)[:, None]
+    )
+    index = (starts[..., None] + torch.arange(0, span, grain)).flatten() // grain
+    rows = pool[: pool.numel() // grain * grain].view(-1, grain)
+    torch.index_select(rows, 0, index, out=flat.view(-1, grain))

@@ -33,8 +33,10 @@ from kvdrop_sdk.server.pool import MAGIC, shm_path
 from kvdrop_sdk.transport.buffers import (
     copy_rows,
     empty_tensor,
+    gather_spans,
     populate_write,
     run_copies,
+    shm_copy_mode,
     tensor_buffer,
     tune_malloc,
 )
@@ -329,10 +331,16 @@ class ContiguousTransferWrapper:
                     out[:, :, j * c : (j + 1) * c], self._slot(mapping, off, nbytes, layout, kind)
                 )
 
-            run_copies(
-                [lambda j=j, off=off: copy_out(j, off) for j, off in enumerate(offsets)],
-                nbytes * len(offsets),
-            )
+            if shm_copy_mode() == "torch":
+                for off in offsets:  # bounds checked, pages mapped
+                    self._slot(mapping, off, nbytes, layout, kind)
+                span = c * out.shape[3] * out.element_size()
+                gather_spans(out, mapping.pool, offsets, span)
+            else:
+                run_copies(
+                    [lambda j=j, off=off: copy_out(j, off) for j, off in enumerate(offsets)],
+                    nbytes * len(offsets),
+                )
         finally:
             try:
                 released, _ = self._rpc.call("release", {"lease": lease})
