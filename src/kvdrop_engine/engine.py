@@ -1,19 +1,11 @@
 """The reference engine: continuous batching over a block-budgeted paged KV cache.
 
-One loop thread owns the model, the cache and the scheduler. Callers on any thread submit a
+One loop thread owns the model, the cache and the scheduler; callers on any thread submit a
 request with ``post_completion`` and iterate its ``TokenEvent``s from a per-request queue. Each
-engine step runs every admitted request together: decoding requests bring one token, prefilling
-requests bring a chunk of their prompt (at most ``max_prefill_tokens`` prompt tokens per step).
-
-The pieces (docs/engine.md has the table): :mod:`~kvdrop_engine.sequence` (the request and its
-``LoadState``), :mod:`~kvdrop_engine.scheduler` (admission, ``plan_step``),
-:mod:`~kvdrop_engine.transfer` (server loads and stores, deadlines, back-off),
-:mod:`~kvdrop_engine.sampling` and the connector (:mod:`~kvdrop_engine.connector`). This module
-holds the lifecycle, the loop, one step and handing out events.
-
-A step failure fails only the requests that caused it: a forward that raises is retried with each
-request alone, a row whose logits are not finite (NaN KV, say) fails just its request, and a
-token that cannot be sampled or emitted fails just its own.
+step runs every admitted request together: decodes bring one token, prefills a chunk of their
+prompt. This module holds the lifecycle, the loop, one step and emitting; docs/engine.md maps
+the rest (sequence, scheduler, transfer, runner, sampling, connector). A step failure fails only
+the requests that caused it (see :meth:`Engine._step`).
 """
 
 from __future__ import annotations
@@ -30,7 +22,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from kvdrop_engine.connector import KVConnector
-from kvdrop_engine.errors import EngineError, InvalidRequestError, RequestTooLargeError
+from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.runner import ModelRunner
@@ -70,19 +62,15 @@ def _stop_running_engines() -> None:
 class Engine:
     """Continuous-batching engine over a paged KV cache of ``num_blocks`` blocks.
 
-    ``model`` is a :class:`kvdrop_engine.model.Transformer` (anything with a
-    :class:`~kvdrop_engine.model.ModelConfig` ``.config`` and a
-    ``forward(tokens, positions, attn, logits_rows)``). Give the budget as ``num_blocks`` or
-    ``kv_budget_tokens`` (rounded down to whole blocks); default 65536 tokens. ``tokenizer``
-    (anything with ``decode``) gives each ``TokenEvent`` its text.
-
-    On a GPU (with Triton, ``pip install 'kvdrop[gpu]'``) decode attention reads the paged cache
-    in place, the model's norms and SwiGLU run fused (``fused_ops``, on a model that declares
-    :class:`~kvdrop_engine.model.FusesOps`), and decode-only steps replay CUDA graphs
-    (``cuda_graphs``); None means "when available". Elsewhere the engine runs plain PyTorch. Up
-    to ``load_concurrency`` admitted requests load their cached prefixes from the connector at
-    once. ``load_timeout_s``, ``store_timeout_s`` and ``connector_backoff_s`` bound what a slow or
-    dead cache server can cost (:mod:`kvdrop_engine.transfer`).
+    ``model`` is a :class:`kvdrop_engine.model.Transformer` (anything with a ``ModelConfig``
+    ``.config`` and ``forward(tokens, positions, attn, logits_rows)``). Give the budget as
+    ``num_blocks`` or ``kv_budget_tokens`` (whole blocks; default 65536 tokens). ``tokenizer``
+    (anything with ``decode``) gives each ``TokenEvent`` its text. On a GPU with Triton, decode
+    attention reads the paged cache in place, norms and SwiGLU run fused (``fused_ops``, on a
+    model that declares ``FusesOps``) and decode steps replay CUDA graphs (``cuda_graphs``);
+    None means "when available". ``load_concurrency``, ``load_timeout_s``, ``store_timeout_s``
+    and ``connector_backoff_s`` bound what a slow or dead cache server costs
+    (:mod:`kvdrop_engine.transfer`).
     """
 
     def __init__(
@@ -129,14 +117,15 @@ class Engine:
         self.device, self.dtype = self.runner.device, self.runner.dtype
         self.cache = self.runner.cache
         self._graphs = self.runner.graphs
-        self.block_size = block_size
-        self.max_batch_size = max_batch_size
-        self.max_prefill_tokens = max_prefill_tokens
-        self.load_concurrency = load_concurrency
+        self.block_size, self.max_batch_size = block_size, max_batch_size
+        self.max_prefill_tokens, self.load_concurrency = max_prefill_tokens, load_concurrency
         self.load_timeout_s = float(load_timeout_s)
         self.store_timeout_s = float(store_timeout_s)
         self.connector_backoff_s = float(connector_backoff_s)
         self.eos_token_ids = frozenset(int(t) for t in cfg.eos_token_ids)
+        self._stats = EngineStats()
+        self._ids = itertools.count()
+        self._cv = threading.Condition()
         self.connector = connector
         self._transfers: Transfers | None = None
         if connector is not None:
@@ -150,17 +139,14 @@ class Engine:
                 backoff_s=self.connector_backoff_s,
                 copy_on_loop=self._graphs is not None,
                 wake=self._wake,
-                count=self._count,
+                stats=lambda: self._stats,
+                lock=self._cv,
             )
-        self._stats = EngineStats()
-        self._ids = itertools.count()
-        self._cv = threading.Condition()
         load_lock = threading.Lock() if self._transfers is None else self._transfers.load_lock
         self._sched = Scheduler(self.cache.allocator, block_size, max_batch_size, load_lock)
         self._thread: threading.Thread | None = None
         self._stopping = False
 
-    # ----------------------------------------------------------------- lifecycle
     def start(self) -> Engine:
         """Start the loop thread (idempotent)."""
         with self._cv:
@@ -198,7 +184,6 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    # ----------------------------------------------------------------- public API
     @property
     def num_blocks(self) -> int:
         """Size of the KV budget in blocks."""
@@ -249,14 +234,7 @@ class Engine:
             vocab_size=self.config.vocab_size,
             detok=detok,
         )
-        need = self.blocks_for(len(req.prompt), req.params.max_tokens)
-        if need > self.cache.num_blocks:
-            raise RequestTooLargeError(
-                f"request needs {len(req.prompt)} prompt + {req.params.max_tokens} max_tokens = "
-                f"{need} blocks of {self.block_size} tokens, but the engine's KV budget is "
-                f"{self.cache.num_blocks} blocks ({self.cache.capacity_tokens} tokens); "
-                "shorten the prompt, lower max_tokens, or give the engine a larger budget"
-            )
+        self._sched.check_fits(req)
         self.start()
         with self._cv:
             self._sched.waiting.append(req)
@@ -277,7 +255,6 @@ class Engine:
             e.token_id for e in self.post_completion(prompt_token_ids, sampling_params, cache_salt)
         ]
 
-    # ----------------------------------------------------------------- caller side
     def _events(self, req: Request) -> Iterator[TokenEvent]:
         finished = False
         try:
@@ -300,14 +277,9 @@ class Engine:
                 with self._cv:
                     self._cv.notify_all()
 
-    # ----------------------------------------------------------------- loop side
     def _wake(self) -> None:
         with self._cv:
             self._cv.notify_all()
-
-    def _count(self, name: str, delta: float) -> None:
-        with self._cv:
-            setattr(self._stats, name, getattr(self._stats, name) + delta)
 
     def _loop(self) -> None:
         sched, transfers = self._sched, self._transfers
@@ -334,47 +306,50 @@ class Engine:
                 transfers.finish_loads(loading)
             with self._cv:
                 batch = sched.runnable()
-            if batch:
-                self._step_isolated(batch)
+            try:
+                if batch:
+                    self._step(batch)
+            except Exception as exc:  # a bug outside the per-request guards: never stop the loop
+                for req in batch:
+                    self._fail(req, exc)
 
-    def _step_isolated(self, batch: list[Request]) -> None:
-        """Step ``batch``; when the forward raises, retry each request alone, so the failure
-        reaches only the requests that cause it."""
+    def _step(self, batch: list[Request]) -> None:
+        """One forward over ``batch``, then each request's token. A forward that raises is
+        retried with each request alone, so its failure reaches only the requests causing it;
+        after the forward every failure is one request's own."""
+        started = time.perf_counter()
+        plan = plan_step(batch, self.max_prefill_tokens)
         try:
-            self._step(batch)
+            out = self.runner.forward(plan)
+            picked = pick_tokens(out.logits, out.greedy)
         except Exception as exc:
             if len(batch) == 1:
                 self._fail(batch[0], exc)
-                return
-            for req in batch:
-                try:
+            else:
+                for req in batch:
                     self._step([req])
-                except Exception as alone:
-                    self._fail(req, alone)
-
-    def _step(self, batch: list[Request]) -> None:
-        started = time.perf_counter()
-        plan = plan_step(batch, self.max_prefill_tokens)
-        out = self.runner.forward(plan)
-        logits, capture_s = out.logits, out.capture_seconds
-        picked = pick_tokens(logits, out.greedy)
+            return
         for req, n in plan.stepped:
-            if out.attn is not None and req.rid in out.capture:
-                req.take_queries(out.attn.captured_rows(req.rid), out.capture[req.rid])
+            try:
+                if out.attn is not None and req.rid in out.capture:
+                    req.take_queries(out.attn.captured_rows(req.rid), out.capture[req.rid])
+            except Exception as exc:
+                self._fail(req, exc)
             req.num_computed += n
         with self._cv:
-            self._stats.steps += 1
-            self._stats.prefill_tokens_computed += plan.num_prefill
-            self._stats.decode_tokens_computed += plan.num_decode
+            st = self._stats
+            st.steps += 1
+            st.prefill_tokens_computed += plan.num_prefill
+            st.decode_tokens_computed += plan.num_decode
         for i, req in enumerate(plan.sampled):
-            if not req.cancelled:
-                self._next_token(req, logits[i], picked[i])
+            if not req.cancelled and req.rid in self._sched.running:
+                self._next_token(req, out.logits[i], picked[i])
         if plan.num_prefill == 0:
             with self._cv:
                 st = self._stats
                 st.decode_only_steps += 1
-                st.decode_step_seconds += time.perf_counter() - started - capture_s
-                st.graph_capture_seconds += capture_s
+                st.decode_step_seconds += time.perf_counter() - started - out.capture_seconds
+                st.graph_capture_seconds += out.capture_seconds
                 st.decode_kv_tokens += sum(s.start + 1 for s in plan.seqs)
 
     def _next_token(self, req: Request, row: Tensor, argmax: int | None) -> None:

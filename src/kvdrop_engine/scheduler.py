@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvdrop_engine.errors import RequestTooLargeError
 from kvdrop_engine.paged import BlockAllocator, SeqStep, blocks_needed
 from kvdrop_engine.sequence import LoadState, Request
 from kvdrop_sdk.validate import positive_int
@@ -113,6 +114,18 @@ class Scheduler:
     def blocks_for(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """Blocks a request reserves: room for the prompt and every generated token but the last."""
         return blocks_needed(num_prompt_tokens + max_tokens - 1, self.block_size)
+
+    def check_fits(self, req: Request) -> None:
+        """``RequestTooLargeError`` when ``req`` needs more blocks than the whole budget."""
+        need = self.blocks_for(len(req.prompt), req.params.max_tokens)
+        total = self.allocator.num_blocks
+        if need > total:
+            raise RequestTooLargeError(
+                f"request needs {len(req.prompt)} prompt + {req.params.max_tokens} max_tokens = "
+                f"{need} blocks of {self.block_size} tokens, but the engine's KV budget is "
+                f"{total} blocks ({total * self.block_size} tokens); "
+                "shorten the prompt, lower max_tokens, or give the engine a larger budget"
+            )
 
     def _head_fits(self) -> bool:
         head = self.waiting[0]

@@ -14,10 +14,11 @@ costs the first request one timeout, not every request.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -36,6 +37,7 @@ from kvdrop_engine.connector import (
 from kvdrop_engine.errors import EngineError
 from kvdrop_engine.paged import PagedKVCache, to_host
 from kvdrop_engine.sequence import LoadState, Request
+from kvdrop_engine.stats import EngineStats
 from kvdrop_sdk.errors import PartialStoreError
 
 __all__ = ["STORE_THREADS", "Transfers", "check_seconds"]
@@ -44,9 +46,6 @@ __all__ = ["STORE_THREADS", "Transfers", "check_seconds"]
 STORE_THREADS = 4
 
 logger = logging.getLogger("kvdrop_engine.engine")
-
-#: ``count(field, delta)``: add to one of the engine's counters (under the engine's lock).
-Counter = Callable[[str, float], None]
 
 
 def check_seconds(**values: float) -> None:
@@ -61,7 +60,8 @@ class Transfers:
 
     ``copy_on_loop``: copy loaded prefixes into the blocks on the loop thread (CUDA graphs: a
     graph may be captured in any step, and another thread's device calls would break it).
-    ``wake`` tells the loop that a load changed state; ``count`` adds to its counters.
+    ``wake`` tells the loop that a load changed state; ``stats`` gives the engine's current
+    counters, which are only changed under ``lock`` (the engine's condition).
     """
 
     def __init__(
@@ -75,7 +75,8 @@ class Transfers:
         backoff_s: float,
         copy_on_loop: bool,
         wake: Callable[[], None],
-        count: Counter,
+        stats: Callable[[], EngineStats],
+        lock: threading.Condition,
     ) -> None:
         self.connector = connector
         self.cache = cache
@@ -86,11 +87,18 @@ class Transfers:
         self.copy_on_loop = copy_on_loop
         self.load_lock = threading.Lock()  # guards Request.load_state
         self._wake = wake
-        self._count = count
+        self._stats = stats
+        self._lock = lock
         self._pools_lock = threading.Lock()
         self._load_pool: ThreadPoolExecutor | None = None
         self._store_pool: ThreadPoolExecutor | None = None
         self._down_until = 0.0
+
+    @contextlib.contextmanager
+    def _counters(self) -> Iterator[EngineStats]:
+        """The engine's counters, under its lock."""
+        with self._lock:
+            yield self._stats()
 
     # ----------------------------------------------------------------- health
     def io_ok(self) -> bool:
@@ -164,7 +172,8 @@ class Transfers:
             req.load_state = LoadState.COPIED
             return plan
         finally:
-            self._count("prefix_load_seconds", time.perf_counter() - started)
+            with self._counters() as st:
+                st.prefix_load_seconds += time.perf_counter() - started
 
     def _give_up_late(self, req: Request, now: float) -> None:
         """A load not done yet: give it up when it is past its deadline, or still queued while
@@ -202,18 +211,21 @@ class Transfers:
                 self.recompute(req)
                 continue
             req.follow(plan, self.connector)
-            self._count("tokens_loaded", plan.num_loaded)
+            with self._counters() as st:
+                st.tokens_loaded += plan.num_loaded
 
     def recompute(self, req: Request) -> None:
         """The request computes its whole prompt (the server could not be asked)."""
         req.follow(plan_recompute(self.connector, req.prompt), self.connector)
-        self._count("connector_fallbacks", 1)
+        with self._counters() as st:
+            st.connector_fallbacks += 1
 
     # ----------------------------------------------------------------- stores
     def submit(self, req: Request, job: StoreJob | WindowJob) -> None:
         """(loop) Start ``job`` on the store pool and attach it to ``req`` (its caller waits)."""
         if not self.io_ok():
-            self._count("store_failures", 1)
+            with self._counters() as st:
+                st.store_failures += 1
             return
         future = self._pool("store").submit(job.run, self.connector)
         future.add_done_callback(lambda f: self._stored(job, f))
@@ -237,20 +249,21 @@ class Transfers:
                     self.io_failed("store failed:", str(exc))
 
     def _stored(self, job: StoreJob | WindowJob, future: Future[Any]) -> None:
-        if future.cancelled() or future.exception() is not None:
-            self._count("store_failures", 1)
-            return
-        if isinstance(job, WindowJob):
-            rows, nbytes = future.result()
-            self._count("query_rows_stored", rows)
-            self._count("query_bytes_stored", nbytes)
-            return
-        q_stored = future.result()
-        self._count("kv_tokens_stored", job.kv.shape[2])
-        self._count("query_tokens_stored", q_stored)
-        if q_stored and job.queries is not None:
-            q = job.queries  # [1, L, T, Dq]
-            self._count("query_bytes_stored", q_stored * q.shape[1] * q.shape[3] * q.element_size())
+        failed = future.cancelled() or future.exception() is not None
+        with self._counters() as st:
+            if failed:
+                st.store_failures += 1
+            elif isinstance(job, WindowJob):
+                rows, nbytes = future.result()
+                st.query_rows_stored += rows
+                st.query_bytes_stored += nbytes
+            else:
+                q_stored = future.result()
+                st.kv_tokens_stored += job.kv.shape[2]
+                st.query_tokens_stored += q_stored
+                if q_stored and job.queries is not None:
+                    q = job.queries  # [1, L, T, Dq]
+                    st.query_bytes_stored += q_stored * q.shape[1] * q.shape[3] * q.element_size()
 
     # ----------------------------------------------------------------- jobs
     def prompt_job(self, req: Request) -> StoreJob:

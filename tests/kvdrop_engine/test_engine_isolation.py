@@ -87,7 +87,7 @@ def test_a_failing_forward_fails_only_the_request_that_caused_it() -> None:
     try:
         good = prompt(20, 1)
         stream = eng.post_completion(good, {**GREEDY, "max_tokens": 300})
-        out, error = survives(stream, eng.post_completion(prompt(AT, 2) + [POISON], GREEDY))
+        out, error = survives(stream, eng.post_completion([*prompt(AT, 2), POISON], GREEDY))
         assert out == generate(model, good, 300, stop_at_eos=False)
         assert "poisoned batch" in error
         assert eng.num_free_blocks == 256  # the failed request gave its blocks back
@@ -103,7 +103,7 @@ def test_non_finite_logits_fail_only_their_request(params: dict) -> None:
         good = prompt(20, 1)
         alone = eng.generate(good, {**params, "max_tokens": 300})
         stream = eng.post_completion(good, {**params, "max_tokens": 300})
-        out, error = survives(stream, eng.post_completion(prompt(AT, 2) + [POISON], params))
+        out, error = survives(stream, eng.post_completion([*prompt(AT, 2), POISON], params))
         assert out == alone
         assert "not finite" in error
     finally:
