@@ -301,9 +301,14 @@ class Engine:
                 )
                 loading = sched.loading()
             if transfers is not None:
-                for req in admitted:
-                    transfers.start_load(req)
-                transfers.finish_loads(loading)
+                try:
+                    for req in admitted:
+                        transfers.start_load(req)
+                    transfers.finish_loads(loading)
+                except Exception as exc:  # a broken connector: fail its requests, keep looping
+                    for req in admitted + loading:
+                        if req.loading is None or req.loading.done():
+                            self._fail(req, exc)
             with self._cv:
                 batch = sched.runnable()
             try:
@@ -336,21 +341,19 @@ class Engine:
             except Exception as exc:
                 self._fail(req, exc)
             req.num_computed += n
-        with self._cv:
+        with self._cv:  # counted before the tokens go out: a caller that saw one sees them
             st = self._stats
             st.steps += 1
             st.prefill_tokens_computed += plan.num_prefill
             st.decode_tokens_computed += plan.num_decode
-        for i, req in enumerate(plan.sampled):
-            if not req.cancelled and req.rid in self._sched.running:
-                self._next_token(req, out.logits[i], picked[i])
-        if plan.num_prefill == 0:
-            with self._cv:
-                st = self._stats
+            if plan.num_prefill == 0:
                 st.decode_only_steps += 1
                 st.decode_step_seconds += time.perf_counter() - started - out.capture_seconds
                 st.graph_capture_seconds += out.capture_seconds
                 st.decode_kv_tokens += sum(s.start + 1 for s in plan.seqs)
+        for i, req in enumerate(plan.sampled):
+            if not req.cancelled and req.rid in self._sched.running:
+                self._next_token(req, out.logits[i], picked[i])
 
     def _next_token(self, req: Request, row: Tensor, argmax: int | None) -> None:
         """Sample, store and emit one request's token; any failure fails only this request."""

@@ -25,7 +25,7 @@ class EngineStats:
     peak_blocks_used: int = 0
     peak_waiting: int = 0
     #: Steps that only decoded (no prompt chunk), their wall time on the loop thread (plan, launch,
-    #: wait for the tokens, hand them out; capturing a new CUDA graph is counted apart, in
+    #: wait for the tokens; capturing a new CUDA graph is counted apart, in
     #: ``graph_capture_seconds``) and the cached tokens their attention read.
     #: ``prefix_load_seconds``: time spent loading cached prefixes (asking the server and copying
     #: into the blocks), summed over requests; it runs on connector threads, not the loop.
