@@ -28,10 +28,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from typing import Any, TypeVar
 
+from kvdrop_sdk.edit import ModifyFnType
 from kvdrop_sdk.errors import BatchedStreamError
 from kvdrop_sdk.metrics import Metrics, get_handler, summarize
 from kvdrop_sdk.request import ModifyResult, RequestStream, StreamPerfMetrics
-from kvdrop_sdk.types import ModifyFnType
 from kvdrop_sdk.validate import positive_int
 
 __all__ = ["BatchedStream", "BatchedStreamError", "BatchedStreamFailures", "ProgressCallback"]
