@@ -19,6 +19,7 @@ stored).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -26,7 +27,7 @@ from typing import Any, TypeVar
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind, KindMap, kind_value
-from kvdrop_sdk.errors import RequestStreamError
+from kvdrop_sdk.errors import EditTimeoutError, RequestStreamError
 from kvdrop_sdk.query_capture import DeclaresQueries, QueryNeed
 from kvdrop_sdk.validate import is_int, token_ids
 
@@ -246,14 +247,26 @@ def call_edit(
     tokens: list[int],
     context: EditContext | None,
     stream_id: str,
+    timeout: float | None = None,
 ) -> tuple[Any, list[int]]:
     """Call ``fn`` (with ``context=`` when given) and return its ``(kv, tokens)``, the token ids
-    checked; RequestStreamError naming the stream when it fails or returns something else."""
-    try:
+    checked; RequestStreamError naming the stream when it fails or returns something else.
+
+    With a ``timeout`` the call runs in a daemon thread that is abandoned after ``timeout``
+    seconds (:class:`~kvdrop_sdk.errors.EditTimeoutError`): Python cannot stop a running
+    function, so a hung one keeps its thread, but its late result is dropped and nothing is
+    stored.
+    """
+
+    def call() -> Any:
         if context is not None:
-            result = fn(KindMap(tensors), tokens, context=context)  # type: ignore[call-arg]
-        else:
-            result = fn(KindMap(tensors), tokens)
+            return fn(KindMap(tensors), tokens, context=context)  # type: ignore[call-arg]
+        return fn(KindMap(tensors), tokens)
+
+    try:
+        result = call() if timeout is None else _bounded(call, timeout, stream_id)
+    except EditTimeoutError:
+        raise
     except Exception as exc:
         raise RequestStreamError(
             f"stream {stream_id}: edit function failed: {type(exc).__name__}: {exc}"
@@ -268,6 +281,31 @@ def call_edit(
         return new_kv, check_edit_tokens(raw, "tokens returned by fn")
     except (TypeError, ValueError) as exc:
         raise RequestStreamError(f"stream {stream_id}: {exc}") from None
+
+
+def _bounded(call: Callable[[], Any], timeout: float, stream_id: str) -> Any:
+    """``call()`` in a daemon thread, waited for at most ``timeout`` seconds."""
+    box: list[tuple[bool, Any]] = []
+
+    def target() -> None:
+        try:
+            box.append((True, call()))
+        except BaseException as exc:  # handed to the waiting caller below
+            box.append((False, exc))
+
+    worker = threading.Thread(target=target, name=f"kvdrop-edit-{stream_id[:8]}", daemon=True)
+    worker.start()
+    worker.join(max(float(timeout), 0.0))
+    if worker.is_alive() or not box:
+        raise EditTimeoutError(
+            f"stream {stream_id}: the edit function did not return within {timeout:g}s; it was "
+            "abandoned (its thread may still run; a late result is dropped), and the stream and "
+            "the server are unchanged. Raise modify(timeout=...) for slow edits"
+        )
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 def check_edit_tokens(tokens: Any, what: str) -> list[int]:

@@ -445,6 +445,7 @@ class RequestStream:
         poll_interval: float = 0.2,
         *,
         device: str | None = None,
+        edit_timeout: float | None = None,
     ) -> ModifyResult:
         """Edit the cached chunk-aligned prefix with ``fn`` and store the result back.
 
@@ -452,9 +453,10 @@ class RequestStream:
         whole chunks to appear (engines may store asynchronously; a synchronous engine's are
         there at once), then edits whatever is cached. A stream whose tokens or last
         prompt had no whole chunk is left as it is (``skipped``). ``device`` reaches ``fn`` as
-        ``EditContext.device`` (where to score). Raises ``RequestStreamError`` when nothing is
-        cached (e.g. before any generate), ``fn`` fails, or its output is invalid; the stream
-        and the server are then unchanged.
+        ``EditContext.device`` (where to score). ``edit_timeout`` bounds ``fn`` itself
+        (``EditTimeoutError`` after that many seconds; None: unbounded). Raises
+        ``RequestStreamError`` when nothing is cached (e.g. before any generate), ``fn`` fails,
+        or its output is invalid; the stream and the server are then unchanged.
         """
         if not callable(fn):
             raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
@@ -496,7 +498,7 @@ class RequestStream:
             if with_context:
                 context = self._edit_context(kv_ctx, cached, len(current), queries, device)
             sid = self._request_stream_id
-            new_kv, new_tokens = call_edit(fn, tensors, kept_input, context, sid)
+            new_kv, new_tokens = call_edit(fn, tensors, kept_input, context, sid, edit_timeout)
             edited = tensors[CacheKind.KV]
             reference = (edited.shape[1], edited.shape[3], edited.dtype)
             check_edit_tensor(CacheKind.KV, new_kv, new_tokens, reference, chunk, sid)
