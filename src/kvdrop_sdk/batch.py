@@ -159,8 +159,8 @@ class BatchedStream:
         (a call still running after ``timeout`` seconds is abandoned and that stream fails with
         ``EditTimeoutError``, unchanged; the others go on), and the store. Reports the
         wall-clock duration, the kept / total edited (cached) tokens, and ``kept_fraction``: the
-        kept share of the WHOLE prompts (the uncached tails, never dropped, count as kept). ``device`` reaches ``fn`` as
-        ``EditContext.device``.
+        kept share of the WHOLE prompts (the uncached tails, never dropped, count as kept).
+        ``device`` reaches ``fn`` as ``EditContext.device``.
         """
         results, failures, duration = self._modify(fn, stream_ids, timeout, poll_interval, device)
         edited = [r for r in results.values() if not r.skipped]
