@@ -18,6 +18,7 @@ stored).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -41,6 +42,7 @@ __all__ = [
     "call_edit",
     "check_edit_tensor",
     "check_edit_tokens",
+    "edit_salt",
     "get_tensor",
     "merge_queries",
     "reads_queries",
@@ -404,3 +406,20 @@ class ModifyResult:
         """Kept share of the whole sequence (the tail is never dropped); 1.0 when skipped."""
         total = self.prompt_tokens
         return (self.kept_tokens + self.suffix_tokens) / total if total else 1.0
+
+
+#: Longest salt LMCache accepts (it also refuses "@", "/", "\\" and NUL in one).
+_MAX_SALT_CHARS = 128
+
+
+def edit_salt(cache_salt: str, request_stream_id: str) -> str:
+    """The salt a stream's edited KV lives under: its own, so no other request can read it.
+
+    Made of characters every server accepts (LMCache refuses "/" and salts over 128 characters):
+    ``f"{cache_salt}.edit.{request_stream_id}"``, with a long ``cache_salt`` replaced by its hash.
+    """
+    salt = f"{cache_salt}.edit.{request_stream_id}"
+    if len(salt) > _MAX_SALT_CHARS:
+        digest = hashlib.sha256(cache_salt.encode()).hexdigest()[:32]
+        salt = f"{digest}.edit.{request_stream_id}"
+    return salt

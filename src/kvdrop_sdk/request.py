@@ -33,7 +33,7 @@ Token bookkeeping (the rules everything else relies on):
   ``{QUERY: [1, L, R, Dq]}`` with ``context.query_positions``: the window, or the chunk queries
   followed by the window's rows past them. A plain function gets the chunk queries (cut with the
   KV to a common ``T``), or no query tensor when only a window exists. Functions whose
-  ``needs_query`` is False get no query tensor.
+  ``queries`` is ``QueryNeed.NONE`` get no query tensor.
 * Nothing changes when ``fn`` fails or returns something invalid: the stream keeps its tokens and
   the server keeps what it stored (validation happens before the store).
 * The server keeps the first copy of a chunk: an edit that changes values but keeps a chunk's
@@ -58,7 +58,6 @@ present, else the cache is polled by retrieving, as upstream does).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import threading
@@ -80,6 +79,7 @@ from kvdrop_sdk.edit import (
     call_edit,
     check_edit_tensor,
     check_edit_tokens,
+    edit_salt,
     merge_queries,
     reads_queries,
     takes_edit_context,
@@ -105,23 +105,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-#: Longest salt LMCache accepts (it also refuses "@", "/", "\\" and NUL in one).
-_MAX_SALT_CHARS = 128
-
-
-def edit_salt(cache_salt: str, request_stream_id: str) -> str:
-    """The salt a stream's edited KV lives under: its own, so no other request can read it.
-
-    Made of characters every server accepts (LMCache refuses "/" and salts over 128 characters):
-    ``f"{cache_salt}.edit.{request_stream_id}"``, with a long ``cache_salt`` replaced by its hash.
-    """
-    salt = f"{cache_salt}.edit.{request_stream_id}"
-    if len(salt) > _MAX_SALT_CHARS:
-        digest = hashlib.sha256(cache_salt.encode()).hexdigest()[:32]
-        salt = f"{digest}.edit.{request_stream_id}"
-    return salt
 
 
 @dataclass(frozen=True)
