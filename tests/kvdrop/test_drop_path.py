@@ -50,7 +50,7 @@ def recording(fn: kvdrop.Policy) -> tuple[Any, list[dict[str, Any]]]:
         seen.append({"tensors": dict(tensors), "tokens": list(toks), "context": context})
         return fn(tensors, toks, context=context)
 
-    spy.needs_query = fn.needs_query  # type: ignore[attr-defined]
+    spy.queries = fn.queries  # type: ignore[attr-defined]  # what the SDK reads
     return spy, seen
 
 
