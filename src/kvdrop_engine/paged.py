@@ -48,6 +48,7 @@ __all__ = [
     "blocks_needed",
     "to_device",
     "to_host",
+    "to_host_all",
 ]
 
 
@@ -290,6 +291,24 @@ def to_host(t: Tensor) -> Tensor:
     host.copy_(t, non_blocking=True)
     torch.cuda.current_stream(t.device).synchronize()
     return host
+
+
+def to_host_all(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """:func:`to_host` of several tensors with one synchronisation: each GPU tensor is copied
+    into its own page-locked buffer asynchronously, then the stream is waited for once."""
+    out = []
+    streams = set()
+    for t in tensors:
+        if t.device.type != "cuda":
+            out.append(t)
+            continue
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        streams.add(t.device)
+        out.append(host)
+    for device in streams:
+        torch.cuda.current_stream(device).synchronize()
+    return tuple(out)
 
 
 @dataclass(frozen=True)
