@@ -18,6 +18,7 @@ quadratic in compute but linear in memory, and equals the quadratic reference ex
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import torch
@@ -315,9 +316,8 @@ def _scan_columns(
     while c1 > 0:
         c0 = max(0, c1 - width)
         diag = torch.arange(c0, c1, device=kn.device)
-        if kernels.available(kn16):  # the row maxima straight from a fused kernel
-            best = kernels.similarity_row_max(kn16, c0, c1)
-        else:
+        best = _fused_row_max(kn16, c0, c1)  # the row maxima straight from a fused kernel
+        if best is None:
             rough = torch.matmul(kn16, kn16[:, c0:c1].transpose(1, 2))  # [h, T, c1 - c0]
             rough[:, diag, diag - c0] = -torch.inf  # the diagonal never counts as similar
             best = rough.amax(dim=-1)
@@ -342,3 +342,21 @@ def _scan_columns(
             last.scatter_(1, order, torch.where(hit, col, last.gather(1, order)))
             found.scatter_(1, order, found.gather(1, order) | hit)
         c1 = c0
+
+
+_KERNEL_FAILED: list[BaseException] = []
+
+
+def _fused_row_max(kn16: torch.Tensor, c0: int, c1: int) -> torch.Tensor | None:
+    """:func:`kvdrop.kernels.similarity_row_max`, or None where it cannot run; a kernel that
+    fails (a Triton that cannot compile it here) is logged once and not tried again."""
+    if _KERNEL_FAILED or not kernels.available(kn16):
+        return None
+    try:
+        return kernels.similarity_row_max(kn16, c0, c1)
+    except Exception as exc:  # compile or launch failure: the PyTorch filter is exact too
+        _KERNEL_FAILED.append(exc)
+        logging.getLogger("kvdrop.attention").warning(
+            "the fused similarity kernel failed (%r); using the PyTorch filter", exc
+        )
+        return None
