@@ -116,14 +116,26 @@ def log_normalisers(
     while i < num_rows:
         limit = int(pos[min(num_rows, i + 64) - 1]) + 1
         j = min(num_rows, i + max(1, min(64, tile // (4 * num_q_heads * limit))))
-        blocks.append((order[i:j].to(queries.device), pos[i:j], int(pos[j - 1]) + 1))
+        blocks.append((order[i:j], pos[i:j], int(pos[j - 1]) + 1))
         i = j
+    # Each block's rows, positions and hidden-key mask on the device once, not per layer: a
+    # host-to-device copy inside the loop would wait for the device every layer.
+    dev = queries.device
+    blocks = [
+        (
+            rows.to(dev),
+            row_pos,
+            limit,
+            (torch.arange(int(row_pos[0]) + 1, limit)[None, :] > row_pos[:, None]).to(dev),
+        )
+        for rows, row_pos, limit in blocks
+    ]
     for layer in range(num_layers):
         k = keys(layer)
         num_kv_heads = k.shape[1]
         group = num_q_heads // num_kv_heads
         kh = k.permute(1, 2, 0)  # [Hkv, d, N], the model's dtype
-        for rows, row_pos, limit in blocks:
+        for rows, row_pos, limit, hidden in blocks:
             r = rows.numel()
             q = queries[layer].index_select(0, rows)  # [r, Hq, d]
             qh = q.view(r, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
@@ -131,8 +143,6 @@ def log_normalisers(
             logits = logits.mul_(scale).view(num_kv_heads, r, group, limit)
             first_hidden = int(row_pos[0]) + 1
             if first_hidden < limit:  # only keys after the block's first row can be hidden
-                cols = torch.arange(first_hidden, limit)
-                hidden = (cols[None, :] > row_pos[:, None]).to(logits.device)
                 logits[..., first_hidden:].masked_fill_(hidden[None, :, None, :], -torch.inf)
             peak = logits.amax(dim=-1, keepdim=True)  # every row sees key 0: finite
             total = logits.sub_(peak).exp_().sum(dim=-1)

@@ -321,11 +321,12 @@ class Transfers:
             positions, queries = rows
             # Log-normalisers from the request's own keys, while its blocks are still its own.
             with torch.inference_mode():
+                # The slots once (a host-to-device copy), not once per layer.
+                slots = self.cache.slots(req.blocks, 0, computed)
+                cache = self.cache
+                heads = (-1, cache.num_kv_heads, cache.head_dim)
                 lse = log_normalisers(
-                    queries,
-                    positions,
-                    lambda layer: self.cache.keys(req.blocks, layer, computed),
-                    scale,
+                    queries, positions, lambda layer: cache.k[layer].view(heads)[slots], scale
                 )
             # Copied to the host here (through page-locked memory): the store runs on another
             # thread, and device calls there could meet a CUDA graph capture of the loop thread.
