@@ -117,7 +117,7 @@ def test_expired_reservations_are_quarantined_until_their_writer_ends_them() -> 
     it ends the lease (commit/abort) or ``quarantine_s`` passes."""
     clock = Clock()
     store = ChunkStore(0, 2 * ALIGN, clock=clock, quarantine_s=100)
-    lid, slots, _, _ = store.reserve(keys("a"), ALIGN, 5, owner="w1")
+    lid, _, _, _ = store.reserve(keys("a"), ALIGN, 5, owner="w1")
     clock.now = 6  # writer 1's lease lapses while it is stalled
     nlid, nslots, _, dropped = store.reserve(keys("a", "b"), ALIGN, 5, owner="w2")
     assert [off for _, off in nslots] == [ALIGN] and dropped == 1  # a's old slot is not handed on
@@ -128,7 +128,7 @@ def test_expired_reservations_are_quarantined_until_their_writer_ends_them() -> 
     assert store.commit(nlid, owner="w2") == 1
     assert put(store, keys("c")) == 1  # the freed slot is usable again
     # A writer that never comes back: the slot returns after quarantine_s.
-    lid2, _, _, _ = store.reserve(keys("d"), ALIGN, 5, owner="w3")
+    store.reserve(keys("d"), ALIGN, 5, owner="w3")
     clock.now = 20
     assert store.snapshot()["quarantined_bytes"] == ALIGN
     clock.now = 121

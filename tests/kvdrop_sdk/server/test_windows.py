@@ -1,4 +1,4 @@
-"""The server's window store: keyed by kind and the whole token list, first copy wins, LRU bounded."""
+"""The server's window store: keyed by kind and every token, first copy wins, LRU bounded."""
 
 from __future__ import annotations
 
