@@ -77,8 +77,9 @@ from kvdrop_engine.paged import (
 )
 from kvdrop_engine.sampling import SamplingParams, finish_reason, make_generator, sample
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
-from kvdrop_sdk.errors import PartialStoreError
+from kvdrop_sdk.errors import PartialStoreError, SDKError, ServerUnavailableError
 from kvdrop_sdk.events import TokenEvent
+from kvdrop_sdk.protocol import MAX_SALT_CHARS
 from kvdrop_sdk.validate import positive_int, token_ids
 
 __all__ = ["DEFAULT_BUDGET_TOKENS", "Engine", "EngineStats", "StepPlan", "plan_step"]
@@ -103,6 +104,19 @@ def _stop_running_engines() -> None:
     """
     for engine in list(_RUNNING):
         engine.stop()
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps) is a kvdrop SDK error other than "server unavailable":
+    the server answered and refused this request, so it is up."""
+    seen: BaseException | None = exc
+    refused = False
+    while seen is not None:
+        if isinstance(seen, ServerUnavailableError):
+            return False
+        refused = refused or isinstance(seen, SDKError)
+        seen = seen.__cause__
+    return refused
 
 
 @dataclass
@@ -459,8 +473,11 @@ class Engine:
         """
         params = SamplingParams.from_dict(sampling_params)
         prompt = self._check_prompt(prompt_token_ids)
-        if not isinstance(cache_salt, str):
-            raise InvalidRequestError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+        if not isinstance(cache_salt, str) or len(cache_salt) > MAX_SALT_CHARS:
+            got = f"{len(cache_salt)} characters" if isinstance(cache_salt, str) else cache_salt
+            raise InvalidRequestError(
+                f"cache_salt must be a str of at most {MAX_SALT_CHARS} characters, got {got!r}"
+            )
         need = self.blocks_for(len(prompt), params.max_tokens)
         if need > self.cache.num_blocks:
             raise RequestTooLargeError(
@@ -614,8 +631,12 @@ class Engine:
     def _io_ok(self) -> bool:
         return time.monotonic() >= self._io_down_until
 
-    def _io_failed(self, what: str, reason: str) -> None:
-        """Log one line and leave the server alone for ``connector_backoff_s``."""
+    def _io_failed(self, what: str, reason: str, exc: BaseException | None = None) -> None:
+        """Log one line and leave the server alone for ``connector_backoff_s`` -- unless ``exc``
+        says the server answered and refused this one request (bad input is no outage)."""
+        if exc is not None and _refused(exc):
+            logger.warning("kvdrop server %s %s (this request only)", what, reason)
+            return
         self._io_down_until = time.monotonic() + self.connector_backoff_s
         logger.warning(
             "kvdrop server %s %s; computing without it for %g s",
@@ -711,7 +732,7 @@ class Engine:
                 if req.load_state != "copied" and plan.kv is not None:
                     self.cache.load(req.blocks, plan.kv)  # (CUDA graphs: on the loop thread)
             except Exception as exc:
-                self._io_failed("load failed:", f"{type(exc).__name__}: {exc}")
+                self._io_failed("load failed:", f"{type(exc).__name__}: {exc}", exc)
                 self._recompute(req)
                 continue
             req.follow(plan, self.connector)
@@ -748,7 +769,7 @@ class Engine:
             if isinstance(exc.__cause__, PartialStoreError):
                 logger.warning("%s", exc)  # the server works; its pool is full of pins
             else:
-                self._io_failed("store failed:", str(exc))
+                self._io_failed("store failed:", str(exc), exc)
 
     def _stored(self, job: StoreJob | WindowJob, future: Future[Any]) -> None:
         with self._cv:

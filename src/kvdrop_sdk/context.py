@@ -24,7 +24,12 @@ import requests
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind
-from kvdrop_sdk.errors import CacheKindError, SDKError, ServerRestartedError
+from kvdrop_sdk.errors import (
+    CacheKindError,
+    SDKError,
+    ServerRestartedError,
+    ServerUnavailableError,
+)
 from kvdrop_sdk.hashing import TOKEN_BYTES, encode_tokens
 from kvdrop_sdk.layout import CacheLayout, dtype_name
 from kvdrop_sdk.protocol import MAX_SALT_CHARS, RpcClient, RpcError, server_hint
@@ -119,7 +124,7 @@ class Context:
             resp.raise_for_status()
             body = resp.json()
         except requests.RequestException as exc:
-            raise SDKError(
+            raise ServerUnavailableError(
                 f"cannot reach the kvdrop server at {address} ({type(exc).__name__}); "
                 f"{server_hint(self.url, self.http_url)}"
             ) from None
