@@ -418,7 +418,7 @@ def check_tensor(value: Any, what: str) -> None:
     """``SDKError`` unless ``value`` is a dense tensor with data (not sparse, not on ``meta``)."""
     problem = tensor_problem(value)
     if problem is not None:
-        raise SDKError(f"{what} must be a dense torch.Tensor with data; {problem}")
+        raise SDKError(f"{what} must be a torch.Tensor, dense and with data; {problem}")
 
 
 def _reject_lmcache_server(config: dict[str, Any], http_url: str, kind: CacheKind) -> None:
