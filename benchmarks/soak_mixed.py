@@ -432,7 +432,7 @@ def _engine_hostile_http() -> Row:
                         except requests.RequestException:
                             statuses[name] = -1
                 normal.join(120)
-                backed_off = not eng._io_ok()
+                backed_off = eng._transfers is not None and not eng._transfers.io_ok()
         conn.close()
     refused = sum(1 for code in statuses.values() if code == 400)
     answers = ", ".join(f"{k}: HTTP {v}" for k, v in statuses.items())

@@ -12,7 +12,8 @@ from kvdrop_engine.engine import Engine
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer
-from kvdrop_sdk.errors import ServerUnavailableError
+from kvdrop_engine.transfer import refused
+from kvdrop_sdk.errors import SDKError, ServerUnavailableError
 from kvdrop_sdk.protocol import RpcError
 from kvdrop_sdk.server.testing import spawn_server
 
@@ -26,13 +27,11 @@ def _wrapped(cause: Exception) -> EngineError:
         return exc
 
 
-def test_only_an_unavailable_server_backs_the_engine_off() -> None:
-    model = Transformer.random(preset_config("tiny"), seed=0)
-    with Engine(model, num_blocks=64) as eng:
-        eng._io_failed("store failed:", "refused", _wrapped(RpcError("bad_field", "salt")))
-        assert eng._io_ok()  # the server answered: no back-off
-        eng._io_failed("store failed:", "down", _wrapped(ServerUnavailableError("no reply")))
-        assert not eng._io_ok()
+def test_only_an_unavailable_server_counts_as_down() -> None:
+    assert refused(_wrapped(RpcError("bad_field", "salt")))  # the server answered
+    assert refused(_wrapped(SDKError("cache_salt is 100000 characters")))
+    assert not refused(_wrapped(ServerUnavailableError("no reply")))
+    assert not refused(RuntimeError("a connector of another kind"))
 
 
 def test_a_huge_cache_salt_is_refused_before_it_reaches_the_server() -> None:
@@ -47,5 +46,11 @@ def test_a_huge_cache_salt_is_refused_before_it_reaches_the_server() -> None:
             assert time.monotonic() - started < 5
             prompt = list(range(3, 40))
             eng.generate(prompt, greedy)
-            assert eng._io_ok() and eng.stats().store_failures == 0
+            transfers = eng._transfers
+            assert transfers is not None and transfers.io_ok()
+            assert eng.stats().store_failures == 0
+            transfers.io_failed("store failed:", "refused", _wrapped(RpcError("bad_field", "x")))
+            assert transfers.io_ok()  # a refusal: no back-off for everyone
+            transfers.io_failed("store failed:", "down", _wrapped(ServerUnavailableError("x")))
+            assert not transfers.io_ok()
         conn.close()
