@@ -260,9 +260,7 @@ def check_policies(
     width = cfg.num_kv_heads * cfg.head_dim
     kv = torch.randn(2, cfg.num_layers, num_tokens, width, generator=gen)
     rows = _window_positions(num_tokens, capture)
-    query = torch.randn(
-        1, cfg.num_layers, len(rows), cfg.num_heads * cfg.head_dim, generator=gen
-    )
+    query = torch.randn(1, cfg.num_layers, len(rows), cfg.num_heads * cfg.head_dim, generator=gen)
     for name, fn in policies.items():
         tensors = {CacheKind.KV: kv}
         if _declared_need(fn) is not QueryNeed.NONE and capture.enabled:
@@ -284,4 +282,3 @@ def check_policies(
                 f"policy {name!r} cannot edit this model's caches ({cfg.num_layers} layers, "
                 f"{cfg.num_kv_heads} KV / {cfg.num_heads} query heads x {cfg.head_dim}): {first}"
             ) from None
-

@@ -30,6 +30,7 @@ __all__ = [
     "summarize_runs",
 ]
 
+
 def kept_count(num_tokens: int, keep_ratio: float, chunk_size: int) -> int:
     """Tokens a policy keeps of a prompt's cached (chunk-aligned) prefix, per the selector."""
     cached = num_tokens - num_tokens % chunk_size
