@@ -6,8 +6,9 @@ so logs stay short. ``silent=True`` turns it off without changing the caller. A 
 prefill -> modify -> decode) finishes the previous line and restarts the clock, so the rate and
 ETA are per phase. The ETA extrapolates the rate since the phase's first completion, not since its
 start: in batched work the first result carries the latency of the whole pipeline (warm-up, a
-full batch in flight) and later ones come at its throughput, so a start-based rate overestimates. The line starts with the fixed ``label`` if one was given (plus the phase when
-the label does not already name it), else with the phase.
+full batch in flight) and later ones come at its throughput, so a start-based rate overestimates.
+The line starts with the fixed ``label`` if one was given (plus the phase when the label does not
+already name it), else with the phase.
 """
 
 from __future__ import annotations
