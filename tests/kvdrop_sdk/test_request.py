@@ -19,7 +19,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvdrop_sdk.testing.toy import ToyEngine, encode_rows, positions_of
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context, connect
 from kvdrop_sdk.errors import RequestStreamError, SDKError
@@ -32,6 +31,7 @@ from kvdrop_sdk.request import (
     create_request,
 )
 from kvdrop_sdk.testing.server import spawn_server
+from kvdrop_sdk.testing.toy import ToyEngine, encode_rows, positions_of
 from kvdrop_sdk.types import EditContext, ModifyFnType, accepts_edit_context
 from kvdrop_sdk.window import QueryWindow, store_window
 

@@ -18,9 +18,9 @@ import torch
 
 import kvdrop_sdk as sdk
 from kvdrop_sdk import BatchedStream, CacheKind, CacheLayout, create_request
-from kvdrop_sdk.testing.toy import ToyCall, ToyEngine, encode_rows, positions_of
 from kvdrop_sdk.testing.fuzz import FuzzTarget, fuzz_messages, send_fuzz
 from kvdrop_sdk.testing.server import ServerHandle, spawn_server
+from kvdrop_sdk.testing.toy import ToyCall, ToyEngine, encode_rows, positions_of
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -33,7 +33,6 @@ def calls_for(engine: ToyEngine, prompt_prefix: Sequence[int]) -> list[ToyCall]:
     """The engine's recorded calls whose prompt starts with ``prompt_prefix`` (in call order)."""
     n = len(prompt_prefix)
     return [c for c in list(engine.calls) if c.prompt[:n] == list(prompt_prefix)]
-
 
 
 def digest(t: torch.Tensor) -> str:
