@@ -67,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_.add_argument("--seed", type=int, default=0, help="seed of prompts and random weights")
     run_.add_argument("--json", action="store_true", help="print one JSON report on stdout")
     run_.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _cache_arguments(parser)
+    _model_arguments(parser)
+
+
+def _cache_arguments(parser: argparse.ArgumentParser) -> None:
     cache = parser.add_argument_group("cache server")
     cache.add_argument(
         "--cache-server",
@@ -85,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument(
         "--http-url", default=None, help="its HTTP address, e.g. http://127.0.0.1:8080"
     )
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model",

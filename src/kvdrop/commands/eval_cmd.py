@@ -88,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"prompts per task and length (default: {_default('num_samples')})",
     )
+    _output_arguments(parser)
+
+
+def _output_arguments(parser: argparse.ArgumentParser) -> None:
     meas = parser.add_argument_group("measurement")
     meas.add_argument("--max-tokens", type=int, default=8, help="answer tokens (default 8)")
     meas.add_argument("--chunk-size", type=int, default=256, help="server chunk size (256)")

@@ -411,10 +411,26 @@ def run_eval(
         for p, r in runs
     }
     kept = [rec for rec in grid.records if tuple(rec[f] for f in KEY) in cells]
-    setup = {
-        "model": loaded[2],
+    setup = _setup(config, loaded[2], list(policies), fingerprint, measure)
+    setup["wall_seconds"] = time.perf_counter() - t0
+    setup["edits_already_stored"] = repeats.count
+    return EvalReport(sort_rows(aggregate(kept), list(policies)), setup, skipped, kept)
+
+
+def _setup(
+    config: EvalConfig,
+    model_name: str,
+    policies: list[str],
+    fingerprint: dict[str, Any],
+    measure: Measurement,
+) -> dict[str, Any]:
+    """The report's setup: the grid, what results depend on, the machine, the capture."""
+    import torch
+
+    return {
+        "model": model_name,
         "grid": {
-            "policies": list(policies),
+            "policies": policies,
             "keep_ratios": list(config.keep_ratios),
             "lengths": list(config.lengths),
             "tasks": list(config.tasks),
@@ -425,12 +441,11 @@ def run_eval(
         "device": config.device,
         "torch_threads": torch.get_num_threads(),
         "machine": _machine(),
-        "wall_seconds": time.perf_counter() - t0,
+        "wall_seconds": 0.0,
         "query_capture": measure.capture.mode.value if measure.any_query else None,
         "server_evictions": (measure.server_status or {}).get("evictions"),
-        "edits_already_stored": repeats.count,
+        "edits_already_stored": 0,
     }
-    return EvalReport(sort_rows(aggregate(kept), list(policies)), setup, skipped, kept)
 
 
 def _check_layout(
