@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvdrop.commands.args import finite_positive
@@ -136,6 +137,9 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             print(f"kvdrop demo: error: --{flag.replace('_', '-')} must be > 0", file=sys.stderr)
             return 2
+    if args.model is not None and not Path(args.model).exists():
+        print(f"kvdrop demo: error: --model {args.model}: no such file or folder", file=sys.stderr)
+        return 2
     if (args.url is None) != (args.http_url is None):
         print("kvdrop demo: error: give --url and --http-url together", file=sys.stderr)
         return 2

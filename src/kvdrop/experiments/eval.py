@@ -1,7 +1,7 @@
 """Accuracy and fidelity of drop policies against full KV on a real model, offline: the
 measurement behind ``kvdrop eval`` (the command, tables and plot: :mod:`kvdrop.commands.eval_cmd`).
 
-The measurement goes through the real pipeline of :mod:`kvdrop.experiments.pipeline`: an
+The measurement goes through the real pipeline of :mod:`kvdrop.experiments.runner`: an
 in-process kvdrop server, the reference engine (prefill stores KV and queries in the server), the
 SDK's ``modify`` with the policy (re-rotated), and the engine decoding on the edited cache. For
 every cell of the grid ``task x setting x length x policy x keep_ratio`` it reports:

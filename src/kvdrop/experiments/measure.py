@@ -162,7 +162,8 @@ class Measurement:
     def _run(self, name: str, items: Sequence[Item], salt: str, fn: Any, contexts: list) -> Any:
         """One pipeline run over ``items``: prefill, modify with ``fn`` (if any), decode from the
         edited cache (the question appended in the ``after`` setting)."""
-        from kvdrop.experiments.pipeline import Prompt, run_pipeline
+        from kvdrop.experiments.prompts import Prompt
+        from kvdrop.experiments.runner import run_pipeline
         from kvdrop_sdk.batch import BatchedStreamFailures
 
         try:
