@@ -11,7 +11,7 @@ every cell of the grid ``task x setting x length x policy x keep_ratio`` it repo
   task's known answer, with a 95% Wilson interval;
 * **fidelity**: over a teacher-forced continuation (the full-KV answer, with its EOS), the mean
   ``KL(full || dropped)`` of the next-token distributions (nats per token) and how often their
-  top-1 tokens agree (:func:`kvdrop_engine.scoring.continuation_logprobs` reads the same edited
+  top-1 tokens agree (:func:`kvdrop_engine.logprobs.continuation_logprobs` reads the same edited
   cache the decode read). Fidelity moves before accuracy does, with less noise.
 
 Full KV is the row with policy ``full`` and keep ratio 1.0 (fidelity 0 and 1 by definition). The
@@ -52,6 +52,7 @@ from kvdrop.experiments.results import (
     wilson,
 )
 from kvdrop.experiments.tasks import SETTINGS, TASKS, Sample, make_samples
+from kvdrop_sdk.query_capture import QueryNeed
 
 __all__ = [
     "FULL",
@@ -240,7 +241,7 @@ def build_policies(
                 )
                 for r in config.keep_ratios
             }
-            needs_query[name] = bool(info.needs_query)
+            needs_query[name] = info.queries is not QueryNeed.NONE
         except (ValueError, KeyError, TypeError, kvdrop.PolicyConflictError) as exc:
             if explicit:
                 raise

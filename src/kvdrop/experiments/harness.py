@@ -44,35 +44,17 @@ class HarnessError(ValueError):
 
 
 def _declared_need(policy: object) -> QueryNeed:
-    """What ``policy`` reads of the queries. The one adapter between the policies' older flags
-    (``needs_query``/``needs_full_queries`` of :class:`kvdrop.Policy`) and ``QueryNeed``, until
-    every policy declares ``queries`` itself (issue 17, ``i17-core``); delete it then."""
-    from kvdrop.policy import Policy
-
+    """What ``policy`` reads of the queries: its ``queries`` declaration; an edit function that
+    declares nothing is served every query (the upstream layout it was written for)."""
     if isinstance(policy, DeclaresQueries):
         return QueryNeed(policy.queries)
-    if not isinstance(policy, Policy):
-        return QueryNeed.FULL  # a plain edit function: the upstream layout it was written for
-    if policy.needs_full_queries:
-        return QueryNeed.FULL
-    return QueryNeed.WINDOW if policy.needs_query else QueryNeed.NONE
-
-
-@dataclass(frozen=True)
-class _Declared:
-    """A policy seen through :func:`_declared_need` (a ``DeclaresQueries``)."""
-
-    policy: object
-
-    @property
-    def queries(self) -> QueryNeed:
-        return _declared_need(self.policy)
+    return QueryNeed.FULL
 
 
 def query_capture(policies: Iterable[object], prefer: str = "window") -> QueryCapture:
     """The engine's capture for ``policies``: none when none reads queries, else the lean window,
     or every query when a policy needs them all or ``prefer`` is ``"full"``."""
-    declared = [_Declared(p) for p in policies]
+    declared = list(policies)
     capture = QueryCapture.for_policies(declared)
     if capture.enabled and prefer == "full":
         capture = QueryCapture.for_policies(declared, floor=QueryNeed.FULL)
@@ -122,7 +104,7 @@ def cache_server(
         yield url, http_url, dict
         return
     if kind == "lmcache":
-        from kvdrop_engine.lmcache_connector import spawn_lmcache_server
+        from kvdrop_engine.testing import spawn_lmcache_server
 
         log("starting an LMCache server (about 20 s)")
         with spawn_lmcache_server(
@@ -253,7 +235,7 @@ def check_policies(
     import torch
 
     from kvdrop_sdk.cache_kind import CacheKind
-    from kvdrop_sdk.types import EditContext
+    from kvdrop_sdk.edit import EditContext
 
     num_tokens = 2 * chunk_size
     gen = torch.Generator().manual_seed(0)
