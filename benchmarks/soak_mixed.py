@@ -39,7 +39,7 @@ from kvdrop_sdk.errors import SDKError, ServerUnavailableError
 from kvdrop_sdk.hashing import encode_tokens
 from kvdrop_sdk.protocol import RpcClient, RpcError
 from kvdrop_sdk.server.pool import shm_path, unique_shm_name
-from kvdrop_sdk.server.testing import spawn_server
+from kvdrop_sdk.testing.server import spawn_server
 from kvdrop_sdk.window import QueryWindow, retrieve_window, store_window
 
 Row = dict[str, Any]
@@ -333,7 +333,7 @@ _SHM_FULL = """
 import json, os, time, torch
 import kvdrop_sdk as sdk
 from kvdrop_sdk import CacheLayout
-from kvdrop_sdk.server.testing import spawn_server
+from kvdrop_sdk.testing.server import spawn_server
 layout = CacheLayout(2, 2, 16, torch.float32)
 n = 24 * 256
 kv = torch.randn(2, 2, n, 32)

@@ -15,7 +15,7 @@ from kvdrop_engine.model import Transformer
 from kvdrop_engine.transfer import refused
 from kvdrop_sdk.errors import SDKError, ServerUnavailableError
 from kvdrop_sdk.protocol import RpcError
-from kvdrop_sdk.server.testing import spawn_server
+from kvdrop_sdk.testing.server import spawn_server
 
 pytestmark = pytest.mark.timeout(120)
 

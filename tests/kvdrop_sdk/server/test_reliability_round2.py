@@ -24,7 +24,7 @@ from kvdrop_sdk.errors import ServerUnavailableError
 from kvdrop_sdk.hashing import encode_tokens
 from kvdrop_sdk.protocol import RpcClient, RpcError
 from kvdrop_sdk.server.pool import shm_path, unique_shm_name
-from kvdrop_sdk.server.testing import ServerHandle, spawn_server
+from kvdrop_sdk.testing.server import ServerHandle, spawn_server
 from kvdrop_sdk.window import QueryWindow, retrieve_window, store_window
 
 pytestmark = pytest.mark.timeout(180)
@@ -188,7 +188,7 @@ _SHM_FULL_SCRIPT = """
 import json, os, sys, torch
 import kvdrop_sdk as sdk
 from kvdrop_sdk import CacheLayout
-from kvdrop_sdk.server.testing import spawn_server
+from kvdrop_sdk.testing.server import spawn_server
 layout = CacheLayout(2, 2, 16, torch.float32)
 n = 24 * 256  # 3 MiB of chunks in a 4 MiB pool
 kv = torch.randn(2, 2, n, 32)
