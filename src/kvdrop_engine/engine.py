@@ -75,7 +75,14 @@ from kvdrop_engine.paged import (
     to_host,
     use_kernel,
 )
-from kvdrop_engine.sampling import SamplingParams, finish_reason, make_generator, sample
+from kvdrop_engine.sampling import (
+    SamplingParams,
+    TokenLogprobs,
+    finish_reason,
+    make_generator,
+    sample,
+    token_logprobs,
+)
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
 from kvdrop_sdk.errors import PartialStoreError
 from kvdrop_sdk.events import TokenEvent
@@ -430,6 +437,11 @@ class Engine:
     def num_free_blocks(self) -> int:
         """Blocks not reserved by any running request."""
         return self.cache.allocator.num_free
+
+    def load(self) -> tuple[int, int]:
+        """Requests running (admitted: prefilling or decoding) and waiting for admission now."""
+        with self._cv:
+            return len(self._running), len(self._waiting)
 
     def stats(self) -> EngineStats:
         """A snapshot of the counters."""
@@ -808,12 +820,13 @@ class Engine:
         next_ids = sample(
             logits, [r.params for r in reqs], [r.generator for r in reqs], greedy=greedy
         )
-        for req, tok in zip(reqs, next_ids, strict=True):
+        logprobs = token_logprobs(logits, next_ids, [r.params.logprobs for r in reqs])
+        for req, tok, lp in zip(reqs, next_ids, logprobs, strict=True):
             if req.cancelled:
                 continue
             if not req.output and req.store_upto:
                 req.out.put(self._store_job(req))
-            self._emit(req, tok)
+            self._emit(req, tok, lp)
         if decode_only:
             with self._cv:
                 st = self._stats
@@ -835,13 +848,14 @@ class Engine:
         req.query_parts = []
         return StoreJob(kv, queries, req.prompt[: req.store_upto], req.cache_salt, req.query_offset)
 
-    def _emit(self, req: _Request, tok: int) -> None:
+    def _emit(self, req: _Request, tok: int, logprobs: TokenLogprobs | None = None) -> None:
         req.output.append(tok)
         reason = finish_reason(tok, len(req.output), req.params, self.eos_token_ids)
         text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
         if reason is not None:
             self._finish_jobs(req)
-        req.out.put(TokenEvent(token_id=tok, text=text, finish_reason=reason))
+        lp, top = (None, ()) if logprobs is None else logprobs
+        req.out.put(TokenEvent(tok, text, reason, logprob=lp, top_logprobs=top))
         if reason is not None:
             with self._cv:
                 self._running.pop(req.rid, None)

@@ -2,7 +2,8 @@
 
 ``SamplingParams.from_dict`` validates an OpenAI/vLLM-style dict once, when a request enters the
 engine; :func:`sample` then picks one token per row of a step's logits (greedy rows in one
-``argmax``), and :func:`finish_reason` says whether a token ends its request.
+``argmax``), :func:`token_logprobs` gives the log-probabilities a request asked for, and
+:func:`finish_reason` says whether a token ends its request.
 """
 
 from __future__ import annotations
@@ -18,15 +19,35 @@ from torch import Tensor
 from kvdrop_engine.errors import InvalidRequestError
 from kvdrop_sdk.validate import is_int, is_number
 
-__all__ = ["SamplingParams", "finish_reason", "make_generator", "sample", "sample_row"]
+__all__ = [
+    "MAX_LOGPROBS",
+    "MIN_TEMPERATURE",
+    "SamplingParams",
+    "TokenLogprobs",
+    "finish_reason",
+    "make_generator",
+    "sample",
+    "sample_row",
+    "token_logprobs",
+]
 
 #: OpenAI fields a request may carry that do not change sampling here.
-_TOLERATED_KEYS = frozenset({"stream", "logprobs", "model", "user", "echo", "n"})
+_TOLERATED_KEYS = frozenset({"stream", "model", "user", "echo", "n"})
+#: Smallest positive temperature: lower ones are raised to it, as vLLM does (logits divided by
+#: 1e-39 overflow to inf and the softmax turns them into NaN).
+MIN_TEMPERATURE = 1e-2
+#: Most alternatives per token a request may ask for (vLLM's default ``max_logprobs``).
+MAX_LOGPROBS = 20
+
+#: One token's log-probability and its ``top`` alternatives as ``(token_id, logprob)``.
+TokenLogprobs = tuple[float, tuple[tuple[int, float], ...]]
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. ``temperature == 0`` is greedy; ``top_k <= 0`` and ``top_p == 1`` off."""
+    """How to pick tokens. ``temperature == 0`` is greedy; ``top_k <= 0`` and ``top_p == 1`` off.
+    ``logprobs`` (None: none) asks for each sampled token's log-probability and that many top
+    alternatives; ``stop_token_ids`` is a set (looked up once per generated token)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -34,7 +55,8 @@ class SamplingParams:
     top_k: int = -1
     seed: int | None = None
     ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    logprobs: int | None = None
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | SamplingParams | None) -> SamplingParams:
@@ -57,7 +79,10 @@ class SamplingParams:
             raise InvalidRequestError("only n=1 is supported")
         kw = {k: params[k] for k in known if k in params and params[k] is not None}
         if "stop_token_ids" in kw:
-            kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
+            kw["stop_token_ids"] = frozenset(kw["stop_token_ids"])
+        temperature = kw.get("temperature")
+        if is_number(temperature) and 0 < temperature < MIN_TEMPERATURE:
+            kw["temperature"] = MIN_TEMPERATURE
         sp = cls(**kw)
         sp._check()
         return sp
@@ -81,6 +106,10 @@ class SamplingParams:
             raise bad("ignore_eos", "a bool")
         if not all(is_int(t) for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of ints")
+        if self.logprobs is not None and (
+            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -125,6 +154,27 @@ def sample(
         int(greedy[i]) if p.temperature == 0 else sample_row(logits[i], p, gen)
         for i, (p, gen) in enumerate(zip(params, generators, strict=True))
     ]
+
+
+def token_logprobs(
+    logits: Tensor, tokens: Sequence[int], tops: Sequence[int | None]
+) -> list[TokenLogprobs | None]:
+    """Row ``i``'s log-probability of ``tokens[i]`` and its ``tops[i]`` most likely tokens, from
+    the model's raw logits (as vLLM's default ``raw_logprobs``); None where ``tops[i]`` is None."""
+    rows = [i for i, top in enumerate(tops) if top is not None]
+    out: list[TokenLogprobs | None] = [None] * len(tops)
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=logits.device)
+    logp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    k = max(int(tops[i] or 0) for i in rows)
+    top_lp, top_ids = (t.cpu().tolist() for t in torch.topk(logp, k, dim=-1)) if k else ([], [])
+    chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logp.device))
+    for j, (i, lp) in enumerate(zip(rows, chosen[:, 0].cpu().tolist(), strict=True)):
+        n = int(tops[i] or 0)
+        alts = tuple(zip(top_ids[j][:n], top_lp[j][:n], strict=True)) if n else ()
+        out[i] = (float(lp), alts)
+    return out
 
 
 def finish_reason(

@@ -9,13 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdrop_engine.completions import (
-    BadRequestError,
-    ChatCompletionBuilder,
-    CompletionBuilder,
-    parse_chat_request,
-    parse_completion_request,
-)
+from kvdrop_engine.completions import BadRequestError, parse_chat_request, parse_completion_request
+from kvdrop_engine.responses import ChatCompletionBuilder, CompletionBuilder
 from kvdrop_engine.tokenizer import TokenizerError
 from kvdrop_sdk.adapters.openai import parse_token_id_text, token_id_text
 from kvdrop_sdk.events import TokenEvent
@@ -186,12 +181,12 @@ def test_chat_max_tokens_default_is_the_rest_of_the_context() -> None:
         ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "unknown field(s)"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 0}, "needs 'logprobs'"),
         (
-            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2},
-            "only 'top_logprobs': 0",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "at most 20",
         ),
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": 0}, "must be true or false"),
-        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "'n' must be 1"),
-        ({"messages": [{"role": "user", "content": "x"}], "stop": ["."]}, "stop strings"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 17}, "'n' must be at most 16"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "non-empty strings"),
     ],
 )
 def test_chat_bad_requests_say_what_is_wrong(body: dict[str, Any], fragment: str) -> None:
@@ -263,6 +258,7 @@ def test_chat_builder_body_and_chunks() -> None:
         "delta": {},
         "logprobs": None,
         "finish_reason": "length",
+        "stop_reason": None,
     }
 
 
