@@ -496,9 +496,12 @@ def parse_request(body: Any, route: Route, settings: Settings) -> CompletionRequ
             f"length {limit}; shorten the prompt or lower {name}",
             param=name,
         )
+    params = _sampling(body, max_tokens, settings)
+    if logprobs is not None:
+        params["logprobs"] = logprobs  # the engine computes the values
     return CompletionRequest(
         prompt_token_ids=prompt,
-        sampling_params=_sampling(body, max_tokens, settings),
+        sampling_params=params,
         cache_salt=cache_salt,
         max_tokens=max_tokens,
         stream=stream,

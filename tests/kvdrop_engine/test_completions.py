@@ -108,7 +108,8 @@ def test_parse_never_fails_with_anything_but_bad_request(body: Any) -> None:
     assert req.prompt_token_ids and all(0 <= t < VOCAB for t in req.prompt_token_ids)
     assert req.max_tokens >= 1 and req.sampling_params["max_tokens"] == req.max_tokens
     assert set(req.sampling_params) <= {
-        "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop_token_ids"
+        "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop_token_ids",
+        "logprobs",
     }  # fmt: skip
 
 
