@@ -42,7 +42,10 @@ def unwaited_curls(text: str) -> list[str]:
 
 
 def test_the_check_finds_a_curl_that_does_not_wait() -> None:
-    page = "```bash\nkvdrop server --port 6555 --http-port 8080 &\ncurl -s localhost:8080/health\n```\n"
+    page = (
+        "```bash\nkvdrop server --port 6555 --http-port 8080 &\n"
+        "curl -s localhost:8080/health\n```\n"
+    )
     assert unwaited_curls(page) == ["curl -s localhost:8080/health"]
     waited = page.replace("curl -s", "curl -s --retry-connrefused --retry 30 --retry-delay 1")
     assert unwaited_curls(waited) == []
