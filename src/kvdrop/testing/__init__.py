@@ -1,0 +1,24 @@
+"""Test tooling for kvdrop and its plugins: :func:`check_policy` runs the policy contract
+(:mod:`kvdrop.testing.policy_contract`) in a plugin's own CI, no source checkout needed."""
+
+from __future__ import annotations
+
+from kvdrop.testing.policy_contract import (
+    check_describes_itself,
+    check_invalid_parameters,
+    check_invariants,
+    check_policy,
+    check_window_path,
+    check_wrong_shapes,
+    policy_names,
+)
+
+__all__ = [
+    "check_describes_itself",
+    "check_invalid_parameters",
+    "check_invariants",
+    "check_policy",
+    "check_window_path",
+    "check_wrong_shapes",
+    "policy_names",
+]
