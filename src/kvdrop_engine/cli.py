@@ -180,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
     from kvdrop_engine.engine import Engine
     from kvdrop_engine.http import ROUTES, CompletionHTTPServer
     from kvdrop_engine.loading import load_model
+    from kvdrop_engine.metrics import engine_load
 
     # The HTTP layer logs what a user should see (a client that disconnected) in one line.
     logging.basicConfig(level=logging.WARNING, format="kvdrop engine: %(message)s")
@@ -255,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
             vocab_size=cfg.vocab_size,
             max_model_len=cfg.max_position_embeddings,
             stats=lambda: engine.stats().to_dict(),
+            gauges=lambda: engine_load(engine),
         )
     except OSError as exc:
         if connector is not None:
