@@ -16,7 +16,7 @@ import torch
 
 import kvdrop
 from kvdrop import testing
-from kvdrop.policy import ScorerFactory
+from kvdrop.factories import ScorerFactory
 
 POLICIES = kvdrop.available()
 

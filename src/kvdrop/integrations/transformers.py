@@ -34,7 +34,8 @@ from kvdrop.policy import Policy
 from kvdrop.spec import get
 from kvdrop_rope import RopeConfig, apply_rope
 from kvdrop_sdk import CacheKind
-from kvdrop_sdk.types import EditContext
+from kvdrop_sdk.edit import EditContext
+from kvdrop_sdk.query_capture import QueryNeed
 
 __all__ = ["Compressed", "KVDropPress"]
 
@@ -137,7 +138,7 @@ class KVDropPress:
         layers = len(model.get_decoder().layers)
         kv = _cache_tensor(cache, layers)
         tensors = {CacheKind.KV: kv, CacheKind.QUERY: capture.tensor(layers)}
-        if not self.policy.needs_query:
+        if self.policy.queries is QueryNeed.NONE:
             del tensors[CacheKind.QUERY]
         context = EditContext(
             positions=torch.arange(prefill),

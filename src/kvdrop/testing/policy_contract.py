@@ -9,7 +9,7 @@ factory (a :class:`kvdrop.PolicyFactory`, registered or not):
   run and machine); the output must have the input's L, D, dtype and device, keep
   ``expected_count`` tokens in order, be the input's rows bit for bit, leave the inputs unchanged,
   be deterministic, and accept another SDK's cache-kind enum by value. A query policy that takes
-  a query window (``needs_full_queries`` False) is also called the way the engine calls it: the
+  a query window (``QueryNeed.WINDOW``) is also called the way the engine calls it: the
   last rows of a longer prompt with their positions (:func:`check_window_path`).
 - :func:`check_invalid_parameters`: bad ``keep_ratio``/``chunk_size``/unknown parameters raise
   ``PolicyParamError`` naming the parameter.
@@ -41,11 +41,13 @@ from typing import Any
 import torch
 
 from kvdrop.errors import MissingQueryError, PolicyInputError, PolicyParamError, PolicyWarning
+from kvdrop.factories import PolicyFactory, PolicyInfo
 from kvdrop.params import Param
-from kvdrop.policy import Policy, PolicyFactory, PolicyInfo
+from kvdrop.policy import Policy
 from kvdrop.registry import available, factory, source
 from kvdrop_sdk import CacheKind
-from kvdrop_sdk.types import EditContext
+from kvdrop_sdk.edit import EditContext
+from kvdrop_sdk.query_capture import QueryNeed
 
 __all__ = [
     "DTYPES",
@@ -250,7 +252,7 @@ def check_invariants(ref: PolicyRef, *, max_examples: int = 40) -> None:
     make = _factory(ref)
     info = make.info
     policy = make(**dict(info.example))
-    window = policy.needs_query and not policy.needs_full_queries
+    window = policy.queries is QueryNeed.WINDOW
 
     @settings(
         max_examples=max_examples,
@@ -315,7 +317,7 @@ def check_describes_itself(ref: PolicyRef) -> None:
     make = _factory(ref)
     fn = make(**dict(make.info.example))
     assert isinstance(fn, Policy), f"{make.info.name}: the factory built a {type(fn).__name__}"
-    assert fn.needs_query is make.info.needs_query, "needs_query differs from describe's"
+    assert fn.queries is make.info.queries, f"queries {fn.queries} differs from describe's"
 
 
 def check_policy(ref: PolicyRef, *, max_examples: int = 40) -> None:

@@ -16,7 +16,7 @@ from kvdrop.integrations.transformers import KVDropPress
 from kvdrop_engine.loading import load_checkpoint
 from kvdrop_engine.model import DenseAttention, Transformer
 from kvdrop_sdk import CacheKind
-from kvdrop_sdk.types import EditContext
+from kvdrop_sdk.edit import EditContext
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
