@@ -170,7 +170,8 @@ def test_non_streaming_completion(server: CompletionHTTPServer, engine: Counting
     assert choice["logprobs"]["tokens"] == ["token_id:8", "token_id:9", "token_id:10"]
     assert choice["logprobs"]["text_offset"] == [0, 3, 6]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
-    assert engine.calls == [([5, 6, 7], {"max_tokens": 3}, "")]
+    # "logprobs": 0 reaches the engine: it computes the sampled tokens' values
+    assert engine.calls == [([5, 6, 7], {"max_tokens": 3, "logprobs": 0}, "")]
 
 
 def test_default_max_tokens_and_no_logprobs(server: CompletionHTTPServer) -> None:
