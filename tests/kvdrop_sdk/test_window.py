@@ -9,7 +9,7 @@ from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
 from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.layout import CacheLayout
-from kvdrop_sdk.server.testing import ServerHandle
+from kvdrop_sdk.testing.server import ServerHandle
 from kvdrop_sdk.window import QueryWindow, retrieve_window, store_window
 
 Q_LAYOUT = CacheLayout(num_layers=2, num_heads=4, head_dim=8, dtype=torch.bfloat16)

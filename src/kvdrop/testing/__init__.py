@@ -1,5 +1,6 @@
-"""Test tooling for kvdrop and its plugins: :func:`check_policy` runs the policy contract
-(:mod:`kvdrop.testing.policy_contract`) in a plugin's own CI, no source checkout needed."""
+"""Test and measurement tooling of kvdrop, kept out of the policies: :func:`check_policy` runs the
+policy contract (:mod:`kvdrop.testing.policy_contract`) in a plugin's own CI, no source checkout
+needed; ``profiling.PeakRSS`` measures peak memory."""
 
 from __future__ import annotations
 
