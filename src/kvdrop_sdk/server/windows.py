@@ -2,12 +2,14 @@
 
 An engine that captures queries keeps, per call, only the rows a policy can use (the last ``W``
 tokens of the call's whole sequence and a strided sample, see ``kvdrop_engine.capture``) and
-stores them here as one record, keyed by ``sha256(model, salt, every token id of the call)``:
-exactly that request finds it, nothing else. A record is ``[1, L, R, Dq]`` query rows in the
-model's query layout plus their ``R`` positions (int64, strictly increasing, each below the number
-of tokens). Records live on the heap beside the chunk pool, bounded by ``capacity_bytes`` with LRU
-eviction; for one key the record with more rows is kept (a call that loaded most of its prompt
-from the cache computes fewer rows than the call that stored it).
+stores them here as one record, keyed by ``sha256(model, cache kind, salt, every token id of the
+call)``: exactly that request finds it, nothing else. A record is ``[1, L, R, Dq]`` query rows in
+the model's query layout plus their ``R`` positions (int64, strictly increasing, each below the
+number of tokens). Records live on the heap beside the chunk pool, bounded by ``capacity_bytes``
+with LRU eviction. The first copy of a key wins, as for chunks: a later put under the same key is
+not kept, whatever its size (a put could otherwise replace another client's window). Records
+count as data held under their (model, kind) registration (``held``): while one exists, the
+registration cannot be replaced by another layout.
 
 Ops (``put_window`` / ``get_window``): frames ``[token ids, positions (little-endian int64),
 rows, (lse)]`` in, ``[positions, rows, (lse)]`` out; the header carries ``model``, ``kind``
@@ -21,7 +23,7 @@ import hashlib
 import itertools
 import struct
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,13 +43,15 @@ __all__ = [
 
 #: Most rows one record may hold (a strided sample of a 1M-token sequence at stride 16, say).
 MAX_WINDOW_ROWS = 1 << 16
-_VERSION = b"kvdrop-window-v1"
+_VERSION = b"kvdrop-window-v2"
+Tag = tuple[str, str]
 
 
-def window_key(model: str, salt: str, token_bytes: bytes | memoryview) -> bytes:
-    """The record key of one call: model, salt and every token id (length-prefixed fields)."""
+def window_key(model: str, kind: str, salt: str, token_bytes: bytes | memoryview) -> bytes:
+    """The record key of one call: model, cache kind, salt and every token id (length-prefixed
+    fields)."""
     h = hashlib.sha256(_VERSION)
-    for field in (model.encode("utf-8"), salt.encode("utf-8")):
+    for field in (model.encode("utf-8"), kind.encode("utf-8"), salt.encode("utf-8")):
         h.update(struct.pack("<Q", len(field)) + field)
     h.update(bytes(token_bytes))
     return h.digest()
@@ -62,6 +66,7 @@ class WindowRecord:
     positions: bytes
     data: bytes
     lse: bytes | None = None
+    tag: Tag = ("", "")
 
     @property
     def nbytes(self) -> int:
@@ -76,30 +81,36 @@ class WindowStore:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         self.capacity_bytes = capacity_bytes
         self._records: OrderedDict[bytes, WindowRecord] = OrderedDict()
+        self._tags: Counter[Tag] = Counter()
         self._used = 0
         self._evictions = 0
         self._lock = threading.Lock()
 
     def put(self, key: bytes, record: WindowRecord) -> bool:
-        """Keep ``record`` unless one with at least as many rows is stored; False when not kept
-        (also when it is larger than the whole capacity)."""
+        """Keep ``record`` unless a record is stored under ``key`` already (first copy wins);
+        False when not kept (also when it is larger than the whole capacity)."""
         if record.nbytes > self.capacity_bytes:
             return False
         with self._lock:
-            old = self._records.get(key)
-            if old is not None:
-                if old.rows >= record.rows:
-                    self._records.move_to_end(key)
-                    return False
-                self._used -= old.nbytes
-                del self._records[key]
+            if key in self._records:
+                self._records.move_to_end(key)
+                return False
             while self._records and self._used + record.nbytes > self.capacity_bytes:
                 _, evicted = self._records.popitem(last=False)
                 self._used -= evicted.nbytes
                 self._evictions += 1
+                self._tags[evicted.tag] -= 1
+                if not self._tags[evicted.tag]:
+                    del self._tags[evicted.tag]
             self._records[key] = record
             self._used += record.nbytes
+            self._tags[record.tag] += 1
             return True
+
+    def held(self, tag: Tag) -> int:
+        """How many records are stored under the (model, kind) registration ``tag``."""
+        with self._lock:
+            return self._tags[tag]
 
     def get(self, key: bytes) -> WindowRecord | None:
         """The record stored under ``key`` (now most recently used), or None."""
@@ -121,10 +132,11 @@ class WindowStore:
 
 
 def parse_put(
-    header: dict[str, Any], frames: list[Any], layout: CacheLayout
+    header: dict[str, Any], frames: list[Any], layout: CacheLayout, tag: Tag
 ) -> tuple[bytes, WindowRecord]:
-    """Validate a ``put_window`` request against the query ``layout``; return the token bytes
-    and the record (copies of the frames). ``ProtocolError`` says what was wrong."""
+    """Validate a ``put_window`` request against the query ``layout`` of registration ``tag``;
+    return the token bytes and the record (copies of the frames). ``ProtocolError`` says what
+    was wrong."""
     has_lse = header.get("lse", False)
     if not isinstance(has_lse, bool):
         raise ProtocolError("bad_field", f"field 'lse' must be a bool, got {has_lse!r}")
@@ -173,7 +185,7 @@ def parse_put(
             f"lse of {rows} rows is float32 [1, {layout.num_layers}, {rows}, {layout.num_heads}], "
             f"got {len(lse)} bytes",
         )
-    return tokens, WindowRecord(rows, dtype_name(layout.dtype), positions, data, lse)
+    return tokens, WindowRecord(rows, dtype_name(layout.dtype), positions, data, lse, tag)
 
 
 def reply_get(record: WindowRecord | None) -> tuple[dict[str, Any], list[bytes]]:
