@@ -132,11 +132,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="measure every --sweep-requests x --sweep-keep point (each against its own "
+        "baseline) and print gain against keep ratio",
+    )
+    p.add_argument("--sweep-keep", type=float, nargs="+", default=[0.75, 0.5, 0.25])
+    p.add_argument("--sweep-requests", type=int, nargs="+", default=[8, 30, 64])
+    p.add_argument("--plot", default=None, help="with --sweep: draw gain vs keep ratio to this PNG")
     args = p.parse_args(argv)
     if len(args.prompt_tokens) not in (1, 2) or min(args.prompt_tokens) < 1:
         p.error("--prompt-tokens takes one length or MIN MAX (positive ints)")
     if not 0 < args.keep_ratio <= 1 or not 0 < (args.fit_fraction or 1) <= 1:
         p.error("--keep-ratio and --fit-fraction must be in (0, 1]")
+    if args.sweep and not all(0 < k <= 1 for k in args.sweep_keep):
+        p.error("--sweep-keep ratios must be in (0, 1]")
+    if args.plot and not args.sweep:
+        p.error("--plot draws the sweep: add --sweep")
     if args.num_requests < 1 or args.max_tokens < 1:
         p.error("--num-requests and --max-tokens must be >= 1")
     return args
@@ -242,6 +255,10 @@ def step_floor(row: dict[str, Any], wbytes: int, token_bytes: int, bandwidth: fl
     seconds = row.pop("decode_step_seconds")
     row["graph_capture_s"] = row.pop("graph_capture_seconds")
     row["prefix_load_s"] = row.pop("prefix_load_seconds")
+    # One load's rate: the bytes loaded over the time loads took, summed over requests (loads
+    # run several at once, so the phase saw up to load_concurrency times this).
+    loaded_gb = row["loaded_tokens"] * token_bytes / 1e9
+    row["load_gb_s"] = loaded_gb / row["prefix_load_s"] if row["prefix_load_s"] else math.nan
     row["phase_ms_per_step"] = 1e3 * row["decode_s"] / max(1, row["decode_steps"])
     row["step_ms"] = 1e3 * seconds / steps if steps else math.nan
     row["kv_tokens_per_step"] = kv_tokens / steps if steps else math.nan
@@ -365,12 +382,8 @@ def build_policy(name: str, cfg: ModelConfig, args: argparse.Namespace) -> Any:
     return fn if args.edit_device is None else EditOnDevice(fn, args.edit_device)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    log(f"building model ({args.model_path or args.model_preset}, {args.dtype}, {args.device})")
-    model = build_model(args)
+def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
+    """Baseline and every ``--policy`` side by side on one server: the report (setup + rows)."""
     cfg = model.config
     dtype = DTYPES[args.dtype]
     device = torch.device(args.device)
@@ -504,10 +517,13 @@ def main(argv: list[str] | None = None) -> int:
         "weight_gb": wbytes / 1e9,
         "kv_bytes_per_token": token_bytes,
     }
-    report = {"setup": setup, "runs": rows}
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
+    return {"setup": setup, "runs": rows}
+
+
+def print_report(report: dict[str, Any]) -> None:
+    """The setup, the side-by-side table and the step-vs-floor table."""
+    setup, rows = report["setup"], report["runs"]
+    base, bandwidth = rows[0], setup["copy_gb_s"] * 1e9
     print(format_table([setup], list(setup)[:9], title="Setup"))
     print(format_table([setup], list(setup)[9:18]))
     print(format_table([setup], list(setup)[18:]))
@@ -542,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         "phase_ms_per_step",
         "phase_over_floor",
         "prefix_load_s",
+        "load_gb_s",
         "graph_capture_s",
     ]
     print(
@@ -559,6 +576,101 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['decode_tok_s']:.1f} tok/s -> gain {row['gain']:.2f}x "
             f"(identical outputs {row['identical_outputs']})"
         )
+
+
+def sweep(args: argparse.Namespace, model: Transformer) -> list[dict[str, Any]]:
+    """``measure`` at every (requests, keep ratio) of ``--sweep-requests`` x ``--sweep-keep``:
+    one row per dropped run with its gain over that point's own baseline (same budget)."""
+    points = []
+    for num_requests in args.sweep_requests:
+        for keep in args.sweep_keep:
+            point = argparse.Namespace(**{**vars(args), "num_requests": num_requests})
+            point.keep_ratio = keep
+            log(f"sweep: {num_requests} requests, keep {keep}")
+            report = measure(point, model)
+            base = report["runs"][0]
+            for row in report["runs"][1:]:
+                points.append(
+                    {
+                        "policy": row["run"],
+                        "num_requests": num_requests,
+                        "keep_ratio": keep,
+                        "kept_fraction": row["kept_fraction"],
+                        "baseline_tok_s": base["decode_tok_s"],
+                        "decode_tok_s": row["decode_tok_s"],
+                        "gain": row["gain"],
+                        "step_over_floor": row["step_over_floor"],
+                        "phase_over_floor": row["phase_over_floor"],
+                        "modify_s": row["modify_s"],
+                    }
+                )
+    return points
+
+
+def plot_sweep(points: list[dict[str, Any]], path: str, title: str) -> None:
+    """Gain against keep ratio, one line per (policy, number of requests); needs matplotlib
+    (``pip install 'kvdrop[plot]'``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    series: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for pt in points:
+        series.setdefault((pt["policy"], pt["num_requests"]), []).append(pt)
+    for (policy, num_requests), pts in sorted(series.items()):
+        pts.sort(key=lambda pt: pt["keep_ratio"])
+        ax.plot(
+            [pt["keep_ratio"] for pt in pts],
+            [pt["gain"] for pt in pts],
+            marker="o",
+            label=f"{policy}, {num_requests} requests",
+        )
+    keeps = sorted({pt["keep_ratio"] for pt in points})
+    ax.plot(keeps, [1 / k for k in keeps], "k:", label="1 / keep (ideal)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("keep ratio")
+    ax.set_ylabel("decode throughput gain over full KV")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    log(f"building model ({args.model_path or args.model_preset}, {args.dtype}, {args.device})")
+    model = build_model(args)
+    if args.sweep:
+        points = sweep(args, model)
+        if args.json:
+            print(json.dumps({"sweep": points}, indent=2))
+        else:
+            print(
+                format_table(
+                    points, title="Gain against keep ratio (each point vs its own baseline)"
+                )
+            )
+        if args.plot:
+            name = args.model_path or args.model_preset
+            lengths = "-".join(map(str, args.prompt_tokens))
+            title = (
+                f"{name} ({args.dtype}, {args.device}), prompts {lengths} tokens, "
+                f"{args.max_tokens} decoded"
+            )
+            plot_sweep(points, args.plot, title)
+            log(f"plot written to {args.plot}")
+        return 0
+    report = measure(args, model)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
     return 0
 
 

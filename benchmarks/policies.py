@@ -16,16 +16,23 @@ Each policy is timed (median of ``--repeats``) against the floor every policy pa
 ``index_select`` of the same number of rows, and against what moving the same KV costs on this
 machine: one ``store`` + one ``retrieve`` through a real kvdrop server (shared memory), measured
 in the same run (``x_store_retrieve``; ``--no-store-retrieve`` skips it). Peak memory is the peak
-RSS increase while the policy runs (kvdrop.testing.profiling.PeakRSS), beside the input size.
+RSS increase while the policy runs (kvdrop.testing.profiling.PeakRSS), beside the input size;
+on a GPU also the peak of device memory the call allocates beyond its inputs (``gpu_peak_mb``).
+``--growth`` adds, per policy, how time and peak memory grow from each T to the next: the
+exponent ``b`` of ``cost ~ T^b`` (1: linear, 2: quadratic).
 
     python benchmarks/policies.py [--tokens 2048 8192] [--policies knorm snapkv] [--json]
     python benchmarks/policies.py --device cuda --tokens 12288 --policies snapkv h2o knorm
+    python benchmarks/policies.py --device cuda --tensors-on-device --layers 36 --q-heads 32 \
+        --tokens 4096 16384 65536 --growth --no-store-retrieve     # cost against T on a GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 import statistics
 import sys
@@ -152,8 +159,17 @@ def bench_policy(
         )
     index = torch.tensor(kept)
     floor, _ = timed(lambda: kv.index_select(2, index.to(kv.device)), args.repeats, args.device)
+    on_gpu = args.device.startswith("cuda")
+    if on_gpu:  # device memory the call allocates beyond its inputs, at its peak
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
     with PeakRSS() as mem:
         fn(tensors, tokens, context=context)
+    gpu_peak_mb = None
+    if on_gpu:
+        torch.cuda.synchronize()
+        gpu_peak_mb = (torch.cuda.max_memory_allocated() - before) / 2**20
     input_bytes = kv.numel() * kv.element_size()
     if info.needs_query:
         q_in = tensors[CacheKind.QUERY]
@@ -169,6 +185,7 @@ def bench_policy(
         "x_floor": seconds / floor,
         "x_store_retrieve": None,
         "peak_mb": mem.peak / 2**20,
+        "gpu_peak_mb": gpu_peak_mb,
         "input_mb": input_bytes / 2**20,
     }
 
@@ -209,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         help="skip the store+retrieve baseline (needs no server then)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--growth",
+        action="store_true",
+        help="also print, per policy, the exponent b of time and peak memory ~ T^b between "
+        "consecutive --tokens",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -216,14 +239,17 @@ def main(argv: list[str] | None = None) -> int:
     names = args.policies or kvdrop.available()
     rows = []
     for num_tokens in args.tokens:
-        gen = torch.Generator().manual_seed(0)
+        # Drawn in place in the target dtype (no float32 copy, 7.5 GB at T=32K, ever exists),
+        # directly on the device with --tensors-on-device (no host copy of 30 GB at T=64K).
+        where = args.device if args.tensors_on_device else "cpu"
+        gen = torch.Generator(device=where).manual_seed(0)
         width = args.kv_heads * args.head_dim
-        # Drawn in place in the target dtype: no float32 copy (7.5 GB at T=32K) ever exists.
-        kv = torch.empty(2, args.layers, num_tokens, width, dtype=dtype).normal_(generator=gen)
-        query = torch.empty(1, args.layers, num_tokens, args.q_heads * args.head_dim, dtype=dtype)
+        kv = torch.empty(2, args.layers, num_tokens, width, dtype=dtype, device=where)
+        kv.normal_(generator=gen)
+        query = torch.empty(
+            1, args.layers, num_tokens, args.q_heads * args.head_dim, dtype=dtype, device=where
+        )
         query.normal_(generator=gen)
-        if args.tensors_on_device:
-            kv, query = kv.to(args.device), query.to(args.device)
         first = len(rows)
         for name in names:
             rows.append(bench_policy(name, kv, query, args))
@@ -256,7 +282,38 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(", ".join(f"{k}={v}" for k, v in setup.items()))
         print(format_table(rows))
+        if args.growth and len(args.tokens) > 1:
+            print()
+            print(format_table(growth(rows), title="Growth with T: cost ~ T^b between sizes"))
     return 0
+
+
+def growth(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per policy and pair of consecutive T: the exponents b of seconds and of peak memory
+    (device memory on a GPU, else RSS) in ``cost ~ T^b``."""
+    out = []
+    by_policy: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_policy.setdefault(row["policy"], []).append(row)
+    for policy, runs in by_policy.items():
+        runs.sort(key=lambda r: r["T"])
+        for a, b in itertools.pairwise(runs):
+            ratio = math.log(b["T"] / a["T"])
+            mem_a = a["gpu_peak_mb"] if a["gpu_peak_mb"] is not None else a["peak_mb"]
+            mem_b = b["gpu_peak_mb"] if b["gpu_peak_mb"] is not None else b["peak_mb"]
+            out.append(
+                {
+                    "policy": policy,
+                    "T": f"{a['T']} -> {b['T']}",
+                    "seconds": f"{a['seconds']:.4g} -> {b['seconds']:.4g}",
+                    "time_exponent": math.log(b["seconds"] / a["seconds"]) / ratio,
+                    "peak_mb": f"{mem_a:.0f} -> {mem_b:.0f}",
+                    "memory_exponent": (
+                        math.log(mem_b / mem_a) / ratio if mem_a > 0 and mem_b > 0 else None
+                    ),
+                }
+            )
+    return out
 
 
 if __name__ == "__main__":

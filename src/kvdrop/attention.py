@@ -18,15 +18,20 @@ quadratic in compute but linear in memory, and equals the quadratic reference ex
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import torch
 
+from kvdrop import kernels
+
 __all__ = [
     "BF16_FILTER_MARGIN",
     "DEFAULT_BLOCK_BYTES",
+    "DEFAULT_TILE_BYTES",
     "attention_mass",
     "fast_bf16_matmul",
+    "fp16_filter_margin",
     "heads_f32",
     "key_redundancy",
     "pool1d",
@@ -158,6 +163,21 @@ def fast_bf16_matmul() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def fp16_filter_margin(head_dim: int) -> float:
+    """Bound on |S_fp16 - S| for unit-norm keys of ``head_dim`` through a float16 matmul.
+
+    Rounding the inputs costs ``2u + u^2`` (``u = 2^-11``; Cauchy-Schwarz bounds the sum of
+    ``|a_i b_i|`` by 1), any order of float16 accumulation at most ``gamma_d = d u / (1 - d u)``
+    (cuBLAS may reduce in float16), the float16 output ``u (1 + |S|)``. 0.071 at d = 128.
+    """
+    u = 2.0**-11
+    return 2 * u + u * u + head_dim * u / (1 - head_dim * u) + 3 * u
+
+
+#: Bytes of one float32 similarity tile of the all-rows scan (heads x T x col_block).
+DEFAULT_TILE_BYTES = 1 << 30
+
+
 def key_redundancy(
     kn: torch.Tensor,
     threshold: float = 0.5,
@@ -165,6 +185,8 @@ def key_redundancy(
     row_block: int = 512,
     col_block: int = 1024,
     bf16_filter: bool | None = None,
+    all_rows: bool | None = None,
+    tile_bytes: int = DEFAULT_TILE_BYTES,
 ) -> torch.Tensor:
     """R-KV redundancy of every key, ``[H, T]`` float32 (softmax over T per head).
 
@@ -172,28 +194,61 @@ def key_redundancy(
     then in each row ``i`` zeroes the entry of the LAST column ``j`` with ``S[i, j] > threshold``
     (column 0 when there is none -- upstream's ``argmax`` of an all-zero index row), takes the mean
     over rows and a softmax over keys. Here the column sums come from ``(sum_i kn_i) . kn_j``
-    minus the diagonal and the zeroed entries; finding the last similar column scans blocks of
-    ``S`` from the right and stops as soon as every row of the block has a hit. Compute is
-    ``O(T^2 d)`` in the worst case (no similar keys), memory ``O(row_block * col_block)``.
+    minus the diagonal and the zeroed entries; only the last similar column of each row needs
+    ``S``, found by scanning column blocks from the right. Compute is ``O(T^2 d)`` in the worst
+    case (no similar keys), memory linear in ``T``; the result equals the quadratic form.
 
-    ``bf16_filter`` (default: when the CPU has native bf16) first multiplies the block in bf16;
-    blocks where no row can exceed ``threshold - BF16_FILTER_MARGIN`` are skipped, the others are
-    recomputed in float32, so the result stays exact.
+    Two scans (same result): ``all_rows`` (default on a GPU) takes every row of a group of heads
+    per column block, multiplies in float16 as a filter and recomputes in float32 only the rows
+    the filter cannot rule out (:func:`fp16_filter_margin`), a few large launches; otherwise row
+    blocks of ``row_block`` stop as soon as each row has its hit, with a bf16 pre-filter where
+    the CPU multiplies bf16 natively (``bf16_filter``).
     """
     num_heads, num_keys, _ = kn.shape
     col_sum = torch.einsum("hd,htd->ht", kn.sum(dim=1), kn)
-    col_sum -= (kn * kn).sum(dim=-1)  # the diagonal is zeroed before anything else
+    col_sum -= torch.einsum("htd,htd->ht", kn, kn)  # the zeroed diagonal (no [H, T, d] temp)
+    if all_rows is None:
+        all_rows = kn.device.type != "cpu"
+    if all_rows:
+        last = _last_similar_all_rows(kn, threshold, col_block, tile_bytes)
+    else:
+        last = _last_similar_row_blocks(kn, threshold, row_block, col_block, bf16_filter)
+    # The entry each row zeroes, S[i, last[i]] (0 when last[i] == i: the diagonal).
+    row_index = torch.arange(num_keys, device=kn.device)
+    zeroed = torch.empty(num_heads, num_keys, dtype=torch.float32, device=kn.device)
+    for h0 in range(0, num_heads, 8):  # a gathered copy of 8 heads' keys at a time
+        part = last[h0 : h0 + 8]
+        partner = torch.gather(kn[h0 : h0 + 8], 1, part[..., None].expand(-1, -1, kn.shape[-1]))
+        entry = (kn[h0 : h0 + 8] * partner).sum(dim=-1)
+        zeroed[h0 : h0 + 8] = torch.where(part == row_index, 0.0, entry)
+    # Subtract each row's zeroed entry from the column it sits in.
+    col_sum.scatter_add_(1, last, -zeroed)
+    return torch.softmax(col_sum / num_keys, dim=-1)
+
+
+def _last_hit_diagonal(last: torch.Tensor, found: torch.Tensor, threshold: float) -> torch.Tensor:
+    """With ``threshold < 0`` the zeroed diagonal (0 > threshold) is itself a hit of every row."""
+    if threshold >= 0:
+        return last
+    row_index = torch.arange(last.shape[1], device=last.device)
+    return torch.where(found, torch.maximum(last, row_index), row_index)
+
+
+def _last_similar_row_blocks(
+    kn: torch.Tensor, threshold: float, row_block: int, col_block: int, bf16_filter: bool | None
+) -> torch.Tensor:
+    """``[H, T]`` last column ``j != i`` with ``S[i, j] > threshold`` (0 if none), by row blocks."""
+    num_heads, num_keys, _ = kn.shape
     last = torch.zeros(num_heads, num_keys, dtype=torch.int64, device=kn.device)
-    zeroed = torch.zeros(num_heads, num_keys, dtype=torch.float32, device=kn.device)
+    found_all = torch.zeros(num_heads, num_keys, dtype=torch.bool, device=kn.device)
     if bf16_filter is None:
         bf16_filter = kn.device.type == "cpu" and fast_bf16_matmul()
     kn_bf16 = kn.to(torch.bfloat16) if bf16_filter else None
     for r0 in range(0, num_keys, row_block):
         rows = kn[:, r0 : r0 + row_block]
         nr = rows.shape[1]
-        row_index = torch.arange(r0, r0 + nr, device=kn.device)
-        found = torch.zeros(num_heads, nr, dtype=torch.bool, device=kn.device)
-        hit_col = torch.zeros(num_heads, nr, dtype=torch.int64, device=kn.device)
+        found = found_all[:, r0 : r0 + nr]
+        hit_col = last[:, r0 : r0 + nr]
         c1 = num_keys
         while c1 > 0 and not bool(found.all()):
             c0 = max(0, c1 - col_block)
@@ -217,13 +272,91 @@ def key_redundancy(
                 hit_col[hh, rr] = last_in_block + c0
                 found[hh, rr] = True
             c1 = c0
-        if threshold < 0:  # the zeroed diagonal itself (0 > threshold) may be the last hit
-            hit_col = torch.where(found, torch.maximum(hit_col, row_index), row_index)
-        last[:, r0 : r0 + nr] = hit_col
-        # The entry each row zeroes, S[i, last[i]] (0 when last[i] == i: the diagonal).
-        partner = torch.gather(kn, 1, hit_col[..., None].expand(-1, -1, kn.shape[-1]))
-        entry = (rows * partner).sum(dim=-1)
-        zeroed[:, r0 : r0 + nr] = torch.where(hit_col == row_index, 0.0, entry)
-    # Subtract each row's zeroed entry from the column it sits in.
-    col_sum.scatter_add_(1, last, -zeroed)
-    return torch.softmax(col_sum / num_keys, dim=-1)
+    return _last_hit_diagonal(last, found_all, threshold)
+
+
+def _last_similar_all_rows(
+    kn: torch.Tensor, threshold: float, col_block: int, tile_bytes: int
+) -> torch.Tensor:
+    """Same as :func:`_last_similar_row_blocks`, every row of a group of heads per column block.
+
+    A float16 product of the block rules out the rows whose every entry is below ``threshold``
+    minus :func:`fp16_filter_margin` (its row maxima come from the fused
+    :func:`kvdrop.kernels.similarity_row_max` where Triton runs, else from a ``[h, T, block]``
+    product); the rest (all rows, at worst) are multiplied again in float32 and decided exactly.
+    The group's tiles stay under ``tile_bytes``.
+    """
+    num_heads, num_keys, head_dim = kn.shape
+    last = torch.zeros(num_heads, num_keys, dtype=torch.int64, device=kn.device)
+    found = torch.zeros(num_heads, num_keys, dtype=torch.bool, device=kn.device)
+    rough_below = threshold - fp16_filter_margin(head_dim)
+    kn16 = kn.to(torch.float16)
+    width = min(col_block, max(num_keys, 1))
+    group = max(1, tile_bytes // (4 * max(num_keys, 1) * width))
+    for h0 in range(0, num_heads, group):
+        heads = slice(h0, h0 + group)
+        _scan_columns(
+            kn[heads], kn16[heads], threshold, rough_below, width, last[heads], found[heads]
+        )
+    return _last_hit_diagonal(last, found, threshold)
+
+
+def _scan_columns(
+    kn: torch.Tensor,
+    kn16: torch.Tensor,
+    threshold: float,
+    rough_below: float,
+    width: int,
+    last: torch.Tensor,
+    found: torch.Tensor,
+) -> None:
+    """Fill ``last``/``found`` (``[h, T]``) in place for a group of heads, right to left."""
+    num_keys, head_dim = kn.shape[1], kn.shape[2]
+    c1 = num_keys
+    while c1 > 0:
+        c0 = max(0, c1 - width)
+        diag = torch.arange(c0, c1, device=kn.device)
+        best = _fused_row_max(kn16, c0, c1)  # the row maxima straight from a fused kernel
+        if best is None:
+            rough = torch.matmul(kn16, kn16[:, c0:c1].transpose(1, 2))  # [h, T, c1 - c0]
+            rough[:, diag, diag - c0] = -torch.inf  # the diagonal never counts as similar
+            best = rough.amax(dim=-1)
+            del rough
+        todo = (best > rough_below) & ~found
+        counts = todo.sum(dim=-1)
+        most, left = torch.stack([counts.max(), (~found).sum()]).tolist()  # the block's one sync
+        if not left:
+            return
+        if most:
+            # Per head, the rows to decide first (a stable sort keeps them in order), padded.
+            order = torch.argsort(todo.to(torch.int8), dim=-1, descending=True, stable=True)
+            order = order[:, :most]
+            valid = torch.arange(most, device=kn.device) < counts[:, None]
+            rows = torch.gather(kn, 1, order[..., None].expand(-1, -1, head_dim))
+            sim = torch.matmul(rows, kn[:, c0:c1].transpose(1, 2))  # [h, most, c1 - c0] float32
+            sim.masked_fill_(order[..., None] == diag, -torch.inf)
+            similar = sim > threshold
+            del sim
+            hit = similar.any(dim=-1) & valid
+            col = (c1 - 1) - similar.flip(-1).to(torch.uint8).argmax(dim=-1)
+            last.scatter_(1, order, torch.where(hit, col, last.gather(1, order)))
+            found.scatter_(1, order, found.gather(1, order) | hit)
+        c1 = c0
+
+
+_KERNEL_FAILED: list[BaseException] = []
+
+
+def _fused_row_max(kn16: torch.Tensor, c0: int, c1: int) -> torch.Tensor | None:
+    """:func:`kvdrop.kernels.similarity_row_max`, or None where it cannot run; a kernel that
+    fails (a Triton that cannot compile it here) is logged once and not tried again."""
+    if _KERNEL_FAILED or not kernels.available(kn16):
+        return None
+    try:
+        return kernels.similarity_row_max(kn16, c0, c1)
+    except Exception as exc:  # compile or launch failure: the PyTorch filter is exact too
+        _KERNEL_FAILED.append(exc)
+        logging.getLogger("kvdrop.attention").warning(
+            "the fused similarity kernel failed (%r); using the PyTorch filter", exc
+        )
+        return None

@@ -100,28 +100,64 @@ def log_normalisers(
     logits ``q . k * scale`` over the keys at positions ``0..p`` (``p`` the row's position).
 
     ``queries`` is ``[L, R, Hq, d]``; ``keys(layer)`` returns that layer's keys ``[N, Hkv, d]``
-    of positions ``0..N-1`` with ``N > max(positions)``. Float32 math, rows blocked so one logits
-    tile stays under :data:`LSE_TILE_BYTES`.
+    of positions ``0..N-1`` with ``N > max(positions)``. Float32 math (logits from
+    :func:`_products`, scaled after the product). Rows are taken in position
+    order, in blocks that read only the keys their last row sees (a strided sample's early rows
+    skip most of the sequence) and whose logits tile stays under :data:`LSE_TILE_BYTES`; the
+    logsumexp runs in place on that tile (no masked copy, no temporaries of its size).
     """
     num_layers, num_rows, num_q_heads, head_dim = queries.shape
     out = torch.empty(num_layers, num_rows, num_q_heads, dtype=torch.float32, device=queries.device)
-    pos = positions.to(queries.device)
+    order = torch.argsort(positions.to("cpu", torch.int64), stable=True)
+    pos = positions.to("cpu", torch.int64)[order]
+    tile = LSE_TILE_BYTES * (4 if queries.is_cuda else 1)
+    blocks = []  # (row indices on the device, their positions, keys the last one sees)
+    i = 0
+    while i < num_rows:
+        limit = int(pos[min(num_rows, i + 64) - 1]) + 1
+        j = min(num_rows, i + max(1, min(64, tile // (4 * num_q_heads * limit))))
+        blocks.append((order[i:j], pos[i:j], int(pos[j - 1]) + 1))
+        i = j
+    # Each block's rows, positions and hidden-key mask on the device once, not per layer: a
+    # host-to-device copy inside the loop would wait for the device every layer.
+    dev = queries.device
+    blocks = [
+        (
+            rows.to(dev),
+            row_pos,
+            limit,
+            (torch.arange(int(row_pos[0]) + 1, limit)[None, :] > row_pos[:, None]).to(dev),
+        )
+        for rows, row_pos, limit in blocks
+    ]
     for layer in range(num_layers):
-        k = keys(layer).to(torch.float32)  # [N, Hkv, d]
-        n, num_kv_heads = k.shape[0], k.shape[1]
+        k = keys(layer)
+        num_kv_heads = k.shape[1]
         group = num_q_heads // num_kv_heads
-        kh = k.permute(1, 2, 0)  # [Hkv, d, N]
-        tile = LSE_TILE_BYTES * (4 if queries.is_cuda else 1)
-        step = max(1, tile // (4 * num_q_heads * n))
-        for i in range(0, num_rows, step):
-            q = queries[layer, i : i + step].to(torch.float32) * scale  # [r, Hq, d]
-            r = q.shape[0]
+        kh = k.permute(1, 2, 0)  # [Hkv, d, N], the model's dtype
+        for rows, row_pos, limit, hidden in blocks:
+            r = rows.numel()
+            q = queries[layer].index_select(0, rows)  # [r, Hq, d]
             qh = q.view(r, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
-            logits = torch.matmul(qh.reshape(num_kv_heads, r * group, head_dim), kh)
-            logits = logits.view(num_kv_heads, r, group, n)
-            hidden = torch.arange(n, device=k.device)[None, :] > pos[i : i + step, None]
-            logits = logits.masked_fill(hidden[None, :, None, :], -torch.inf)
-            out[layer, i : i + r] = (
-                torch.logsumexp(logits, dim=-1).permute(1, 0, 2).reshape(r, num_q_heads)
-            )
+            logits = _products(qh.reshape(num_kv_heads, r * group, head_dim), kh[..., :limit])
+            logits = logits.mul_(scale).view(num_kv_heads, r, group, limit)
+            first_hidden = int(row_pos[0]) + 1
+            if first_hidden < limit:  # only keys after the block's first row can be hidden
+                logits[..., first_hidden:].masked_fill_(hidden[None, :, None, :], -torch.inf)
+            peak = logits.amax(dim=-1, keepdim=True)  # every row sees key 0: finite
+            total = logits.sub_(peak).exp_().sum(dim=-1)
+            lse = (peak.squeeze(-1) + total.log_()).permute(1, 0, 2).reshape(r, num_q_heads)
+            out[layer].index_copy_(0, rows, lse)
     return out
+
+
+def _products(q: Tensor, k: Tensor) -> Tensor:
+    """``q @ k`` in float32. bf16/fp16 inputs on a GPU multiply on the tensor cores with a
+    float32 result (their products are exact in float32, the sums accumulate in float32), about
+    ten times the rate of a float32 product; elsewhere the inputs are upcast first."""
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype:
+        try:
+            return torch.bmm(q, k, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            pass  # a torch without bmm(out_dtype=): the float32 product below
+    return torch.matmul(q.to(torch.float32), k.to(torch.float32))

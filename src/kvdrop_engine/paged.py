@@ -24,6 +24,7 @@ rows of a replayed decode graph write to and read from; the allocator never hand
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from kvdrop_engine import kernels
+from kvdrop_sdk.transport.buffers import run_copies
 
 __all__ = [
     "BlockAllocator",
@@ -46,6 +48,7 @@ __all__ = [
     "blocks_needed",
     "to_device",
     "to_host",
+    "to_host_all",
 ]
 
 
@@ -235,6 +238,25 @@ def _staging(nbytes: int, device: torch.device) -> list[tuple[Tensor, torch.cuda
     return bufs
 
 
+def _host_copy(dst: Tensor, src: Tensor) -> None:
+    """``dst.copy_(src)`` for a contiguous staging piece: eight ``memmove`` slices on the SDK's
+    copy threads when ``src`` is contiguous too. Several loads stage at once (one per load
+    thread), and a torch ``copy_`` from each is an OpenMP team of every core: oversubscribed."""
+    if not src.is_contiguous():
+        dst.copy_(src)
+        return
+    nbytes = dst.numel() * dst.element_size()
+    step = -(-nbytes // 8)
+    d, s = dst.data_ptr(), src.data_ptr()
+    run_copies(
+        [
+            lambda o=o: ctypes.memmove(d + o, s + o, min(step, nbytes - o))
+            for o in range(0, nbytes, step)
+        ],
+        nbytes,
+    )
+
+
 def to_device(t: Tensor, device: torch.device | str) -> Tensor:
     """``t.to(device)``; a large host tensor bound for a GPU goes through two page-locked staging
     buffers of this thread, a few rows (of its first two dims) at a time: the multi-threaded
@@ -255,7 +277,7 @@ def to_device(t: Tensor, device: torch.device | str) -> Tensor:
         buf, done = bufs[i % 2]
         done.synchronize()  # the DMA that last read this buffer has finished
         piece = buf[: (r1 - r0) * row_bytes].view(t.dtype).view(r1 - r0, *rows.shape[1:])
-        piece.copy_(rows[r0:r1])
+        _host_copy(piece, rows[r0:r1])
         out[r0:r1].copy_(piece, non_blocking=True)
         done.record(stream)
     return out.view(t.shape)
@@ -269,6 +291,24 @@ def to_host(t: Tensor) -> Tensor:
     host.copy_(t, non_blocking=True)
     torch.cuda.current_stream(t.device).synchronize()
     return host
+
+
+def to_host_all(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """:func:`to_host` of several tensors with one synchronisation: each GPU tensor is copied
+    into its own page-locked buffer asynchronously, then the stream is waited for once."""
+    out = []
+    streams = set()
+    for t in tensors:
+        if t.device.type != "cuda":
+            out.append(t)
+            continue
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        streams.add(t.device)
+        out.append(host)
+    for device in streams:
+        torch.cuda.current_stream(device).synchronize()
+    return tuple(out)
 
 
 @dataclass(frozen=True)

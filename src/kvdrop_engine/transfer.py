@@ -15,6 +15,7 @@ costs the first request one timeout, not every request.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -35,7 +36,7 @@ from kvdrop_engine.connector import (
     plan_recompute,
 )
 from kvdrop_engine.errors import EngineError
-from kvdrop_engine.paged import PagedKVCache, to_host
+from kvdrop_engine.paged import PagedKVCache, to_device, to_host_all
 from kvdrop_engine.sequence import LoadState, Request
 from kvdrop_engine.stats import EngineStats
 from kvdrop_sdk.errors import PartialStoreError, SDKError, ServerUnavailableError
@@ -106,6 +107,7 @@ class Transfers:
         self._load_pool: ThreadPoolExecutor | None = None
         self._store_pool: ThreadPoolExecutor | None = None
         self._down_until = 0.0
+        self._local = threading.local()  # each load thread's CUDA stream
 
     @contextlib.contextmanager
     def _counters(self) -> Iterator[EngineStats]:
@@ -179,7 +181,7 @@ class Transfers:
         try:
             plan = plan_prefix(self.connector, req.prompt, req.cache_salt)
             if self.copy_on_loop:
-                return plan
+                return self._staged(plan)
             with self.load_lock:
                 if req.load_state is not LoadState.IO:
                     return plan
@@ -191,6 +193,28 @@ class Transfers:
         finally:
             with self._counters() as st:
                 st.prefix_load_seconds += time.perf_counter() - started
+
+    def _staged(self, plan: PrefixPlan) -> PrefixPlan:
+        """(connector thread) ``plan`` with its prefix already on the cache's GPU: copied there
+        through page-locked staging on this thread's own stream, complete on return, so the
+        loop only scatters it into the blocks (a device-to-device copy of about a millisecond
+        instead of the whole host-to-device transfer on the loop thread, between decode steps).
+        Another thread's copies on its own stream do not disturb a graph capture of the loop
+        (captured with ``capture_error_mode="thread_local"``). Without room on the device the
+        host copy is handed on as before."""
+        kv = plan.kv
+        if kv is None or kv.device.type != "cpu" or self.cache.device.type != "cuda":
+            return plan
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(self.cache.device)
+        try:
+            with torch.cuda.stream(stream):
+                staged = to_device(kv.to(self.cache.dtype), self.cache.device)
+            stream.synchronize()
+        except torch.OutOfMemoryError:
+            return plan
+        return dataclasses.replace(plan, kv=staged)
 
     def _give_up_late(self, req: Request, now: float) -> None:
         """A load not done yet: give it up when it is past its deadline, or still queued while
@@ -223,6 +247,8 @@ class Transfers:
                 plan = future.result()
                 if req.load_state is not LoadState.COPIED and plan.kv is not None:
                     self.cache.load(req.blocks, plan.kv)  # (CUDA graphs: on the loop thread)
+                    if plan.kv.is_cuda:  # staged on a load stream, read on this one
+                        plan.kv.record_stream(torch.cuda.current_stream(plan.kv.device))
             except Exception as exc:
                 self.io_failed("load failed:", f"{type(exc).__name__}: {exc}", exc)
                 self.recompute(req)
@@ -312,17 +338,15 @@ class Transfers:
             positions, queries = rows
             # Log-normalisers from the request's own keys, while its blocks are still its own.
             with torch.inference_mode():
+                # The slots once (a host-to-device copy), not once per layer.
+                slots = self.cache.slots(req.blocks, 0, computed)
+                cache = self.cache
+                heads = (-1, cache.num_kv_heads, cache.head_dim)
                 lse = log_normalisers(
-                    queries,
-                    positions,
-                    lambda layer: self.cache.keys(req.blocks, layer, computed),
-                    scale,
+                    queries, positions, lambda layer: cache.k[layer].view(heads)[slots], scale
                 )
             # Copied to the host here (through page-locked memory): the store runs on another
             # thread, and device calls there could meet a CUDA graph capture of the loop thread.
-            jobs.append(
-                WindowJob(
-                    to_host(positions), to_host(queries), to_host(lse), sequence, req.cache_salt
-                )
-            )
+            positions, queries, lse = to_host_all(positions, queries, lse)  # one sync
+            jobs.append(WindowJob(positions, queries, lse, sequence, req.cache_salt))
         return jobs

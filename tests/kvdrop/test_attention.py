@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from kvdrop.attention import attention_mass, heads_f32, key_redundancy, pool1d, unit_keys
+from kvdrop.attention import (
+    attention_mass,
+    fp16_filter_margin,
+    heads_f32,
+    key_redundancy,
+    pool1d,
+    unit_keys,
+)
 
 
 def ref_mass(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor | None) -> torch.Tensor:
@@ -100,28 +107,57 @@ def clustered_keys(gen: torch.Generator, h: int, t: int, d: int) -> torch.Tensor
     )
 
 
+#: The scans of key_redundancy: row blocks without / with the bf16 pre-filter, and the
+#: all-rows scan with its float16 filter (the GPU's default, run here on the CPU).
+SCANS = {
+    "row-blocks": {"all_rows": False, "bf16_filter": False},
+    "row-blocks-bf16": {"all_rows": False, "bf16_filter": True},
+    "all-rows-fp16": {"all_rows": True},
+}
+
+
 @pytest.mark.parametrize("threshold", [0.5, 0.9, 0.0, -0.2])
 @pytest.mark.parametrize("blocks", [(256, 4096), (7, 5), (1, 1)])
 @pytest.mark.parametrize("clustered", [False, True])
-@pytest.mark.parametrize("bf16_filter", [False, True])
+@pytest.mark.parametrize("scan", SCANS)
 def test_blocked_redundancy_equals_quadratic(
-    threshold: float, blocks: tuple[int, int], clustered: bool, bf16_filter: bool
+    threshold: float, blocks: tuple[int, int], clustered: bool, scan: str
 ) -> None:
     gen = torch.Generator().manual_seed(int(threshold * 10) + 3 * blocks[0] + clustered)
     h, t, d = 3, 37, 8
     k = clustered_keys(gen, h, t, d) if clustered else torch.randn(h, t, d, generator=gen)
     got = key_redundancy(
-        unit_keys(k), threshold, row_block=blocks[0], col_block=blocks[1], bf16_filter=bf16_filter
+        unit_keys(k), threshold, row_block=blocks[0], col_block=blocks[1], **SCANS[scan]
     )
     ref = ref_redundancy(k, threshold)
     assert got.shape == (h, t)
     assert rel_err(got, ref) < 1e-5
 
 
-@pytest.mark.parametrize("bf16_filter", [False, True])
-def test_redundancy_is_exact_at_the_threshold(bf16_filter: bool) -> None:
-    """Pairs whose cosine is within 1e-5..1e-3 of the threshold, on either side: the bf16
-    pre-filter may not decide them, the float32 check must (same result as float64)."""
+@pytest.mark.parametrize("tile_bytes", [1, 4 * 37 * 8, 1 << 30])
+def test_all_rows_scan_in_head_groups_equals_quadratic(tile_bytes: int) -> None:
+    """Head groups of 1, 2 and all heads (the tile bound) give the same exact result."""
+    gen = torch.Generator().manual_seed(11)
+    k = clustered_keys(gen, 5, 37, 16)
+    got = key_redundancy(unit_keys(k), 0.5, col_block=8, all_rows=True, tile_bytes=tile_bytes)
+    assert rel_err(got, ref_redundancy(k, 0.5)) < 1e-5
+
+
+def test_fp16_filter_margin_bounds_the_float16_product() -> None:
+    """The margin covers the float16 product's error on unit keys, also at head_dim 256."""
+    gen = torch.Generator().manual_seed(2)
+    for d in (8, 128, 256):
+        kn = unit_keys(clustered_keys(gen, 2, 300, d))
+        exact = kn.double() @ kn.double().transpose(1, 2)
+        rough = (kn.half().float() @ kn.half().float().transpose(1, 2)).half().double()
+        assert float((rough - exact).abs().max()) < fp16_filter_margin(d)
+    assert 0.05 < fp16_filter_margin(128) < 0.08
+
+
+@pytest.mark.parametrize("scan", SCANS)
+def test_redundancy_is_exact_at_the_threshold(scan: str) -> None:
+    """Pairs whose cosine is within 1e-5..1e-3 of the threshold, on either side: the bf16 and
+    float16 pre-filters may not decide them, the float32 check must (same result as float64)."""
     threshold = 0.5
     base = math.acos(threshold)
     angles = []
@@ -132,7 +168,7 @@ def test_redundancy_is_exact_at_the_threshold(bf16_filter: bool) -> None:
     k = torch.zeros(1, len(angles), 4, dtype=torch.float64)
     k[0, :, 0], k[0, :, 1] = a.cos(), a.sin()
     k = k.float()
-    got = key_redundancy(unit_keys(k), threshold, row_block=3, col_block=2, bf16_filter=bf16_filter)
+    got = key_redundancy(unit_keys(k), threshold, row_block=3, col_block=2, **SCANS[scan])
     assert rel_err(got, ref_redundancy(k, threshold)) < 1e-5
 
 
@@ -146,3 +182,16 @@ def test_redundancy_penalises_duplicates_but_spares_the_latest_copy() -> None:
     # Each copy's row zeroes its LAST similar key (R-KV keeps the most recent duplicate), so
     # copy 19 loses the similarity of the nine rows before it.
     assert red[19] < red[10:18].min()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("clustered", [False, True])
+@pytest.mark.parametrize("threshold", [0.5, -0.2])
+def test_redundancy_on_the_gpu_equals_quadratic(clustered: bool, threshold: float) -> None:
+    """The GPU's default scan (all rows, float16 filter, cuBLAS) against the float64 form."""
+    gen = torch.Generator().manual_seed(21 + clustered)
+    h, t, d = 6, 700, 128
+    k = clustered_keys(gen, h, t, d) if clustered else torch.randn(h, t, d, generator=gen)
+    got = key_redundancy(unit_keys(k.cuda()), threshold, col_block=128, tile_bytes=4 * t * 128)
+    assert got.device.type == "cuda"
+    assert rel_err(got.cpu(), ref_redundancy(k, threshold)) < 1e-5

@@ -70,3 +70,43 @@ def test_log_normalisers_are_the_causal_logsumexp_over_every_key() -> None:
                 logits = torch.einsum("hd,khd->hk", queries[layer, r].double(), k[: p + 1])
                 ref = torch.logsumexp(logits / math.sqrt(d), dim=-1)
                 torch.testing.assert_close(got[layer, r].double(), ref, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("tile", [1, 4 * 6 * 100, 64 << 20])
+def test_log_normalisers_in_any_row_order_and_block_size(
+    tile: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows in no particular order, more of them than one block holds: each row's own causal
+    logsumexp (blocks of 1 row, of a few, of at most 64)."""
+    import kvdrop_engine.capture as capture
+
+    monkeypatch.setattr(capture, "LSE_TILE_BYTES", tile)
+    gen = torch.Generator().manual_seed(1)
+    n, hkv, group, d = 100, 2, 3, 8
+    keys = torch.randn(2, n, hkv, d, generator=gen)
+    positions = torch.randperm(n, generator=gen)[:70]
+    queries = torch.randn(2, 70, hkv * group, d, generator=gen)
+    got = log_normalisers(queries, positions, lambda layer: keys[layer], d**-0.5)
+    for layer in range(2):
+        k = keys[layer].repeat_interleave(group, dim=1).double()
+        for r, p in enumerate(positions.tolist()):
+            logits = torch.einsum("hd,khd->hk", queries[layer, r].double(), k[: p + 1])
+            ref = torch.logsumexp(logits / math.sqrt(d), dim=-1)
+            torch.testing.assert_close(got[layer, r].double(), ref, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_log_normalisers_on_the_gpu_from_bf16() -> None:
+    """The tensor-core path (bf16 inputs, float32 products) against float64 on the same values."""
+    gen = torch.Generator().manual_seed(2)
+    n, hkv, group, d = 3000, 2, 4, 128
+    keys = torch.randn(2, n, hkv, d, generator=gen).bfloat16()
+    positions = torch.tensor([0, 5, 1000, 2990, 2999])
+    queries = torch.randn(2, 5, hkv * group, d, generator=gen).bfloat16()
+    got = log_normalisers(queries.cuda(), positions, lambda layer: keys[layer].cuda(), d**-0.5)
+    for layer in range(2):
+        k = keys[layer].repeat_interleave(group, dim=1).double()
+        for r, p in enumerate(positions.tolist()):
+            logits = torch.einsum("hd,khd->hk", queries[layer, r].double(), k[: p + 1])
+            ref = torch.logsumexp(logits / math.sqrt(d), dim=-1)
+            torch.testing.assert_close(got[layer, r].double().cpu(), ref, atol=1e-4, rtol=1e-5)

@@ -394,3 +394,20 @@ def test_unreachable_server_is_a_clear_error(model: Transformer) -> None:
     conn = ServerConnector("tcp://127.0.0.1:9", "http://127.0.0.1:9", "m", timeout=2)
     with pytest.raises(SDKError, match="config"):
         Engine(model, num_blocks=8, connector=conn)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_prefix_staged_on_a_load_thread_under_cuda_graphs(server: ServerHandle) -> None:
+    """With CUDA graphs the load thread moves the prefix to the GPU on its own stream and the
+    loop scatters it into the blocks: the same greedy tokens as computing the whole prompt."""
+    gpu_model = Transformer.random(preset_config("tiny"), seed=0).cuda()
+    prompt = tokens(6 * CHUNK + 5, seed=12)
+    conn = ServerConnector(server.url, server.http_url, "gpu-load-model")
+    with Engine(gpu_model, num_blocks=32, connector=conn) as eng:
+        assert eng.graphs is not None
+        eng.generate(prompt[: 6 * CHUNK + 1], {**GREEDY, "max_tokens": 1})  # stores 6 chunks
+        out = eng.generate(prompt, {**GREEDY, "max_tokens": 8})
+        assert eng.stats().tokens_loaded == 6 * CHUNK
+    with Engine(gpu_model, num_blocks=32) as plain:
+        assert out == plain.generate(prompt, {**GREEDY, "max_tokens": 8})
+    conn.close()

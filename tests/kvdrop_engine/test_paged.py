@@ -278,3 +278,18 @@ def test_captured_rows_of_chunked_prefill_and_decode_steps_match_dense(model: Tr
         torch.testing.assert_close(keys, ref, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="outside"):
         PagedAttention(cache, [SeqStep("s", tables["s"], 0, 2)], capture_rows={"s": [2]})
+
+
+def test_staging_copy_is_exact_in_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host copy into a staging piece (memmove slices on the copy threads; a strided
+    source through copy_) moves every byte, also when the size does not divide by 8."""
+    from kvdrop_engine import paged
+    from kvdrop_sdk.transport import buffers
+
+    monkeypatch.setattr(buffers, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setenv("KVDROP_COPY_THREADS", "3")
+    src = torch.randn(13, 7, 5, generator=torch.Generator().manual_seed(3)).bfloat16()
+    for source in (src, src.transpose(0, 1).contiguous().transpose(0, 1)):
+        dst = torch.empty(13, 7, 5, dtype=torch.bfloat16)
+        paged._host_copy(dst, source)
+        assert torch.equal(dst, src)

@@ -398,3 +398,58 @@ def test_socket_store_split_into_pipelined_requests(
         assert after["requests"] - before["requests"] >= 5  # one put per chunk
         assert bits_equal(ctx.retrieve(tokens), kv[:, :, : 5 * CHUNK])
         assert ctx.store(kv, tokens) is False
+
+
+@pytest.mark.parametrize("transport", ["socket", "shm"])
+def test_retrieve_copies_out_on_several_threads(
+    kv_server: ServerHandle, model_name: str, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks copied out of frames / slots by the copy threads land where they belong."""
+    from kvdrop_sdk.transport import buffers
+
+    monkeypatch.setattr(buffers, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setenv("KVDROP_COPY_THREADS", "3")
+    with sdk.kvcache.connect(
+        kv_server.url, kv_server.http_url, model_name, 30, layout=LAYOUT, transport=transport
+    ) as ctx:
+        tokens = tokens_for(7 * CHUNK, 900 + len(transport))
+        kv = make(CacheKind.KV, LAYOUT, len(tokens), seed=23)
+        assert ctx.store(kv, tokens)
+        for _ in range(2):  # a fresh buffer, then a recycled one
+            assert bits_equal(ctx.retrieve(tokens), kv)
+
+
+def test_shm_retrieve_by_one_torch_gather(
+    kv_server: ServerHandle, model_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVDROP_SHM_COPY=torch: the slots gathered by one index_select land where they belong."""
+    monkeypatch.setenv("KVDROP_SHM_COPY", "torch")
+    with sdk.kvcache.connect(
+        kv_server.url, kv_server.http_url, model_name, 30, layout=LAYOUT, transport="shm"
+    ) as ctx:
+        tokens = tokens_for(6 * CHUNK + 5, 1300)
+        kv = make(CacheKind.KV, LAYOUT, len(tokens), seed=29)
+        assert ctx.store(kv, tokens)
+        assert bits_equal(ctx.retrieve(tokens), kv[:, :, : 6 * CHUNK])
+        assert bits_equal(ctx.retrieve(tokens[: 3 * CHUNK]), kv[:, :, : 3 * CHUNK])
+
+
+@pytest.mark.parametrize("streams", ["2", "3", "16"])
+def test_socket_retrieve_split_into_ranges(
+    kv_server: ServerHandle, model_name: str, streams: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large socket retrieve fetched as chunk ranges on several connections: the same
+    tensor; a prefix shorter than the tokens asked for ends in the range where it ends."""
+    import kvdrop_sdk.transport.contiguous as contiguous
+
+    monkeypatch.setattr(contiguous, "SPLIT_GET_BYTES", 0)
+    monkeypatch.setenv("KVDROP_SOCKET_STREAMS", streams)
+    with sdk.kvcache.connect(
+        kv_server.url, kv_server.http_url, model_name, 30, layout=LAYOUT, transport="socket"
+    ) as ctx:
+        tokens = tokens_for(7 * CHUNK + 3, 1700 + int(streams))
+        kv = make(CacheKind.KV, LAYOUT, len(tokens), seed=31)
+        assert ctx.store(kv[:, :, : 5 * CHUNK], tokens[: 5 * CHUNK])
+        assert bits_equal(ctx.retrieve(tokens[: 5 * CHUNK]), kv[:, :, : 5 * CHUNK])
+        assert bits_equal(ctx.retrieve(tokens), kv[:, :, : 5 * CHUNK])  # 5 of 7 chunks cached
+        assert ctx.retrieve(tokens_for(4 * CHUNK, 99_000)) is None

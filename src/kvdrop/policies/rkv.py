@@ -23,7 +23,13 @@ from kvdrop.policies._common import (
 from kvdrop.policy import QueryNeed, Scorer
 from kvdrop.selector import Selection
 
-__all__ = ["RKVScorer", "rkv"]
+__all__ = ["RKVScorer", "one_scan", "rkv"]
+
+
+def one_scan(device: torch.device) -> bool:
+    """Whether every layer's redundancy is computed in one scan: on accelerators (few large
+    launches), not on the CPU (one layer's float32 keys at a time in memory)."""
+    return device.type != "cpu"
 
 
 @dataclass(frozen=True)
@@ -76,19 +82,37 @@ class RKVScorer(Scorer):
         if obs == 0:
             return torch.zeros(num_tokens, device=kv.device)
         rows, _, _ = last_rows("rkv", query, selection, window)
-        per_layer = []
-        for layer in range(kv.shape[1]):
+        num_layers = kv.shape[1]
+        importance, unit = [], []
+        for layer in range(num_layers):
             keys = heads_f32(kv[0, layer], self.head_dim)
             q = heads_f32(rows[0, layer], self.head_dim)
             # Every window query sees every earlier key: no mask, softmax over the prefix only.
-            importance = attention_mass(q, keys[:, :obs], None) / rows.shape[2]
-            importance = pool1d(
-                group_heads(importance, keys.shape[0], self.group_agg), self.kernel, self.pooling
+            mass = attention_mass(q, keys[:, :obs], None) / rows.shape[2]
+            importance.append(
+                pool1d(group_heads(mass, keys.shape[0], self.group_agg), self.kernel, self.pooling)
             )
-            keys = unit_keys(keys)  # the raw float32 keys are no longer needed
-            redundancy = key_redundancy(keys, self.threshold)[:, :obs]
-            mixed = self.mix_lambda * importance - (1 - self.mix_lambda) * redundancy
-            per_layer.append(reduce(mixed, 0, self.head_agg))
+            unit.append(unit_keys(keys))  # the raw float32 keys are no longer needed
+            if not one_scan(kv.device):  # one layer's keys at a time in host memory
+                unit[-1] = key_redundancy(unit[-1], self.threshold)
+        if not one_scan(kv.device):
+            redundancy = torch.stack(unit)
+        else:  # every layer's heads in one scan: a few large launches instead of many small
+            heads = unit[0].shape[0]
+            stacked = torch.cat(unit)
+            del unit[:]
+            redundancy = key_redundancy(stacked, self.threshold)
+            redundancy = redundancy.view(num_layers, heads, num_tokens)
+        del unit
+        per_layer = [
+            reduce(
+                self.mix_lambda * importance[layer]
+                - (1 - self.mix_lambda) * redundancy[layer, :, :obs],
+                0,
+                self.head_agg,
+            )
+            for layer in range(num_layers)
+        ]
         return window_fill(reduce(torch.stack(per_layer), 0, self.layer_agg), num_tokens)
 
 

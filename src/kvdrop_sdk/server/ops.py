@@ -67,6 +67,18 @@ def _salt(header: dict[str, Any]) -> str:
     return salt
 
 
+def _chunk_range(header: dict[str, Any], num_keys: int) -> tuple[int, int]:
+    """``get``'s optional ``first_chunk`` (default 0) and ``max_chunks`` (default all): the
+    chunks ``[first, end)`` of the prefix to send."""
+    first = header.get("first_chunk", 0)
+    if not is_int(first) or first < 0:
+        raise ProtocolError("bad_field", f"field 'first_chunk' must be an int >= 0, got {first!r}")
+    count = header.get("max_chunks", num_keys)
+    if not is_int(count) or count < 1:
+        raise ProtocolError("bad_field", f"field 'max_chunks' must be an int >= 1, got {count!r}")
+    return first, min(num_keys, first + count)
+
+
 class RequestOps:
     """The ops of a server (mixed into ``Server``, which sets these attributes in ``start``)."""
 
@@ -272,11 +284,19 @@ class RequestOps:
         model, kind = self._model_kind(header)
         layout = self._checked_layout(header, model, kind)
         keys, _ = self._keys(header, frames, model, kind)
+        first, end = _chunk_range(header, len(keys))
         # Pinned until ZMQ has sent the slots' bytes (no expiry: the worker unpins them). The
-        # lease is the server's own: no client can release it early.
-        lid, slots = self.store.pin(keys, float("inf"), owner=INTERNAL_OWNER)
+        # lease is the server's own: no client can release it early. With a range, the prefix
+        # up to its end is pinned and only the range's chunks are sent (a client splits a large
+        # read into ranges fetched in parallel, on several connections).
+        lid, slots = self.store.pin(keys[:end], float("inf"), owner=INTERNAL_OWNER)
+        if lid is not None and len(slots) <= first:
+            self.store.release(lid, owner=INTERNAL_OWNER)
+            return {"num_tokens": len(slots) * self.config.chunk_size, "first_chunk": first}, []
         if lid is None:
             return {"num_tokens": 0}, []
+        found = len(slots)
+        slots = slots[first:]
         try:
             # One frame per (chunk, kv/layer row): bounded frame sizes stream best over TCP.
             mem = memoryview(self.pool.buffer)
@@ -294,7 +314,8 @@ class RequestOps:
         self._tls.after_send = lambda: store.release(lid, owner=INTERNAL_OWNER)
         shape = layout.shape(kind, len(slots) * self.config.chunk_size)
         return {
-            "num_tokens": shape[2],
+            "num_tokens": found * self.config.chunk_size,
+            "first_chunk": first,
             "shape": list(shape),
             "dtype": dtype_name(layout.dtype),
         }, out

@@ -19,6 +19,7 @@ import mmap
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -33,13 +34,23 @@ from kvdrop_sdk.server.pool import MAGIC, shm_path
 from kvdrop_sdk.transport.buffers import (
     copy_rows,
     empty_tensor,
+    gather_spans,
+    populate_write,
     run_copies,
+    shm_copy_mode,
     tensor_buffer,
     tune_malloc,
 )
 from kvdrop_sdk.validate import is_int
 
-__all__ = ["MODES", "PUT_BATCH_BYTES", "ContiguousTransferWrapper", "TransferHelper"]
+__all__ = [
+    "MODES",
+    "PUT_BATCH_BYTES",
+    "SPLIT_GET_BYTES",
+    "ContiguousTransferWrapper",
+    "TransferHelper",
+    "socket_streams",
+]
 
 log = logging.getLogger("kvdrop_sdk.transfer")
 
@@ -48,31 +59,25 @@ MODES = ("auto", "shm", "socket")
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", ""}
 #: Socket stores are split into pipelined requests of about this many bytes.
 PUT_BATCH_BYTES = 32 << 20
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels answer EINVAL and we fault lazily
+#: Socket retrieves of at least this many bytes are split into ranges over several connections.
+SPLIT_GET_BYTES = 64 << 20
+_GET_POOL: ThreadPoolExecutor | None = None
+_GET_POOL_LOCK = threading.Lock()
 
 
-_LIBC: Any = None
+def socket_streams() -> int:
+    """Connections a large socket retrieve uses at once: ``KVDROP_SOCKET_STREAMS``, default 4."""
+    env = os.environ.get("KVDROP_SOCKET_STREAMS", "4")
+    return int(env) if env.strip().isdigit() and int(env) > 0 else 4
 
 
-def _populate(addr: int, nbytes: int) -> None:
-    """Fault in the pages of ``[addr, addr + nbytes)`` for writing (``MADV_POPULATE_WRITE``).
-
-    Through ctypes, which releases the GIL for the call: ``mmap.madvise`` holds it, and faulting
-    in a large slot of fresh shared memory takes milliseconds (about 3 GB/s on an H200 host's
-    VM), during which every other thread of the process -- the engine loop among them -- waited.
-    Older kernels refuse the advice (EINVAL); the pages are then faulted in by the copy."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL(None, use_errno=True)
-            _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except (OSError, AttributeError):
-            _LIBC = False
-    if not _LIBC:
-        return
-    page = mmap.PAGESIZE
-    start = addr - addr % page
-    _LIBC.madvise(start, addr + nbytes - start, _MADV_POPULATE_WRITE)
+def _get_pool(size: int) -> ThreadPoolExecutor:
+    """The shared threads that wait for the ranges of split socket retrieves."""
+    global _GET_POOL
+    with _GET_POOL_LOCK:
+        if _GET_POOL is None or _GET_POOL._max_workers < size:  # type: ignore[attr-defined]
+            _GET_POOL = ThreadPoolExecutor(max_workers=size, thread_name_prefix="kvdrop-get")
+        return _GET_POOL
 
 
 def _stored(reply: dict[str, Any]) -> int:
@@ -200,7 +205,7 @@ class ContiguousTransferWrapper:
             raise SDKError(f"server returned slot offset {offset!r} outside the shared pool")
         if offset not in mapping.populated:
             # Map the slot's pages in one call instead of one fault per 4 KiB page.
-            _populate(mapping.pool.data_ptr() + offset, nbytes)
+            populate_write(mapping.pool.data_ptr() + offset, nbytes)
             with self._populated_lock:
                 mapping.populated.add(offset)
         flat = mapping.pool[offset : offset + nbytes].view(layout.dtype)
@@ -302,33 +307,7 @@ class ContiguousTransferWrapper:
         """The longest cached chunk-aligned prefix as one contiguous tensor, or None."""
         c = self.chunk_size
         if self.mode == "socket":
-            reply, frames = self._rpc.call(
-                "get", {**fields, "layout": layout.to_json()}, [token_bytes]
-            )
-            n = int(reply.get("num_tokens", 0))
-            if n == 0:
-                return None
-            shape = layout.shape(kind, n)
-            num_rows = shape[0] * shape[1]
-            span = c * shape[3] * layout.itemsize
-            if (
-                reply.get("shape") != list(shape)
-                or len(frames) != n // c * num_rows
-                or any(len(f.buffer) != span for f in frames)
-            ):
-                raise SDKError(
-                    f"server sent shape {reply.get('shape')} in {len(frames)} frames, "
-                    f"expected {list(shape)} in {n // c * num_rows} frames of {span} bytes"
-                )
-            out = empty_tensor(shape, layout.dtype)
-            # Frame (chunk i, row r) goes to row r, tokens [i*c, (i+1)*c) of ``out``.
-            row_bytes = n * shape[3] * layout.itemsize
-            base = out.data_ptr()
-            for k, frame in enumerate(frames):
-                i, r = divmod(k, num_rows)
-                src = torch.frombuffer(frame.buffer, dtype=torch.uint8)
-                ctypes.memmove(base + r * row_bytes + i * span, src.data_ptr(), span)
-            return out
+            return self._socket_retrieve(fields, token_bytes, layout, kind)
         mapping = self._current()
         reply, _ = self._rpc.call(
             "pin", {**fields, "lease_s": lease_s, "layout": layout.to_json()}, [token_bytes]
@@ -349,10 +328,16 @@ class ContiguousTransferWrapper:
                     out[:, :, j * c : (j + 1) * c], self._slot(mapping, off, nbytes, layout, kind)
                 )
 
-            run_copies(
-                [lambda j=j, off=off: copy_out(j, off) for j, off in enumerate(offsets)],
-                nbytes * len(offsets),
-            )
+            if shm_copy_mode() == "torch":
+                for off in offsets:  # bounds checked, pages mapped
+                    self._slot(mapping, off, nbytes, layout, kind)
+                span = c * out.shape[3] * out.element_size()
+                gather_spans(out, mapping.pool, offsets, span)
+            else:
+                run_copies(
+                    [lambda j=j, off=off: copy_out(j, off) for j, off in enumerate(offsets)],
+                    nbytes * len(offsets),
+                )
         finally:
             try:
                 released, _ = self._rpc.call("release", {"lease": lease})
@@ -367,6 +352,80 @@ class ContiguousTransferWrapper:
             # The pin expired and some chunks were evicted meanwhile: return what is known good.
             out = out[:, :, : valid * c].contiguous()
         return out
+
+    def _socket_retrieve(
+        self, fields: dict[str, Any], token_bytes: bytes, layout: CacheLayout, kind: CacheKind
+    ) -> torch.Tensor | None:
+        """Socket retrieve: a large prefix in ``socket_streams()`` chunk ranges fetched at once
+        on as many connections (one TCP stream moved 2 GB/s on an H200 host, four 3.9), then
+        the frames copied into one tensor on the copy threads."""
+        c = self.chunk_size
+        max_chunks = len(token_bytes) // 8 // c
+        streams = socket_streams()
+        if max_chunks * layout.nbytes(kind, c) < SPLIT_GET_BYTES or max_chunks < 2:
+            streams = 1
+        per = -(-max_chunks // streams) if max_chunks else 1
+        header = {**fields, "layout": layout.to_json()}
+        calls = [
+            ("get", {**header, "first_chunk": f, "max_chunks": per}, [token_bytes])
+            for f in range(0, max(max_chunks, 1), per)
+        ]
+        if len(calls) == 1:
+            replies = [self._rpc.call(*calls[0])]
+        else:
+            replies = list(_get_pool(len(calls)).map(lambda call: self._rpc.call(*call), calls))
+        # The prefix ends in the first range that came back short (chunks may be evicted
+        # between the ranges' pins: later ranges are then dropped).
+        parts: list[list[Any]] = []
+        total = 0
+        for (_, call, _), (reply, frames) in zip(calls, replies, strict=True):
+            first = call["first_chunk"]
+            found = int(reply.get("num_tokens", 0)) // c
+            got = max(0, min(found, first + per) - first)
+            self._check_part(reply, frames, layout, kind, got)
+            parts.append(frames)
+            total = first + got
+            if got < per:
+                break
+        if total == 0:
+            return None
+        shape = layout.shape(kind, total * c)
+        num_rows = shape[0] * shape[1]
+        span = c * shape[3] * layout.itemsize
+        frames = [f for part in parts for f in part][: total * num_rows]
+        out = empty_tensor(shape, layout.dtype, populate=False)
+        # Frame (chunk i, row r) goes to row r, tokens [i*c, (i+1)*c) of ``out``; one copy
+        # task per chunk, spread over the copy threads (which fault in fresh pages too).
+        row_bytes = total * span
+        base = out.data_ptr()
+
+        def copy_chunk(i: int) -> None:
+            for r in range(num_rows):
+                src = torch.frombuffer(frames[i * num_rows + r].buffer, dtype=torch.uint8)
+                ctypes.memmove(base + r * row_bytes + i * span, src.data_ptr(), span)
+
+        run_copies([lambda i=i: copy_chunk(i) for i in range(total)], span * len(frames))
+        return out
+
+    def _check_part(
+        self, reply: dict[str, Any], frames: list[Any], layout: CacheLayout, kind: CacheKind, n: int
+    ) -> None:
+        """``SDKError`` unless a ``get`` reply carries ``n`` chunks' frames of the layout."""
+        c = self.chunk_size
+        shape = layout.shape(kind, n * c)
+        num_rows = shape[0] * shape[1]
+        span = c * shape[3] * layout.itemsize
+        if n == 0 and not frames:
+            return
+        if (
+            reply.get("shape") != list(shape)
+            or len(frames) != n * num_rows
+            or any(len(f.buffer) != span for f in frames)
+        ):
+            raise SDKError(
+                f"server sent shape {reply.get('shape')} in {len(frames)} frames, "
+                f"expected {list(shape)} in {n * num_rows} frames of {span} bytes"
+            )
 
     def close(self) -> None:
         """Unmap the shared pool (tensors already returned are independent copies)."""

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kvdrop
+import kvdrop.policies.rkv as rkv_module
 from kvdrop.policy import ScorerPolicy
 from kvdrop.selector import Selector
 from kvdrop_sdk import CacheKind
@@ -181,6 +182,35 @@ def test_scores_equal_float64_reference(name: str, extra: dict[str, Any], group:
     forced = ref >= 1e29  # H2O's recent share: forced by a huge score, compared on its own
     assert torch.equal(got >= 1e29, forced)
     got, ref = got[~forced].double(), ref[~forced]
+    assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+@pytest.mark.parametrize("extra", [extra for name, extra in CASES if name == "rkv"])
+def test_rkv_one_scan_of_every_layer_equals_reference(
+    extra: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU's path (every layer's heads in one all-rows scan), run here on the CPU."""
+    monkeypatch.setattr(rkv_module, "one_scan", lambda device: True)
+    params: dict[str, Any] = {"head_dim": 8, "keep_ratio": 0.5, "chunk_size": 4, **extra}
+    fn = kvdrop.get("rkv", **params)
+    assert isinstance(fn, ScorerPolicy)
+    kv, q = make_inputs(7, 41, 3, 2, 2, 8)
+    got = fn.scores(kv, q).double()
+    defaults = {p.name: p.default for p in kvdrop.describe("rkv").params}
+    ref = ref_rkv(kv, q, {**defaults, **params})
+    assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("extra", [extra for name, extra in CASES if name == "rkv"])
+def test_rkv_on_the_gpu_equals_reference(extra: dict[str, Any]) -> None:
+    params: dict[str, Any] = {"head_dim": 8, "keep_ratio": 0.5, "chunk_size": 4, **extra}
+    fn = kvdrop.get("rkv", device="cuda", **params)
+    assert isinstance(fn, ScorerPolicy)
+    kv, q = make_inputs(8, 41, 3, 2, 2, 8)
+    got = fn.scores(kv, q).double()
+    defaults = {p.name: p.default for p in kvdrop.describe("rkv").params}
+    ref = ref_rkv(kv, q, {**defaults, **params})
     assert float((got - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
 
 

@@ -242,6 +242,8 @@ def test_malformed_requests_get_error_replies_and_change_nothing(
             ([_hdr(op="commit", lease=7)], "bad_field"),
             ([_hdr(op="commit", lease="0" * 32)], "unknown_lease"),
             ([_hdr(op="pin", **m, lease_s=-1), t512], "bad_field"),
+            ([_hdr(op="get", **m, first_chunk=-1), t512], "bad_field"),
+            ([_hdr(op="get", **m, max_chunks=0), t512], "bad_field"),
             ([_hdr(**{**put_ok, "dtype": "float16"}), t512, *[b"\0" * row] * 8], "dtype_mismatch"),
             (
                 [_hdr(**{**put_ok, "shape": [2, 2, 512, 16]}), t512, *[b"\0" * row] * 8],
