@@ -42,7 +42,13 @@ from kvdrop_sdk.protocol import (
 from kvdrop_sdk.server.config import ServerConfig
 from kvdrop_sdk.server.pool import HEADER_BYTES, Pool, check_pool_size, reap_stale_segments
 from kvdrop_sdk.server.store import INTERNAL_OWNER, ChunkStore, StoreError
-from kvdrop_sdk.server.windows import WindowStore, parse_put, reply_get, window_key
+from kvdrop_sdk.server.windows import (
+    WindowStore,
+    parse_put,
+    record_kind,
+    reply_get,
+    window_key,
+)
 from kvdrop_sdk.transport.buffers import copy_rows
 from kvdrop_sdk.validate import is_int, is_number
 
@@ -598,7 +604,7 @@ class Server:
         assert self.windows is not None
         model, kind = self._model_kind(header)
         tokens, record = parse_put(header, frames, self._layout(model, kind))
-        key = window_key(model, _field(header, "salt", str), tokens)
+        key = window_key(model, _field(header, "salt", str), tokens, record_kind(header))
         return {"stored": self.windows.put(key, record)}, []
 
     def _op_get_window(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
@@ -607,8 +613,9 @@ class Server:
         self._layout(model, kind)
         if len(frames) != 1:
             raise ProtocolError("bad_frames", "get_window takes one frame: the token ids")
-        key = window_key(model, _field(header, "salt", str), frames[0].buffer)
-        return reply_get(self.windows.get(key))
+        record = record_kind(header)
+        key = window_key(model, _field(header, "salt", str), frames[0].buffer, record)
+        return reply_get(self.windows.get(key), record)
 
     # -- HTTP ------------------------------------------------------------------------------------
     def config_json(self) -> dict[str, Any]:
