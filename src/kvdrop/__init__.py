@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvdrop.errors import (
     MissingQueryError,
+    MissingTokenScoresError,
     PolicyConflictError,
     PolicyInputError,
     PolicyNotFoundError,
@@ -62,6 +63,7 @@ __all__ = [
     "Chunk",
     "Compose",
     "MissingQueryError",
+    "MissingTokenScoresError",
     "Param",
     "PluginWarning",
     "Policy",

@@ -89,6 +89,8 @@ class Scorer:
     needs_selection: ClassVar[bool] = False
     sparse_queries: ClassVar[bool] = False
     reads_values: ClassVar[bool] = True
+    #: Reads ``selection.token_scores`` (the engine's reconstruction pass), e.g. ``kvzip``.
+    token_scores: ClassVar[bool] = False
 
     def score(
         self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection | None = None
@@ -145,6 +147,7 @@ class EditInputs:
     head_dim: int | None = None
     device: str | None = None
     rope: Mapping[str, Any] | None = None
+    token_scores: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -247,6 +250,7 @@ def edit_inputs(
         head_dim=None if context is None else context.head_dim,
         device=None if context is None else context.device,
         rope=None if context is None else context.rope,
+        token_scores=None if context is None else context.token_scores,
     )
 
 
@@ -303,6 +307,12 @@ class Policy(abc.ABC):
         (``--query-capture full``); False when the lean query window is enough. A function
         policy is assumed to read them all."""
         return self.needs_query
+
+    @property
+    def token_scores(self) -> bool:
+        """Whether it reads per-token scores the engine computes with the model
+        (``EditContext.token_scores``: KVzip's reconstruction pass), so the engine must run it."""
+        return False
 
     @abc.abstractmethod
     def select_indices(
@@ -446,6 +456,10 @@ class ScorerPolicy(SelectorPolicy):
     def needs_full_queries(self) -> bool:
         return self.scorer.needs_query and not self.scorer.sparse_queries
 
+    @property
+    def token_scores(self) -> bool:
+        return self.scorer.token_scores
+
     def _scorer_for(self, inputs: EditInputs) -> Scorer:
         """The scorer with a query scorer's ``head_dim=None`` filled in (layout's, else 128)."""
         scorer = self.scorer
@@ -518,6 +532,7 @@ class ScorerPolicy(SelectorPolicy):
                     query_positions=qpos,
                     query_lse=lse,
                     head_dim=inputs.head_dim,
+                    token_scores=inputs.token_scores,
                 )
                 scores = scorer.score(kv, q, selection)
             else:

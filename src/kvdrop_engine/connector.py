@@ -45,7 +45,7 @@ from kvdrop_sdk.context import connect
 from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.layout import CacheLayout
 from kvdrop_sdk.query_capture import QueryCapture
-from kvdrop_sdk.window import QueryWindow, store_window
+from kvdrop_sdk.window import QueryWindow, TokenScores, store_scores, store_window
 
 __all__ = [
     "DEFAULT_QUERY_STRIDE",
@@ -435,6 +435,15 @@ class ServerConnector:
         if self._q_ctx is None:
             return False
         return store_window(self._q_ctx, list(tokens), window, cache_salt)
+
+    def store_scores(
+        self, tokens: Sequence[int], scores: TokenScores, cache_salt: str = ""
+    ) -> bool:
+        """Store a call's reconstruction scores (kvzip) beside its window (False without
+        transfer_query: the scores live in the query store)."""
+        if self._q_ctx is None:
+            return False
+        return store_scores(self._q_ctx, list(tokens), scores, cache_salt)
 
     def close(self) -> None:
         """Close the contexts (idempotent)."""

@@ -55,6 +55,7 @@ from torch import Tensor, nn
 
 from kvdrop_engine import kernels
 from kvdrop_engine.capture import WindowCapture, log_normalisers
+from kvdrop_engine.reconstruct import ReconstructionPrompt, ScoresJob, reconstruction_scores
 from kvdrop_engine.connector import (
     DEFAULT_QUERY_STRIDE,
     DEFAULT_QUERY_WINDOW,
@@ -127,6 +128,12 @@ class EngineStats:
     #: ``graph_capture_seconds``) and the cached tokens their attention read.
     #: ``prefix_load_seconds``: time spent loading cached prefixes (asking the server and copying
     #: into the blocks), summed over requests; it runs on connector threads, not the loop.
+    #: KVzip's reconstruction pass (``reconstruction`` set): prompts scored, their tokens, the
+    #: pass's wall time on the loop thread and the score bytes stored.
+    reconstructions: int = 0
+    reconstruction_tokens: int = 0
+    reconstruction_seconds: float = 0.0
+    scores_bytes_stored: int = 0
     decode_only_steps: int = 0
     decode_step_seconds: float = 0.0
     decode_kv_tokens: int = 0
@@ -297,6 +304,7 @@ class Engine:
         load_timeout_s: float = 10.0,
         store_timeout_s: float = 30.0,
         connector_backoff_s: float = 30.0,
+        reconstruction: ReconstructionPrompt | None = None,
     ) -> None:
         cfg = model.config
         try:
@@ -326,6 +334,10 @@ class Engine:
         self.model = model
         self.config = cfg
         self.tokenizer = tokenizer
+        #: KVzip's reconstruction prompt: a request with ``reconstruct=True`` has its prompt
+        #: scored by the pass when it ends, the scores stored beside its query window (the
+        #: ``kvzip`` policy reads them).
+        self.reconstruction = reconstruction
         self.block_size = block_size
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
@@ -458,6 +470,11 @@ class Engine:
         cancels the request and frees its blocks. Starts the engine if needed.
         """
         params = SamplingParams.from_dict(sampling_params)
+        if params.reconstruct and (self.reconstruction is None or self.connector is None):
+            raise InvalidRequestError(
+                "reconstruct=true needs an engine built with reconstruction=ReconstructionPrompt"
+                "(...) and a connector to store the scores in (kvdrop_engine.reconstruct)"
+            )
         prompt = self._check_prompt(prompt_token_ids)
         if not isinstance(cache_salt, str):
             raise InvalidRequestError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
@@ -520,7 +537,7 @@ class Engine:
                     if isinstance(item, EngineError):
                         raise item
                     raise EngineError(f"request failed: {item!r}") from item
-                if isinstance(item, (StoreJob, WindowJob)):
+                if isinstance(item, (StoreJob, WindowJob, ScoresJob)):
                     self._store(item)
                     continue
                 yield item
@@ -724,7 +741,7 @@ class Engine:
         with self._cv:
             self._stats.connector_fallbacks += 1
 
-    def _store(self, job: StoreJob | WindowJob) -> None:
+    def _store(self, job: StoreJob | WindowJob | ScoresJob) -> None:
         """Run a prompt's store or a finished request's window store (caller's thread) for up to
         ``store_timeout_s``; never raises."""
         assert self.connector is not None
@@ -750,10 +767,13 @@ class Engine:
             else:
                 self._io_failed("store failed:", str(exc))
 
-    def _stored(self, job: StoreJob | WindowJob, future: Future[Any]) -> None:
+    def _stored(self, job: StoreJob | WindowJob | ScoresJob, future: Future[Any]) -> None:
         with self._cv:
             if future.cancelled() or future.exception() is not None:
                 self._stats.store_failures += 1
+                return
+            if isinstance(job, ScoresJob):
+                self._stats.scores_bytes_stored += future.result()
                 return
             if isinstance(job, WindowJob):
                 rows, nbytes = future.result()
@@ -880,6 +900,28 @@ class Engine:
                 to_host(positions), to_host(queries), to_host(lse), sequence, req.cache_salt
             )
             req.out.put(job)
+        if req.params.reconstruct:
+            req.out.put(self._reconstruct(req, sequence, computed))
+
+    def _reconstruct(self, req: _Request, sequence: list[int], computed: int) -> ScoresJob:
+        """KVzip's reconstruction pass over the request's prompt, on its own KV (blocks still
+        its own); the scores go to the host here, like the window."""
+        assert self.reconstruction is not None
+        started = time.perf_counter()
+        scores = reconstruction_scores(
+            self.model,
+            req.prompt,
+            computed,
+            lambda layer: self.cache.keys(req.blocks, layer, computed),
+            lambda layer: self.cache.values(req.blocks, layer, computed),
+            self.reconstruction,
+        )
+        scores = to_host(scores)
+        with self._cv:
+            self._stats.reconstructions += 1
+            self._stats.reconstruction_tokens += len(req.prompt)
+            self._stats.reconstruction_seconds += time.perf_counter() - started
+        return ScoresJob(scores, sequence, req.cache_salt)
 
     def _free(self, req: _Request) -> None:
         if req.blocks:

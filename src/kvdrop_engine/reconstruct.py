@@ -26,18 +26,22 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from kvdrop_engine.errors import EngineError
 from kvdrop_engine.model import Transformer, causal_attention
+from kvdrop_sdk.window import TokenScores
 
 __all__ = [
     "REPEAT_CONTINUE",
     "REPEAT_FIRST",
     "ReconstructionAttention",
     "ReconstructionPrompt",
+    "ScoresJob",
+    "StoresScores",
     "reconstruction_scores",
 ]
 
@@ -210,3 +214,38 @@ def reconstruction_scores(
         model(tokens, positions, attn, logits_rows=torch.tensor([len(ids) - 1]))
     scores[:, :, : prompt.n_sink] = 1.0
     return scores
+
+
+@runtime_checkable
+class StoresScores(Protocol):
+    """A connector that stores per-token scores (the kvdrop server's window store)."""
+
+    def store_scores(self, tokens: Sequence[int], scores: TokenScores, cache_salt: str) -> bool:
+        """Store ``scores`` for the call over ``tokens``; False when not kept."""
+        ...
+
+
+@dataclass
+class ScoresJob:
+    """A finished request's reconstruction scores ``[L, Hkv, N]`` to push to the server from the
+    caller's thread (before its last token is handed over), keyed like its query window by
+    ``tokens`` (prompt + every generated token)."""
+
+    scores: Tensor
+    tokens: list[int]
+    cache_salt: str
+
+    def run(self, conn: Any) -> int:
+        """Store it; returns the bytes sent. ``EngineError`` when the store fails."""
+        if not isinstance(conn, StoresScores):
+            raise EngineError(
+                "the engine's connector cannot store reconstruction scores (kvzip): use a kvdrop "
+                "server (kvdrop_engine.connector.ServerConnector with transfer_query); LMCache "
+                "servers have no store for them"
+            )
+        scores = self.scores.to(device="cpu", dtype=torch.float32)
+        try:
+            conn.store_scores(self.tokens, TokenScores(scores), self.cache_salt)
+        except Exception as exc:
+            raise EngineError(f"storing the reconstruction scores failed: {exc}") from exc
+        return scores.numel() * 4

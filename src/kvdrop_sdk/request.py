@@ -75,8 +75,9 @@ from kvdrop_sdk.context import Context
 from kvdrop_sdk.errors import RequestStreamError, SDKError
 from kvdrop_sdk.events import PostCompletion, TokenEvent
 from kvdrop_sdk.types import EditContext, ModifyFnType, takes_edit_context
+from kvdrop_sdk.query_capture import DeclaresTokenScores
 from kvdrop_sdk.validate import is_int, token_ids
-from kvdrop_sdk.window import retrieve_window
+from kvdrop_sdk.window import retrieve_scores, retrieve_window
 
 __all__ = [
     "ModifyFnType",
@@ -527,10 +528,11 @@ class RequestStream:
                 if kv.shape[2] != cached:
                     tensors[CacheKind.KV] = kv[:, :, :cached].contiguous()
             kept_input = list(current[:cached])
+            scores = self._token_scores(fn, current) if with_context else None
             try:
                 if with_context:
                     context = self._edit_context(
-                        kv_ctx, cached, len(current), query_positions, query_lse, device
+                        kv_ctx, cached, len(current), query_positions, query_lse, device, scores
                     )
                     result = fn(KindMap(tensors), kept_input, context=context)  # type: ignore[call-arg]
                 else:
@@ -609,6 +611,17 @@ class RequestStream:
             return None, None, None, cached
         return window.queries, window.positions, window.lse, cached
 
+    def _token_scores(self, fn: Any, tokens: list[int]) -> torch.Tensor | None:
+        """The engine's per-token scores of the call over ``tokens`` for an ``fn`` that declares
+        ``token_scores`` (kvdrop servers only: read through the query context), else None."""
+        if not (isinstance(fn, DeclaresTokenScores) and fn.token_scores):
+            return None
+        q_ctx = self._contexts.get(CacheKind.QUERY)
+        if not isinstance(q_ctx, Context):
+            return None
+        found = retrieve_scores(q_ctx, tokens, self.active_cache_salt)
+        return None if found is None else found.scores
+
     def _edit_context(
         self,
         kv_ctx: Any,
@@ -617,6 +630,7 @@ class RequestStream:
         query_positions: torch.Tensor | None,
         query_lse: torch.Tensor | None,
         device: str | None,
+        token_scores: torch.Tensor | None = None,
     ) -> EditContext:
         layout = getattr(kv_ctx, "layout", None)
         if isinstance(kv_ctx, Context) and layout is not None and layout.rope is None:
@@ -636,6 +650,7 @@ class RequestStream:
             head_dim=getattr(layout, "head_dim", None),
             chunk_size=int(kv_ctx.chunk_size),
             request_id=self._request_stream_id,
+            token_scores=token_scores,
         )
 
     # ----------------------------------------------------------------- helpers

@@ -151,6 +151,10 @@ class Budget(Policy):
     def needs_full_queries(self) -> bool:
         return self.policy.needs_full_queries
 
+    @property
+    def token_scores(self) -> bool:
+        return self.policy.token_scores
+
     def for_length(self, num_tokens: int) -> SelectorPolicy:
         """The inner policy with this request's budget."""
         value = self.rule(num_tokens)

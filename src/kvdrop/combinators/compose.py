@@ -81,6 +81,10 @@ class Compose(SelectorPolicy):
     def needs_full_queries(self) -> bool:
         return any(p.needs_full_queries for p in self.parts)
 
+    @property
+    def token_scores(self) -> bool:
+        return any(p.token_scores for p in self.parts)
+
     def quotas(self, budget: int) -> list[int]:
         """Tokens each part picks: ``budget`` split by weight in whole chunks (largest remainders
         first, ties to the earlier part)."""

@@ -55,6 +55,10 @@ class Rerotate(Policy):
     def needs_full_queries(self) -> bool:
         return self.policy.needs_full_queries
 
+    @property
+    def token_scores(self) -> bool:
+        return self.policy.token_scores
+
     def select_indices(
         self,
         tensors: Mapping[Any, torch.Tensor],

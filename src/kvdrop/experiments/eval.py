@@ -573,7 +573,12 @@ class _Measurement:
         # read them, and the edits of later runs may push them out (a lookup does not refresh).
         self.policies = dict(sorted(policies.items(), key=lambda kv: not needs_query[kv[0]]))
         self.needs_query = needs_query
-        self.any_query = any(needs_query.values())
+        # Policies that read the engine's reconstruction scores (kvzip): their prefill runs the
+        # pass, and the scores travel through the query context.
+        self.scores = {
+            name: any(fn.token_scores for fn in by.values()) for name, by in policies.items()
+        }
+        self.any_query = any(needs_query.values()) or any(self.scores.values())
         # The lean query window, unless a policy reads every cached token's query (a plugin
         # scorer without sparse_queries): then the engine captures them all for every policy
         # (window-reading scorers then read the chunk queries of the cached part and the
@@ -591,6 +596,7 @@ class _Measurement:
     def __enter__(self) -> _Measurement:
         from kvdrop_engine.connector import ServerConnector
         from kvdrop_engine.engine import Engine
+        from kvdrop_engine.reconstruct import ReconstructionPrompt
         from kvdrop_sdk import kvcache, qcache
         from kvdrop_sdk.server.app import Server
         from kvdrop_sdk.server.config import ServerConfig
@@ -627,6 +633,7 @@ class _Measurement:
                 tokenizer=self.tokenizer,
                 kv_budget_tokens=budget,
                 connector=self.connector,
+                reconstruction=ReconstructionPrompt.from_tokenizer(self.tokenizer),
             ).start()
             self.kv_ctx = kvcache.connect(self.server.url, self.server.http_url, self.model_name)
             self.q_ctx = (
@@ -690,13 +697,14 @@ class _Measurement:
             fid = [(0.0, 1.0)] * len(items)
             yield self._records(length, FULL, 1.0, items, full, fid, conts, score_s, mine)
         for policy, by_ratio in self.policies.items():
-            ctxs = [self.kv_ctx] + ([self.q_ctx] if self.needs_query[policy] else [])
+            uses_q = self.needs_query[policy] or self.scores[policy]
+            ctxs = [self.kv_ctx] + ([self.q_ctx] if uses_q else [])
             for ratio, fn in by_ratio.items():
                 items = list(todo[(policy, ratio)])
                 if not items:
                     yield []
                     continue
-                run = self._run(policy, items, salt, fn, ctxs)
+                run = self._run(policy, items, salt, fn, ctxs, reconstruct=self.scores[policy])
                 self._check_loaded(run, items, (length, policy, ratio))
                 refs = [reference[(s.task, s.index, setting)] for s, setting in items]
                 conts = [cont for cont, _ in refs]
@@ -717,7 +725,15 @@ class _Measurement:
                     )
                 yield self._records(length, policy, ratio, items, run, fid, conts, score_s)
 
-    def _run(self, name: str, items: Sequence[Item], salt: str, fn: Any, contexts: list) -> Any:
+    def _run(
+        self,
+        name: str,
+        items: Sequence[Item],
+        salt: str,
+        fn: Any,
+        contexts: list,
+        reconstruct: bool = False,
+    ) -> Any:
         """One pipeline run over ``items``: prefill, modify with ``fn`` (if any), decode from the
         edited cache (the question appended in the ``after`` setting)."""
         from kvdrop.experiments.pipeline import Prompt, run_pipeline
@@ -733,6 +749,7 @@ class _Measurement:
                 modify_fn=fn,
                 cache_salt=salt,
                 suffixes=[s.suffix(setting) for s, setting in items],
+                reconstruct=reconstruct,
             )
         except BatchedStreamFailures as exc:
             first = next(iter(exc.failures.values()))
@@ -785,6 +802,7 @@ class _Measurement:
             "modify": float(run.modify["duration"]) if run.modify is not None else 0.0,
             "decode": float(run.decode["duration"]),
             "score": score_s,
+            "reconstruct": float(run.prefill_engine.get("reconstruction_seconds", 0.0)),
         }
         out = []
         for (task, setting), idx in groups.items():
