@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 
 import kvdrop
 from kvdrop_sdk import CacheKind
+from kvdrop_sdk.types import EditContext
 
 POLICIES = kvdrop.available()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -111,7 +112,16 @@ def cases(draw: st.DrawFn, name: str) -> dict[str, Any]:
     query = torch.randn(1, layers, num_tokens, kv_heads * group * head_dim, generator=gen).to(dtype)
     # Distinct ids so every kept token maps back to exactly one input index.
     tokens = torch.randperm(10 * num_tokens + 10, generator=gen)[:num_tokens].tolist()
-    return {"params": params, "kv": kv, "query": query, "tokens": tokens}
+    # Per-token scores of the engine's reconstruction pass, for policies that read them.
+    scores = torch.rand(layers, kv_heads, num_tokens, generator=gen)
+    return {"params": params, "kv": kv, "query": query, "tokens": tokens, "scores": scores}
+
+
+def context_for(fn: Any, case: dict[str, Any]) -> EditContext | None:
+    """An edit context with the case's token scores for a policy that declares them."""
+    if not fn.token_scores:
+        return None
+    return EditContext.of(case["kv"].shape[2], token_scores=case["scores"])
 
 
 def expected_count(params: dict[str, Any], num_tokens: int) -> int:
@@ -137,7 +147,8 @@ def test_policy_invariants(name: str, data: st.DataObject) -> None:
     kv, query, tokens, params = case["kv"], case["query"], case["tokens"], case["params"]
     kv_before, q_before = kv.clone(), query.clone()
     fn = kvdrop.get(name, **params)
-    out, kept = fn({CacheKind.KV: kv, CacheKind.QUERY: query}, tokens)
+    context = context_for(fn, case)
+    out, kept = fn({CacheKind.KV: kv, CacheKind.QUERY: query}, tokens, context=context)
 
     num_tokens = kv.shape[2]
     count = expected_count(params, num_tokens)
@@ -154,7 +165,9 @@ def test_policy_invariants(name: str, data: st.DataObject) -> None:
     assert torch.equal(out, kv[:, :, positions]), "kept rows must be the input rows, bit-identical"
     assert torch.equal(kv, kv_before) and torch.equal(query, q_before), "inputs were modified"
 
-    out2, kept2 = kvdrop.get(name, **params)({ForeignKind.KV: kv, ForeignKind.QUERY: query}, tokens)
+    out2, kept2 = kvdrop.get(name, **params)(
+        {ForeignKind.KV: kv, ForeignKind.QUERY: query}, tokens, context=context
+    )
     assert list(kept2) == list(kept) and torch.equal(out2, out), "not deterministic"
 
 
@@ -190,6 +203,9 @@ def test_wrongly_shaped_inputs_raise(name: str) -> None:
     if needs_query:
         with pytest.raises(kvdrop.MissingQueryError, match="--enable transfer_query"):
             fn({CacheKind.KV: kv}, list(range(16)))
+    if fn.token_scores:
+        with pytest.raises(kvdrop.MissingTokenScoresError, match="reconstruction pass"):
+            fn({CacheKind.KV: kv, CacheKind.QUERY: query}, list(range(16)))
 
 
 @pytest.mark.parametrize("name", POLICIES)
