@@ -55,7 +55,6 @@ from torch import Tensor, nn
 
 from kvdrop_engine import kernels
 from kvdrop_engine.capture import WindowCapture, log_normalisers
-from kvdrop_engine.reconstruct import ReconstructionPrompt, ScoresJob, reconstruction_scores
 from kvdrop_engine.connector import (
     DEFAULT_QUERY_STRIDE,
     DEFAULT_QUERY_WINDOW,
@@ -76,6 +75,7 @@ from kvdrop_engine.paged import (
     to_host,
     use_kernel,
 )
+from kvdrop_engine.reconstruct import ReconstructionPrompt, ScoresJob, reconstruction_scores
 from kvdrop_engine.sampling import SamplingParams, finish_reason, make_generator, sample
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
 from kvdrop_sdk.errors import PartialStoreError

@@ -194,7 +194,7 @@ class PagedKVCache:
         return self.k[layer].view(-1, self.num_kv_heads, self.head_dim)[slots]
 
     def values(self, block_table: Sequence[int], layer: int, num_tokens: int) -> Tensor:
-        """Values of tokens ``0 .. num_tokens-1`` of one layer: ``[T, Hkv, d]`` (a gathered copy)."""
+        """Values of tokens ``0 .. num_tokens-1`` of one layer: ``[T, Hkv, d]`` (a copy)."""
         slots = self.slots(block_table, 0, num_tokens)
         return self.v[layer].view(-1, self.num_kv_heads, self.head_dim)[slots]
 

@@ -80,7 +80,9 @@ class ReconstructionPrompt:
         for name, low in (("chunk_tokens", 1), ("overlap", 0), ("n_sink", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"ReconstructionPrompt.{name} must be an int >= {low}, got {value!r}")
+                raise ValueError(
+                    f"ReconstructionPrompt.{name} must be an int >= {low}, got {value!r}"
+                )
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, **options: Any) -> ReconstructionPrompt:
@@ -116,7 +118,11 @@ class ReconstructionPrompt:
 
     def input_ids(self, context: Sequence[int], start: int, end: int) -> list[int]:
         """The reconstruction input of chunk ``context[start:end]``."""
-        head = list(self.first) if start == 0 else [*self.later, *context[max(0, start - self.overlap) : start]]
+        head = (
+            list(self.first)
+            if start == 0
+            else [*self.later, *context[max(0, start - self.overlap) : start]]
+        )
         return [*head, *self.suffix, *context[start:end]]
 
 
@@ -150,7 +156,9 @@ class ReconstructionAttention:
         scored = torch.cat(
             [k_all[:, :sink], k_all[:, self.start : self.end], k_all[:, cached:]], dim=1
         )
-        self.scores[layer, :, self.start : self.end] = _max_probs(q, scored, sink, self.end - self.start)
+        self.scores[layer, :, self.start : self.end] = _max_probs(
+            q, scored, sink, self.end - self.start
+        )
         return out
 
 
@@ -197,8 +205,12 @@ def reconstruction_scores(
     cfg = model.config
     n = len(context)
     if not 0 < n <= num_computed:
-        raise ValueError(f"context of {n} tokens must be non-empty and within the {num_computed} cached")
-    scores = torch.zeros(cfg.num_layers, cfg.num_kv_heads, n, dtype=torch.float32, device=model.device)
+        raise ValueError(
+            f"context of {n} tokens must be non-empty and within the {num_computed} cached"
+        )
+    scores = torch.zeros(
+        cfg.num_layers, cfg.num_kv_heads, n, dtype=torch.float32, device=model.device
+    )
 
     def k_of(layer: int) -> Tensor:
         return keys(layer)[:num_computed]

@@ -74,8 +74,8 @@ from kvdrop_sdk.cache_kind import CacheKind, KindMap
 from kvdrop_sdk.context import Context
 from kvdrop_sdk.errors import RequestStreamError, SDKError
 from kvdrop_sdk.events import PostCompletion, TokenEvent
-from kvdrop_sdk.types import EditContext, ModifyFnType, takes_edit_context
 from kvdrop_sdk.query_capture import DeclaresTokenScores
+from kvdrop_sdk.types import EditContext, ModifyFnType, takes_edit_context
 from kvdrop_sdk.validate import is_int, token_ids
 from kvdrop_sdk.window import retrieve_scores, retrieve_window
 

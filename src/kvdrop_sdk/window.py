@@ -190,7 +190,9 @@ class TokenScores:
             or s.shape[2] == 0
         ):
             shape = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
-            raise SDKError(f"token scores must be a float32 [L, H, N] tensor with N >= 1, got {shape}")
+            raise SDKError(
+                f"token scores must be a float32 [L, H, N] tensor with N >= 1, got {shape}"
+            )
 
     @property
     def num_tokens(self) -> int:

@@ -24,12 +24,16 @@ class _Recording(DenseAttention):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.queries: dict[int, torch.Tensor] = {}
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         self.queries[layer] = q.clone()
         return super().__call__(layer, q, k, v)
 
 
-def _brute_force(model: Transformer, context: list[int], prompt: ReconstructionPrompt) -> torch.Tensor:
+def _brute_force(
+    model: Transformer, context: list[int], prompt: ReconstructionPrompt
+) -> torch.Tensor:
     """Each chunk run on a fresh dense copy of the cache; scores from full softmax matrices."""
     cfg = model.config
     n = len(context)

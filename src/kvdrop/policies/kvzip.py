@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from kvdrop.errors import MissingTokenScoresError, PolicyInputError
-from kvdrop.policies._common import LAYER_AGG, head_agg_param, reduce
 from kvdrop.params import param
+from kvdrop.policies._common import LAYER_AGG, head_agg_param, reduce
 from kvdrop.policy import Scorer, ScorerFactory
 from kvdrop.selector import Selection
 

@@ -232,8 +232,8 @@ def _parse_scores(
     rows, heads = header.get("rows"), header.get("heads")
     if not is_int(rows) or not 0 < rows <= num_tokens:
         raise ProtocolError(
-            "bad_field", f"field 'rows' must be an int in [1, {num_tokens}] (the call's tokens), "
-            f"got {rows!r}"
+            "bad_field",
+            f"field 'rows' must be an int in [1, {num_tokens}] (the call's tokens), got {rows!r}",
         )
     if not is_int(heads) or heads <= 0 or layout.num_heads % heads:
         raise ProtocolError(
