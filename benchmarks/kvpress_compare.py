@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from kvdrop.experiments.tasks import SETTINGS, TASKS, Sample, make_samples
+from kvdrop.experiments.tasks import DEFAULT_TASKS, SETTINGS, TASKS, Sample, make_samples
 from kvdrop_engine.loading import ModelSpec, load_model
 
 #: kvdrop policy name -> kvpress press class name (and its arguments besides the ratio).
@@ -209,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--presses", nargs="+", default=list(PRESSES), choices=list(PRESSES))
     p.add_argument("--keep-ratio", type=float, default=0.5)
     p.add_argument("--lengths", nargs="+", type=int, default=[1024])
-    p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), choices=list(TASKS))
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--num-samples", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvdrop.experiments.tasks import SETTINGS, TASKS, Sample, make_samples
+from kvdrop.experiments.tasks import DEFAULT_TASKS, SETTINGS, TASKS, Sample, make_samples
 
 __all__ = [
     "FULL",
@@ -90,7 +90,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         policies=None,
         keep_ratios=(0.75, 0.5, 0.25),
         lengths=(1024,),
-        tasks=tuple(TASKS),
+        tasks=DEFAULT_TASKS,
         num_samples=6,
     ),
 }
@@ -108,7 +108,7 @@ class EvalConfig:
     policies: tuple[str, ...] | None = None
     keep_ratios: tuple[float, ...] = PRESETS["default"]["keep_ratios"]
     lengths: tuple[int, ...] = PRESETS["default"]["lengths"]
-    tasks: tuple[str, ...] = tuple(TASKS)
+    tasks: tuple[str, ...] = DEFAULT_TASKS
     settings: tuple[str, ...] = SETTINGS
     num_samples: int = PRESETS["default"]["num_samples"]
     max_tokens: int = 8
