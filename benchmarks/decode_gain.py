@@ -45,11 +45,11 @@ import torch
 import kvdrop
 from kvdrop.experiments.pipeline import Prompt, engine_budget, run_pipeline
 from kvdrop_engine.connector import ServerConnector
-from kvdrop_engine.reconstruct import ReconstructionPrompt
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import load_checkpoint, preset_config
 from kvdrop_engine.model import ModelConfig, Transformer
 from kvdrop_engine.paged import to_device, to_host
+from kvdrop_engine.reconstruct import ReconstructionPrompt
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
 from kvdrop_sdk.server.testing import spawn_server
