@@ -172,8 +172,18 @@ def kvdrop_column(path: Path, args: argparse.Namespace) -> dict[tuple[str, str],
         if not ratio_ok or rec["length"] not in args.lengths or rec["task"] not in args.tasks:
             continue
         for idx, ok in zip(rec["samples"], rec["correct"]):
+            if idx not in subset(args):
+                continue
             got[(rec["policy"], rec["setting"])][(rec["task"], rec["length"], idx)] = bool(ok)
     return {key: list(v.values()) for key, v in got.items()}
+
+
+def subset(args: argparse.Namespace) -> set[int]:
+    """Indices of the samples this run measures (all, or ``--subset`` evenly spaced)."""
+    n, k = args.num_samples, args.subset
+    if k is None or k >= n:
+        return set(range(n))
+    return {round(i * (n - 1) / max(k - 1, 1)) for i in range(k)}
 
 
 def versions() -> dict[str, str]:
@@ -212,6 +222,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), choices=list(TASKS))
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--num-samples", type=int, default=12)
+    p.add_argument(
+        "--subset",
+        type=int,
+        default=None,
+        help="run only this many of the samples, evenly spaced in depth (both columns)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--threads", type=int, default=None)
@@ -234,6 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for n in args.lengths
         for t in args.tasks
         for s in make_samples(t, tokenizer, n, args.num_samples, args.seed)
+        if s.index in subset(args)
     ]
     with tempfile.TemporaryDirectory() as tmp:
         hf = hf_model(model, tokenizer, Path(tmp))
