@@ -328,7 +328,7 @@ def run(
 class EditOnDevice:
     """An edit function run on a ``device`` copy of the retrieved tensors, its result copied back
     (page-locked both ways); if the policy fails there, this and every later edit runs on the host
-    (logged once). Other attributes (``needs_query``, markers the SDK reads) are the policy's."""
+    (logged once). Other attributes (``queries``, markers the SDK reads) are the policy's."""
 
     def __init__(self, fn: Any, device: str) -> None:
         self.fn = fn

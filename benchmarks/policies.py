@@ -40,8 +40,8 @@ from kvdrop.errors import PolicyInputError
 from kvdrop.experiments.profiling import PeakRSS
 from kvdrop_rope import RopeConfig
 from kvdrop_sdk import CacheKind
+from kvdrop_sdk.edit import EditContext
 from kvdrop_sdk.table import format_table
-from kvdrop_sdk.types import EditContext
 
 #: The lean query window the reference engine saves by default: last W rows and every S-th.
 WINDOW, STRIDE = 64, 64

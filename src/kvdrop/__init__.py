@@ -5,9 +5,11 @@
 >>> kvdrop.available()                                 # every registered policy
 >>> kvdrop.get("streaming+snapkv", head_dim=64)        # spec strings build combinators
 
-Layout: :mod:`kvdrop.policy` (the Policy protocol, scorers, factories), :mod:`kvdrop.selector`
-(budget and ranking), :mod:`kvdrop.policies` (one module per built-in), :mod:`kvdrop.combinators`
-(Compose, Chunk, Budget, Rerotate over built policies), :mod:`kvdrop.registry` (names, plugins),
+Layout: :mod:`kvdrop.policy` (the Policy protocol, scorers), :mod:`kvdrop.factories` (what the
+registry hands out), :mod:`kvdrop.function_policy` (plain plugin functions), :mod:`kvdrop.inputs`
+(validated edit inputs), :mod:`kvdrop.selector` (budget and ranking), :mod:`kvdrop.policies`
+(one module per built-in), :mod:`kvdrop.combinators` (Compose, Chunk, Budget, Rerotate over
+built policies), :mod:`kvdrop.registry` (names, plugins),
 :mod:`kvdrop.spec` (spec strings, ``get``/``describe``), :mod:`kvdrop.experiments` (demo and
 benchmark pipeline; the only part that uses the engine and server).
 
@@ -33,10 +35,12 @@ from kvdrop.params import Param, param
 
 if TYPE_CHECKING:
     from kvdrop.combinators import Budget, Chunk, Compose, Rerotate
-    from kvdrop.policy import Policy, PolicyFactory, PolicyInfo, Scorer, ScorerFactory, ScorerPolicy
+    from kvdrop.factories import PolicyFactory, PolicyInfo, ScorerFactory
+    from kvdrop.policy import Policy, Scorer, ScorerPolicy
     from kvdrop.registry import PluginWarning, available, register
     from kvdrop.selector import Selection, Selector
     from kvdrop.spec import describe, get
+    from kvdrop_sdk.query_capture import QueryNeed
 
 _LAZY = {
     "Budget": "kvdrop.combinators",
@@ -44,10 +48,11 @@ _LAZY = {
     "Compose": "kvdrop.combinators",
     "Rerotate": "kvdrop.combinators",
     "Policy": "kvdrop.policy",
-    "PolicyFactory": "kvdrop.policy",
-    "PolicyInfo": "kvdrop.policy",
+    "PolicyFactory": "kvdrop.factories",
+    "PolicyInfo": "kvdrop.factories",
+    "QueryNeed": "kvdrop_sdk.query_capture",
     "Scorer": "kvdrop.policy",
-    "ScorerFactory": "kvdrop.policy",
+    "ScorerFactory": "kvdrop.factories",
     "ScorerPolicy": "kvdrop.policy",
     "PluginWarning": "kvdrop.registry",
     "available": "kvdrop.registry",
@@ -74,6 +79,7 @@ __all__ = [
     "PolicyNotFoundError",
     "PolicyParamError",
     "PolicyWarning",
+    "QueryNeed",
     "Rerotate",
     "Scorer",
     "ScorerFactory",

@@ -1,17 +1,19 @@
-"""The policy contract: what every edit function kvdrop builds is, and what a factory is.
+"""The policy contract: what every edit function kvdrop builds is.
 
 - :class:`Policy`: the one protocol of an edit function (a ``ModifyFnType``) built by kvdrop:
-  ``name``, ``needs_query``, ``select_indices(tensors, tokens, *, context) -> (kv, index)`` and
+  ``name``, ``queries`` (a :class:`~kvdrop_sdk.query_capture.QueryNeed`: which prefill queries
+  it reads), ``select_indices(tensors, tokens, *, context) -> (kv, index)`` and
   ``__call__(tensors, tokens, *, context) -> (kv, tokens)``. Every built-in, every combinator and
-  the adapter of a plain plugin function implement it, so wrappers never probe attributes. Every
-  policy accepts the SDK's :class:`~kvdrop_sdk.types.EditContext` (``accepts_edit_context``) and
-  re-rotates the keys it keeps when it knows the model's RoPE (:mod:`kvdrop.rope`).
+  the adapter of a plain plugin function (:mod:`kvdrop.function_policy`) implement it, so
+  wrappers never probe attributes. Every policy accepts the SDK's
+  :class:`~kvdrop_sdk.edit.EditContext` (``accepts_edit_context``) and re-rotates the keys it
+  keeps when it knows the model's RoPE (:mod:`kvdrop.rope`).
 - :class:`ScorerPolicy`: a :class:`Scorer` (what a token is worth) under the shared
   :class:`~kvdrop.selector.Selector` (what to keep). Built-in policies are scorer dataclasses
-  wrapped by :class:`ScorerFactory`.
-- :class:`PolicyFactory`: what the registry hands out, ``factory(**params) -> Policy`` with an
-  ``info`` (:class:`PolicyInfo`, what ``kvdrop describe`` shows). A plain callable registered as a
-  policy is adapted by :class:`FunctionFactory`, which validates parameter names.
+  wrapped by :class:`~kvdrop.factories.ScorerFactory`.
+
+Inputs are validated in :mod:`kvdrop.inputs`, the scoring device is picked in
+:mod:`kvdrop.device`, and factories (what the registry hands out) live in :mod:`kvdrop.factories`.
 """
 
 from __future__ import annotations
@@ -19,78 +21,77 @@ from __future__ import annotations
 import abc
 import copy
 import dataclasses
-import difflib
-import inspect
-import typing
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from kvdrop.errors import MissingQueryError, PolicyInputError, PolicyParamError, PolicyWarning
-from kvdrop.params import Param, params_of_dataclass, validate_params
+from kvdrop.device import resolve_device
+from kvdrop.errors import PolicyInputError, PolicyWarning
+from kvdrop.inputs import EditInputs, check_finite, edit_inputs
 from kvdrop.rope import rerotate_in_place, rope_from_layout
-from kvdrop.selector import SELECTOR_PARAMS, Selection, Selector
+from kvdrop.selector import Selection, Selector
 from kvdrop_rope import RopeConfig
-from kvdrop_sdk.cache_kind import CacheKind
-from kvdrop_sdk.types import EditContext, ModifyFnType, get_tensor, takes_edit_context
+from kvdrop_sdk.edit import EditContext
+from kvdrop_sdk.query_capture import QueryNeed
 
 __all__ = [
     "DEFAULT_QUERY_HEAD_DIM",
-    "EditInputs",
-    "FunctionFactory",
-    "FunctionPolicy",
     "Policy",
-    "PolicyFactory",
-    "PolicyInfo",
+    "QueryNeed",
     "Scorer",
-    "ScorerFactory",
     "ScorerPolicy",
     "SelectorPolicy",
-    "as_factory",
-    "as_policy",
-    "check_inputs",
-    "edit_inputs",
-    "info_of",
-    "resolve_device",
 ]
 
 #: ``head_dim`` of a query scorer that leaves it None and is called without an edit context.
 DEFAULT_QUERY_HEAD_DIM = 128
 #: Warn when chunk alignment keeps less than this fraction of the tokens asked for.
 BUDGET_WARN_FRACTION = 0.75
+#: The flags ``queries`` replaced; a scorer that still sets one gets a TypeError saying so.
+_OLD_QUERY_FLAGS = ("needs_query", "needs_full_queries", "sparse_queries")
 
 
 class Scorer:
     """Base of scorer dataclasses: ``score(kv, query) -> [T]`` float scores, higher = keep.
 
-    ``kv`` is ``[2, L, T, D]``; ``query`` is ``[1, L, T, Dq]`` when the scorer declares
-    ``needs_query = True``, else ``None``. Scores are combined across heads and layers by the
-    scorer, so one kept-token list serves the whole request. NaN scores are an error
-    (:class:`~kvdrop.PolicyInputError`).
+    ``kv`` is ``[2, L, T, D]``; ``query`` holds the prefill queries when the scorer declares
+    ``queries`` other than ``QueryNeed.NONE`` (the default), else ``None``. Scores are combined
+    across heads and layers by the scorer, so one kept-token list serves the whole request.
+    Non-finite (NaN or inf) scores are an error (:class:`~kvdrop.PolicyInputError`).
 
     A scorer that depends on what the selector will keep (the budget, the always-kept window,
     the chunk size) declares ``needs_selection = True`` and is called as
     ``score(kv, query, selection)`` with a :class:`~kvdrop.selector.Selection`.
 
-    A query scorer that declares ``sparse_queries = True`` (every built-in one) takes query rows
-    at any positions: ``query`` is ``[1, L, R, Dq]`` and ``selection.query_positions`` ``[R]``
-    says where each row sits (rows past ``T`` belong to the uncached tail). Engines in the lean
-    query mode store only such a window; a scorer without the flag gets ``[1, L, T, Dq]`` rows
-    aligned with the KV, or a PolicyInputError when only a window exists.
+    ``queries = QueryNeed.WINDOW`` (every built-in query scorer) takes query rows at any
+    positions: ``query`` is ``[1, L, R, Dq]`` and ``selection.query_positions`` ``[R]`` says where
+    each row sits (rows past ``T`` belong to the uncached tail). Engines in the lean query mode
+    store only such a window. ``queries = QueryNeed.FULL`` gets ``[1, L, T, Dq]`` rows aligned
+    with the KV (the engine must capture every query), or a PolicyInputError when only a window
+    exists.
 
     ``reads_values = False`` says ``score`` never reads ``kv[1]``: when scoring runs on another
     device, only the keys travel there (``kv`` is then ``[1, L, T, D]``).
     """
 
-    needs_query: ClassVar[bool] = False
+    queries: ClassVar[QueryNeed] = QueryNeed.NONE
     needs_selection: ClassVar[bool] = False
-    sparse_queries: ClassVar[bool] = False
     reads_values: ClassVar[bool] = True
     #: Reads ``selection.token_scores`` (the engine's reconstruction pass), e.g. ``kvzip``.
     token_scores: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        old = [flag for flag in _OLD_QUERY_FLAGS if flag in vars(cls)]
+        if old:
+            raise TypeError(
+                f"{cls.__name__} sets {', '.join(old)}; scorers declare one attribute instead: "
+                "queries = QueryNeed.WINDOW (query rows at any positions, with "
+                "selection.query_positions) or QueryNeed.FULL (every cached token's query)"
+            )
+        cls.queries = QueryNeed(cls.queries)
 
     def score(
         self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection | None = None
@@ -101,186 +102,10 @@ class Scorer:
         """Validate shapes the scorer relies on (e.g. D % head_dim); raise PolicyInputError."""
 
 
-@dataclass(frozen=True)
-class PolicyInfo:
-    """What ``kvdrop describe`` shows: summary, whether queries are needed, every parameter.
-
-    ``needs_query`` is that of the policy built from ``example`` (the defaults, for most).
-    """
-
-    name: str
-    summary: str
-    needs_query: bool
-    params: tuple[Param, ...]
-    details: str = ""
-    #: Parameters a minimal working instance needs beyond the defaults (e.g. the inner policies of
-    #: a composition); docs and the property tests over every registered policy use them.
-    example: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "summary": self.summary,
-            "needs_query": self.needs_query,
-            "details": self.details,
-            "params": [p.describe() for p in self.params],
-            "example": dict(self.example),
-        }
-
-
-@dataclass(frozen=True)
-class EditInputs:
-    """One edit's validated inputs as a policy sees them (see :func:`edit_inputs`).
-
-    ``query`` ``[1, L, R, Dq]`` with ``query_positions`` ``[R]`` (None when not needed) and
-    ``query_lse`` ``[1, L, R, Hq]`` (the rows' attention log-normalisers, or None);
-    ``prompt_tokens`` is ``N >= T``; ``positions`` the RoPE position of each KV row.
-    """
-
-    kv: torch.Tensor
-    query: torch.Tensor | None
-    query_positions: torch.Tensor | None
-    prompt_tokens: int
-    positions: torch.Tensor
-    protected: int = 0
-    query_lse: torch.Tensor | None = None
-    head_dim: int | None = None
-    device: str | None = None
-    rope: Mapping[str, Any] | None = None
-    token_scores: torch.Tensor | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.kv.shape[2])
-
-
-def edit_inputs(
-    tensors: Mapping[Any, torch.Tensor],
-    tokens: Sequence[int],
-    *,
-    policy: str,
-    needs_query: bool,
-    context: EditContext | None = None,
-) -> EditInputs:
-    """Validate an edit function's arguments once; raise a teaching error when they are wrong.
-
-    Without a context the query must cover the KV's ``T`` tokens and is cut to them (positions
-    ``0..T-1``, the upstream layout). With one, its ``query_positions`` place the rows (default
-    ``0..R-1``), which may lie past ``T`` up to ``context.prompt_tokens``.
-    """
-    if context is not None and not isinstance(context, EditContext):
-        raise PolicyInputError(
-            f"{policy}: context must be a kvdrop_sdk.types.EditContext, got "
-            f"{type(context).__name__}"
-        )
-    kv = get_tensor(tensors, CacheKind.KV)
-    if kv is None:
-        keys = ", ".join(repr(k) for k in tensors)
-        raise PolicyInputError(
-            f"{policy}: no KV tensor in the mapping (keys: {keys}); expected "
-            "a key whose value is 'kv' (CacheKind.KV)"
-        )
-    if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[0] != 2:
-        shape = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
-        raise PolicyInputError(f"{policy}: KV must be a [2, L, T, D] tensor; got {shape}")
-    if not kv.is_floating_point():
-        raise PolicyInputError(f"{policy}: KV must be a floating-point tensor; got {kv.dtype}")
-    num_tokens = kv.shape[2]
-    if len(tokens) != num_tokens or num_tokens == 0:
-        raise PolicyInputError(
-            f"{policy}: got {len(tokens)} token ids for a KV of {num_tokens} tokens; they must "
-            "match and be non-empty"
-        )
-    if context is not None and context.num_tokens != num_tokens:
-        raise PolicyInputError(
-            f"{policy}: the edit context describes {context.num_tokens} KV rows but the KV has "
-            f"{num_tokens}"
-        )
-    total = num_tokens if context is None else int(context.prompt_tokens or num_tokens)
-    positions = torch.arange(num_tokens) if context is None else context.positions
-    query = qpos = lse = None
-    if needs_query:
-        query = get_tensor(tensors, CacheKind.QUERY)
-        if query is None:
-            raise MissingQueryError(policy)
-        if (
-            not isinstance(query, torch.Tensor)
-            or query.dim() != 4
-            or query.shape[0] != 1
-            or query.shape[1] != kv.shape[1]
-        ):
-            shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query)
-            raise PolicyInputError(
-                f"{policy}: query must be [1, L, R, Dq] with L={kv.shape[1]} like the KV; got "
-                f"{shape}"
-            )
-        rows = query.shape[2]
-        if context is None or context.query_positions is None:
-            if context is None:
-                if rows < num_tokens:
-                    raise PolicyInputError(
-                        f"{policy}: query covers {rows} tokens but the KV has {num_tokens}"
-                    )
-                query, rows = query[:, :, :num_tokens], num_tokens
-            qpos = torch.arange(rows)
-        else:
-            qpos = context.query_positions
-            if qpos.numel() != rows:
-                raise PolicyInputError(
-                    f"{policy}: the edit context has {qpos.numel()} query positions for "
-                    f"{rows} query rows"
-                )
-            lse = context.query_lse
-            if lse is not None and tuple(lse.shape[1:3]) != (kv.shape[1], rows):
-                raise PolicyInputError(
-                    f"{policy}: the edit context's query_lse {tuple(lse.shape)} does not match "
-                    f"the {rows} query rows of {kv.shape[1]} layers"
-                )
-        if rows == 0:
-            raise PolicyInputError(f"{policy}: the query tensor has no rows")
-        total = max(total, int(qpos[-1]) + 1)
-    return EditInputs(
-        kv=kv,
-        query=query,
-        query_positions=qpos,
-        prompt_tokens=total,
-        positions=positions,
-        protected=0 if context is None else context.protected,
-        query_lse=lse,
-        head_dim=None if context is None else context.head_dim,
-        device=None if context is None else context.device,
-        rope=None if context is None else context.rope,
-        token_scores=None if context is None else context.token_scores,
-    )
-
-
-def check_inputs(
-    tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int], *, policy: str, needs_query: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Return ``(kv, query)`` from an edit function's plain arguments, or raise a teaching error.
-
-    ``query`` is cut to the KV's ``T`` tokens, and ``None`` unless ``needs_query``.
-    """
-    inputs = edit_inputs(tensors, tokens, policy=policy, needs_query=needs_query)
-    return inputs.kv, inputs.query
-
-
-def resolve_device(requested: str, hint: str | None, tensor: torch.Tensor) -> torch.device:
-    """Where to score: ``requested`` unless "auto"; then the context's ``hint``; then CUDA when
-    available; else ``tensor``'s device."""
-    if requested != "auto":
-        return torch.device(requested)
-    if hint:
-        return torch.device(hint)
-    if tensor.device.type == "cpu" and torch.cuda.is_available():
-        return torch.device("cuda")
-    return tensor.device
-
-
 class Policy(abc.ABC):
     """An edit function built by kvdrop (a ``ModifyFnType`` for ``batch.modify(fn)``).
 
-    Subclasses give ``name``, ``needs_query`` and ``select_indices``; calling the policy gathers
+    Subclasses give ``name``, ``queries`` and ``select_indices``; calling the policy gathers
     the kept KV rows and token ids (within budget the input comes back as is) and re-rotates the
     kept keys to positions ``0..k-1`` when the RoPE parameters are known: ``rope`` (explicit, as
     ``kvdrop.get(..., rerotate=config)`` sets it) or the edit context's. ``rerotate = False``
@@ -298,20 +123,27 @@ class Policy(abc.ABC):
 
     @property
     @abc.abstractmethod
+    def queries(self) -> QueryNeed:
+        """Which prefill queries (``tensors[CacheKind.QUERY]``) the policy reads: none, a window
+        of rows at any positions, or every cached token's (``QueryCapture.for_policies`` reads
+        it)."""
+
+    @property
     def needs_query(self) -> bool:
-        """Whether the policy reads the prefill query tensor (``tensors[CacheKind.QUERY]``)."""
+        """Whether the policy reads any query (derived from :attr:`queries`)."""
+        return self.queries is not QueryNeed.NONE
 
     @property
     def needs_full_queries(self) -> bool:
-        """Whether it reads the query of every cached token, so the engine must capture them all
-        (``--query-capture full``); False when the lean query window is enough. A function
-        policy is assumed to read them all."""
-        return self.needs_query
+        """Whether it reads every cached token's query (derived from :attr:`queries`; kept for
+        callers not yet on ``QueryCapture.for_policies``)."""
+        return self.queries is QueryNeed.FULL
 
     @property
     def token_scores(self) -> bool:
         """Whether it reads per-token scores the engine computes with the model
-        (``EditContext.token_scores``: KVzip's reconstruction pass), so the engine must run it."""
+        (``EditContext.token_scores``: KVzip's reconstruction pass), so the engine must run it
+        (``QueryCapture.for_policies`` reads it)."""
         return False
 
     @abc.abstractmethod
@@ -366,9 +198,16 @@ class Policy(abc.ABC):
         rope = self.rope_for(context)
         if rope is None:
             if self.rerotate and not torch.equal(old, new):
-                _warn_no_rope(self.name)
+                warn_no_rope(self.name)
             return out, kept_tokens
         rerotate_in_place(out[0], old, new, rope, int(pos.max()) + 1, len(new))
+        check_finite(
+            self.name,
+            out[0],
+            "re-rotated keys",
+            "check the RoPE parameters (theta, rope_scaling) registered with the layout or "
+            "passed as rerotate=, and the cached keys",
+        )
         return out, kept_tokens
 
 
@@ -389,7 +228,7 @@ def _row_positions(
     return pos.to(device="cpu", dtype=torch.int64)
 
 
-def _warn_no_rope(name: str) -> None:
+def warn_no_rope(name: str) -> None:
     warnings.warn(
         f"{name}: kept keys stay at their old RoPE positions because no RoPE parameters are "
         "known (the engine registered none with the cache layout, or the policy was called "
@@ -449,12 +288,8 @@ class ScorerPolicy(SelectorPolicy):
         return f"{type(self).__name__}({self.name!r}, {self.scorer!r}, {self.selector!r})"
 
     @property
-    def needs_query(self) -> bool:
-        return self.scorer.needs_query
-
-    @property
-    def needs_full_queries(self) -> bool:
-        return self.scorer.needs_query and not self.scorer.sparse_queries
+    def queries(self) -> QueryNeed:
+        return self.scorer.queries
 
     @property
     def token_scores(self) -> bool:
@@ -464,7 +299,7 @@ class ScorerPolicy(SelectorPolicy):
         """The scorer with a query scorer's ``head_dim=None`` filled in (layout's, else 128)."""
         scorer = self.scorer
         if (
-            scorer.needs_query
+            scorer.queries is not QueryNeed.NONE
             and dataclasses.is_dataclass(scorer)
             and any(f.name == "head_dim" for f in dataclasses.fields(scorer))
             and getattr(scorer, "head_dim", 0) is None
@@ -477,18 +312,18 @@ class ScorerPolicy(SelectorPolicy):
         self, scorer: Scorer, inputs: EditInputs
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The query rows and positions ``scorer`` can read (dense ``0..T-1`` unless sparse)."""
-        if not scorer.needs_query or inputs.query is None:
+        if scorer.queries is QueryNeed.NONE or inputs.query is None:
             return None, None
         qpos = inputs.query_positions
         assert qpos is not None
-        if scorer.sparse_queries:
+        if scorer.queries is QueryNeed.WINDOW:
             return inputs.query, qpos
         t = inputs.num_tokens
         if qpos.numel() < t or not torch.equal(qpos[:t], torch.arange(t)):
             raise PolicyInputError(
                 f"{self.name}: this scorer reads the query of every cached token ([1, L, T, Dq]) "
                 f"but only {qpos.numel()} query rows exist (a query window); declare "
-                "sparse_queries = True and read selection.query_positions, or run the engine "
+                "queries = QueryNeed.WINDOW and read selection.query_positions, or run the engine "
                 "with full query capture (--query-capture full)"
             )
         return inputs.query[:, :, :t], qpos[:t]
@@ -512,7 +347,7 @@ class ScorerPolicy(SelectorPolicy):
             inputs = EditInputs(kv, query, qpos, kv.shape[2], torch.arange(kv.shape[2]))
         scorer = self._scorer_for(inputs)
         q, qpos = self._queries_for(scorer, inputs)
-        lse = inputs.query_lse if scorer.sparse_queries and q is not None else None
+        lse = inputs.query_lse if scorer.queries is QueryNeed.WINDOW and q is not None else None
         device = resolve_device(self.selector.device, inputs.device, kv)
         if device != kv.device:
             kv = (kv if scorer.reads_values else kv[:1]).to(device)
@@ -543,13 +378,12 @@ class ScorerPolicy(SelectorPolicy):
                 f"({num_tokens},)"
             )
         scores = scores.detach().to(device="cpu", dtype=torch.float32)
-        nan = int(torch.isnan(scores).sum())
-        if nan:
-            raise PolicyInputError(
-                f"{self.name}: the scorer returned {nan} NaN score(s) for {num_tokens} tokens, so "
-                "it cannot rank them; expected finite KV (and query) values (NaN or inf in the "
-                "cache?)"
-            )
+        check_finite(
+            self.name,
+            scores,
+            "scores",
+            "it cannot rank tokens on them; check the cached KV (and query) values for NaN or inf",
+        )
         return scores
 
     def ranking(
@@ -576,7 +410,7 @@ class ScorerPolicy(SelectorPolicy):
         context: EditContext | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = edit_inputs(
-            tensors, tokens, policy=self.name, needs_query=self.needs_query, context=context
+            tensors, tokens, policy=self.name, queries=self.queries, context=context
         )
         kv, num_tokens = inputs.kv, inputs.num_tokens
         budget = self.plan_budget(inputs)
@@ -586,275 +420,3 @@ class ScorerPolicy(SelectorPolicy):
         return kv, self.selector.select(
             scores, budget, prompt_tokens=inputs.prompt_tokens, protected=inputs.protected
         )
-
-
-class FunctionPolicy(Policy):
-    """A plain edit function ``fn(tensors, tokens) -> (kv, tokens)`` seen as a :class:`Policy`.
-
-    ``fn`` gets ``context=`` too when it declares so (``kvdrop_sdk.types.accepts_edit_context``)
-    and then re-rotates on its own. For a plain ``fn``, calling the policy finds the kept rows in
-    the input (greedy in order, matching the token id and the layer-0 key row, so repeated ids are
-    told apart) and re-rotates their keys when RoPE parameters are known; a ``fn`` whose output
-    rows are not input rows (e.g. it changed values) is returned as it is, with a warning.
-    """
-
-    def __init__(self, name: str, fn: ModifyFnType, needs_query: bool = False) -> None:
-        self.name = name
-        self.fn = fn
-        self._needs_query = needs_query
-        self._takes_context = takes_edit_context(fn)
-
-    def __repr__(self) -> str:
-        return f"FunctionPolicy({self.name!r}, {self.fn!r})"
-
-    @property
-    def needs_query(self) -> bool:
-        return self._needs_query
-
-    def _call_fn(
-        self,
-        tensors: Mapping[Any, torch.Tensor],
-        tokens: Sequence[int],
-        context: EditContext | None,
-    ) -> tuple[torch.Tensor, Sequence[int]]:
-        if self._takes_context:
-            return self.fn(tensors, tokens, context=context)  # type: ignore[call-arg]
-        return self.fn(tensors, tokens)
-
-    def _match(
-        self, kv: torch.Tensor, tokens: Sequence[int], out: torch.Tensor, kept: Sequence[int]
-    ) -> torch.Tensor:
-        found: list[int] = []
-        i = 0
-        for j, tok in enumerate(kept):
-            while i < len(tokens) and not (
-                int(tokens[i]) == int(tok) and torch.equal(kv[0, 0, i], out[0, 0, j])
-            ):
-                i += 1
-            if i == len(tokens):
-                raise PolicyInputError(
-                    f"{self.name}: kept row {j} (token {tok}) is not an input row at a later "
-                    "index; expected a policy that keeps input rows in order"
-                )
-            found.append(i)
-            i += 1
-        return torch.tensor(found, dtype=torch.int64)
-
-    def select_indices(
-        self,
-        tensors: Mapping[Any, torch.Tensor],
-        tokens: Sequence[int],
-        *,
-        context: EditContext | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = edit_inputs(
-            tensors, tokens, policy=self.name, needs_query=self.needs_query, context=context
-        ).kv
-        out, kept = self._call_fn(tensors, tokens, context)
-        return kv, self._match(kv, tokens, out, kept)
-
-    def __call__(
-        self,
-        tensors: Mapping[Any, torch.Tensor],
-        tokens: Sequence[int],
-        *,
-        context: EditContext | None = None,
-        positions: Sequence[int] | torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, Sequence[int]]:
-        out, kept = self._call_fn(tensors, tokens, context)
-        if self._takes_context and self.rope is None:
-            return out, kept  # it saw the context: its own choice of positions
-        rope = self.rope_for(context)
-        moved = len(kept) != len(tokens) or list(kept) != [int(t) for t in tokens]
-        if rope is None:
-            if self.rerotate and moved:
-                _warn_no_rope(self.name)
-            return out, kept
-        kv = edit_inputs(tensors, tokens, policy=self.name, needs_query=False, context=context).kv
-        try:
-            index = self._match(kv, tokens, out, kept)
-        except PolicyInputError:
-            warnings.warn(
-                f"{self.name}: its output rows are not input rows, so they cannot be re-rotated; "
-                "returned as they are",
-                PolicyWarning,
-                stacklevel=2,
-            )
-            return out, kept
-        return self.keep(kv, tokens, index, context=context, positions=positions)
-
-
-def as_policy(fn: Policy | ModifyFnType, name: str, needs_query: bool = False) -> Policy:
-    """``fn`` itself if it is a :class:`Policy`, else a :class:`FunctionPolicy` around it."""
-    if isinstance(fn, Policy):
-        return fn
-    if not callable(fn):
-        raise TypeError(f"{name}: expected an edit function fn(tensors, tokens); got {fn!r}")
-    return FunctionPolicy(name, fn, needs_query)
-
-
-class PolicyFactory(abc.ABC):
-    """A registered policy: ``factory(**params) -> Policy``, parameters validated on call."""
-
-    name: str
-    info: PolicyInfo
-
-    @abc.abstractmethod
-    def __call__(self, **params: Any) -> Policy: ...
-
-
-class ScorerFactory(PolicyFactory):
-    """A registered policy built from a scorer dataclass: validates params, returns a ScorerPolicy.
-
-    Its parameters are the selector's (``keep_ratio``, ``keep_tokens``, ``chunk_size``,
-    ``n_sink``, ``window``, ``chunked``) followed by the scorer's fields declared with
-    :func:`~kvdrop.param`. ``defaults`` changes selector defaults for this policy (e.g.
-    ``window=64``); ``hidden`` selector parameters are fixed at their default and not exposed
-    (e.g. chunk-halving is always chunked); ``example`` is what :class:`PolicyInfo` shows as a
-    minimal working set of parameters. A scorer field declared with ``param`` under a selector
-    parameter's name (say ``window``) is the scorer's own: that selector parameter is hidden.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        scorer_cls: type[Scorer],
-        summary: str,
-        *,
-        defaults: Mapping[str, Any] | None = None,
-        hidden: Sequence[str] = (),
-        example: Mapping[str, Any] | None = None,
-    ) -> None:
-        self.name = name
-        self.scorer_cls = scorer_cls
-        defaults = dict(defaults or {})
-        selector_names = {p.name for p in SELECTOR_PARAMS}
-        unknown = set(defaults) - selector_names
-        if unknown:
-            raise TypeError(f"{name}: defaults for unknown selector parameters {sorted(unknown)}")
-        scorer_params = params_of_dataclass(scorer_cls)
-        own = {p.name for p in scorer_params}
-        if dataclasses.is_dataclass(scorer_cls):
-            plain = {f.name for f in dataclasses.fields(scorer_cls) if f.init} - own
-            if plain & selector_names:
-                field = sorted(plain & selector_names)[0]
-                raise TypeError(
-                    f"{name}: {scorer_cls.__name__}.{field} is named like the selector parameter "
-                    f"{field!r} but not declared with param(); kvdrop does not copy selector "
-                    f"values into scorer fields: set needs_selection = True and read "
-                    f"selection.{field} in score(kv, query, selection), or declare the field "
-                    f"with param() to make it the scorer's own parameter"
-                )
-        selector_params = [
-            dataclasses.replace(p, default=defaults.get(p.name, p.default)) for p in SELECTOR_PARAMS
-        ]
-        hidden_names = set(hidden) | (own & selector_names)
-        self._selector_fixed = {
-            p.name: p.default for p in selector_params if p.name in hidden_names
-        }
-        self._selector_names = selector_names - hidden_names
-        exposed = [p for p in selector_params if p.name not in hidden_names]
-        self.params: tuple[Param, ...] = (*exposed, *scorer_params)
-        doc = inspect.cleandoc(scorer_cls.__doc__ or "")
-        self.info = PolicyInfo(
-            name, summary, scorer_cls.needs_query, self.params, doc, dict(example or {})
-        )
-
-    def __call__(self, **params: Any) -> ScorerPolicy:
-        values = validate_params(self.name, self.params, params)
-        sel = {k: v for k, v in values.items() if k in self._selector_names}
-        try:
-            selector = Selector(**self._selector_fixed, **sel)
-        except PolicyParamError as exc:
-            raise PolicyParamError(f"{self.name}: {exc}") from None
-        scorer = self.scorer_cls(
-            **{k: v for k, v in values.items() if k not in self._selector_names}
-        )
-        return ScorerPolicy(self.name, scorer, selector)
-
-    def __repr__(self) -> str:
-        return f"ScorerFactory({self.name!r}, {self.scorer_cls.__name__})"
-
-
-class FunctionFactory(PolicyFactory):
-    """A plain callable ``factory(**params) -> edit function`` registered as a policy.
-
-    ``kvdrop describe`` reads its signature and docstring (or its ``info``, a PolicyInfo; its
-    ``needs_query`` and ``example`` attributes where set). Parameter names are checked before
-    the call (an unknown or missing one raises PolicyParamError, unless it takes ``**kwargs``);
-    what it returns is adapted to a :class:`Policy`.
-    """
-
-    def __init__(self, name: str, fn: Callable[..., Any]) -> None:
-        self.name = name
-        self.fn = fn
-        self.info = info_of(name, fn)
-        try:
-            parameters = list(inspect.signature(fn).parameters.values())
-            self._open = any(p.kind is p.VAR_KEYWORD for p in parameters)
-        except (TypeError, ValueError):  # a builtin without a signature: take anything
-            parameters, self._open = [], True
-        self._names = [
-            p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        ]
-        self._required = [
-            p.name
-            for p in parameters
-            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        ]
-
-    def __repr__(self) -> str:
-        return f"FunctionFactory({self.name!r}, {self.fn!r})"
-
-    def __call__(self, **params: Any) -> Policy:
-        if not self._open:
-            for key in params:
-                if key not in self._names:
-                    close = difflib.get_close_matches(key, self._names, n=3)
-                    hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-                    raise PolicyParamError(
-                        f"{self.name}: unknown parameter {key!r}.{hint} Allowed: "
-                        f"{', '.join(sorted(self._names)) or '(none)'}"
-                    )
-        missing = [n for n in self._required if n not in params]
-        if missing:
-            raise PolicyParamError(
-                f"{self.name}: missing parameter(s) {', '.join(map(repr, missing))}; expected "
-                "values for them (`kvdrop describe` lists every parameter)"
-            )
-        return as_policy(self.fn(**params), self.name, self.info.needs_query)
-
-
-def as_factory(name: str, obj: Any) -> PolicyFactory:
-    """``obj`` itself if it is a :class:`PolicyFactory`, else a :class:`FunctionFactory`."""
-    if isinstance(obj, PolicyFactory):
-        return obj
-    if not callable(obj):
-        raise TypeError(f"policy {name!r}: expected a factory; got a {type(obj).__name__}")
-    return FunctionFactory(name, obj)
-
-
-def info_of(name: str, factory: Callable[..., Any]) -> PolicyInfo:
-    """PolicyInfo of a plain factory: its ``info`` if it has one, else read from its signature."""
-    info = getattr(factory, "info", None)
-    if isinstance(info, PolicyInfo):
-        return info
-    doc = inspect.getdoc(factory) or ""
-    try:
-        hints = typing.get_type_hints(factory)
-    except Exception:  # unresolvable annotations: describe them as Any
-        hints = {}
-    params = []
-    for p in inspect.signature(factory).parameters.values():
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        default = None if p.default is p.empty else p.default
-        params.append(Param(p.name, hints.get(p.name, Any), default, ""))
-    return PolicyInfo(
-        example=dict(getattr(factory, "example", {}) or {}),
-        name=name,
-        summary=doc.splitlines()[0] if doc else "",
-        needs_query=bool(getattr(factory, "needs_query", False)),
-        params=tuple(params),
-        details=doc,
-    )

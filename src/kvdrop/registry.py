@@ -23,7 +23,7 @@ from typing import Any
 from importlib_metadata import EntryPoint, entry_points
 
 from kvdrop.errors import PolicyConflictError, PolicyNotFoundError
-from kvdrop.policy import PolicyFactory, PolicyInfo, as_factory
+from kvdrop.factories import PolicyFactory, PolicyInfo, as_factory
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -1,4 +1,4 @@
-"""The selector shared by every scoring policy: budget, always-kept tokens, chunk alignment, gather.
+"""The selector shared by every scoring policy: budget, always-kept tokens, chunk alignment.
 
 A policy only says how much each token is worth (a ``[T]`` score, higher = keep). The selector
 turns scores into one kept-token list for the whole request (all layers and heads: the cache is
@@ -27,15 +27,15 @@ implementation of the order. Without an edit context ``N == T``: the plain upstr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from kvdrop.device import device_ok
 from kvdrop.errors import PolicyParamError
-from kvdrop.params import Param
+from kvdrop.params import Param, param, params_of_dataclass
 
-__all__ = ["SELECTOR_PARAMS", "Selection", "Selector", "gather"]
+__all__ = ["SELECTOR_PARAMS", "Selection", "Selector"]
 
 
 def _positive(x: int) -> bool:
@@ -46,79 +46,50 @@ def _non_negative(x: int) -> bool:
     return x >= 0
 
 
-def _device_ok(name: str) -> bool:
-    if name == "auto":
-        return True
-    try:
-        torch.device(name)
-    except (RuntimeError, ValueError):
-        return False
-    return True
+@dataclass(frozen=True)
+class Selector:
+    """Budget and selection rules (see the module docstring); built from validated parameters.
 
+    Its fields are the parameters every scoring policy accepts (:data:`SELECTOR_PARAMS` is read
+    from them; a policy may change the defaults)."""
 
-#: Parameters every scoring policy accepts (a policy may change the defaults).
-SELECTOR_PARAMS: tuple[Param, ...] = (
-    Param(
-        "keep_ratio",
-        float | None,
+    keep_ratio: float | None = param(
         None,
         "fraction of tokens to keep (default 0.5 when keep_tokens is not given)",
-        "0 < r <= 1",
-        lambda r: 0 < r <= 1,
-    ),
-    Param(
-        "keep_tokens",
-        int | None,
+        allowed="0 < r <= 1",
+        check=lambda r: 0 < r <= 1,
+    )
+    keep_tokens: int | None = param(
         None,
         "number of tokens to keep (instead of keep_ratio)",
-        "an int >= 1",
-        lambda n: n >= 1,
-    ),
-    Param(
-        "chunk_size",
-        int,
+        allowed="an int >= 1",
+        check=lambda n: n >= 1,
+    )
+    chunk_size: int = param(
         256,
         "the server's chunk size: the kept count is a multiple of it",
-        "an int >= 1",
-        _positive,
-    ),
-    Param(
-        "n_sink", int, 0, "first tokens always kept (attention sinks)", "an int >= 0", _non_negative
-    ),
-    Param(
-        "window", int, 0, "last tokens always kept (recent window)", "an int >= 0", _non_negative
-    ),
-    Param(
-        "chunked",
-        bool,
+        allowed="an int >= 1",
+        check=_positive,
+    )
+    n_sink: int = param(
+        0, "first tokens always kept (attention sinks)", allowed="an int >= 0", check=_non_negative
+    )
+    window: int = param(
+        0, "last tokens always kept (recent window)", allowed="an int >= 0", check=_non_negative
+    )
+    chunked: bool = param(
         False,
         "select whole chunks by the sum of their token scores "
         "(ChunkKV-style) instead of single tokens",
-    ),
-    Param(
-        "device",
-        str,
+    )
+    device: str = param(
         "auto",
         "where scores are computed: 'auto' (the edit context's device, else CUDA when available, "
         "else where the tensors are), or a torch device ('cpu', 'cuda', 'cuda:1'); only the "
         "kept indices come back",
-        "'auto' or a torch device string",
-        _device_ok,
-    ),
-)
-
-
-@dataclass(frozen=True)
-class Selector:
-    """Budget and selection rules (see the module docstring); built from validated parameters."""
-
-    keep_ratio: float | None = None
-    keep_tokens: int | None = None
-    chunk_size: int = 256
-    n_sink: int = 0
-    window: int = 0
-    chunked: bool = False
-    device: str = "auto"
+        allowed="'auto' or a torch device string",
+        check=device_ok,
+    )
 
     def __post_init__(self) -> None:
         if self.keep_ratio is not None and self.keep_tokens is not None:
@@ -240,7 +211,7 @@ class Selection:
     cached ones are recomputed, never dropped); ``query_positions`` the position of each row of
     the query tensor the scorer gets (rows may lie past ``T``: the uncached tail);
     ``query_lse`` ``[1, L, R, Hq]`` the rows' attention log-normalisers over every key they saw
-    (NaN where unknown; see ``kvdrop_sdk.types.EditContext``); ``head_dim`` the layout's, when
+    (NaN where unknown; see ``kvdrop_sdk.edit.EditContext``); ``head_dim`` the layout's, when
     known; ``token_scores`` ``[L, H, S]`` the engine's per-token scores (KVzip's reconstruction
     pass), when the edit context has them.
     """
@@ -300,9 +271,5 @@ def _first_unique(x: torch.Tensor) -> torch.Tensor:
     return x[keep]
 
 
-def gather(
-    kv: torch.Tensor, tokens: Sequence[int], index: torch.Tensor
-) -> tuple[torch.Tensor, list[int]]:
-    """The KV rows (dim 2) and token ids at ``index`` (sorted); KV stays on its device and dtype."""
-    kept = kv.index_select(2, index.to(kv.device))
-    return kept, [int(tokens[i]) for i in index.tolist()]
+#: Parameters every scoring policy accepts: the :class:`Selector` fields, in order.
+SELECTOR_PARAMS: tuple[Param, ...] = tuple(params_of_dataclass(Selector))

@@ -32,8 +32,9 @@ from kvdrop.combinators.chunk import Chunk
 from kvdrop.combinators.compose import Compose
 from kvdrop.combinators.rerotate import Rerotate
 from kvdrop.errors import PolicyParamError
+from kvdrop.factories import PolicyFactory, PolicyInfo
 from kvdrop.params import Param, validate_params
-from kvdrop.policy import Policy, PolicyFactory, PolicyInfo
+from kvdrop.policy import Policy, QueryNeed
 from kvdrop.selector import SELECTOR_PARAMS
 
 __all__ = [
@@ -207,7 +208,7 @@ class SpecFactory(PolicyFactory):
 
     One term (``"snapkv(window=32)"``) is that policy with bound parameters; several are their
     :class:`~kvdrop.combinators.Compose`. Built once with the defaults on creation, so a bad
-    spec fails now, and ``info.needs_query`` is the built policy's.
+    spec fails now, and ``info.queries`` is the built policy's.
     """
 
     def __init__(self, spec: str) -> None:
@@ -227,7 +228,7 @@ class SpecFactory(PolicyFactory):
             self._single = None
             info = _compose_info(spec, self.terms)
         self.info = info
-        self.info = dataclasses.replace(info, needs_query=self().needs_query)
+        self.info = dataclasses.replace(info, queries=self().queries)
 
     def __call__(self, **params: Any) -> Policy:
         if self._single is not None:
@@ -349,10 +350,10 @@ def _compose_info(name: str, terms: Sequence[tuple[str, dict[str, Any]]] | None)
         "parameters of the parts are ignored; their other parameters apply. A part whose share "
         "rounds to zero chunks gets nothing (a PolicyWarning says so)."
     )
-    needs_query = True  # as its default parts, streaming+snapkv
+    queries = QueryNeed.WINDOW  # as its default parts, streaming+snapkv
     if terms is not None:
         infos = [describe(n) for n, _ in terms]
-        needs_query = any(i.needs_query for i in infos)
+        queries = max((i.queries for i in infos), key=lambda q: q.rank)
         lines = [
             f"  {n}{'(' + ', '.join(f'{k}={v!r}' for k, v in p.items()) + ')' if p else ''}: "
             f"{i.summary} [params: {', '.join(x.name for x in i.params)}]"
@@ -363,7 +364,7 @@ def _compose_info(name: str, terms: Sequence[tuple[str, dict[str, Any]]] | None)
         name,
         "Union of policies sharing one budget, e.g. 'streaming+snapkv' (needs queries if a "
         "part does)",
-        needs_query,
+        queries,
         _COMPOSE_PARAMS,
         details,
         {},
@@ -391,7 +392,7 @@ class ChunkFactory(PolicyFactory):
     info = PolicyInfo(
         "chunk",
         "Any scorer policy at chunk granularity (ChunkKV-style), e.g. 'chunk(policy=snapkv)'",
-        False,  # as its default inner policy (knorm); the inner policy decides
+        QueryNeed.NONE,  # as its default inner policy (knorm); the inner policy decides
         (
             Param("policy", str, "knorm", "the scorer policy to run at chunk granularity"),
             *(p for p in SELECTOR_PARAMS if p.name != "chunked"),
@@ -416,7 +417,7 @@ class BudgetFactory(PolicyFactory):
     info = PolicyInfo(
         "budget",
         "Per-request budget by prompt length, e.g. tiers '4096:1.0,*:0.5' over any policy",
-        False,  # as its default inner policy (knorm); the inner policy decides
+        QueryNeed.NONE,  # as its default inner policy (knorm); the inner policy decides
         (
             Param(
                 "policy", str, "knorm", "the policy (name or spec) whose budget is set per request"

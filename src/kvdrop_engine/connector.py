@@ -1,9 +1,10 @@
 """Connects the reference engine to a kvdrop server: load cached prefixes, store prompts.
 
-:class:`EngineConnector` is what the engine needs from a connector; :class:`ServerConnector` is
-the one that talks to a kvdrop server through ``kvdrop_sdk`` contexts. :func:`plan_prefix` (on
-admission: what to load, what to store after prefill) and :class:`StoreJob` (after prefill, run on
-the caller's thread) are the engine's two uses of it.
+:class:`KVConnector` (:mod:`~kvdrop_engine.connector_base`) is what the engine needs from a
+connector; :class:`ServerConnector` is the one that talks to a kvdrop server through
+``kvdrop_sdk`` contexts; :func:`make_connector` builds either kind by name. :func:`plan_prefix`
+(on admission: what to load, what to store after prefill), :class:`StoreJob` and
+:class:`WindowJob` (run on a store thread) are the engine's uses of it.
 
 The engine calls ``bind`` once with its model config and dtype; the connector then registers the
 model's KV layout ``[2, L, T, Hkv*d]`` with the model's RoPE parameters (so edit functions can
@@ -31,20 +32,27 @@ through one connector.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import requests
 import torch
 from torch import Tensor
 
+from kvdrop_engine.connector_base import KVConnector
 from kvdrop_engine.errors import EngineError
+from kvdrop_engine.model import ModelConfig
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
 from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.layout import CacheLayout
-from kvdrop_sdk.query_capture import QueryCapture
+from kvdrop_sdk.query_capture import (
+    DEFAULT_QUERY_STRIDE,
+    DEFAULT_QUERY_WINDOW,
+    QueryCapture,
+    QueryNeed,
+)
 from kvdrop_sdk.window import QueryWindow, TokenScores, store_scores, store_window
 
 __all__ = [
@@ -52,10 +60,12 @@ __all__ = [
     "DEFAULT_QUERY_WINDOW",
     "QUERY_CAPTURE_MODES",
     "EngineConnector",
+    "KVConnector",
     "PrefixPlan",
     "ServerConnector",
     "StoreJob",
     "WindowJob",
+    "make_connector",
     "plan_prefix",
     "plan_recompute",
     "server_has_transfer_query",
@@ -63,42 +73,10 @@ __all__ = [
 
 #: Query capture modes: "window" (lean: last W + strided rows) or "full" (every prompt row).
 QUERY_CAPTURE_MODES = ("window", "full")
-#: Default W: at least the largest observation window of a built-in policy (SnapKV's 64).
-DEFAULT_QUERY_WINDOW = 64
-#: Default S of the strided sample (H2O's queries): ``T / 64`` rows over a ``T``-token sequence.
-DEFAULT_QUERY_STRIDE = 64
 
 
-class EngineConnector(Protocol):
-    """What the engine needs from a KV-cache connector (see ``ServerConnector``)."""
-
-    chunk_size: int
-    transfer_query: bool
-    # Optional (``ServerConnector`` has them; a connector without ``store_window`` stores every
-    # prompt query in chunks): query_capture, query_window, query_stride, store_decoded and
-    # store_window(tokens, window, cache_salt).
-
-    def bind(self, config: Any, dtype: torch.dtype) -> None:
-        """Register the model's KV (and query) layout; called once by the engine."""
-
-    def load(self, tokens: Sequence[int], cache_salt: str) -> Tensor | None:
-        """KV ``[2, L, T, Hkv*d]`` of the longest cached chunk-aligned prefix, or None."""
-
-    def lookup_queries(self, tokens: Sequence[int], cache_salt: str) -> int:
-        """Length of the longest cached chunk-aligned query prefix of ``tokens``."""
-
-    def store(
-        self,
-        kv: Tensor,
-        queries: Tensor | None,
-        tokens: Sequence[int],
-        cache_salt: str,
-        *,
-        query_offset: int = 0,
-    ) -> int:
-        """Store whole chunks of ``kv`` (and ``queries`` ``[1, L, T - query_offset, Hq*d]`` of
-        tokens ``query_offset..``, the cached query prefix completing them) under ``tokens``;
-        returns how many query tokens were stored."""
+#: The old name of the contract (a Protocol before it became :class:`KVConnector`).
+EngineConnector = KVConnector
 
 
 @dataclass(frozen=True)
@@ -116,7 +94,7 @@ class PrefixPlan:
     capture_window: bool = False
 
 
-def plan_prefix(conn: EngineConnector, prompt: list[int], cache_salt: str) -> PrefixPlan:
+def plan_prefix(conn: KVConnector, prompt: list[int], cache_salt: str) -> PrefixPlan:
     """Look up ``prompt``'s cached prefix and decide what to load and store; ``EngineError`` when
     the server cannot be asked."""
     try:
@@ -151,7 +129,7 @@ def plan_prefix(conn: EngineConnector, prompt: list[int], cache_salt: str) -> Pr
     )
 
 
-def plan_recompute(conn: EngineConnector, prompt: list[int]) -> PrefixPlan:
+def plan_recompute(conn: KVConnector, prompt: list[int]) -> PrefixPlan:
     """Admission's plan when the server cannot be asked (down, slow, failing): compute the whole
     prompt, then store its whole chunks (with queries when the connector stores them)."""
     aligned = len(prompt) // conn.chunk_size * conn.chunk_size
@@ -165,13 +143,12 @@ def plan_recompute(conn: EngineConnector, prompt: list[int]) -> PrefixPlan:
     )
 
 
-def _query_modes(conn: EngineConnector) -> tuple[bool, bool]:
+def _query_modes(conn: KVConnector) -> tuple[bool, bool]:
     """(keep a query window, store every prompt query in chunks) for ``conn``."""
-    # Windows need a connector that can store them (kvdrop's); others (an LMCache server's) store
-    # every prompt query in chunks, the upstream layout.
-    window = bool(conn.transfer_query) and callable(getattr(conn, "store_window", None))
-    full = getattr(conn, "query_capture", "full") == "full"
-    return window, full
+    # Windows need a connector that can store them (kvdrop's); others (an LMCache server's) are
+    # built for the full queries in chunks, the upstream layout.
+    window = conn.transfer_query and conn.stores_windows
+    return window, conn.queries.full
 
 
 @dataclass
@@ -184,7 +161,7 @@ class StoreJob:
     cache_salt: str
     query_offset: int = 0
 
-    def run(self, conn: EngineConnector) -> int:
+    def run(self, conn: KVConnector) -> int:
         """Store it; returns the query tokens stored. ``EngineError`` when the store fails (the
         prompt is then not in the server, which the caller must hear about)."""
         try:
@@ -211,16 +188,14 @@ class WindowJob:
     tokens: list[int]
     cache_salt: str
 
-    def run(self, conn: EngineConnector) -> tuple[int, int]:
+    def run(self, conn: KVConnector) -> tuple[int, int]:
         """Store it; returns ``(rows, bytes)`` sent."""
         q = self.queries
         queries = q.reshape(q.shape[0], q.shape[1], -1).unsqueeze(0).to("cpu")
         lse = self.lse.unsqueeze(0).to(device="cpu", dtype=torch.float32)
         positions = self.positions
         try:
-            conn.store_window(  # type: ignore[attr-defined]
-                self.tokens, QueryWindow(queries, positions, lse), self.cache_salt
-            )
+            conn.store_window(self.tokens, QueryWindow(queries, positions, lse), self.cache_salt)
         except Exception as exc:
             raise EngineError(
                 f"storing the request's query window in the kvdrop server failed: {exc}"
@@ -245,16 +220,21 @@ def server_has_transfer_query(http_url: str, timeout: float = 10.0) -> bool:
     return "transfer_query" in enabled
 
 
-class ServerConnector:
+class ServerConnector(KVConnector):
     """The engine's link to a kvdrop server (see module docstring).
 
     ``transfer_query=None`` follows the server's ``/config``; ``True`` demands it (error if the
-    server lacks it); ``False`` never stores queries. ``query_capture`` is "window" (lean, the
-    default) or "full" (see the module docstring); ``query_window`` (W) and ``query_stride``
-    (S; 0 = no strided sample) size the window. ``store_decoded`` also stores, at the end of a
-    request, the KV of the whole chunks its generated tokens completed (so a later edit can drop
-    from them too; off by default: it reads the request's KV back from the engine once more).
+    server lacks it); ``False`` never stores queries. ``queries`` (a :class:`QueryCapture`) says
+    what is captured when queries are on: its mode "full" stores every prompt query in chunks,
+    else the lean window of ``queries.window`` (W) last and every ``queries.stride``-th (S; 0 =
+    none) positions. Without ``queries`` the older keywords ``query_capture`` ("window" or
+    "full"), ``query_window`` and ``query_stride`` build it. ``store_decoded`` also stores, at
+    the end of a request, the KV of the whole chunks its generated tokens completed (so a later
+    edit can drop from them too; off by default: it reads the request's KV back once more).
     """
+
+    stores_windows = True
+    stores_scores = True
 
     def __init__(
         self,
@@ -262,6 +242,7 @@ class ServerConnector:
         http_url: str,
         model_name: str,
         *,
+        queries: QueryCapture | None = None,
         transfer_query: bool | None = None,
         timeout: float = 60.0,
         transport: str = "auto",
@@ -274,45 +255,36 @@ class ServerConnector:
             raise ValueError(f"model_name must be a non-empty str, got {model_name!r}")
         if transfer_query is not None and not isinstance(transfer_query, bool):
             raise ValueError(f"transfer_query must be a bool or None, got {transfer_query!r}")
-        if query_capture not in QUERY_CAPTURE_MODES:
-            raise ValueError(
-                f"query_capture must be one of {QUERY_CAPTURE_MODES}, got {query_capture!r}"
-            )
-        if not isinstance(query_window, int) or isinstance(query_window, bool) or query_window < 1:
-            raise ValueError(f"query_window must be an int >= 1, got {query_window!r}")
-        if not isinstance(query_stride, int) or isinstance(query_stride, bool) or query_stride < 0:
-            raise ValueError(f"query_stride must be an int >= 0, got {query_stride!r}")
-        if not isinstance(store_decoded, bool):
-            raise ValueError(f"store_decoded must be a bool, got {store_decoded!r}")
-        self.query_capture = query_capture
-        self.query_window = query_window
-        self.query_stride = query_stride
-        self.store_decoded = store_decoded
+        if queries is None:
+            if query_capture not in QUERY_CAPTURE_MODES:
+                raise ValueError(
+                    f"query_capture must be one of {QUERY_CAPTURE_MODES}, got {query_capture!r}"
+                )
+            queries = QueryCapture(QueryNeed(query_capture), query_window, query_stride)
+        elif not queries.full:
+            queries = QueryCapture(QueryNeed.WINDOW, queries.window, queries.stride, queries.scores)
+        super().__init__(queries, store_decoded=store_decoded)
         self.url = url
         self.http_url = http_url
         self.model_name = model_name
         self.timeout = timeout
         self.transport = transport
         self._want_query = transfer_query
-        self.transfer_query = False
-        self.chunk_size = 0
         self.kv_layout: CacheLayout | None = None
         self.query_layout: CacheLayout | None = None
         self._kv_ctx: Any = None
         self._q_ctx: Any = None
 
-    def bind(self, config: Any, dtype: torch.dtype) -> None:
+    def bind(self, config: ModelConfig, dtype: torch.dtype) -> None:
         """Register the layouts of a model with ``config`` (L, heads, head_dim) in ``dtype``."""
         if self._kv_ctx is not None:
             raise SDKError("this connector is already bound to an engine; make one per engine")
-        rope = getattr(config, "rope", None)
-        to_json = getattr(rope, "to_json", None)
         self.kv_layout = CacheLayout(
             config.num_layers,
             config.num_kv_heads,
             config.head_dim,
             dtype,
-            rope=to_json() if callable(to_json) else None,
+            rope=config.rope.to_json(),
         )
         server_q = server_has_transfer_query(self.http_url, timeout=min(self.timeout, 10.0))
         if self._want_query and not server_q:
@@ -321,36 +293,31 @@ class ServerConnector:
                 "start it with --enable transfer_query or pass transfer_query=None/False"
             )
         want_q = server_q if self._want_query is None else self._want_query
-        kv_ctx = connect(
-            CacheKind.KV,
-            self.url,
-            self.http_url,
-            self.model_name,
-            self.timeout,
-            layout=self.kv_layout,
-            transport=self.transport,
-        )
+        kv_ctx = self._connect(CacheKind.KV, self.kv_layout)
         q_ctx = None
         if want_q:
             self.query_layout = CacheLayout(
                 config.num_layers, config.num_heads, config.head_dim, dtype
             )
             try:
-                q_ctx = connect(
-                    CacheKind.QUERY,
-                    self.url,
-                    self.http_url,
-                    self.model_name,
-                    self.timeout,
-                    layout=self.query_layout,
-                    transport=self.transport,
-                )
+                q_ctx = self._connect(CacheKind.QUERY, self.query_layout)
             except Exception:
                 kv_ctx.close()
                 raise
         self._kv_ctx, self._q_ctx = kv_ctx, q_ctx
         self.transfer_query = q_ctx is not None
         self.chunk_size = int(kv_ctx.chunk_size)
+
+    def _connect(self, kind: CacheKind, layout: CacheLayout) -> Any:
+        return connect(
+            kind,
+            self.url,
+            self.http_url,
+            self.model_name,
+            self.timeout,
+            layout=layout,
+            transport=self.transport,
+        )
 
     def _ctx(self) -> Any:
         if self._kv_ctx is None:
@@ -441,6 +408,7 @@ class ServerConnector:
     ) -> bool:
         """Store a call's reconstruction scores (kvzip) beside its window (False without
         transfer_query: the scores live in the query store)."""
+        self._ctx()
         if self._q_ctx is None:
             return False
         return store_scores(self._q_ctx, list(tokens), scores, cache_salt)
@@ -452,15 +420,42 @@ class ServerConnector:
                 ctx.close()
         self._kv_ctx = self._q_ctx = None
 
-    def __enter__(self) -> ServerConnector:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def _kvdrop_connector(
+    url: str, http_url: str, model_name: str, queries: QueryCapture, **options: Any
+) -> KVConnector:
+    return ServerConnector(
+        url,
+        http_url,
+        model_name,
+        queries=queries,
+        transfer_query=queries.uses_query_context or None,
+        **options,
+    )
 
 
-#: Connector kinds :func:`make_connector` builds.
-CONNECTOR_KINDS = ("kvdrop", "lmcache")
+def _lmcache_connector(
+    url: str, http_url: str, model_name: str, queries: QueryCapture, **options: Any
+) -> KVConnector:
+    from kvdrop_engine.lmcache_connector import LMCacheConnector, require_lmcache
+
+    require_lmcache()
+    return LMCacheConnector(
+        url,
+        http_url,
+        model_name,
+        queries=queries,
+        transfer_query=queries.enabled or None,
+        **options,
+    )
+
+
+#: The connector kinds :func:`make_connector` builds, by name (vLLM's ``KVConnectorFactory``).
+_BUILDERS: dict[str, Callable[..., KVConnector]] = {
+    "kvdrop": _kvdrop_connector,
+    "lmcache": _lmcache_connector,
+}
+CONNECTOR_KINDS = tuple(_BUILDERS)
 
 
 def make_connector(
@@ -471,27 +466,11 @@ def make_connector(
     *,
     queries: QueryCapture | None = None,
     **options: Any,
-) -> EngineConnector:
+) -> KVConnector:
     """The engine's connector of ``kind`` ("kvdrop": a kvdrop server, "lmcache": an LMCache
     server), capturing ``queries`` (:meth:`QueryCapture.for_policies`; none when omitted).
     ``options`` are the connector's own keyword arguments."""
-    queries = queries or QueryCapture()
-    if kind == "lmcache":
-        from kvdrop_engine.lmcache_connector import LMCacheConnector, require_lmcache
-
-        require_lmcache()
-        return LMCacheConnector(
-            url, http_url, model_name, transfer_query=queries.enabled or None, **options
-        )
-    if kind != "kvdrop":
+    build = _BUILDERS.get(kind)
+    if build is None:
         raise ValueError(f"connector kind must be one of {CONNECTOR_KINDS}, got {kind!r}")
-    return ServerConnector(
-        url,
-        http_url,
-        model_name,
-        transfer_query=queries.enabled or None,
-        query_capture="full" if queries.full else "window",
-        query_window=queries.window,
-        query_stride=queries.stride,
-        **options,
-    )
+    return build(url, http_url, model_name, queries or QueryCapture(), **options)

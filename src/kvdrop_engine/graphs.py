@@ -20,9 +20,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from kvdrop_engine.paged import PagedDecode, PagedKVCache, SeqStep, blocks_needed
+from kvdrop_engine import kernels
+from kvdrop_engine.errors import InvalidRequestError
+from kvdrop_engine.model import FusesOps, ModelConfig
+from kvdrop_engine.paged import PagedDecode, PagedKVCache, SeqStep, blocks_needed, use_kernel
 
-__all__ = ["BATCH_BUCKETS", "DecodeGraphs"]
+__all__ = ["BATCH_BUCKETS", "DecodeGraphs", "accelerate"]
 
 #: Padded batch sizes a graph is captured for (a batch takes the smallest that fits).
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
@@ -138,3 +141,37 @@ class DecodeGraphs:
                     graph.capture_end()
             torch.cuda.current_stream(dev).wait_stream(side)
         return _Graph(graph, ids, table, host_ids, logits, greedy)
+
+
+def accelerate(
+    model: nn.Module,
+    config: ModelConfig,
+    cache: PagedKVCache,
+    max_batch_size: int,
+    *,
+    fused_ops: bool | None,
+    cuda_graphs: bool | None,
+) -> DecodeGraphs | None:
+    """Turn on what the engine's device allows: fused norms/SwiGLU (``fused_ops``, on a model
+    that declares :class:`~kvdrop_engine.model.FusesOps`) and decode CUDA graphs
+    (``cuda_graphs``); None means "when available". Returns the graphs, or None without them."""
+    device = cache.device
+    gpu = device.type == "cuda" and kernels.available(device)
+    can_fuse = isinstance(model, FusesOps)
+    if fused_ops or (fused_ops is None and gpu and can_fuse):
+        if not (kernels.available(device) and isinstance(model, FusesOps)):
+            raise InvalidRequestError(
+                "fused_ops=True needs a CUDA model with use_ops (a Transformer) and Triton"
+            )
+        model.use_ops(kernels)
+    elif fused_ops is False and isinstance(model, FusesOps):
+        model.use_ops(None)
+    dynamic_rope = config.rope.dynamic
+    if cuda_graphs or (cuda_graphs is None and gpu and not dynamic_rope):
+        if not (use_kernel(cache) and device.type == "cuda") or dynamic_rope:
+            raise InvalidRequestError(
+                "cuda_graphs=True needs a CUDA model, Triton, power-of-two head and block "
+                "sizes and a RoPE that does not depend on the sequence length"
+            )
+        return DecodeGraphs(model, cache, max_batch_size)
+    return None

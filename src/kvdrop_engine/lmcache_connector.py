@@ -23,37 +23,31 @@ serialised here. The server needs ``--supported-transfer-mode auto`` (or ``lmcac
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import requests
 import torch
 from torch import Tensor
 
+from kvdrop_engine.connector_base import KVConnector
 from kvdrop_engine.errors import EngineSetupError
+from kvdrop_engine.model import ModelConfig
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.errors import SDKError
+from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
 
 __all__ = [
     "LMCacheConnector",
-    "LMCacheServer",
     "connect_sdk",
     "lmcache_config",
     "require_lmcache",
-    "spawn_lmcache_server",
 ]
 
 logger = logging.getLogger(__name__)
@@ -127,12 +121,94 @@ def _windows(start: int, end: int, size: int) -> Iterator[tuple[int, int]]:
         yield s, min(s + size, end)
 
 
-class LMCacheConnector:
+class _Adapters:
+    """LMCache's engine-side adapters of one connector, built step by step by ``bind`` (so a
+    failure part-way shuts down exactly what was built)."""
+
+    def __init__(self, url: str, ctx: Any, model_name: str, timeout: float) -> None:
+        from lmcache.integration.vllm.vllm_multi_process_adapter import ParallelStrategy
+
+        self.url, self.ctx, self.model_name = url, ctx, model_name
+        self.strategy = ParallelStrategy(
+            mla_only=False, vllm_world_size=1, vllm_worker_id=0, tp_size=1, pp_size=1, n_servers=1
+        )
+        self.extra = {
+            "lmcache.mp.mp_transfer_mode": "lmcache_driven",
+            "lmcache.mp.mq_timeout": timeout,
+        }
+        self.worker: Any = None
+        self.sched: Any = None
+        self.q_sched: Any = None
+        self.q_ring: Any = None
+
+    def _scheduler(self, model_name: str) -> Any:
+        from lmcache.integration.vllm.vllm_multi_process_adapter import LMCacheMPSchedulerAdapter
+
+        return LMCacheMPSchedulerAdapter(
+            [self.url], self.ctx, model_name, BLOCK_SIZE, self.strategy, extra_config=self.extra
+        )
+
+    def register_kv(self, config: ModelConfig, dtype: torch.dtype, blocks: int) -> list[Tensor]:
+        """The worker adapter with a staging area of ``blocks`` blocks per layer, and the
+        scheduler adapter; returns the areas (LMCache moves them to shared memory)."""
+        from lmcache.integration.vllm.vllm_multi_process_adapter import LMCacheMPWorkerAdapter
+        from lmcache.v1.multiprocess.group_view import EngineGroupInfo
+
+        self.worker = LMCacheMPWorkerAdapter(
+            server_url=self.url,
+            context=self.ctx,
+            model_name=self.model_name,
+            vllm_block_size=BLOCK_SIZE,
+            parallel_strategy=self.strategy,
+            extra_config=self.extra,
+        )
+        layers = config.num_layers
+        shape = (2, blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+        kv = {
+            f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=dtype)
+            for i in range(layers)
+        }
+        group = EngineGroupInfo(
+            engine_group_id=0, layer_indices=tuple(range(layers)), tokens_per_block=BLOCK_SIZE
+        )
+        self.worker.register_kv_caches(
+            kv, engine_group_infos=[group], layout_hints={"kv_layout": "NHD"}
+        )
+        self.sched = self._scheduler(self.model_name)
+        return list(kv.values())
+
+    def register_queries(self, config: ModelConfig, dtype: torch.dtype, blocks: int) -> None:
+        """The query ring (``<model>##query``, all query heads) and its scheduler adapter."""
+        from lmcache.sdk.qringbuffer import QRingBufferAdapter
+
+        q_name = CacheKind.QUERY.server_model_name(self.model_name)
+        self.q_ring = QRingBufferAdapter(self.worker, q_model_name=q_name)
+        self.q_ring.register_q_ring(
+            num_layers=config.num_layers,
+            num_q_heads=config.num_heads,
+            head_size=config.head_dim,
+            dtype=dtype,
+            num_ring_blocks=blocks,
+            device=torch.device("cpu"),
+        )
+        self.q_sched = self._scheduler(q_name)
+
+    def shutdown(self) -> None:
+        """Shut down what was built (after a failed ``bind``)."""
+        for adapter in (self.q_sched, self.sched, self.worker):
+            if adapter is not None:
+                adapter.shutdown()
+        self.q_ring = None
+
+
+class LMCacheConnector(KVConnector):
     """The engine's link to an LMCache server (see the module docstring).
 
     ``transfer_query=None`` follows the server's ``--enable transfer_query``; ``True`` demands it;
-    ``False`` never stores queries. ``staging_tokens`` (rounded down to whole chunks, at least
-    one) sizes the registered KV area and the query ring.
+    ``False`` never stores queries. Queries are always stored whole, in chunks (upstream's
+    layout: the connector stores no windows), so ``queries`` only carries the window sizes.
+    ``staging_tokens`` (rounded down to whole chunks, at least one) sizes the registered KV area
+    and the query ring.
     """
 
     def __init__(
@@ -141,6 +217,7 @@ class LMCacheConnector:
         http_url: str,
         model_name: str,
         *,
+        queries: QueryCapture | None = None,
         transfer_query: bool | None = None,
         timeout: float = 60.0,
         staging_tokens: int = 2048,
@@ -155,14 +232,14 @@ class LMCacheConnector:
             )
         if isinstance(staging_tokens, bool) or not isinstance(staging_tokens, int):
             raise ValueError(f"staging_tokens must be an int, got {staging_tokens!r}")
+        q = queries or QueryCapture()
+        super().__init__(QueryCapture(QueryNeed.FULL, q.window, q.stride))
         self.url = url
         self.http_url = http_url.rstrip("/")
         self.model_name = model_name
         self.timeout = float(timeout)
         self.staging_tokens = staging_tokens
         self._want_query = transfer_query
-        self.transfer_query = False
-        self.chunk_size = 0
         self._lock = threading.Lock()
         self._zmq: Any = None
         self._worker: Any = None
@@ -176,20 +253,8 @@ class LMCacheConnector:
         self._window = 0
 
     # ----------------------------------------------------------------- setup
-    def bind(self, config: Any, dtype: torch.dtype) -> None:
-        """Register the model's KV staging area (and query ring) with the LMCache server."""
-        if self._worker is not None:
-            raise SDKError("this connector is already bound to an engine; make one per engine")
-        require_lmcache()
-        import zmq
-        from lmcache.integration.vllm.vllm_multi_process_adapter import (
-            LMCacheMPSchedulerAdapter,
-            LMCacheMPWorkerAdapter,
-            ParallelStrategy,
-        )
-        from lmcache.sdk.qringbuffer import QRingBufferAdapter
-        from lmcache.v1.multiprocess.group_view import EngineGroupInfo
-
+    def _server_setup(self) -> tuple[int, bool]:
+        """(chunk size, store queries) from the server's config and ``transfer_query``."""
         mp = lmcache_config(self.http_url, timeout=min(self.timeout, 10.0))
         chunk = int(mp["chunk_size"])
         mode = str(mp.get("supported_transfer_mode", "auto"))
@@ -206,82 +271,41 @@ class LMCacheConnector:
                 f"transfer_query=True but the LMCache server at {self.http_url} does not enable "
                 "it; start it with --enable transfer_query or pass transfer_query=None/False"
             )
-        want_q = server_q if self._want_query is None else self._want_query
+        return chunk, server_q if self._want_query is None else self._want_query
+
+    def bind(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        """Register the model's KV staging area (and query ring) with the LMCache server."""
+        if self._worker is not None:
+            raise SDKError("this connector is already bound to an engine; make one per engine")
+        require_lmcache()
+        import zmq
+
+        chunk, want_q = self._server_setup()
         window = max(chunk, self.staging_tokens // chunk * chunk)
-        layers, kv_heads, head_dim = config.num_layers, config.num_kv_heads, config.head_dim
-        strategy = ParallelStrategy(
-            mla_only=False, vllm_world_size=1, vllm_worker_id=0, tp_size=1, pp_size=1, n_servers=1
-        )
-        extra = {
-            "lmcache.mp.mp_transfer_mode": "lmcache_driven",
-            "lmcache.mp.mq_timeout": self.timeout,
-        }
         ctx = zmq.Context()
-        worker = sched = q_sched = None
+        adapters = _Adapters(self.url, ctx, self.model_name, self.timeout)
         try:
-            worker = LMCacheMPWorkerAdapter(
-                server_url=self.url,
-                context=ctx,
-                model_name=self.model_name,
-                vllm_block_size=BLOCK_SIZE,
-                parallel_strategy=strategy,
-                extra_config=extra,
-            )
-            blocks = window // BLOCK_SIZE
-            kv = {
-                f"model.layers.{i}.self_attn.attn": torch.zeros(
-                    2, blocks, BLOCK_SIZE, kv_heads, head_dim, dtype=dtype
-                )
-                for i in range(layers)
-            }
-            worker.register_kv_caches(
-                kv,
-                engine_group_infos=[
-                    EngineGroupInfo(
-                        engine_group_id=0,
-                        layer_indices=tuple(range(layers)),
-                        tokens_per_block=BLOCK_SIZE,
-                    )
-                ],
-                layout_hints={"kv_layout": "NHD"},
-            )
-            sched = LMCacheMPSchedulerAdapter(
-                [self.url], ctx, self.model_name, BLOCK_SIZE, strategy, extra_config=extra
-            )
+            kv = adapters.register_kv(config, dtype, window // BLOCK_SIZE)
             if want_q:
-                q_name = CacheKind.QUERY.server_model_name(self.model_name)
-                self._q_ring = QRingBufferAdapter(worker, q_model_name=q_name)
-                self._q_ring.register_q_ring(
-                    num_layers=layers,
-                    num_q_heads=config.num_heads,
-                    head_size=head_dim,
-                    dtype=dtype,
-                    num_ring_blocks=blocks,
-                    device=torch.device("cpu"),
-                )
-                q_sched = LMCacheMPSchedulerAdapter(
-                    [self.url], ctx, q_name, BLOCK_SIZE, strategy, extra_config=extra
-                )
+                adapters.register_queries(config, dtype, window // BLOCK_SIZE)
         except Exception as exc:
-            for adapter in (q_sched, sched, worker):
-                if adapter is not None:
-                    adapter.shutdown()
+            adapters.shutdown()
             ctx.destroy(linger=0)
-            self._q_ring = None
             if isinstance(exc, SDKError):
                 raise
             raise SDKError(
                 f"registering {self.model_name!r} with the LMCache server at {self.url} failed: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        self._zmq, self._worker, self._sched, self._q_sched = ctx, worker, sched, q_sched
-        self._kv = list(kv.values())  # LMCache moved their storage to shared memory in place
-        self._shape = (layers, kv_heads, head_dim)
-        self._q_width = config.num_heads * head_dim
+        self._zmq, self._worker, self._sched = ctx, adapters.worker, adapters.sched
+        self._q_sched, self._q_ring = adapters.q_sched, adapters.q_ring
+        self._kv = kv  # LMCache moved their storage to shared memory in place
+        self._shape = (config.num_layers, config.num_kv_heads, config.head_dim)
+        self._q_width = config.num_heads * config.head_dim
         self._dtype = dtype
         self._window = window
         self.chunk_size = chunk
-        self.transfer_query = q_sched is not None
+        self.transfer_query = adapters.q_sched is not None
 
     def _bound(self) -> Any:
         if self._worker is None:
@@ -492,101 +516,3 @@ class LMCacheConnector:
             self._kv = []
             self._zmq.destroy(linger=0)
             self._zmq = None
-
-    def __enter__(self) -> LMCacheConnector:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-@dataclass
-class LMCacheServer:
-    """A running ``lmcache server`` subprocess (see :func:`spawn_lmcache_server`)."""
-
-    url: str
-    http_url: str
-    shm_name: str | None
-    proc: subprocess.Popen[bytes]
-    log_path: str
-
-    def status(self) -> dict[str, Any]:
-        """``GET /status``."""
-        with requests.Session() as session:
-            session.trust_env = False
-            return dict(session.get(f"{self.http_url}/status", timeout=10).json())
-
-    def log(self) -> str:
-        """Everything the server printed so far."""
-        with open(self.log_path, encoding="utf-8", errors="replace") as fh:
-            return fh.read()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextlib.contextmanager
-def spawn_lmcache_server(
-    *,
-    l1_size_gb: float = 0.5,
-    chunk_size: int = 256,
-    transfer_query: bool = True,
-    shared_memory: bool = True,
-    startup_timeout: float = 180.0,
-) -> Iterator[LMCacheServer]:
-    """Run a real ``lmcache server`` on free 127.0.0.1 ports (for tests, benchmarks, the demo).
-
-    The flags are the ones the SDK needs (docs/lmcache.md): ``--supported-transfer-mode auto``,
-    ``--no-l1-use-lazy`` and a unique ``--shm-name`` (unless ``shared_memory=False``: the SDK then
-    falls back to pickling), ``--enable transfer_query`` when asked. Start-up takes ~20 s on two
-    cores. Stopped with SIGTERM on exit; its shared-memory pool is removed.
-    """
-    require_lmcache()
-    port, http_port = _free_port(), _free_port()
-    name = f"kvdrop_lmc_{os.getpid()}_{uuid.uuid4().hex[:8]}" if shared_memory else None
-    args = [sys.executable, "-c", "from lmcache.cli.main import main; raise SystemExit(main())"]
-    args += ["server", "--host", "127.0.0.1", "--port", str(port), "--http-host", "127.0.0.1"]
-    args += ["--http-port", str(http_port), "--chunk-size", str(chunk_size)]
-    args += ["--l1-size-gb", str(l1_size_gb), "--eviction-policy", "LRU"]
-    args += ["--supported-transfer-mode", "auto"]
-    if name is not None:
-        args += ["--shm-name", name, "--no-l1-use-lazy"]
-    if transfer_query:
-        args += ["--enable", "transfer_query"]
-    env = dict(os.environ, LMCACHE_DISABLE_BANNER="1", PYTHONUNBUFFERED="1")
-    env.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
-    with tempfile.TemporaryDirectory(prefix="kvdrop-lmcache-") as tmp:
-        log_path = os.path.join(tmp, "server.log")
-        with open(log_path, "wb") as log_fh:
-            proc = subprocess.Popen(args, stdout=log_fh, stderr=subprocess.STDOUT, env=env)
-        handle = LMCacheServer(
-            f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{http_port}", name, proc, log_path
-        )
-        try:
-            deadline = time.monotonic() + startup_timeout
-            while True:
-                if proc.poll() is not None:
-                    raise SDKError(f"lmcache server exited with {proc.returncode}: {handle.log()}")
-                try:
-                    if handle.status().get("is_healthy"):
-                        break
-                except (requests.RequestException, ValueError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise SDKError(f"lmcache server not ready within {startup_timeout:g}s")
-                time.sleep(0.25)
-            yield handle
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            leftover = f"/dev/shm/lmcache_l1_pool_{name}"
-            if name is not None and os.path.exists(leftover):
-                os.unlink(leftover)

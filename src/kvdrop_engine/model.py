@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,7 @@ __all__ = [
     "AttentionBackend",
     "DenseAttention",
     "FusedOps",
+    "FusesOps",
     "ModelConfig",
     "Rope",
     "Transformer",
@@ -53,6 +54,10 @@ class Rope(Protocol):
 
     @property
     def dynamic(self) -> bool: ...
+
+    def to_json(self) -> dict[str, Any]:
+        """The parameters as the SDK's layouts carry them (edit functions re-rotate with them)."""
+        ...
 
     def inv_freq(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]: ...
 
@@ -153,6 +158,14 @@ class FusedOps(Protocol):
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``F.silu(gate) * up``."""
         ...
+
+
+@runtime_checkable
+class FusesOps(Protocol):
+    """A model whose elementwise chains can run fused (:class:`Transformer` is one): the engine
+    calls ``use_ops`` with :mod:`kvdrop_engine.kernels` on a GPU, or None for plain PyTorch."""
+
+    def use_ops(self, ops: FusedOps | None) -> None: ...
 
 
 class RMSNorm(nn.Module):

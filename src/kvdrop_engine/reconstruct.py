@@ -26,11 +26,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from kvdrop_engine.connector_base import KVConnector
 from kvdrop_engine.errors import EngineError
 from kvdrop_engine.model import Transformer, causal_attention
 from kvdrop_sdk.window import TokenScores
@@ -41,7 +42,6 @@ __all__ = [
     "ReconstructionAttention",
     "ReconstructionPrompt",
     "ScoresJob",
-    "StoresScores",
     "reconstruction_scores",
 ]
 
@@ -228,15 +228,6 @@ def reconstruction_scores(
     return scores
 
 
-@runtime_checkable
-class StoresScores(Protocol):
-    """A connector that stores per-token scores (the kvdrop server's window store)."""
-
-    def store_scores(self, tokens: Sequence[int], scores: TokenScores, cache_salt: str) -> bool:
-        """Store ``scores`` for the call over ``tokens``; False when not kept."""
-        ...
-
-
 @dataclass
 class ScoresJob:
     """A finished request's reconstruction scores ``[L, Hkv, N]`` to push to the server from the
@@ -247,9 +238,9 @@ class ScoresJob:
     tokens: list[int]
     cache_salt: str
 
-    def run(self, conn: Any) -> int:
+    def run(self, conn: KVConnector) -> int:
         """Store it; returns the bytes sent. ``EngineError`` when the store fails."""
-        if not isinstance(conn, StoresScores):
+        if not conn.stores_scores:
             raise EngineError(
                 "the engine's connector cannot store reconstruction scores (kvzip): use a kvdrop "
                 "server (kvdrop_engine.connector.ServerConnector with transfer_query); LMCache "

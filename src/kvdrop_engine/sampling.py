@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -18,7 +18,20 @@ from torch import Tensor
 from kvdrop_engine.errors import InvalidRequestError
 from kvdrop_sdk.validate import is_int, is_number
 
-__all__ = ["SamplingParams", "finish_reason", "make_generator", "sample", "sample_row"]
+__all__ = [
+    "GREEDY_BELOW",
+    "SamplingParams",
+    "finish_reason",
+    "make_generator",
+    "pick_tokens",
+    "sample",
+    "sample_row",
+]
+
+#: A temperature at or below this samples greedily: dividing logits by a tinier one overflows
+#: them to inf (softmax then gives NaN and ``multinomial`` raises), and its distribution is the
+#: argmax anyway.
+GREEDY_BELOW = 1e-5
 
 #: OpenAI fields a request may carry that do not change sampling here.
 _TOLERATED_KEYS = frozenset({"stream", "logprobs", "model", "user", "echo", "n"})
@@ -26,7 +39,8 @@ _TOLERATED_KEYS = frozenset({"stream", "logprobs", "model", "user", "echo", "n"}
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. ``temperature == 0`` is greedy; ``top_k <= 0`` and ``top_p == 1`` off."""
+    """How to pick tokens. ``temperature <= GREEDY_BELOW`` (0 included) is greedy; ``top_k <= 0``
+    and ``top_p == 1`` are off. ``stop_set`` holds ``stop_token_ids`` for O(1) checks."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -38,6 +52,19 @@ class SamplingParams:
     #: kvdrop's extension: score this prompt with KVzip's reconstruction pass when the request
     #: ends (needs an engine built with ``reconstruction``; the ``kvzip`` policy reads them).
     reconstruct: bool = False
+    stop_set: frozenset[int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        try:
+            stops = frozenset(self.stop_token_ids)
+        except TypeError:  # unhashable ids: ``_check`` refuses them with the reason
+            stops = frozenset()
+        object.__setattr__(self, "stop_set", stops)
+
+    @property
+    def greedy(self) -> bool:
+        """Whether tokens are picked by argmax (temperature 0 or tiny)."""
+        return self.temperature <= GREEDY_BELOW
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | SamplingParams | None) -> SamplingParams:
@@ -50,7 +77,7 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"sampling_params must be a dict, got {type(params).__name__}"
             )
-        known = set(cls.__dataclass_fields__)
+        known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(params) - known - _TOLERATED_KEYS)
         if unknown:
             raise InvalidRequestError(
@@ -91,7 +118,7 @@ class SamplingParams:
 def make_generator(params: SamplingParams) -> torch.Generator | None:
     """The request's random generator (seeded from ``params.seed``, else at random); None when
     sampling is greedy."""
-    if params.temperature == 0:
+    if params.greedy:
         return None
     seed = params.seed if params.seed is not None else random.getrandbits(63)
     return torch.Generator().manual_seed(seed)
@@ -127,9 +154,18 @@ def sample(
         return []
     greedy = (logits.argmax(dim=-1) if greedy is None else greedy).tolist()
     return [
-        int(greedy[i]) if p.temperature == 0 else sample_row(logits[i], p, gen)
+        int(greedy[i]) if p.greedy else sample_row(logits[i], p, gen)
         for i, (p, gen) in enumerate(zip(params, generators, strict=True))
     ]
+
+
+def pick_tokens(logits: Tensor, greedy: Tensor | None = None) -> list[int | None]:
+    """Each row's argmax (``greedy [R]`` when the caller has it on the device), or None for a
+    row whose logits are not all finite; one host sync for both."""
+    finite = torch.isfinite(logits).all(dim=-1)
+    picked = logits.argmax(dim=-1) if greedy is None else greedy
+    rows = torch.where(finite, picked, torch.full_like(picked, -1)).tolist()
+    return [None if t < 0 else int(t) for t in rows]
 
 
 def finish_reason(
@@ -137,7 +173,7 @@ def finish_reason(
 ) -> str | None:
     """ "stop" for a stop token (or EOS unless ``ignore_eos``), "length" once ``max_tokens``
     tokens were generated (``token`` included), else None."""
-    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+    if token in params.stop_set or (not params.ignore_eos and token in eos_token_ids):
         return "stop"
     if num_generated >= params.max_tokens:
         return "length"

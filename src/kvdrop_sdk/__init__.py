@@ -24,12 +24,12 @@ from kvdrop_sdk.compat import (  # noqa: F401 (re-exported: __all__ += compat.__
     LMCacheSDKError,
 )
 from kvdrop_sdk.context import Context, connect
+from kvdrop_sdk.edit import ModifyFnType
 from kvdrop_sdk.errors import BatchedStreamError, RequestStreamError, SDKError
 from kvdrop_sdk.events import PostCompletion, TokenEvent
 from kvdrop_sdk.layout import CacheLayout
 from kvdrop_sdk.metrics import Metrics
 from kvdrop_sdk.request import RequestStream, StreamPerfMetrics, create_request
-from kvdrop_sdk.types import ModifyFnType
 
 __all__ = [
     "BatchedStream",

@@ -28,10 +28,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from typing import Any, TypeVar
 
+from kvdrop_sdk.edit import ModifyFnType
 from kvdrop_sdk.errors import BatchedStreamError
 from kvdrop_sdk.metrics import Metrics, get_handler, summarize
 from kvdrop_sdk.request import ModifyResult, RequestStream, StreamPerfMetrics
-from kvdrop_sdk.types import ModifyFnType
 from kvdrop_sdk.validate import positive_int
 
 __all__ = ["BatchedStream", "BatchedStreamError", "BatchedStreamFailures", "ProgressCallback"]
@@ -154,11 +154,13 @@ class BatchedStream:
     ) -> Metrics:
         """Apply ``fn`` to every stream's cached chunk-aligned prefix and store the result.
 
-        Each stream waits up to ``timeout`` seconds (polling every ``poll_interval``) for its
-        cache, as in ``RequestStream.modify_kv``. Reports the wall-clock duration, the kept /
-        total edited (cached) tokens, and ``kept_fraction``: the kept share of the WHOLE prompts
-        (the uncached tails, never dropped, count as kept). ``device`` reaches ``fn`` as
-        ``EditContext.device``.
+        ``timeout`` bounds each stream's steps, each on its own: waiting for its cache (polling
+        every ``poll_interval``, as in ``RequestStream.modify_kv``), the edit function ``fn``
+        (a call still running after ``timeout`` seconds is abandoned and that stream fails with
+        ``EditTimeoutError``, unchanged; the others go on), and the store. Reports the
+        wall-clock duration, the kept / total edited (cached) tokens, and ``kept_fraction``: the
+        kept share of the WHOLE prompts (the uncached tails, never dropped, count as kept).
+        ``device`` reaches ``fn`` as ``EditContext.device``.
         """
         results, failures, duration = self._modify(fn, stream_ids, timeout, poll_interval, device)
         edited = [r for r in results.values() if not r.skipped]
@@ -285,7 +287,7 @@ class BatchedStream:
         results, failures, duration = self._run(
             "modify",
             streams,
-            lambda s: s.modify_kv(fn, timeout, poll_interval, device=device),
+            lambda s: s.modify_kv(fn, timeout, poll_interval, device=device, edit_timeout=timeout),
             self.modify_concurrency,
         )
         self.modify_results.update(results)

@@ -24,12 +24,12 @@ import requests
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind
+from kvdrop_sdk.edit import ModifyFnType
 from kvdrop_sdk.errors import CacheKindError, SDKError, ServerRestartedError
 from kvdrop_sdk.hashing import TOKEN_BYTES, encode_tokens
 from kvdrop_sdk.layout import CacheLayout, dtype_name
 from kvdrop_sdk.protocol import RpcClient, RpcError, server_hint
 from kvdrop_sdk.transport.contiguous import MODES, ContiguousTransferWrapper
-from kvdrop_sdk.types import ModifyFnType
 from kvdrop_sdk.validate import is_number
 
 __all__ = ["Context", "ModifyFnType", "connect"]

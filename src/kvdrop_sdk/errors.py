@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "BatchedStreamError",
     "CacheKindError",
+    "EditTimeoutError",
     "PartialStoreError",
     "RequestStreamError",
     "SDKError",
@@ -18,6 +19,10 @@ class SDKError(RuntimeError):
 
 class RequestStreamError(SDKError):
     """A request stream was used out of order or its engine call failed."""
+
+
+class EditTimeoutError(RequestStreamError, TimeoutError):
+    """An edit function did not return within the modify timeout; the stream is unchanged."""
 
 
 class BatchedStreamError(SDKError):

@@ -48,7 +48,7 @@ def lmcache_server() -> Iterator[Any]:
     """A real LMCache server (shared memory, ``--enable transfer_query``, chunk 256) on free
     ports, started once per session (~20 s on two cores)."""
     need_lmcache()
-    from kvdrop_engine.lmcache_connector import spawn_lmcache_server
+    from kvdrop_engine.testing import spawn_lmcache_server
 
     with spawn_lmcache_server(l1_size_gb=0.5) as server:
         yield server

@@ -27,9 +27,9 @@ from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer
 from kvdrop_sdk import kvcache, qcache
 from kvdrop_sdk.adapters.openai import make_post_completion
+from kvdrop_sdk.edit import EditContext, accepts_edit_context
 from kvdrop_sdk.request import create_request
 from kvdrop_sdk.server.testing import spawn_server, stop_process
-from kvdrop_sdk.types import EditContext, accepts_edit_context
 
 pytestmark = pytest.mark.timeout(600)
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -50,7 +50,7 @@ def recording(fn: kvdrop.Policy) -> tuple[Any, list[dict[str, Any]]]:
         seen.append({"tensors": dict(tensors), "tokens": list(toks), "context": context})
         return fn(tensors, toks, context=context)
 
-    spy.needs_query = fn.needs_query  # type: ignore[attr-defined]
+    spy.queries = fn.queries  # type: ignore[attr-defined]  # what the SDK reads
     return spy, seen
 
 

@@ -12,9 +12,11 @@ import torch
 
 import kvdrop
 from kvdrop import Scorer, ScorerFactory, Selection, param, registry
-from kvdrop.policy import FunctionPolicy
+from kvdrop.function_policy import FunctionPolicy
+from kvdrop_rope import RopeConfig
 from kvdrop_sdk import CacheKind
-from kvdrop_sdk.types import EditContext
+from kvdrop_sdk.edit import EditContext
+from kvdrop_sdk.query_capture import QueryNeed
 
 
 @dataclass(frozen=True)
@@ -82,10 +84,52 @@ def test_a_scorer_that_asks_gets_the_selection_of_its_own_budget() -> None:
 def test_nan_scores_are_an_input_error_naming_the_policy() -> None:
     kv = torch.randn(2, 1, 32, 8)
     kv[0, 0, 5, 0] = float("nan")
-    with pytest.raises(kvdrop.PolicyInputError, match=r"knorm: the scorer returned 1 NaN"):
+    with pytest.raises(
+        kvdrop.PolicyInputError,
+        match=r"knorm: 1 non-finite value\(s\) \(NaN or inf\) in its scores",
+    ):
         kvdrop.get("knorm", keep_tokens=8, chunk_size=8)({CacheKind.KV: kv}, list(range(32)))
     # Within budget nothing is scored, so nothing is wrong.
     kvdrop.get("knorm", keep_tokens=32, chunk_size=8)({CacheKind.KV: kv}, list(range(32)))
+
+
+@dataclass
+class InfScorer(Scorer):
+    """Scores one token +inf: a broken scorer (the selector cannot rank on inf)."""
+
+    def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
+        scores = torch.zeros(kv.shape[2])
+        scores[3] = float("inf")
+        return scores
+
+
+def test_inf_scores_are_refused_naming_the_policy() -> None:
+    fn = ScorerFactory("inf-scorer", InfScorer, "test")(keep_tokens=8, chunk_size=8)
+    kv = torch.randn(2, 1, 32, 8)
+    with pytest.raises(kvdrop.PolicyInputError, match=r"inf-scorer: 1 non-finite .* scores"):
+        fn({CacheKind.KV: kv}, list(range(32)))
+
+
+@dataclass(frozen=True)
+class NaNRope(RopeConfig):
+    """RoPE parameters whose angles come out non-finite (as theta=1e-300 did, issue 20)."""
+
+    def cos_sin(
+        self, positions: torch.Tensor, seq_len: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = super().cos_sin(positions, seq_len)
+        return torch.full_like(cos, float("nan")), sin
+
+
+def test_non_finite_rerotated_keys_are_refused_naming_the_policy() -> None:
+    """A re-rotation that writes NaN keys fails the edit instead of storing them."""
+    kv = torch.randn(2, 1, 32, 8)
+    fn = kvdrop.get("knorm", keep_tokens=8, chunk_size=8, rerotate=NaNRope(head_dim=8))
+    with pytest.raises(kvdrop.PolicyInputError, match=r"knorm: .* re-rotated keys.*RoPE"):
+        fn({CacheKind.KV: kv}, list(range(32)))
+    good = kvdrop.get("knorm", keep_tokens=8, chunk_size=8, rerotate=RopeConfig(head_dim=8))
+    out, kept = good({CacheKind.KV: kv}, list(range(32)))
+    assert bool(torch.isfinite(out).all()) and len(kept) == 8
 
 
 def test_every_policy_kvdrop_builds_is_a_policy() -> None:
@@ -142,14 +186,17 @@ def test_alignment_that_keeps_far_less_than_asked_is_reported_once() -> None:
 
 
 def test_needs_full_queries_says_whether_a_query_window_is_enough() -> None:
-    """Built-in query scorers read the lean window; a scorer without sparse_queries, or a
-    function, needs every cached token's query; wrappers answer for what they hold."""
+    """Built-in query scorers read the lean window; a QueryNeed.FULL scorer, or a function that
+    declares it, needs every cached token's query; wrappers answer for what they hold."""
     assert not kvdrop.get("snapkv", keep_ratio=0.5).needs_full_queries
     assert not kvdrop.get("h2o", keep_ratio=0.5).needs_full_queries
     assert not kvdrop.get("knorm", keep_ratio=0.5).needs_full_queries
     assert not kvdrop.get("chunk(policy=snapkv)").needs_full_queries
-    fn = FunctionPolicy("fn", lambda t, k: (t, k), needs_query=True)
-    assert fn.needs_full_queries
+    fn = FunctionPolicy("fn", lambda t, k: (t, k), QueryNeed.FULL)
+    assert fn.needs_full_queries and fn.queries is QueryNeed.FULL
+    assert kvdrop.get("snapkv").queries is QueryNeed.WINDOW
+    assert kvdrop.get("streaming+snapkv").queries is QueryNeed.WINDOW
+    assert kvdrop.get("knorm").queries is QueryNeed.NONE
     if "last-queries" in kvdrop.available():  # the example plugin
         assert kvdrop.get("last-queries", keep_ratio=0.5).needs_full_queries
         assert kvdrop.get("streaming+last-queries", keep_ratio=0.5).needs_full_queries

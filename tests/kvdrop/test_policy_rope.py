@@ -14,7 +14,7 @@ import kvdrop
 from kvdrop.rope import rerotate_keys
 from kvdrop_rope import RopeConfig, apply_rope
 from kvdrop_sdk import CacheKind
-from kvdrop_sdk.types import EditContext
+from kvdrop_sdk.edit import EditContext
 
 ROPE = RopeConfig(head_dim=16, theta=10000.0)
 T = 64
@@ -72,7 +72,7 @@ def test_plain_functions_are_rerotated_too_and_context_takers_decide_alone() -> 
         rows = list(range(1, len(tokens), 2))
         return tensors[CacheKind.KV][:, :, rows], [tokens[i] for i in rows]
 
-    from kvdrop.policy import FunctionPolicy
+    from kvdrop.function_policy import FunctionPolicy
 
     ctx = EditContext.of(T, rope=ROPE.to_json())
     out, _ = FunctionPolicy("odd", keep_odd)({CacheKind.KV: kv}, list(range(T)), context=ctx)

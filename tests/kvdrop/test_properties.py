@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 
 import kvdrop
 from kvdrop_sdk import CacheKind
-from kvdrop_sdk.types import EditContext
+from kvdrop_sdk.edit import EditContext
 
 POLICIES = kvdrop.available()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

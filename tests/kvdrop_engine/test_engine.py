@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import queue
 import subprocess
 import sys
 import textwrap
@@ -12,7 +11,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from kvdrop_engine.engine import Engine, _Request, _stop_running_engines, plan_step
+from kvdrop_engine.engine import Engine, _stop_running_engines
 from kvdrop_engine.errors import EngineError, InvalidRequestError, RequestTooLargeError
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer, generate
@@ -228,25 +227,6 @@ def test_stop_fails_running_and_waiting_requests(model: Transformer) -> None:
     with pytest.raises(EngineError, match="stopped"):
         list(second)
     assert eng.num_free_blocks == 64
-
-
-def test_plan_step_puts_decodes_first_and_caps_prefill_tokens() -> None:
-    def req(rid: int, prompt_len: int, computed: int, output: list[int]) -> _Request:
-        r = _Request(rid, list(range(1, prompt_len + 1)), SamplingParams(), "", queue.Queue(),
-                     None, None)  # fmt: skip
-        r.num_computed, r.output = computed, output
-        return r
-
-    a = req(0, 10, 0, [])  # prefilling, 10 tokens
-    b = req(1, 4, 5, [7])  # decoding: prompt + 1 generated token computed
-    c = req(2, 6, 2, [])  # prefilling, 4 tokens left
-    plan = plan_step([a, b, c], max_prefill_tokens=12)
-    assert [s.seq_id for s in plan.seqs] == [1, 0, 2]
-    assert plan.tokens[:1] == [7] and plan.positions[:1] == [5]
-    assert (plan.num_decode, plan.num_prefill) == (1, 12)
-    assert plan.stepped == [(b, 1), (a, 10), (c, 2)]  # c gets what is left of the budget
-    assert plan.sampled == [b, a]  # a's prompt ends in this step, c's does not
-    assert plan.sample_rows == [0, 10]
 
 
 def test_engines_never_stopped_are_stopped_at_exit(model: Transformer) -> None:

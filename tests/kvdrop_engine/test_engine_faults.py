@@ -17,12 +17,13 @@ import pytest
 import requests
 import torch
 
-from kvdrop_engine.connector import ServerConnector
+from kvdrop_engine.connector import KVConnector, ServerConnector
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.http import CompletionHTTPServer
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer, generate
 from kvdrop_sdk.events import TokenEvent
+from kvdrop_sdk.query_capture import QueryCapture
 from kvdrop_sdk.server.testing import spawn_server
 
 pytestmark = pytest.mark.timeout(120)
@@ -89,15 +90,13 @@ def test_cache_server_fault_does_not_stop_running_streams(model: Transformer, fa
 def test_slow_load_falls_back_to_recompute(model: Transformer) -> None:
     """A load that takes longer than ``load_timeout_s`` is abandoned: the prompt is computed."""
 
-    class SlowConnector:
-        chunk_size = CHUNK
-        transfer_query = False
-
+    class SlowConnector(KVConnector):
         def __init__(self) -> None:
+            super().__init__(QueryCapture())
             self.stored: list[int] = []
 
         def bind(self, config: Any, dtype: torch.dtype) -> None:
-            pass
+            self.chunk_size = CHUNK
 
         def load(self, toks: Sequence[int], salt: str) -> torch.Tensor | None:
             time.sleep(3)
@@ -113,27 +112,25 @@ def test_slow_load_falls_back_to_recompute(model: Transformer) -> None:
 
     conn = SlowConnector()
     prompt = tokens(4 * CHUNK, 3)
-    with Engine(model, num_blocks=64, connector=conn, load_timeout_s=0.3) as eng:  # type: ignore[arg-type]
+    with Engine(model, num_blocks=64, connector=conn, load_timeout_s=0.3) as eng:
         t0 = time.monotonic()
         out = eng.generate(prompt, {**GREEDY, "max_tokens": 2})
         assert time.monotonic() - t0 < 2.5
     assert out == generate(model, prompt, 2, stop_at_eos=False)
 
 
-class SleepyConnector:
+class SleepyConnector(KVConnector):
     """A connector whose loads take ``delay`` s and find nothing; counts loads in flight."""
 
-    chunk_size = CHUNK
-    transfer_query = False
-
     def __init__(self, delay: float) -> None:
+        super().__init__(QueryCapture())
         self.delay = delay
         self.active = 0
         self.peak = 0
         self.lock = threading.Lock()
 
     def bind(self, config: Any, dtype: torch.dtype) -> None:
-        pass
+        self.chunk_size = CHUNK
 
     def load(self, toks: Sequence[int], salt: str) -> torch.Tensor | None:
         with self.lock:

@@ -22,7 +22,7 @@ from kvdrop_sdk.adapters.toy import ToyEngine, positions_of
 from kvdrop_sdk.batch import BatchedStream, BatchedStreamFailures, LMCacheBatchedStream
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context, connect
-from kvdrop_sdk.errors import BatchedStreamError, RequestStreamError
+from kvdrop_sdk.errors import BatchedStreamError, EditTimeoutError, RequestStreamError
 from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.layout import CacheLayout
 from kvdrop_sdk.metrics import Metrics
@@ -219,6 +219,47 @@ def test_failing_stream_does_not_lose_the_others(
         else:
             assert len(s.suffix_tokens) == len(s.tokens) - 32  # 48 cached -> 32 kept
             assert batch.modify_results[s.request_stream_id].kept_tokens == 32
+
+
+def test_modify_timeout_bounds_a_hung_edit_function(
+    engine_and_ctx: tuple[ToyEngine, Context],
+) -> None:
+    """Issue 20 item 12: an edit that never returns fails its own stream after ``timeout``
+    (EditTimeoutError, stream unchanged, its late result dropped); the others are edited."""
+    engine, ctx = engine_and_ctx
+    prompts = [prompt(3 * CHUNK + i, seed=300 + i) for i in range(3)]
+    release, returned = threading.Event(), threading.Event()
+
+    def hangs_on_one(tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int]) -> tuple:
+        if list(tokens[:CHUNK]) == prompts[1][:CHUNK]:
+            release.wait(20)  # hung until the test lets it go (bounded: no fix, no hang)
+            try:
+                return drop_every_other_middle_chunk(tensors, tokens)
+            finally:
+                returned.set()
+        return drop_every_other_middle_chunk(tensors, tokens)
+
+    batch = BatchedStream(max_concurrency=3)
+    streams = [create_request([ctx], engine, p) for p in prompts]
+    for s in streams:
+        batch.add(s)
+    batch.prefill({})
+    hung = streams[1]
+    before = hung.tokens
+    try:
+        with pytest.raises(BatchedStreamFailures) as info:
+            batch.modify(hangs_on_one, timeout=0.5)
+    finally:
+        release.set()
+    assert list(info.value.failures) == [hung.request_stream_id]
+    err = info.value.failures[hung.request_stream_id]
+    assert isinstance(err, EditTimeoutError) and isinstance(err, RequestStreamError)
+    assert "did not return within 0.5s" in str(err)
+    assert info.value.metrics["num_requests"] == 2
+    assert returned.wait(30), "the abandoned edit returns once released"
+    assert hung.tokens == before and hung.suffix_tokens == []  # its late result was dropped
+    for s in (streams[0], streams[2]):
+        assert batch.modify_results[s.request_stream_id].kept_tokens == 32
 
 
 def test_max_concurrency_bounds_engine_calls_and_edits(

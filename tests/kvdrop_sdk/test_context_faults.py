@@ -125,7 +125,7 @@ def test_server_killed_mid_batch_then_restarted(tmp_path: Any) -> None:
             killer.start()
             started = time.monotonic()
             with pytest.raises(sdk.BatchedStreamError) as info:
-                batch.modify(slow_edit, timeout=1)
+                batch.modify(slow_edit, timeout=2)  # the edit (1 s) fits; the store does not
             killer.join()
             srv.proc.wait()
             assert time.monotonic() - started < 3 * timeout + 5  # each call gave up in time

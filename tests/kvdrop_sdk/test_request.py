@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from kvdrop_sdk.adapters.toy import ToyEngine, encode_rows, positions_of
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context, connect
+from kvdrop_sdk.edit import EditContext, ModifyFnType, accepts_edit_context
 from kvdrop_sdk.errors import RequestStreamError, SDKError
 from kvdrop_sdk.events import PostCompletion, TokenEvent
 from kvdrop_sdk.layout import CacheLayout
@@ -32,7 +33,6 @@ from kvdrop_sdk.request import (
     create_request,
 )
 from kvdrop_sdk.server.testing import spawn_server
-from kvdrop_sdk.types import EditContext, ModifyFnType, accepts_edit_context
 from kvdrop_sdk.window import QueryWindow, store_window
 
 CHUNK = 16

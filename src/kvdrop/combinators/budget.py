@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from kvdrop.errors import PolicyInputError, PolicyParamError
-from kvdrop.policy import Policy, SelectorPolicy
-from kvdrop_sdk.types import EditContext
+from kvdrop.policy import Policy, QueryNeed, SelectorPolicy
+from kvdrop_sdk.edit import EditContext
 
 __all__ = ["Budget", "Rule", "TierRule", "parse_tiers"]
 
@@ -144,12 +144,8 @@ class Budget(Policy):
         return f"Budget({self.policy!r}, rule={self.rule!r})"
 
     @property
-    def needs_query(self) -> bool:
-        return self.policy.needs_query
-
-    @property
-    def needs_full_queries(self) -> bool:
-        return self.policy.needs_full_queries
+    def queries(self) -> QueryNeed:
+        return self.policy.queries
 
     @property
     def token_scores(self) -> bool:

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 
 from kvdrop.errors import PolicyParamError, PolicyWarning
-from kvdrop.policy import ScorerPolicy, SelectorPolicy, edit_inputs
+from kvdrop.inputs import edit_inputs
+from kvdrop.policy import QueryNeed, ScorerPolicy, SelectorPolicy
 from kvdrop.selector import Selector
-from kvdrop_sdk.types import EditContext
+from kvdrop_sdk.edit import EditContext
 
 __all__ = ["Compose"]
 
@@ -74,12 +75,9 @@ class Compose(SelectorPolicy):
         return f"Compose({self.name!r}, weights={self.weights}, {self.selector!r})"
 
     @property
-    def needs_query(self) -> bool:
-        return any(p.needs_query for p in self.parts)
-
-    @property
-    def needs_full_queries(self) -> bool:
-        return any(p.needs_full_queries for p in self.parts)
+    def queries(self) -> QueryNeed:
+        """The widest need of its parts (``NONE < WINDOW < FULL``)."""
+        return max((p.queries for p in self.parts), key=lambda q: q.rank)
 
     @property
     def token_scores(self) -> bool:
@@ -109,7 +107,7 @@ class Compose(SelectorPolicy):
         context: EditContext | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = edit_inputs(
-            tensors, tokens, policy=self.name, needs_query=self.needs_query, context=context
+            tensors, tokens, policy=self.name, queries=self.queries, context=context
         )
         kv, query, num_tokens = inputs.kv, inputs.query, inputs.num_tokens
         budget = self.plan_budget(inputs)

@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 
-from kvdrop.policy import Policy, as_policy
+from kvdrop.function_policy import as_policy
+from kvdrop.policy import Policy, QueryNeed
 from kvdrop.rope import rerotate_keys, rope_config
 from kvdrop_rope import RopeConfig
-from kvdrop_sdk.types import EditContext, ModifyFnType
+from kvdrop_sdk.edit import EditContext, ModifyFnType
 
-__all__ = ["Rerotate", "RerotatedPolicy", "rerotate_keys", "rerotated", "rope_config"]
+__all__ = ["Rerotate", "rerotate_keys", "rerotated", "rope_config"]
 
 
 class Rerotate(Policy):
@@ -48,12 +49,8 @@ class Rerotate(Policy):
         return f"Rerotate({self.policy!r}, {self.rope!r})"
 
     @property
-    def needs_query(self) -> bool:
-        return self.policy.needs_query
-
-    @property
-    def needs_full_queries(self) -> bool:
-        return self.policy.needs_full_queries
+    def queries(self) -> QueryNeed:
+        return self.policy.queries
 
     @property
     def token_scores(self) -> bool:
@@ -68,10 +65,6 @@ class Rerotate(Policy):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The validated KV and the sorted indices the inner policy keeps."""
         return self.policy.select_indices(tensors, tokens, context=context)
-
-
-#: The name of :class:`Rerotate` before the combinators took built policies.
-RerotatedPolicy = Rerotate
 
 
 def rerotated(

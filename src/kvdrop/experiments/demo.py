@@ -345,7 +345,7 @@ def _cache_server(
         yield args.url, args.http_url, dict
         return
     if args.cache_server == "lmcache":
-        from kvdrop_engine.lmcache_connector import spawn_lmcache_server
+        from kvdrop_engine.testing import spawn_lmcache_server
 
         log = (lambda m: None) if args.no_progress else (lambda m: print(m, file=sys.stderr))
         log("starting an LMCache server (about 20 s)")

@@ -667,7 +667,7 @@ class _Measurement:
         """Full KV (one run per setting), then every (policy, ratio) with work in ``todo``
         ({(policy, ratio): items}); yields, for each of these runs in order, its records (one per
         (task, setting) group; none for a run with nothing to do)."""
-        from kvdrop_engine.scoring import continuation_logprobs
+        from kvdrop_engine.logprobs import continuation_logprobs
 
         if not any(todo.values()):
             yield from ([] for _ in range(len(self.config.settings) + len(todo) - 1))

@@ -18,9 +18,9 @@ from typing import Any
 from kvdrop.selector import Selector
 from kvdrop_sdk.batch import BatchedStream, ProgressCallback
 from kvdrop_sdk.context import Context
+from kvdrop_sdk.edit import ModifyFnType
 from kvdrop_sdk.metrics import Metrics
 from kvdrop_sdk.request import RequestStream, create_request
-from kvdrop_sdk.types import ModifyFnType
 
 __all__ = [
     "Prompt",

@@ -114,7 +114,7 @@ def check_query_shapes(
     policy: str, kv: torch.Tensor, query: torch.Tensor | None, head_dim: int
 ) -> None:
     """Raise PolicyInputError unless D, Dq are multiples of head_dim and Hq of Hkv."""
-    if query is None:  # check_inputs already raised MissingQueryError; be defensive
+    if query is None:  # edit_inputs already raised MissingQueryError; be defensive
         raise PolicyInputError(f"{policy}: needs the query tensor")
     width, q_width = kv.shape[3], query.shape[3]
     for what, w in (("KV", width), ("query", q_width)):

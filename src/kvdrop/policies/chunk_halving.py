@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdrop.factories import ScorerFactory
 from kvdrop.policies._common import KEEP, KEEP_LAST
-from kvdrop.policy import Scorer, ScorerFactory
+from kvdrop.policy import Scorer
 from kvdrop.selector import Selection
 
 __all__ = ["ChunkHalvingScorer", "chunk_halving"]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdrop.attention import attention_mass, heads_f32
+from kvdrop.factories import ScorerFactory
 from kvdrop.params import param
 from kvdrop.policies._common import (
     HEAD_AGG,
@@ -19,7 +20,7 @@ from kvdrop.policies._common import (
     reduce,
     spread_rows,
 )
-from kvdrop.policy import Scorer, ScorerFactory
+from kvdrop.policy import QueryNeed, Scorer
 from kvdrop.selector import Selection
 
 __all__ = ["H2OScorer", "h2o"]
@@ -41,9 +42,8 @@ class H2OScorer(Scorer):
     last tokens' queries, so the spread is that of the sample.
     """
 
-    needs_query = True
+    queries = QueryNeed.WINDOW
     needs_selection = True  # gives a share of the budget to recent tokens
-    sparse_queries = True
     reads_values = False
     head_dim: int | None = query_head_dim()
     num_queries: int | None = param(

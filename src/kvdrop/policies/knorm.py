@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdrop.factories import ScorerFactory
 from kvdrop.policies._common import (
     check_head_dim,
     head_agg_param,
@@ -15,7 +16,7 @@ from kvdrop.policies._common import (
     per_layer,
     reduce,
 )
-from kvdrop.policy import Scorer, ScorerFactory
+from kvdrop.policy import Scorer
 
 __all__ = ["KnormScorer", "knorm"]
 

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from kvdrop.errors import MissingTokenScoresError, PolicyInputError
+from kvdrop.factories import ScorerFactory
 from kvdrop.params import param
 from kvdrop.policies._common import LAYER_AGG, head_agg_param, reduce
-from kvdrop.policy import Scorer, ScorerFactory
+from kvdrop.policy import Scorer
 from kvdrop.selector import Selection
 
 __all__ = ["KVzipScorer", "kvzip"]

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdrop.factories import ScorerFactory
 from kvdrop.params import param
 from kvdrop.policies._common import KEEP_LAST
-from kvdrop.policy import Scorer, ScorerFactory
+from kvdrop.policy import Scorer
 from kvdrop.selector import Selection
 
 __all__ = ["RandomScorer", "random"]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdrop.attention import attention_mass, heads_f32, key_redundancy, pool1d, unit_keys
+from kvdrop.factories import ScorerFactory
 from kvdrop.params import param
 from kvdrop.policies._common import (
     HEAD_AGG,
@@ -19,7 +20,7 @@ from kvdrop.policies._common import (
     reduce,
     window_fill,
 )
-from kvdrop.policy import Scorer, ScorerFactory
+from kvdrop.policy import QueryNeed, Scorer
 from kvdrop.selector import Selection
 
 __all__ = ["RKVScorer", "rkv"]
@@ -40,9 +41,8 @@ class RKVScorer(Scorer):
     heads then layers. The redundancy is computed blockwise (no T x T matrix), exactly.
     """
 
-    needs_query = True
+    queries = QueryNeed.WINDOW
     needs_selection = True  # observes the selector's window
-    sparse_queries = True  # reads the window rows by position
     reads_values = False
     head_dim: int | None = query_head_dim()
     kernel: int = odd_kernel(7)

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdrop.policy import Scorer, ScorerFactory
+from kvdrop.factories import ScorerFactory
+from kvdrop.policy import Scorer
 
 __all__ = ["StreamingScorer", "streaming"]
 

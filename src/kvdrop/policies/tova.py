@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdrop.attention import attention_mass, heads_f32
+from kvdrop.factories import ScorerFactory
 from kvdrop.params import param
 from kvdrop.policies._common import (
     LAYER_AGG,
@@ -16,7 +17,7 @@ from kvdrop.policies._common import (
     query_head_dim,
     reduce,
 )
-from kvdrop.policy import Scorer, ScorerFactory
+from kvdrop.policy import QueryNeed, Scorer
 from kvdrop.selector import Selection
 
 __all__ = ["TovaScorer", "tova"]
@@ -32,9 +33,8 @@ class TovaScorer(Scorer):
     those queries and over all query heads; layers combine by ``layer_agg``.
     """
 
-    needs_query = True
+    queries = QueryNeed.WINDOW
     needs_selection = True  # reads where the query rows sit
-    sparse_queries = True
     reads_values = False
     head_dim: int | None = query_head_dim()
     num_queries: int = param(

@@ -61,12 +61,6 @@ class BufferCache:
         self._free: list[mmap.mmap] = []
         self._lock = threading.Lock()
 
-    @property
-    def cached_bytes(self) -> int:
-        """Bytes currently kept for reuse."""
-        with self._lock:
-            return sum(len(m) for m in self._free)
-
     def take(self, nbytes: int, populate: bool = True) -> mmap.mmap:
         """A mapping of at least ``nbytes`` (reused if a free one is at most 4x larger); a fresh one
         is faulted in at once when ``populate`` (else by whoever first writes each page)."""

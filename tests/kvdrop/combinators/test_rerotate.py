@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvdrop
-from kvdrop.combinators.rerotate import Rerotate, RerotatedPolicy, rerotate_keys, rerotated
+from kvdrop.combinators.rerotate import Rerotate, rerotate_keys, rerotated
 from kvdrop_rope import RopeConfig
 from kvdrop_sdk import CacheKind
 
@@ -145,7 +145,7 @@ def test_policy_with_rerotate_keeps_the_same_tokens_and_moves_keys(name: str) ->
         params["head_dim"] = HEAD_DIM
     plain_out, plain_kept = kvdrop.get(name, **params)(tensors, list(range(t)))
     fn = kvdrop.get(name, **params, rerotate=cfg)
-    assert isinstance(fn, RerotatedPolicy)
+    assert isinstance(fn, Rerotate)
     out, kept = fn(tensors, list(range(t)))
     assert kept == plain_kept
     assert torch.equal(out[1], plain_out[1]), "values are only gathered"
@@ -191,7 +191,7 @@ def test_built_from_an_hf_config_dict() -> None:
         "max_position_embeddings": 4096,
     }
     fn = kvdrop.get("streaming", keep_tokens=16, chunk_size=16, rerotate=hf)
-    assert isinstance(fn, RerotatedPolicy)
+    assert isinstance(fn, Rerotate)
     assert fn.rope.head_dim == HEAD_DIM and fn.rope.rope_type == "linear"
     assert math.isclose(fn.rope.theta, 1e6)
 
@@ -230,7 +230,7 @@ def test_compositions_can_be_rerotated(inputs: Callable[..., dict[Any, torch.Ten
     for spec in ["streaming+snapkv", "budget(policy=snapkv, tiers='*:0.25')"]:
         plain = kvdrop.get(spec, chunk_size=8, head_dim=8)(tensors, list(range(64)))
         fn = kvdrop.get(spec, chunk_size=8, head_dim=8, rerotate=cfg)
-        assert isinstance(fn, RerotatedPolicy)
+        assert isinstance(fn, Rerotate)
         out, kept = fn(tensors, list(range(64)))
         assert kept == plain[1] and torch.equal(out[1], plain[0][1])
 

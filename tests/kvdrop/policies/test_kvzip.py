@@ -16,7 +16,7 @@ from kvdrop_sdk import CacheKind, kvcache, qcache
 from kvdrop_sdk.query_capture import QueryCapture
 from kvdrop_sdk.request import create_request
 from kvdrop_sdk.server.testing import spawn_server
-from kvdrop_sdk.types import EditContext
+from kvdrop_sdk.edit import EditContext
 from kvdrop_sdk.window import retrieve_scores
 
 pytestmark = pytest.mark.timeout(600)
@@ -64,7 +64,7 @@ def test_declares_its_need_and_compositions_forward_it() -> None:
     assert kvdrop.get("streaming+kvzip").token_scores
     assert not kvdrop.get("snapkv").token_scores
     capture = QueryCapture.for_policies([kvdrop.get("knorm"), kvdrop.get("kvzip")])
-    assert capture.scores and capture.uses_query_context
+    assert capture.scores and not capture.enabled and capture.uses_query_context
     assert not QueryCapture.for_policies([kvdrop.get("snapkv")]).scores
 
 

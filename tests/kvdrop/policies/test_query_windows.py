@@ -12,7 +12,7 @@ import torch
 import kvdrop
 from kvdrop.policy import ScorerPolicy
 from kvdrop_sdk import CacheKind
-from kvdrop_sdk.types import EditContext
+from kvdrop_sdk.edit import EditContext
 
 L, HKV, HQ, D = 2, 2, 4, 16
 GROUP = HQ // HKV
@@ -41,10 +41,11 @@ def lse_of(kv: torch.Tensor, q: torch.Tensor, rows: torch.Tensor) -> torch.Tenso
 
 def scores_of(policy: kvdrop.Policy, tensors: dict, tokens: list[int], **ctx: Any) -> torch.Tensor:
     assert isinstance(policy, ScorerPolicy)
-    from kvdrop.policy import edit_inputs
+    from kvdrop.inputs import edit_inputs
 
     context = EditContext.of(len(tokens), **ctx) if ctx else None
-    inputs = edit_inputs(tensors, tokens, policy=policy.name, needs_query=True, context=context)
+    need = policy.queries
+    inputs = edit_inputs(tensors, tokens, policy=policy.name, queries=need, context=context)
     return policy.scores(inputs.kv, inputs.query, None, inputs=inputs)
 
 
@@ -139,11 +140,11 @@ def test_short_window_warns_and_uses_what_exists() -> None:
         )
 
 
-def test_a_scorer_without_sparse_queries_refuses_a_window() -> None:
+def test_a_full_query_scorer_refuses_a_window() -> None:
     kv, q = make(32, seed=4)
     rows = torch.arange(24, 32)
     policy = kvdrop.get("last-queries", keep_tokens=8, chunk_size=8, head_dim=D, window=4)
-    with pytest.raises(kvdrop.PolicyInputError, match="sparse_queries"):
+    with pytest.raises(kvdrop.PolicyInputError, match=r"queries = QueryNeed\.WINDOW"):
         policy.select_indices(
             {CacheKind.KV: kv, CacheKind.QUERY: q[:, :, rows]},
             list(range(32)),
@@ -167,7 +168,7 @@ def test_head_dim_comes_from_the_context() -> None:
 
 
 def test_device_resolution() -> None:
-    from kvdrop.policy import resolve_device
+    from kvdrop.device import resolve_device
 
     cpu = torch.zeros(1)
     assert resolve_device("cpu", "cuda", cpu) == torch.device("cpu")  # explicit wins

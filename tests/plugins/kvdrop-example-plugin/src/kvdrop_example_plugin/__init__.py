@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdrop import PolicyInputError, Scorer, ScorerFactory, param
+from kvdrop import PolicyInputError, QueryNeed, Scorer, ScorerFactory, param
 from kvdrop.attention import attention_mass, heads_f32
 
 
@@ -40,8 +40,9 @@ class LastQueriesScorer(Scorer):
     scorer's own parameter, not the selector's always-kept window.
     """
 
-    needs_query = True  # score() gets the prefill queries [1, L, T, Dq]; without them kvdrop
-    # raises MissingQueryError before score() is called.
+    # score() gets every cached token's query [1, L, T, Dq] (so the engine captures them all);
+    # without them kvdrop raises MissingQueryError before score() is called.
+    queries = QueryNeed.FULL
     head_dim: int = param(
         128,
         "per-head dimension: D and Dq must be multiples of it",

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvdrop_sdk.types import (
+from kvdrop_sdk.edit import (
     EDIT_CONTEXT_ATTR,
     EditContext,
     accepts_edit_context,
@@ -38,10 +38,10 @@ def test_marker_is_declared_once_not_guessed_from_signatures() -> None:
 def test_defaults_describe_a_fresh_prefix() -> None:
     ctx = EditContext.of(8)
     assert ctx.positions.tolist() == list(range(8)) and ctx.positions.dtype == torch.int64
-    assert ctx.prompt_tokens == 8 and ctx.num_tokens == 8 and ctx.tail_tokens == 0
+    assert ctx.prompt_tokens == 8 and ctx.num_tokens == 8
     assert ctx.query_positions is None and ctx.rope is None and ctx.protected == 0
     ctx = EditContext.of(8, prompt_tokens=11, query_positions=[6, 9, 10], protected=2)
-    assert ctx.tail_tokens == 3 and ctx.query_positions.tolist() == [6, 9, 10]
+    assert ctx.prompt_tokens - ctx.num_tokens == 3 and ctx.query_positions.tolist() == [6, 9, 10]
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from kvdrop_engine.connector import EngineConnector
+from kvdrop_engine.connector import KVConnector
 from kvdrop_engine.errors import InvalidRequestError
 from kvdrop_engine.model import causal_attention
 from kvdrop_sdk.validate import positive_int, token_ids
@@ -34,7 +34,7 @@ def continuation_logprobs(
     model: nn.Module,
     requests: Sequence[tuple[Sequence[int], Sequence[int]]],
     *,
-    connector: EngineConnector | None = None,
+    connector: KVConnector | None = None,
     cache_salt: str | Sequence[str] = "",
     max_batch_tokens: int = 16384,
 ) -> list[Tensor]:
@@ -117,7 +117,7 @@ class _PrefixAttention:
 def _forward(
     model: nn.Module,
     group: list[tuple[list[int], list[int], str]],
-    connector: EngineConnector | None,
+    connector: KVConnector | None,
 ) -> list[Tensor]:
     """One packed forward over ``group``; returns each request's continuation log-probs."""
     param = next(p for p in model.parameters() if p.is_floating_point())

@@ -11,8 +11,8 @@ from kvdrop_engine.connector import ServerConnector
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.errors import InvalidRequestError
 from kvdrop_engine.loading import preset_config
+from kvdrop_engine.logprobs import continuation_logprobs
 from kvdrop_engine.model import DenseAttention, Transformer, generate
-from kvdrop_engine.scoring import continuation_logprobs
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
 from kvdrop_sdk.server.testing import ServerHandle, spawn_server

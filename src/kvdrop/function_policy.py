@@ -1,0 +1,129 @@
+"""The adapter of a plain edit function ``fn(tensors, tokens) -> (kv, tokens)`` to :class:`Policy`.
+
+Plugins may register plain functions; :func:`as_policy` wraps them so combinators and the SDK
+see one protocol. What the function reads of the queries comes from its declaration: its own
+``queries`` (a :class:`~kvdrop_sdk.query_capture.QueryNeed`) when it has one, else the factory's.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvdrop.errors import PolicyInputError, PolicyWarning
+from kvdrop.inputs import edit_inputs
+from kvdrop.policy import Policy, warn_no_rope
+from kvdrop_sdk.edit import EditContext, ModifyFnType, takes_edit_context
+from kvdrop_sdk.query_capture import DeclaresQueries, QueryNeed
+
+__all__ = ["FunctionPolicy", "as_policy"]
+
+
+class FunctionPolicy(Policy):
+    """A plain edit function ``fn(tensors, tokens) -> (kv, tokens)`` seen as a :class:`Policy`.
+
+    ``fn`` gets ``context=`` too when it declares so (``kvdrop_sdk.edit.accepts_edit_context``)
+    and then re-rotates on its own. For a plain ``fn``, calling the policy finds the kept rows in
+    the input (greedy in order, matching the token id and the layer-0 key row, so repeated ids are
+    told apart) and re-rotates their keys when RoPE parameters are known; a ``fn`` whose output
+    rows are not input rows (e.g. it changed values) is returned as it is, with a warning.
+    """
+
+    def __init__(self, name: str, fn: ModifyFnType, queries: QueryNeed = QueryNeed.NONE) -> None:
+        self.name = name
+        self.fn = fn
+        self._queries = fn.queries if isinstance(fn, DeclaresQueries) else QueryNeed(queries)
+        self._takes_context = takes_edit_context(fn)
+
+    def __repr__(self) -> str:
+        return f"FunctionPolicy({self.name!r}, {self.fn!r})"
+
+    @property
+    def queries(self) -> QueryNeed:
+        return self._queries
+
+    def _call_fn(
+        self,
+        tensors: Mapping[Any, torch.Tensor],
+        tokens: Sequence[int],
+        context: EditContext | None,
+    ) -> tuple[torch.Tensor, Sequence[int]]:
+        if self._takes_context:
+            return self.fn(tensors, tokens, context=context)  # type: ignore[call-arg]
+        return self.fn(tensors, tokens)
+
+    def _match(
+        self, kv: torch.Tensor, tokens: Sequence[int], out: torch.Tensor, kept: Sequence[int]
+    ) -> torch.Tensor:
+        found: list[int] = []
+        i = 0
+        for j, tok in enumerate(kept):
+            while i < len(tokens) and not (
+                int(tokens[i]) == int(tok) and torch.equal(kv[0, 0, i], out[0, 0, j])
+            ):
+                i += 1
+            if i == len(tokens):
+                raise PolicyInputError(
+                    f"{self.name}: kept row {j} (token {tok}) is not an input row at a later "
+                    "index; expected a policy that keeps input rows in order"
+                )
+            found.append(i)
+            i += 1
+        return torch.tensor(found, dtype=torch.int64)
+
+    def select_indices(
+        self,
+        tensors: Mapping[Any, torch.Tensor],
+        tokens: Sequence[int],
+        *,
+        context: EditContext | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = edit_inputs(
+            tensors, tokens, policy=self.name, queries=self.queries, context=context
+        ).kv
+        out, kept = self._call_fn(tensors, tokens, context)
+        return kv, self._match(kv, tokens, out, kept)
+
+    def __call__(
+        self,
+        tensors: Mapping[Any, torch.Tensor],
+        tokens: Sequence[int],
+        *,
+        context: EditContext | None = None,
+        positions: Sequence[int] | torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, Sequence[int]]:
+        out, kept = self._call_fn(tensors, tokens, context)
+        if self._takes_context and self.rope is None:
+            return out, kept  # it saw the context: its own choice of positions
+        rope = self.rope_for(context)
+        moved = len(kept) != len(tokens) or list(kept) != [int(t) for t in tokens]
+        if rope is None:
+            if self.rerotate and moved:
+                warn_no_rope(self.name)
+            return out, kept
+        kv = edit_inputs(
+            tensors, tokens, policy=self.name, queries=QueryNeed.NONE, context=context
+        ).kv
+        try:
+            index = self._match(kv, tokens, out, kept)
+        except PolicyInputError:
+            warnings.warn(
+                f"{self.name}: its output rows are not input rows, so they cannot be re-rotated; "
+                "returned as they are",
+                PolicyWarning,
+                stacklevel=2,
+            )
+            return out, kept
+        return self.keep(kv, tokens, index, context=context, positions=positions)
+
+
+def as_policy(fn: Policy | ModifyFnType, name: str, queries: QueryNeed = QueryNeed.NONE) -> Policy:
+    """``fn`` itself if it is a :class:`Policy`, else a :class:`FunctionPolicy` around it."""
+    if isinstance(fn, Policy):
+        return fn
+    if not callable(fn):
+        raise TypeError(f"{name}: expected an edit function fn(tensors, tokens); got {fn!r}")
+    return FunctionPolicy(name, fn, queries)

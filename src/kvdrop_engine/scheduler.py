@@ -1,0 +1,212 @@
+"""Admission and step planning: who runs, and what one step computes.
+
+Admission reserves blocks for the whole request (prompt + ``max_tokens``) up front, so a running
+request never waits for memory and nothing is ever preempted; a request that waits for blocks
+keeps its place in line (FIFO, no starvation). :func:`plan_step` puts every admitted request in
+one step: decodes first (one token each), then prompt chunks up to ``max_prefill_tokens``.
+
+The :class:`Scheduler` is not thread-safe by itself: the engine calls it under its condition.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvdrop_engine.errors import RequestTooLargeError
+from kvdrop_engine.paged import BlockAllocator, SeqStep, blocks_needed
+from kvdrop_engine.sequence import LoadState, Request
+from kvdrop_sdk.validate import positive_int
+
+__all__ = ["DEFAULT_BUDGET_TOKENS", "Scheduler", "StepPlan", "budget_blocks", "plan_step"]
+
+#: The engine's KV budget when it is given neither ``num_blocks`` nor ``kv_budget_tokens``.
+DEFAULT_BUDGET_TOKENS = 65536
+
+
+def budget_blocks(num_blocks: int | None, kv_budget_tokens: int | None, block_size: int) -> int:
+    """The budget in blocks, from ``num_blocks`` or ``kv_budget_tokens`` (rounded down to whole
+    blocks; default ``DEFAULT_BUDGET_TOKENS``); ``ValueError`` says what was wrong."""
+    if num_blocks is not None and kv_budget_tokens is not None:
+        raise ValueError("give num_blocks or kv_budget_tokens, not both")
+    positive_int(block_size, "block_size")
+    if num_blocks is None:
+        budget = DEFAULT_BUDGET_TOKENS if kv_budget_tokens is None else kv_budget_tokens
+        positive_int(budget, "kv_budget_tokens (one block at least)", minimum=block_size)
+        num_blocks = budget // block_size
+    positive_int(num_blocks, "num_blocks")
+    return num_blocks
+
+
+@dataclass
+class StepPlan:
+    """One engine step: the flat token batch, its attention layout, and which rows are sampled.
+
+    ``stepped`` pairs each request with the tokens it computes in this step; ``sampled`` lists the
+    requests whose next token comes from ``sample_rows`` (in order).
+    """
+
+    seqs: list[SeqStep] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    sampled: list[Request] = field(default_factory=list)
+    stepped: list[tuple[Request, int]] = field(default_factory=list)
+    num_prefill: int = 0
+    num_decode: int = 0
+
+
+def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
+    """Decodes first (one token each, so they never wait behind prefill chunks), then prompt
+    chunks in batch order until ``max_prefill_tokens`` prompt tokens are planned."""
+    plan = StepPlan()
+    for req in batch:
+        if req.prefilling:
+            continue
+        plan.seqs.append(SeqStep(req.rid, req.blocks, req.num_computed, 1))
+        plan.tokens.append(req.output[-1])
+        plan.positions.append(req.num_computed)
+        plan.sample_rows.append(len(plan.tokens) - 1)
+        plan.sampled.append(req)
+        plan.stepped.append((req, 1))
+        plan.num_decode += 1
+    budget = max_prefill_tokens
+    for req in batch:
+        if not req.prefilling or budget <= 0:
+            continue
+        start = req.num_computed
+        n = min(len(req.prompt) - start, budget)
+        budget -= n
+        plan.seqs.append(SeqStep(req.rid, req.blocks, start, n))
+        plan.tokens.extend(req.prompt[start : start + n])
+        plan.positions.extend(range(start, start + n))
+        if start + n == len(req.prompt):
+            plan.sample_rows.append(len(plan.tokens) - 1)
+            plan.sampled.append(req)
+        plan.stepped.append((req, n))
+        plan.num_prefill += n
+    return plan
+
+
+class Scheduler:
+    """The waiting line and the running set over one block allocator (see the module docstring).
+
+    ``load_lock`` is the engine's lock over :attr:`Request.load_state` (shared with the loads).
+    """
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        max_batch_size: int,
+        load_lock: threading.Lock,
+    ) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_batch_size = max_batch_size
+        self.load_lock = load_lock
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, Request] = {}
+
+    def blocks_for(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """Blocks a request reserves: room for the prompt and every generated token but the last."""
+        return blocks_needed(num_prompt_tokens + max_tokens - 1, self.block_size)
+
+    def check_fits(self, req: Request) -> None:
+        """``RequestTooLargeError`` when ``req`` needs more blocks than the whole budget."""
+        need = self.blocks_for(len(req.prompt), req.params.max_tokens)
+        total = self.allocator.num_blocks
+        if need > total:
+            raise RequestTooLargeError(
+                f"request needs {len(req.prompt)} prompt + {req.params.max_tokens} max_tokens = "
+                f"{need} blocks of {self.block_size} tokens, but the engine's KV budget is "
+                f"{total} blocks ({total * self.block_size} tokens); "
+                "shorten the prompt, lower max_tokens, or give the engine a larger budget"
+            )
+
+    def _head_fits(self) -> bool:
+        head = self.waiting[0]
+        return self.blocks_for(len(head.prompt), head.params.max_tokens) <= self.allocator.num_free
+
+    def admit(self) -> list[Request]:
+        """Move waiting requests to running, in order, while the head's blocks are free."""
+        admitted = []
+        while self.waiting and len(self.running) < self.max_batch_size:
+            if not self._head_fits():
+                break  # FIFO: the head waits for blocks; later requests do not overtake it
+            req = self.waiting.popleft()
+            req.blocks = self.allocator.allocate(
+                self.blocks_for(len(req.prompt), req.params.max_tokens)
+            )
+            self.running[req.rid] = req
+            admitted.append(req)
+        return admitted
+
+    def drop_cancelled(self) -> None:
+        """Free cancelled requests -- except one whose prefix a load thread is copying into its
+        blocks (freed on a later call, once the copy is done)."""
+        for rid in [rid for rid, r in self.running.items() if r.cancelled]:
+            req = self.running[rid]
+            if req.loading is not None and not req.loading.done():
+                with self.load_lock:
+                    if req.load_state in (LoadState.COPY, LoadState.COPIED):
+                        continue
+                    req.load_state = LoadState.ABANDONED
+            self.free(self.running.pop(rid))
+        if any(r.cancelled for r in self.waiting):
+            self.waiting = deque(r for r in self.waiting if not r.cancelled)
+
+    def has_work(self, io_ok: bool) -> bool:
+        """Something to step, admit or drop, or a load to finish (not just loads in flight)."""
+        now = time.monotonic()
+        for req in self.running.values():
+            if req.loading is None or req.loading.done():
+                return True
+            if req.load_state is LoadState.QUEUED and (req.cancelled or not io_ok):
+                return True
+            if req.load_state is LoadState.IO and (req.cancelled or now >= req.load_deadline):
+                return True
+        if self.waiting and len(self.running) < self.max_batch_size:
+            return self.waiting[0].cancelled or self._head_fits()
+        return False
+
+    def wait_s(self) -> float | None:
+        """How long the loop may sleep: until the first load deadline (loads notify when done)."""
+        deadlines = [
+            r.load_deadline
+            for r in self.running.values()
+            if r.loading is not None
+            and r.load_state is LoadState.IO
+            and r.load_deadline < float("inf")
+        ]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def runnable(self) -> list[Request]:
+        """The running requests this step computes (not cancelled, prefix loaded)."""
+        return [r for r in self.running.values() if not r.cancelled and r.loading is None]
+
+    def loading(self) -> list[Request]:
+        """The running requests whose prefix load is in flight."""
+        return [r for r in self.running.values() if r.loading is not None]
+
+    def finish(self, req: Request) -> bool:
+        """Take ``req`` out of the running set and free its blocks; whether it was running."""
+        was_running = self.running.pop(req.rid, None) is not None
+        self.free(req)
+        return was_running
+
+    def drain(self) -> list[Request]:
+        """Every waiting and running request, taken out (the engine stops)."""
+        pending = list(self.waiting) + list(self.running.values())
+        self.waiting.clear()
+        self.running.clear()
+        return pending
+
+    def free(self, req: Request) -> None:
+        """Give ``req``'s blocks back (idempotent)."""
+        if req.blocks:
+            self.allocator.free(req.blocks)
+            req.blocks = []

@@ -1,0 +1,125 @@
+"""One request inside the engine: its tokens, blocks, query capture and prefix-load state.
+
+The loop thread owns a :class:`Request` once it is admitted; a connector thread touches only
+``load_state`` (under the engine's load lock) and the blocks it copies a prefix into.
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvdrop_engine.capture import WindowCapture
+from kvdrop_engine.connector import KVConnector, PrefixPlan
+from kvdrop_engine.errors import InvalidRequestError
+from kvdrop_engine.sampling import SamplingParams, make_generator
+from kvdrop_engine.tokenizer import IncrementalDetokenizer
+from kvdrop_sdk.validate import token_ids
+
+__all__ = ["LoadState", "Request", "new_request"]
+
+
+class LoadState(enum.Enum):
+    """Where a request's prefix load stands (guarded by the engine's load lock)."""
+
+    QUEUED = "queued"  # waiting for a connector thread
+    IO = "io"  # asking the server (its deadline runs)
+    COPY = "copy"  # copying the prefix into the request's blocks
+    COPIED = "copied"  # in the blocks
+    ABANDONED = "abandoned"  # the loop gave up on it: its blocks are not touched
+
+
+@dataclass
+class Request:
+    """One request's state, owned by the loop thread once admitted."""
+
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    cache_salt: str
+    out: queue.Queue[Any]
+    generator: torch.Generator | None
+    detok: IncrementalDetokenizer | None
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the blocks
+    output: list[int] = field(default_factory=list)
+    capture_queries: bool = False
+    query_offset: int = 0  # captured queries start here; the server holds the ones before
+    store_upto: int = 0  # whole-chunk prompt tokens to store after prefill (0 = none)
+    query_parts: list[Tensor] = field(default_factory=list)
+    window: WindowCapture | None = None
+    cancelled: bool = False
+    loading: Future[PrefixPlan] | None = None  # the prefix load in flight (not stepped yet)
+    load_deadline: float = float("inf")  # set when the load starts (not while it is queued)
+    load_state: LoadState = LoadState.QUEUED
+    #: Stores started for this request; the caller waits for them before its next token.
+    stores: list[Future[Any]] = field(default_factory=list)
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether prompt tokens are still to be computed."""
+        return self.num_computed < len(self.prompt)
+
+    def follow(self, plan: PrefixPlan, conn: KVConnector | None = None) -> None:
+        """Take admission's decision: ``plan.num_loaded`` tokens are in the blocks already."""
+        self.num_computed = plan.num_loaded
+        self.store_upto = plan.store_upto
+        self.capture_queries = plan.capture_queries
+        self.query_offset = plan.query_offset
+        if plan.capture_window and conn is not None:
+            queries = conn.queries
+            self.window = WindowCapture(len(self.prompt), queries.window, queries.stride)
+
+    def capture_offsets(self, n: int) -> list[int] | None:
+        """Offsets of the next ``n`` computed tokens whose queries this step must capture."""
+        if self.prefilling and self.capture_queries and self.num_computed < self.store_upto:
+            return list(range(n))  # full mode: every prompt row up to store_upto
+        if self.window is not None:
+            return self.window.wanted(self.num_computed, n) or None
+        return None
+
+    def take_queries(self, rows: Tensor, offsets: list[int]) -> None:
+        """Hand this step's captured rows ``[L, r, Hq, d]`` (at ``offsets``) to the chunk store
+        (full mode) and the query window."""
+        start = self.num_computed
+        if self.prefilling and self.capture_queries and start < self.store_upto:
+            keep = max(0, min(len(offsets), self.store_upto - start))
+            if keep:
+                q = rows[:, :keep]
+                self.query_parts.append(q.reshape(q.shape[0], keep, -1).cpu())
+        if self.window is not None:
+            wanted = self.window.wanted(start, max(offsets) + 1)
+            if wanted:
+                at = {off: i for i, off in enumerate(offsets)}
+                pick = [at[off] for off in wanted]
+                sel = rows if len(pick) == len(offsets) else rows[:, pick]
+                self.window.add([start + off for off in wanted], sel)
+
+
+def new_request(
+    rid: int,
+    prompt_token_ids: Sequence[int],
+    sampling_params: Mapping[str, Any] | SamplingParams | None,
+    cache_salt: str,
+    *,
+    vocab_size: int,
+    detok: IncrementalDetokenizer | None,
+) -> Request:
+    """A submitted request, validated once here: ``InvalidRequestError`` says what was wrong."""
+    params = SamplingParams.from_dict(sampling_params)
+    try:
+        prompt = token_ids(prompt_token_ids, "prompt_token_ids", vocab_size=vocab_size)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(str(exc)) from None
+    if not prompt:
+        raise InvalidRequestError("prompt_token_ids is empty; expected at least one token")
+    if not isinstance(cache_salt, str):
+        raise InvalidRequestError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+    return Request(rid, prompt, params, cache_salt, queue.Queue(), make_generator(params), detok)

@@ -1,0 +1,53 @@
+"""The engine's counters: what the KV budget allowed, and what the cache server cost."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["EngineStats"]
+
+
+@dataclass
+class EngineStats:
+    """Counters since construction (or ``reset_stats``); they show what the KV budget allowed."""
+
+    requests_admitted: int = 0
+    requests_finished: int = 0
+    steps: int = 0
+    prefill_tokens_computed: int = 0
+    decode_tokens_computed: int = 0
+    tokens_loaded: int = 0
+    kv_tokens_stored: int = 0
+    query_tokens_stored: int = 0
+    query_rows_stored: int = 0
+    query_bytes_stored: int = 0
+    peak_running: int = 0
+    peak_blocks_used: int = 0
+    peak_waiting: int = 0
+    #: Steps that only decoded (no prompt chunk), their wall time on the loop thread (plan, launch,
+    #: wait for the tokens; capturing a new CUDA graph is counted apart, in
+    #: ``graph_capture_seconds``) and the cached tokens their attention read.
+    #: ``prefix_load_seconds``: time spent loading cached prefixes (asking the server and copying
+    #: into the blocks), summed over requests; it runs on connector threads, not the loop.
+    decode_only_steps: int = 0
+    #: KVzip's reconstruction pass (requests with ``reconstruct``): prompts scored, their tokens,
+    #: the pass's wall time on the loop thread, and the score bytes stored.
+    reconstructions: int = 0
+    reconstruction_tokens: int = 0
+    reconstruction_seconds: float = 0.0
+    scores_bytes_stored: int = 0
+    decode_step_seconds: float = 0.0
+    decode_kv_tokens: int = 0
+    graph_capture_seconds: float = 0.0
+    prefix_load_seconds: float = 0.0
+    connector_fallbacks: int = 0  # loads that failed, timed out or were skipped: recomputed
+    store_failures: int = 0  # stores that failed, timed out or were skipped
+
+    @property
+    def tokens_computed(self) -> int:
+        """Tokens the model ran (prefill + decode), i.e. not loaded from the server."""
+        return self.prefill_tokens_computed + self.decode_tokens_computed
+
+    def to_dict(self) -> dict[str, float]:
+        """Plain dict (JSON-serialisable), including ``tokens_computed``."""
+        return {**asdict(self), "tokens_computed": self.tokens_computed}

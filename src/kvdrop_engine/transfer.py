@@ -1,0 +1,314 @@
+"""Server I/O of the engine: prefix loads and stores on their own pools, with deadlines and
+back-off, off the loop thread.
+
+Up to ``load_concurrency`` loads run on a connector pool (each also copies its prefix into the
+request's blocks) while the loop keeps stepping the other requests; a load still waiting for the
+server after ``load_timeout_s`` is abandoned and the prompt is computed instead, as is one that
+fails. Stores are submitted by the loop to a store pool and attached to their request
+(:attr:`Request.stores`); the request's caller waits for them, up to ``store_timeout_s``, before
+it hands over the next token -- so with a healthy server a caller that has seen a token can rely
+on the prompt being in the server. After a failure or a timeout the engine leaves the server alone
+for ``backoff_s`` seconds (loads recompute at once, stores are skipped), so a hung or dead server
+costs the first request one timeout, not every request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import torch
+
+from kvdrop_engine.capture import log_normalisers
+from kvdrop_engine.reconstruct import ScoresJob
+from kvdrop_engine.connector import (
+    KVConnector,
+    PrefixPlan,
+    StoreJob,
+    WindowJob,
+    plan_prefix,
+    plan_recompute,
+)
+from kvdrop_engine.errors import EngineError
+from kvdrop_engine.paged import PagedKVCache, to_host
+from kvdrop_engine.sequence import LoadState, Request
+from kvdrop_engine.stats import EngineStats
+from kvdrop_sdk.errors import PartialStoreError
+
+__all__ = ["STORE_THREADS", "Transfers", "check_seconds"]
+
+#: Threads that run stores (each caller waits for its own, up to ``store_timeout_s``).
+STORE_THREADS = 4
+
+logger = logging.getLogger("kvdrop_engine.engine")
+
+
+def check_seconds(**values: float) -> None:
+    """``ValueError`` unless every value (a timeout, a back-off) is a number >= 0."""
+    for name, value in values.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+
+
+class Transfers:
+    """The loads and stores of one engine over ``connector`` (see the module docstring).
+
+    ``copy_on_loop``: copy loaded prefixes into the blocks on the loop thread (CUDA graphs: a
+    graph may be captured in any step, and another thread's device calls would break it).
+    ``wake`` tells the loop that a load changed state; ``stats`` gives the engine's current
+    counters, which are only changed under ``lock`` (the engine's condition).
+    """
+
+    def __init__(
+        self,
+        connector: KVConnector,
+        cache: PagedKVCache,
+        *,
+        load_concurrency: int,
+        load_timeout_s: float,
+        store_timeout_s: float,
+        backoff_s: float,
+        copy_on_loop: bool,
+        wake: Callable[[], None],
+        stats: Callable[[], EngineStats],
+        lock: threading.Condition,
+    ) -> None:
+        self.connector = connector
+        self.cache = cache
+        self.load_concurrency = load_concurrency
+        self.load_timeout_s = load_timeout_s
+        self.store_timeout_s = store_timeout_s
+        self.backoff_s = backoff_s
+        self.copy_on_loop = copy_on_loop
+        self.load_lock = threading.Lock()  # guards Request.load_state
+        self._wake = wake
+        self._stats = stats
+        self._lock = lock
+        self._pools_lock = threading.Lock()
+        self._load_pool: ThreadPoolExecutor | None = None
+        self._store_pool: ThreadPoolExecutor | None = None
+        self._down_until = 0.0
+
+    @contextlib.contextmanager
+    def _counters(self) -> Iterator[EngineStats]:
+        """The engine's counters, under its lock."""
+        with self._lock:
+            yield self._stats()
+
+    # ----------------------------------------------------------------- health
+    def io_ok(self) -> bool:
+        """Whether the server may be asked (no back-off running)."""
+        return time.monotonic() >= self._down_until
+
+    def io_failed(self, what: str, reason: str) -> None:
+        """Log one line and leave the server alone for ``backoff_s``."""
+        self._down_until = time.monotonic() + self.backoff_s
+        logger.warning(
+            "kvdrop server %s %s; computing without it for %g s", what, reason, self.backoff_s
+        )
+
+    def _pool(self, kind: str) -> ThreadPoolExecutor:
+        with self._pools_lock:
+            if kind == "load":
+                if self._load_pool is None:
+                    self._load_pool = ThreadPoolExecutor(
+                        self.load_concurrency, thread_name_prefix="kvdrop-load"
+                    )
+                return self._load_pool
+            if self._store_pool is None:
+                self._store_pool = ThreadPoolExecutor(
+                    STORE_THREADS, thread_name_prefix="kvdrop-store"
+                )
+            return self._store_pool
+
+    def shutdown(self) -> None:
+        """Drop both pools; a load or store stuck on a hung server is not waited for."""
+        with self._pools_lock:
+            pools = [p for p in (self._load_pool, self._store_pool) if p is not None]
+            self._load_pool = self._store_pool = None
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    # ----------------------------------------------------------------- loads
+    def start_load(self, req: Request) -> None:
+        """Start loading the request's cached prefix on a connector thread (not on the loop)."""
+        if not self.io_ok():
+            self.recompute(req)
+            return
+        pool = self._pool("load")
+        req.load_state = LoadState.QUEUED
+        req.load_deadline = float("inf")
+        req.loading = pool.submit(self._load_prefix, req)
+        req.loading.add_done_callback(lambda _: self._wake())
+
+    def _load_prefix(self, req: Request) -> PrefixPlan:
+        """(connector thread) Ask the server, then copy the prefix into the request's blocks --
+        unless the loop gave up on the request meanwhile: then its blocks are not touched.
+
+        Loads run several at once: the host copy out of the server's memory and the copy to the
+        device both release the GIL, so one request's host copy overlaps another's transfer."""
+        with self.load_lock:
+            if req.load_state is not LoadState.QUEUED:
+                raise EngineError("the engine gave up on this load before it started")
+            req.load_state = LoadState.IO
+            req.load_deadline = time.monotonic() + self.load_timeout_s
+        self._wake()  # the loop now has a deadline to wait for
+        started = time.perf_counter()
+        try:
+            plan = plan_prefix(self.connector, req.prompt, req.cache_salt)
+            if self.copy_on_loop:
+                return plan
+            with self.load_lock:
+                if req.load_state is not LoadState.IO:
+                    return plan
+                req.load_state = LoadState.COPY
+            if plan.kv is not None:
+                self.cache.load(req.blocks, plan.kv)
+            req.load_state = LoadState.COPIED
+            return plan
+        finally:
+            with self._counters() as st:
+                st.prefix_load_seconds += time.perf_counter() - started
+
+    def _give_up_late(self, req: Request, now: float) -> None:
+        """A load not done yet: give it up when it is past its deadline, or still queued while
+        the server is left alone (its threads are busy with it); one copying ends soon."""
+        with self.load_lock:
+            state = req.load_state
+            late = state is LoadState.IO and now >= req.load_deadline
+            skip = state is LoadState.QUEUED and not self.io_ok()
+            if late or skip:
+                req.load_state = LoadState.ABANDONED
+        if late:
+            self.io_failed("load", f"took longer than {self.load_timeout_s:g} s")
+        if late or skip:
+            req.loading = None
+            self.recompute(req)
+
+    def finish_loads(self, loading: list[Request]) -> None:
+        """(loop) Apply finished loads; give up on those still waiting for the server past their
+        deadline (those requests compute their prompt)."""
+        now = time.monotonic()
+        for req in loading:
+            future = req.loading
+            if future is None or req.cancelled:
+                continue  # dropped by the scheduler
+            if not future.done():
+                self._give_up_late(req, now)
+                continue
+            req.loading = None
+            try:
+                plan = future.result()
+                if req.load_state is not LoadState.COPIED and plan.kv is not None:
+                    self.cache.load(req.blocks, plan.kv)  # (CUDA graphs: on the loop thread)
+            except Exception as exc:
+                self.io_failed("load failed:", f"{type(exc).__name__}: {exc}")
+                self.recompute(req)
+                continue
+            req.follow(plan, self.connector)
+            with self._counters() as st:
+                st.tokens_loaded += plan.num_loaded
+
+    def recompute(self, req: Request) -> None:
+        """The request computes its whole prompt (the server could not be asked)."""
+        req.follow(plan_recompute(self.connector, req.prompt), self.connector)
+        with self._counters() as st:
+            st.connector_fallbacks += 1
+
+    # ----------------------------------------------------------------- stores
+    def submit(self, req: Request, job: StoreJob | WindowJob | ScoresJob) -> None:
+        """(loop) Start ``job`` on the store pool and attach it to ``req`` (its caller waits)."""
+        if not self.io_ok():
+            with self._counters() as st:
+                st.store_failures += 1
+            return
+        future = self._pool("store").submit(job.run, self.connector)
+        future.add_done_callback(lambda f: self._stored(job, f))
+        req.stores.append(future)
+
+    def await_stores(self, req: Request) -> None:
+        """(caller) Wait for ``req``'s started stores, each up to ``store_timeout_s``; never
+        raises (a failed or late store is logged and counted; the request goes on)."""
+        while req.stores:
+            future = req.stores.pop(0)
+            try:
+                future.result(timeout=self.store_timeout_s)
+            except FutureTimeout:
+                self.io_failed("store", f"took longer than {self.store_timeout_s:g} s")
+            except CancelledError:
+                pass  # the engine stopped
+            except Exception as exc:
+                if isinstance(exc.__cause__, PartialStoreError):
+                    logger.warning("%s", exc)  # the server works; its pool is full of pins
+                else:
+                    self.io_failed("store failed:", str(exc))
+
+    def _stored(self, job: StoreJob | WindowJob | ScoresJob, future: Future[Any]) -> None:
+        failed = future.cancelled() or future.exception() is not None
+        with self._counters() as st:
+            if failed:
+                st.store_failures += 1
+            elif isinstance(job, ScoresJob):
+                st.scores_bytes_stored += future.result()
+            elif isinstance(job, WindowJob):
+                rows, nbytes = future.result()
+                st.query_rows_stored += rows
+                st.query_bytes_stored += nbytes
+            else:
+                q_stored = future.result()
+                st.kv_tokens_stored += job.kv.shape[2]
+                st.query_tokens_stored += q_stored
+                if q_stored and job.queries is not None:
+                    q = job.queries  # [1, L, T, Dq]
+                    st.query_bytes_stored += q_stored * q.shape[1] * q.shape[3] * q.element_size()
+
+    # ----------------------------------------------------------------- jobs
+    def prompt_job(self, req: Request) -> StoreJob:
+        """(loop, after prefill) The prompt's whole chunks of KV (and chunk queries)."""
+        kv = self.cache.read_cpu(req.blocks, req.store_upto)
+        queries = None
+        if req.capture_queries and req.query_parts:
+            queries = torch.cat(req.query_parts, dim=1).unsqueeze(0)
+        req.query_parts = []
+        return StoreJob(kv, queries, req.prompt[: req.store_upto], req.cache_salt, req.query_offset)
+
+    def finish_jobs(self, req: Request, scale: float) -> list[StoreJob | WindowJob]:
+        """(loop, before the last token) What a finished request leaves in the server: the KV of
+        whole chunks its generated tokens completed (``store_decoded``) and its query window,
+        keyed by prompt + every generated token. ``scale`` is the attention's ``d ** -0.5``."""
+        conn = self.connector
+        jobs: list[StoreJob | WindowJob] = []
+        sequence = req.prompt + req.output
+        computed = len(sequence) - 1  # the last generated token was never fed back
+        chunk = conn.chunk_size
+        if conn.store_decoded and chunk:
+            aligned = computed // chunk * chunk
+            if aligned > max(req.store_upto, len(req.prompt) // chunk * chunk):
+                kv = self.cache.read_cpu(req.blocks, aligned)
+                jobs.append(StoreJob(kv, None, sequence[:aligned], req.cache_salt))
+        rows = None if req.window is None else req.window.rows()
+        req.window = None
+        if rows is not None:
+            positions, queries = rows
+            # Log-normalisers from the request's own keys, while its blocks are still its own.
+            with torch.inference_mode():
+                lse = log_normalisers(
+                    queries,
+                    positions,
+                    lambda layer: self.cache.keys(req.blocks, layer, computed),
+                    scale,
+                )
+            # Copied to the host here (through page-locked memory): the store runs on another
+            # thread, and device calls there could meet a CUDA graph capture of the loop thread.
+            jobs.append(
+                WindowJob(
+                    to_host(positions), to_host(queries), to_host(lse), sequence, req.cache_salt
+                )
+            )
+        return jobs

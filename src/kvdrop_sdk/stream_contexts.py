@@ -1,0 +1,152 @@
+"""The contexts of one request stream: which tokens are cached, retrieval, and waiting for stores.
+
+:class:`StreamContexts` holds one context per cache kind (kvdrop's, or another SDK's wrapped once
+by :mod:`kvdrop_sdk.foreign`) and answers the cache questions a
+:class:`~kvdrop_sdk.request.RequestStream` asks, so the stream itself only keeps tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from kvdrop_sdk.cache_kind import CacheKind
+from kvdrop_sdk.context import Context
+from kvdrop_sdk.errors import RequestStreamError
+from kvdrop_sdk.foreign import ForeignContext, StreamContext, wrap_contexts
+
+__all__ = ["Retrieved", "StreamContexts"]
+
+logger = logging.getLogger(__name__)
+
+#: Tensors per kind cut to their common cached length, and that length.
+Retrieved = tuple[dict[CacheKind, torch.Tensor], int]
+
+
+class StreamContexts:
+    """One context per cache kind for stream ``stream_id`` (see the module docstring)."""
+
+    def __init__(self, contexts: Iterable[Any] | Any, stream_id: str) -> None:
+        self.by_kind: dict[CacheKind, StreamContext] = wrap_contexts(contexts)
+        self.stream_id = stream_id
+
+    def given(self) -> dict[CacheKind, Any]:
+        """The contexts as the caller passed them (another SDK's unwrapped)."""
+        return {k: c.inner if isinstance(c, ForeignContext) else c for k, c in self.by_kind.items()}
+
+    def get(self, kind: CacheKind) -> StreamContext:
+        """The ``kind`` context; RequestStreamError naming what the stream has instead."""
+        try:
+            return self.by_kind[kind]
+        except KeyError:
+            have = ", ".join(k.value for k in self.by_kind) or "none"
+            raise RequestStreamError(
+                f"stream {self.stream_id} has no {kind.value!r} context (has: {have}); pass one "
+                "to create_request"
+            ) from None
+
+    def chunk_size(self) -> int:
+        """The KV context's chunk size (else any context's; 0 without contexts)."""
+        ctx = self.by_kind.get(CacheKind.KV) or next(iter(self.by_kind.values()), None)
+        return int(ctx.chunk_size) if ctx is not None else 0
+
+    def cached_len(self, tokens: list[int], salt: str) -> int:
+        """Chunk-aligned cached length of the KV (queries may legitimately hold nothing), or
+        the length common to every context without a KV one (0 without contexts)."""
+        kv_ctx = self.by_kind.get(CacheKind.KV)
+        if kv_ctx is not None:
+            return int(kv_ctx.lookup(tokens, salt))
+        if not self.by_kind:
+            return 0
+        return min(int(ctx.lookup(tokens, salt)) for ctx in self.by_kind.values())
+
+    def retrieve_all(
+        self, tokens: list[int], salt: str, kinds: Sequence[CacheKind] | None = None
+    ) -> Retrieved | None:
+        """Tensors of ``kinds`` (default every context's) cut to their common cached length;
+        None when the KV (or, without a KV context, any kind) has nothing cached."""
+        if not self.by_kind:
+            raise RequestStreamError(
+                f"stream {self.stream_id} has no contexts; pass them to create_request"
+            )
+        got: dict[CacheKind, torch.Tensor] = {}
+        for kind, ctx in self.by_kind.items():
+            if kinds is not None and kind not in kinds:
+                continue
+            tensor = ctx.retrieve(tokens, salt)
+            if tensor is None or tensor.shape[2] == 0:
+                if kind is CacheKind.KV or CacheKind.KV not in self.by_kind:
+                    return None
+                continue
+            got[kind] = tensor
+        if not got:
+            return None
+        common = min(t.shape[2] for t in got.values())
+        for kind, tensor in got.items():
+            if tensor.shape[2] != common:
+                got[kind] = tensor[:, :, :common].contiguous()
+        return got, common
+
+    def retrieve_when_cached(
+        self,
+        tokens: list[int],
+        salt: str,
+        expected: int,
+        timeout: float,
+        poll_interval: float,
+        kinds: Sequence[CacheKind] | None = None,
+    ) -> Retrieved | None:
+        """:meth:`retrieve_all` once ``expected`` tokens are cached, or whatever is cached when
+        ``timeout`` runs out."""
+        deadline = time.monotonic() + max(timeout, 0.0)
+        kv_ctx = self.get(CacheKind.KV)
+        if isinstance(kv_ctx, Context):
+            while (
+                expected > 0
+                and kv_ctx.lookup(tokens, salt) < expected
+                and time.monotonic() < deadline
+            ):
+                time.sleep(poll_interval)
+            return self.retrieve_all(tokens, salt, kinds)
+        while True:  # no cheap lookup (lmcache.sdk's contexts): poll by retrieving, as upstream
+            got = self.retrieve_all(tokens, salt, kinds)
+            have = 0 if got is None else got[1]
+            if expected <= 0 or have >= expected or time.monotonic() >= deadline:
+                return got
+            time.sleep(poll_interval)
+
+    def store(
+        self, kind: CacheKind, tensor: torch.Tensor, tokens: list[int], salt: str, timeout: float
+    ) -> bool:
+        """Store ``tensor`` under ``tokens``; for another SDK's context, wait until it serves it.
+
+        An LMCache server acknowledges a store before it commits it; without the wait the next
+        request (the decode after a modify) could miss the edit and recompute the kept tokens.
+        kvdrop's server commits before it answers (no wait).
+        """
+        ctx = self.by_kind[kind]
+        stored = bool(ctx.store(tensor, tokens, salt))
+        if stored and not isinstance(ctx, Context):
+            self._await_visible(ctx, tokens, timeout, salt)
+        return stored
+
+    def _await_visible(
+        self, ctx: StreamContext, tokens: list[int], timeout: float, salt: str
+    ) -> None:
+        chunk = self.chunk_size()
+        whole = len(tokens) // chunk * chunk
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while ctx.lookup(tokens, salt) < whole:
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "stream %s: the server does not serve the %d stored tokens after %gs",
+                    self.stream_id,
+                    whole,
+                    timeout,
+                )
+                return
+            time.sleep(0.005)

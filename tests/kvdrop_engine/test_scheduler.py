@@ -1,0 +1,66 @@
+"""Scheduler: admission in FIFO order over the block budget, and one step's plan."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+
+import pytest
+
+from kvdrop_engine.paged import BlockAllocator
+from kvdrop_engine.sampling import SamplingParams
+from kvdrop_engine.scheduler import Scheduler, budget_blocks, plan_step
+from kvdrop_engine.sequence import LoadState, Request
+
+
+def req(rid: int, prompt_len: int, computed: int = 0, output: list[int] | None = None) -> Request:
+    r = Request(rid, list(range(1, prompt_len + 1)), SamplingParams(), "", queue.Queue(),
+                None, None)  # fmt: skip
+    r.num_computed, r.output = computed, list(output or [])
+    return r
+
+
+def test_plan_step_puts_decodes_first_and_caps_prefill_tokens() -> None:
+    a = req(0, 10, 0, [])  # prefilling, 10 tokens
+    b = req(1, 4, 5, [7])  # decoding: prompt + 1 generated token computed
+    c = req(2, 6, 2, [])  # prefilling, 4 tokens left
+    plan = plan_step([a, b, c], max_prefill_tokens=12)
+    assert [s.seq_id for s in plan.seqs] == [1, 0, 2]
+    assert plan.tokens[:1] == [7] and plan.positions[:1] == [5]
+    assert (plan.num_decode, plan.num_prefill) == (1, 12)
+    assert plan.stepped == [(b, 1), (a, 10), (c, 2)]  # c gets what is left of the budget
+    assert plan.sampled == [b, a]  # a's prompt ends in this step, c's does not
+    assert plan.sample_rows == [0, 10]
+
+
+def test_admission_is_fifo_and_the_head_waits_for_its_blocks() -> None:
+    sched = Scheduler(BlockAllocator(4), 16, 8, threading.Lock())
+    big, small = req(0, 30), req(1, 4)  # big needs 3 blocks (30 + 16 - 1 tokens), small 2
+    sched.waiting.extend([big, small])
+    assert sched.admit() == [big] and len(big.blocks) == 3
+    assert sched.admit() == []  # small needs 2 blocks, 1 is free: it waits
+    assert sched.has_work(io_ok=True)  # big is runnable
+    sched.finish(big)
+    assert sched.admit() == [small] and sched.allocator.num_free == 2
+
+
+def test_cancelled_requests_are_dropped_unless_their_prefix_is_being_copied() -> None:
+    sched = Scheduler(BlockAllocator(8), 16, 8, threading.Lock())
+    copying, queued = req(0, 4), req(1, 4)
+    sched.waiting.extend([copying, queued])
+    sched.admit()
+    for r, state in ((copying, LoadState.COPY), (queued, LoadState.QUEUED)):
+        r.loading, r.load_state, r.cancelled = Future(), state, True
+    sched.drop_cancelled()
+    assert list(sched.running) == [0]  # the copy is still writing into its blocks
+    assert queued.load_state is LoadState.ABANDONED and queued.blocks == []
+
+
+def test_budget_blocks_rounds_down_and_refuses_both_or_too_small() -> None:
+    assert budget_blocks(None, 100, 16) == 6
+    assert budget_blocks(5, None, 16) == 5
+    with pytest.raises(ValueError, match="not both"):
+        budget_blocks(5, 100, 16)
+    with pytest.raises(ValueError, match="kv_budget_tokens"):
+        budget_blocks(None, 8, 16)
