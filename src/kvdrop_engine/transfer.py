@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from kvdrop_engine.capture import log_normalisers
-from kvdrop_engine.reconstruct import ScoresJob
 from kvdrop_engine.connector import (
     KVConnector,
     PrefixPlan,
@@ -37,6 +36,7 @@ from kvdrop_engine.connector import (
 )
 from kvdrop_engine.errors import EngineError
 from kvdrop_engine.paged import PagedKVCache, to_host
+from kvdrop_engine.reconstruct import ScoresJob
 from kvdrop_engine.sequence import LoadState, Request
 from kvdrop_engine.stats import EngineStats
 from kvdrop_sdk.errors import PartialStoreError

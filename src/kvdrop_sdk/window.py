@@ -40,8 +40,8 @@ __all__ = [
     "QueryWindow",
     "TokenScores",
     "retrieve_scores",
-    "scores_for",
     "retrieve_window",
+    "scores_for",
     "store_scores",
     "store_window",
 ]
