@@ -43,7 +43,8 @@ from typing import Any
 import torch
 
 import kvdrop
-from kvdrop.experiments.pipeline import Prompt, engine_budget, run_pipeline
+from kvdrop.experiments.prompts import Prompt
+from kvdrop.experiments.runner import engine_budget, run_pipeline
 from kvdrop_engine.connector import ServerConnector
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import load_checkpoint, preset_config
@@ -52,8 +53,8 @@ from kvdrop_engine.paged import to_device, to_host
 from kvdrop_engine.reconstruct import ReconstructionPrompt
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
-from kvdrop_sdk.server.testing import spawn_server
 from kvdrop_sdk.table import format_table
+from kvdrop_sdk.testing.server import spawn_server
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -16,7 +16,7 @@ Each policy is timed (median of ``--repeats``) against the floor every policy pa
 ``index_select`` of the same number of rows, and against what moving the same KV costs on this
 machine: one ``store`` + one ``retrieve`` through a real kvdrop server (shared memory), measured
 in the same run (``x_store_retrieve``; ``--no-store-retrieve`` skips it). Peak memory is the peak
-RSS increase while the policy runs (kvdrop.experiments.profiling.PeakRSS), beside the input size.
+RSS increase while the policy runs (kvdrop.testing.profiling.PeakRSS), beside the input size.
 
     python benchmarks/policies.py [--tokens 2048 8192] [--policies knorm snapkv] [--json]
     python benchmarks/policies.py --device cuda --tokens 12288 --policies snapkv h2o knorm
@@ -37,7 +37,7 @@ import torch
 
 import kvdrop
 from kvdrop.errors import PolicyInputError
-from kvdrop.experiments.profiling import PeakRSS
+from kvdrop.testing.profiling import PeakRSS
 from kvdrop_rope import RopeConfig
 from kvdrop_sdk import CacheKind
 from kvdrop_sdk.edit import EditContext
@@ -76,7 +76,7 @@ def store_retrieve_s(kv: torch.Tensor, args: argparse.Namespace) -> float:
     each time so every store really writes)."""
     from kvdrop_sdk import kvcache
     from kvdrop_sdk.layout import CacheLayout
-    from kvdrop_sdk.server.testing import spawn_server
+    from kvdrop_sdk.testing.server import spawn_server
 
     _, layers, num_tokens, width = kv.shape
     layout = CacheLayout(layers, width // args.head_dim, args.head_dim, kv.dtype)

@@ -32,14 +32,14 @@ import zmq
 
 import kvdrop_sdk as sdk
 from kvdrop_sdk import BatchedStream, CacheKind, CacheLayout, create_request
-from kvdrop_sdk.adapters.toy import ToyEngine
 from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.hashing import encode_tokens
 from kvdrop_sdk.protocol import RpcClient, RpcError, encode_header
-from kvdrop_sdk.server.fuzz import FuzzTarget, fuzz_messages, send_fuzz
 from kvdrop_sdk.server.pool import shm_path, unique_shm_name
-from kvdrop_sdk.server.testing import spawn_server, spawn_server_in_child
 from kvdrop_sdk.table import format_table
+from kvdrop_sdk.testing.fuzz import FuzzTarget, fuzz_messages, send_fuzz
+from kvdrop_sdk.testing.server import spawn_server, spawn_server_in_child
+from kvdrop_sdk.testing.toy import ToyEngine
 
 Row = dict[str, Any]
 

@@ -30,8 +30,8 @@ import torch
 
 import kvdrop_sdk as sdk
 from kvdrop_sdk.layout import DTYPES
-from kvdrop_sdk.server.testing import spawn_server
 from kvdrop_sdk.table import format_table
+from kvdrop_sdk.testing.server import spawn_server
 
 
 def _median_s(

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from kvdrop_sdk.server.testing import ServerHandle, spawn_server
+from kvdrop_sdk.testing.server import ServerHandle, spawn_server
 
 
 @pytest.fixture(scope="session")

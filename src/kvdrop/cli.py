@@ -1,4 +1,5 @@
-"""The ``kvdrop`` command line: one subcommand per module, imported only when chosen."""
+"""The ``kvdrop`` command line: one subcommand per module of :mod:`kvdrop.commands`, imported only
+when chosen."""
 
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "list": ("kvdrop.commands.list_cmd", "list the registered drop policies"),
     "describe": ("kvdrop.commands.describe_cmd", "show a policy's summary and parameters"),
-    "server": ("kvdrop_sdk.server.cli", "run the KV cache server (ZMQ + HTTP)"),
+    "server": ("kvdrop.commands.server_cmd", "run the KV cache server (ZMQ + HTTP)"),
     "engine": (
-        "kvdrop_engine.cli",
+        "kvdrop.commands.engine_cmd",
         "run the reference engine (OpenAI-compatible HTTP)",
     ),
-    "demo": ("kvdrop.experiments.demo", "prefill, drop, decode: baseline vs dropped, side by side"),
-    "eval": ("kvdrop.experiments.eval_cli", "accuracy and fidelity of policies against full KV"),
+    "demo": (
+        "kvdrop.commands.demo_cmd",
+        "prefill, drop, decode: baseline vs dropped, side by side",
+    ),
+    "eval": ("kvdrop.commands.eval_cmd", "accuracy and fidelity of policies against full KV"),
 }
 
 

@@ -4,9 +4,10 @@ Loads a model (a ``.gguf`` file, a local HF folder, the installed SmolLM2 GGUF b
 random weights from a preset), starts the continuous-batching engine with a KV budget, optionally
 connects it to a cache server (a kvdrop server, or a real LMCache server with ``--cache-server
 lmcache``), and serves ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and
-``/health`` until SIGINT/SIGTERM. User errors (bad flags, a missing or unreadable model, a busy
-port) are one line on stderr and exit code 2. Heavy imports (torch, the model) happen inside
-``run``; the model is loaded by :func:`kvdrop_engine.loading.load_model`.
+``/health`` until SIGINT/SIGTERM. The command is :mod:`kvdrop.commands.engine_cmd`, which gives
+:func:`run` the experiment harness's connector factory. User errors (bad flags, a missing or
+unreadable model, a busy port) are one line on stderr and exit code 2. Heavy imports (torch, the
+model) happen inside ``run``; the model is loaded by :func:`kvdrop_engine.loading.load_model`.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvdrop_engine.errors import EngineSetupError
+from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
 
 __all__ = ["add_arguments", "run"]
 
@@ -29,6 +32,13 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``kvdrop engine`` (no heavy imports here: ``--help`` must stay fast)."""
+    _http_arguments(parser)
+    _model_arguments(parser)
+    _engine_arguments(parser)
+    _connector_arguments(parser)
+
+
+def _http_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("HTTP server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     net.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 = any)")
@@ -42,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help='logprobs tokens read "token_id:N" (as vLLM\'s flag; needed by make_post_completion)',
     )
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model",
@@ -66,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
     )
+
+
+def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     eng = parser.add_argument_group("engine")
     eng.add_argument(
         "--kv-budget-tokens",
@@ -83,6 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2048,
         help="prompt tokens computed per engine step (default 2048)",
     )
+
+
+def _connector_arguments(parser: argparse.ArgumentParser) -> None:
     kv = parser.add_argument_group("cache server connector (optional)")
     kv.add_argument(
         "--cache-server",
@@ -167,33 +186,36 @@ def _check_args(args: argparse.Namespace) -> None:
         raise EngineSetupError(f"--model {args.model}: no such file or folder")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Start the engine and the HTTP server; block until SIGINT/SIGTERM; stop both cleanly."""
-    try:
-        _check_args(args)
-    except EngineSetupError as exc:
-        print(f"kvdrop engine: error: {exc}", file=sys.stderr)
-        return 2
+#: Builds the engine's connector from the flags and the served model name (None: no cache
+#: server). ``kvdrop engine`` (:mod:`kvdrop.commands.engine_cmd`) passes the experiment
+#: harness's, so the engine, the demo and eval build connectors in one place.
+ConnectorFactory = Callable[[argparse.Namespace, str], Any]
 
+
+def query_capture_of(args: argparse.Namespace) -> QueryCapture:
+    """The capture the flags ask for. The lean window follows the server (queries only where it
+    runs with transfer_query), as ``make_connector`` does for a capture of mode "none"; ``full``
+    demands the server's transfer_query."""
+    mode = QueryNeed.FULL if args.query_capture == "full" else QueryNeed.NONE
+    return QueryCapture(mode, args.query_window, args.query_stride)
+
+
+def _fail(message: str) -> int:
+    print(f"kvdrop engine: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any, str]:
+    """The model, tokenizer and served name; one line saying what was loaded."""
     import torch
 
-    from kvdrop_engine.engine import Engine
-    from kvdrop_engine.http import ROUTES, CompletionHTTPServer
     from kvdrop_engine.loading import load_model
-
-    # The HTTP layer logs what a user should see (a client that disconnected) in one line.
-    logging.basicConfig(level=logging.WARNING, format="kvdrop engine: %(message)s")
-    logging.getLogger("kvdrop_engine").setLevel(logging.INFO)
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    try:
-        model, tokenizer, default_name = load_model(args)
-    except (EngineSetupError, OSError, ValueError, ImportError, RuntimeError) as exc:
-        # Missing files, bad checkpoints, missing extras, an unavailable --device.
-        print(f"kvdrop engine: error: {exc}", file=sys.stderr)
-        return 2
+    print("kvdrop engine: loading the model ...", flush=True)
+    model, tokenizer, default_name = load_model(args)
     name = args.served_model_name or default_name
     cfg = model.config
     print(
@@ -202,33 +224,23 @@ def run(args: argparse.Namespace) -> int:
         f"{args.dtype} on {args.device}) in {time.perf_counter() - t0:.1f} s",
         flush=True,
     )
+    return model, tokenizer, name
 
-    connector: Any = None
-    if args.kvdrop_url is not None and args.cache_server == "lmcache":
-        from kvdrop_engine.lmcache_connector import LMCacheConnector, require_lmcache
 
-        try:
-            require_lmcache()
-        except EngineSetupError as exc:
-            print(f"kvdrop engine: error: {exc}", file=sys.stderr)
-            return 2
-        try:
-            connector = LMCacheConnector(args.kvdrop_url, args.kvdrop_http_url, name)
-        except ValueError as exc:
-            print(f"kvdrop engine: error: {exc}", file=sys.stderr)
-            return 2
-    elif args.kvdrop_url is not None:
-        from kvdrop_engine.connector import ServerConnector
+def _build(args: argparse.Namespace, connect: ConnectorFactory) -> tuple[Any, Any, Any]:
+    """Connector, engine and HTTP server (not started); EngineSetupError on a user error."""
+    from kvdrop_engine.engine import Engine
+    from kvdrop_engine.http import CompletionHTTPServer
 
-        connector = ServerConnector(
-            args.kvdrop_url,
-            args.kvdrop_http_url,
-            name,
-            query_capture=args.query_capture,
-            query_window=args.query_window,
-            query_stride=args.query_stride,
-            store_decoded=args.store_decoded_kv,
-        )
+    try:
+        model, tokenizer, name = _load(args)
+    except (EngineSetupError, OSError, ValueError, ImportError, RuntimeError) as exc:
+        # Missing files, bad checkpoints, missing extras, an unavailable --device.
+        raise EngineSetupError(str(exc)) from None
+    try:
+        connector = connect(args, name)
+    except ValueError as exc:
+        raise EngineSetupError(str(exc)) from None
     try:
         engine = Engine(
             model,
@@ -242,8 +254,8 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:
         if connector is not None:
             connector.close()
-        print(f"kvdrop engine: error: could not start the engine: {exc}", file=sys.stderr)
-        return 2
+        raise EngineSetupError(f"could not start the engine: {exc}") from None
+    cfg = model.config
     try:
         server = CompletionHTTPServer(
             engine.post_completion,
@@ -259,8 +271,30 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         if connector is not None:
             connector.close()
-        print(f"kvdrop engine: error: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
-        return 2
+        raise EngineSetupError(f"cannot bind {args.host}:{args.port}: {exc}") from None
+    return connector, engine, server
+
+
+def run(args: argparse.Namespace, connect: ConnectorFactory) -> int:
+    """Start the engine (its connector from ``connect``) and the HTTP server; block until
+    SIGINT/SIGTERM; stop both cleanly."""
+    try:
+        _check_args(args)
+    except EngineSetupError as exc:
+        return _fail(str(exc))
+    # The HTTP layer logs what a user should see (a client that disconnected) in one line.
+    logging.basicConfig(level=logging.WARNING, format="kvdrop engine: %(message)s")
+    logging.getLogger("kvdrop_engine").setLevel(logging.INFO)
+    try:
+        connector, engine, server = _build(args, connect)
+    except EngineSetupError as exc:
+        return _fail(str(exc))
+    return _serve(args, connector, engine, server)
+
+
+def _serve(args: argparse.Namespace, connector: Any, engine: Any, server: Any) -> int:
+    """Serve until SIGINT/SIGTERM, then stop server, engine and connector."""
+    from kvdrop_engine.http import ROUTES
 
     stop = threading.Event()
 
@@ -272,8 +306,8 @@ def run(args: argparse.Namespace) -> int:
     server.start()
     kv_note = f", {args.cache_server} KV store {args.kvdrop_url}" if connector is not None else ""
     print(
-        f"kvdrop engine: serving {name!r} on {server.url} (KV budget {engine.num_blocks} blocks of "
-        f"{args.block_size} tokens{kv_note}); {ROUTES}, GET /stats",
+        f"kvdrop engine: serving {server.model_name!r} on {server.url} (KV budget "
+        f"{engine.num_blocks} blocks of {args.block_size} tokens{kv_note}); {ROUTES}, GET /stats",
         flush=True,
     )
     try:

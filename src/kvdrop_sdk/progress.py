@@ -4,8 +4,11 @@ On a TTY it redraws one line in place (``\\r``) at most every ``min_interval`` s
 (CI logs, pipes) it prints a plain line at most every ``line_interval`` seconds plus the final one,
 so logs stay short. ``silent=True`` turns it off without changing the caller. A new phase (e.g.
 prefill -> modify -> decode) finishes the previous line and restarts the clock, so the rate and
-ETA are per phase. The line starts with the fixed ``label`` if one was given (plus the phase when
-the label does not already name it), else with the phase.
+ETA are per phase. The ETA extrapolates the rate since the phase's first completion, not since its
+start: in batched work the first result carries the latency of the whole pipeline (warm-up, a
+full batch in flight) and later ones come at its throughput, so a start-based rate overestimates.
+The line starts with the fixed ``label`` if one was given (plus the phase when the label does not
+already name it), else with the phase.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class ProgressBar:
         self.is_tty = is_tty
         self.done = 0
         self._start = clock()
+        self._first: tuple[float, int] | None = None  # (time, done) of the first completion
         self._last_draw: float | None = None
         self._line_open = False
         self._lock = threading.Lock()
@@ -81,11 +85,14 @@ class ProgressBar:
                 self._finish_line()
                 self.phase = phase
                 self._start = self.clock()
+                self._first = None
                 self._last_draw = None
             if total is not None:
                 self.total = total
             self.done = done
             now = self.clock()
+            if self._first is None and done > 0:
+                self._first = (now, done)
             complete = self.total is not None and done >= self.total
             interval = self.min_interval if self.is_tty else self.line_interval
             due = self._last_draw is None or now - self._last_draw >= interval
@@ -103,7 +110,7 @@ class ProgressBar:
             filled = int(frac * self.width)
             parts.append("[" + "#" * filled + "." * (self.width - filled) + "]")
             parts.append(f"{self.done}/{self.total}")
-            remaining = (self.total - self.done) / rate if rate > 0 else float("inf")
+            remaining = self._remaining(now)
             if self.done >= self.total:
                 remaining = 0.0
         else:
@@ -115,6 +122,16 @@ class ProgressBar:
         else:
             parts.append(f"ETA {format_duration(remaining)}")
         return " ".join(parts)
+
+    def _remaining(self, now: float) -> float:
+        """Seconds left at the rate since the first completion (unknown before the second)."""
+        if self._first is None or self.total is None or self.done <= self._first[1]:
+            return float("inf")
+        t_first, d_first = self._first
+        since = now - t_first
+        if since <= 0:
+            return float("inf")
+        return (self.total - self.done) * since / (self.done - d_first)
 
     @property
     def title(self) -> str:

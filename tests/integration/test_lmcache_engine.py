@@ -15,7 +15,7 @@ from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer
 from kvdrop_sdk.errors import SDKError
-from kvdrop_sdk.server.testing import spawn_server
+from kvdrop_sdk.testing.server import spawn_server
 
 CHUNK = 256
 GREEDY = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}

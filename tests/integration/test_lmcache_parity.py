@@ -33,7 +33,7 @@ from kvdrop_engine.connector import ServerConnector
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer
-from kvdrop_sdk.server.testing import ServerHandle, spawn_server
+from kvdrop_sdk.testing.server import ServerHandle, spawn_server
 
 CHUNK = 256
 MODULES = ["", ".cache_kind", ".context", ".kvcache", ".qcache", ".request", ".batch"]

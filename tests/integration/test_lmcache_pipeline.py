@@ -21,13 +21,14 @@ import requests
 
 import kvdrop
 from kvdrop.cli import main
-from kvdrop.experiments.pipeline import RunResult, kept_count, random_prompts, run_pipeline
+from kvdrop.experiments.prompts import random_prompts
+from kvdrop.experiments.runner import RunResult, kept_count, run_pipeline
 from kvdrop_engine.connector import ServerConnector
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer
 from kvdrop_sdk import kvcache, qcache
-from kvdrop_sdk.server.testing import spawn_server, stop_process
+from kvdrop_sdk.testing.server import spawn_server, stop_process
 
 pytestmark = pytest.mark.timeout(600)
 CHUNK = 256

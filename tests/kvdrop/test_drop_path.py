@@ -29,7 +29,7 @@ from kvdrop_sdk import kvcache, qcache
 from kvdrop_sdk.adapters.openai import make_post_completion
 from kvdrop_sdk.edit import EditContext, accepts_edit_context
 from kvdrop_sdk.request import create_request
-from kvdrop_sdk.server.testing import spawn_server, stop_process
+from kvdrop_sdk.testing.server import spawn_server, stop_process
 
 pytestmark = pytest.mark.timeout(600)
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

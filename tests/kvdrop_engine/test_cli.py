@@ -20,7 +20,7 @@ import torch
 
 from kvdrop.cli import main
 from kvdrop_sdk.adapters.openai import make_post_completion
-from kvdrop_sdk.server.testing import stop_process
+from kvdrop_sdk.testing.server import stop_process
 
 # Generous: each test starts real processes, which is slow on a loaded 2-core CI machine.
 pytestmark = pytest.mark.timeout(300)
@@ -200,7 +200,7 @@ def test_engine_with_kvdrop_server_through_the_sdk(tmp_path: Path) -> None:
     from kvdrop_sdk.cache_kind import CacheKind
     from kvdrop_sdk.context import connect
     from kvdrop_sdk.request import create_request
-    from kvdrop_sdk.server.testing import spawn_server
+    from kvdrop_sdk.testing.server import spawn_server
 
     with spawn_server(enable=["transfer_query"], chunk_size=256) as srv:
         proc = EngineProcess(

@@ -17,7 +17,7 @@ from kvdrop_engine.paged import PagedAttention, PagedKVCache, SeqStep, blocks_ne
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context, connect
 from kvdrop_sdk.errors import SDKError
-from kvdrop_sdk.server.testing import ServerHandle, spawn_server
+from kvdrop_sdk.testing.server import ServerHandle, spawn_server
 from kvdrop_sdk.window import retrieve_window
 
 CHUNK = 16

@@ -24,7 +24,7 @@ from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer, generate
 from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.query_capture import QueryCapture
-from kvdrop_sdk.server.testing import spawn_server
+from kvdrop_sdk.testing.server import spawn_server
 
 pytestmark = pytest.mark.timeout(120)
 

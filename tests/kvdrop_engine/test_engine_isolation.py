@@ -18,7 +18,7 @@ from kvdrop_engine.model import AttentionBackend, Transformer, generate
 from kvdrop_engine.sampling import SamplingParams, finish_reason
 from kvdrop_engine.sequence import LoadState
 from kvdrop_sdk.events import TokenEvent
-from kvdrop_sdk.server.testing import ServerHandle
+from kvdrop_sdk.testing.server import ServerHandle
 
 pytestmark = pytest.mark.timeout(120)
 

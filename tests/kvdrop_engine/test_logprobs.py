@@ -15,7 +15,7 @@ from kvdrop_engine.logprobs import continuation_logprobs
 from kvdrop_engine.model import DenseAttention, Transformer, generate
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
-from kvdrop_sdk.server.testing import ServerHandle, spawn_server
+from kvdrop_sdk.testing.server import ServerHandle, spawn_server
 
 CHUNK = 16
 

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 
-from kvdrop_sdk.adapters.toy import ToyEngine, positions_of
 from kvdrop_sdk.batch import BatchedStream, BatchedStreamFailures, LMCacheBatchedStream
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context, connect
@@ -27,7 +26,8 @@ from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.layout import CacheLayout
 from kvdrop_sdk.metrics import Metrics
 from kvdrop_sdk.request import RequestStream, create_request
-from kvdrop_sdk.server.testing import spawn_server
+from kvdrop_sdk.testing.server import spawn_server
+from kvdrop_sdk.testing.toy import ToyEngine, positions_of
 
 CHUNK = 16
 LAYOUT = CacheLayout(num_layers=2, num_heads=2, head_dim=4, dtype=torch.float32)

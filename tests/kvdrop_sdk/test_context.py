@@ -12,7 +12,7 @@ import torch
 
 import kvdrop_sdk as sdk
 from kvdrop_sdk import CacheKind, CacheLayout, SDKError
-from kvdrop_sdk.server.testing import ServerHandle, spawn_server
+from kvdrop_sdk.testing.server import ServerHandle, spawn_server
 
 CHUNK = 256
 LAYOUT = CacheLayout(num_layers=2, num_heads=2, head_dim=16, dtype=torch.bfloat16)

@@ -18,9 +18,9 @@ import torch
 
 import kvdrop_sdk as sdk
 from kvdrop_sdk import BatchedStream, CacheKind, CacheLayout, SDKError, create_request
-from kvdrop_sdk.adapters.toy import ToyEngine
 from kvdrop_sdk.server.pool import shm_path, unique_shm_name
-from kvdrop_sdk.server.testing import spawn_server
+from kvdrop_sdk.testing.server import spawn_server
+from kvdrop_sdk.testing.toy import ToyEngine
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -8,14 +8,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvdrop_sdk.adapters.toy import ToyEngine
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context
 from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.foreign import ForeignContext, as_token_event, wrap_contexts
 from kvdrop_sdk.layout import CacheLayout
 from kvdrop_sdk.request import create_request
-from kvdrop_sdk.server.testing import spawn_server
+from kvdrop_sdk.testing.server import spawn_server
+from kvdrop_sdk.testing.toy import ToyEngine
 
 CHUNK = 16
 LAYOUT = CacheLayout(num_layers=1, num_heads=1, head_dim=4, dtype=torch.float32)

@@ -29,8 +29,11 @@ def test_format_duration() -> None:
 def test_render_rate_and_eta() -> None:
     clock = FakeClock()
     bar = ProgressBar(10, label="decode", width=10, clock=clock, stream=io.StringIO())
-    clock.now += 4.0
-    bar.done = 4
+    clock.now += 1.0
+    bar.update(1)
+    assert bar.render().endswith("ETA ?")  # one completion: no rate to extrapolate yet
+    clock.now += 3.0
+    bar.update(4)
     assert bar.render() == "decode [####......] 4/10 1.00 req/s ETA 0:06"
     bar.done = 10
     assert bar.render().endswith("10/10 2.50 req/s in 0:04")
@@ -73,13 +76,27 @@ def test_phase_change_restarts_clock_and_line() -> None:
     bar(1, 2, "prefill")
     clock.now += 10
     bar(0, 4, "decode")
-    clock.now += 2
+    clock.now += 1
+    bar(1, 4, "decode")
+    clock.now += 1
     bar(2, 4, "decode")
     last = out.getvalue().split("\r")[-1]
     assert last.startswith("\x1b[2Kdecode [")
     assert "2/4 1.00 req/s ETA 0:02" in last
     # The unfinished prefill line was closed before decode began.
     assert "1/2" in out.getvalue().split("\n")[0]
+
+
+def test_eta_follows_the_rate_after_the_first_completion() -> None:
+    """Batched work: the first request takes the pipeline's latency (here 60 s), the rest come
+    one a second. A rate since the start said "ETA 4:20" for a phase that ended in 0:34."""
+    clock = FakeClock()
+    bar = ProgressBar(16, clock=clock, stream=io.StringIO())
+    clock.now += 60.0
+    bar.update(1)
+    clock.now += 2.0
+    bar.update(3)
+    assert bar.render().endswith("ETA 0:13")  # 13 left at 1 req/s (start-based: 4:29)
 
 
 def test_label_and_phase_make_the_title() -> None:

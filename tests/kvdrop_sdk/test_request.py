@@ -19,7 +19,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvdrop_sdk.adapters.toy import ToyEngine, encode_rows, positions_of
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context, connect
 from kvdrop_sdk.edit import EditContext, ModifyFnType, accepts_edit_context
@@ -32,7 +31,8 @@ from kvdrop_sdk.request import (
     StreamPerfMetrics,
     create_request,
 )
-from kvdrop_sdk.server.testing import spawn_server
+from kvdrop_sdk.testing.server import spawn_server
+from kvdrop_sdk.testing.toy import ToyEngine, encode_rows, positions_of
 from kvdrop_sdk.window import QueryWindow, store_window
 
 CHUNK = 16

@@ -9,7 +9,7 @@ from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
 from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.layout import CacheLayout
-from kvdrop_sdk.server.testing import ServerHandle
+from kvdrop_sdk.testing.server import ServerHandle
 from kvdrop_sdk.window import (
     QueryWindow,
     TokenScores,

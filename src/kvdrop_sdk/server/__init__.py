@@ -14,7 +14,7 @@ __all__ = ["Server", "ServerConfig", "spawn_server"]
 _LAZY = {
     "Server": "kvdrop_sdk.server.app",
     "ServerConfig": "kvdrop_sdk.server.config",
-    "spawn_server": "kvdrop_sdk.server.testing",
+    "spawn_server": "kvdrop_sdk.testing.server",
 }
 
 

@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ValueError as exc:
-        print(f"kvdrop server: {exc}", file=sys.stderr)
+        print(f"kvdrop server: error: {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()
 
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         server.start()
     except (ServerStartError, OSError) as exc:
-        print(f"kvdrop server: cannot start: {exc}", file=sys.stderr)
+        print(f"kvdrop server: error: cannot start: {exc}", file=sys.stderr)
         return 1
     try:
         print(

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import kvdrop
-from kvdrop.experiments import eval_cli
+from kvdrop.commands import eval_cmd as eval_cli
 from kvdrop.experiments.eval import (
     FULL,
     PRESETS,

@@ -16,7 +16,7 @@ from kvdrop_sdk import CacheKind, kvcache, qcache
 from kvdrop_sdk.edit import EditContext
 from kvdrop_sdk.query_capture import QueryCapture
 from kvdrop_sdk.request import create_request
-from kvdrop_sdk.server.testing import spawn_server
+from kvdrop_sdk.testing.server import spawn_server
 from kvdrop_sdk.window import retrieve_scores
 
 pytestmark = pytest.mark.timeout(600)

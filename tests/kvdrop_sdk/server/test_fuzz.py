@@ -9,7 +9,7 @@ import hashlib
 import random
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -18,15 +18,21 @@ import torch
 
 import kvdrop_sdk as sdk
 from kvdrop_sdk import BatchedStream, CacheKind, CacheLayout, create_request
-from kvdrop_sdk.adapters.toy import ToyEngine, encode_rows, positions_of
-from kvdrop_sdk.server.fuzz import FuzzTarget, fuzz_messages, send_fuzz
-from kvdrop_sdk.server.testing import ServerHandle, spawn_server
+from kvdrop_sdk.testing.fuzz import FuzzTarget, fuzz_messages, send_fuzz
+from kvdrop_sdk.testing.server import ServerHandle, spawn_server
+from kvdrop_sdk.testing.toy import ToyCall, ToyEngine, encode_rows, positions_of
 
 pytestmark = pytest.mark.timeout(240)
 
 CHUNK = 16
 LAYOUT = CacheLayout(num_layers=2, num_heads=1, head_dim=8, dtype=torch.float32)
 MESSAGES = 3000
+
+
+def calls_for(engine: ToyEngine, prompt_prefix: Sequence[int]) -> list[ToyCall]:
+    """The engine's recorded calls whose prompt starts with ``prompt_prefix`` (in call order)."""
+    n = len(prompt_prefix)
+    return [c for c in list(engine.calls) if c.prompt[:n] == list(prompt_prefix)]
 
 
 def digest(t: torch.Tensor) -> str:
@@ -184,7 +190,7 @@ def test_64_concurrent_streams_each_read_their_own_kv_and_queries(kv_server: Ser
         for s, p in zip(streams, prompts, strict=True):
             cached = len(seen[p[0]])
             kept = list(range(chunk)) + list(range(cached - chunk, cached))
-            calls = engine.calls_for(s.tokens[: 2 * chunk])
+            calls = calls_for(engine, s.tokens[: 2 * chunk])
             # Its decode reused exactly its own kept rows (first and last chunk of its prompt).
             assert calls and calls[-1].reused_positions == kept
     finally:

@@ -27,7 +27,7 @@ from kvdrop_sdk import CacheKind, CacheLayout, SDKError
 from kvdrop_sdk.hashing import encode_tokens
 from kvdrop_sdk.protocol import RpcClient, RpcError, encode_header
 from kvdrop_sdk.server.pool import shm_path, unique_shm_name
-from kvdrop_sdk.server.testing import ServerHandle, spawn_server, spawn_server_in_child
+from kvdrop_sdk.testing.server import ServerHandle, spawn_server, spawn_server_in_child
 
 pytestmark = pytest.mark.timeout(120)
 

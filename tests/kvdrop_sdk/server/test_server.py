@@ -20,7 +20,7 @@ from kvdrop_sdk import CacheKind, CacheLayout, SDKError
 from kvdrop_sdk.hashing import encode_tokens
 from kvdrop_sdk.protocol import RpcClient, RpcError, encode_header
 from kvdrop_sdk.server.pool import shm_path, unique_shm_name
-from kvdrop_sdk.server.testing import ServerHandle, spawn_server
+from kvdrop_sdk.testing.server import ServerHandle, spawn_server
 
 CHUNK = 256
 # float32, width 32: one chunk is 2 * 2 * 256 * 32 * 4 = 128 KiB; the tiny pool holds 8 chunks.

@@ -43,18 +43,18 @@ class LastQueriesScorer(Scorer):
     # score() gets every cached token's query [1, L, T, Dq] (so the engine captures them all);
     # without them kvdrop raises MissingQueryError before score() is called.
     queries = QueryNeed.FULL
-    head_dim: int = param(
-        128,
-        "per-head dimension: D and Dq must be multiples of it",
-        allowed="an int >= 1 dividing D and Dq",
-        check=lambda d: d >= 1,
+    head_dim: int | None = param(
+        None,
+        "per-head dimension (None: the engine's layout's); D and Dq must be multiples of it",
+        allowed="None or an int >= 1 dividing D and Dq",
+        check=lambda d: d is None or d >= 1,
     )
     window: int = param(
         8, "how many of the last queries vote", allowed="an int >= 1", check=lambda w: w >= 1
     )
 
     def check(self, kv: torch.Tensor, query: torch.Tensor | None) -> None:
-        assert query is not None
+        assert query is not None and self.head_dim is not None  # filled in before check()
         kv_heads, rest = divmod(kv.shape[3], self.head_dim)
         q_heads, q_rest = divmod(query.shape[3], self.head_dim)
         if rest or q_rest or q_heads % kv_heads:
@@ -64,7 +64,7 @@ class LastQueriesScorer(Scorer):
             )
 
     def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
-        assert query is not None
+        assert query is not None and self.head_dim is not None
         num_tokens = kv.shape[2]
         first = max(num_tokens - self.window, 0)
         positions = torch.arange(first, num_tokens)  # where the voting queries sit

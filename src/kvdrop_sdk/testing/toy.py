@@ -166,12 +166,6 @@ class ToyEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def calls_for(self, prompt_prefix: Sequence[int]) -> list[ToyCall]:
-        """Recorded calls whose prompt starts with ``prompt_prefix`` (in call order)."""
-        n = len(prompt_prefix)
-        with self._lock:
-            return [c for c in self.calls if c.prompt[:n] == list(prompt_prefix)]
-
     def next_token(self, prev: int, position: int) -> int:
         """The token generated after ``prev`` at ``position`` (deterministic)."""
         return (prev * 31 + position * 17 + 7) % self.vocab_size

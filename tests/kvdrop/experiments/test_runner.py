@@ -11,13 +11,14 @@ import pytest
 import torch
 
 import kvdrop
-from kvdrop.experiments.pipeline import Prompt, run_pipeline
+from kvdrop.experiments.prompts import Prompt
+from kvdrop.experiments.runner import run_pipeline
 from kvdrop_engine.connector import ServerConnector
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer, generate
 from kvdrop_sdk import kvcache
-from kvdrop_sdk.server.testing import ServerHandle, spawn_server
+from kvdrop_sdk.testing.server import ServerHandle, spawn_server
 
 CHUNK = 16
 GREEDY = {"temperature": 0.0, "max_tokens": 5, "ignore_eos": True}

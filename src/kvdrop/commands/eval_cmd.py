@@ -1,4 +1,5 @@
-"""``kvdrop eval``: the command over :mod:`kvdrop.experiments.eval`, its tables and its plot.
+"""``kvdrop eval``: the command over :mod:`kvdrop.experiments.eval`, its tables and its plot
+(accuracy with its 95% Wilson band per policy).
 
 Flags pick a preset grid (``default``: docs/quality.md's; ``quick``: CI's) and override any of
 its axes. The terminal report has every row (for small grids), the rows pooled over tasks and
@@ -16,12 +17,27 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvdrop.commands.args import finite_positive
 from kvdrop.experiments.eval import FULL, PRESETS, EvalConfig, EvalError, EvalReport
 from kvdrop.experiments.tasks import SETTINGS, TASKS
 
 __all__ = ["add_arguments", "config_from_args", "format_report", "plot_report", "run"]
 
 PLOT_HINT = "--plot needs matplotlib: pip install 'kvdrop[plot]' (or leave out --plot)"
+#: Marker and line-style cycles of the plot: with 20 colours, no two of the first 80 policies share
+#: colour, marker and line style.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LINESTYLES = ("-", "--", "-.", ":")
+
+
+def _default(axis: str) -> str:
+    """The default preset's value of a grid axis, as the flags take it."""
+    value = PRESETS["default"][axis]
+    if value is None:
+        return "every registered policy"
+    if isinstance(value, (tuple, list)):
+        return " ".join(str(v) for v in value)
+    return str(value)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,11 +56,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="policies or spec strings (default: every registered one, plugins included)",
     )
-    grid.add_argument("--keep-ratios", nargs="+", type=float, metavar="R", help="in (0, 1)")
-    grid.add_argument("--lengths", nargs="+", type=int, metavar="N", help="prompt tokens")
-    grid.add_argument("--tasks", nargs="+", metavar="TASK", help=f"of: {', '.join(TASKS)}")
-    grid.add_argument("--settings", nargs="+", metavar="S", help=f"of: {', '.join(SETTINGS)}")
-    grid.add_argument("--num-samples", type=int, metavar="N", help="prompts per task and length")
+    grid.add_argument(
+        "--keep-ratios",
+        nargs="+",
+        type=finite_positive,
+        metavar="R",
+        help=f"in (0, 1) (default: {_default('keep_ratios')})",
+    )
+    grid.add_argument(
+        "--lengths",
+        nargs="+",
+        type=int,
+        metavar="N",
+        help=f"prompt tokens (default: {_default('lengths')})",
+    )
+    grid.add_argument(
+        "--tasks",
+        nargs="+",
+        metavar="TASK",
+        help=f"of: {', '.join(TASKS)} (default: {_default('tasks')})",
+    )
+    grid.add_argument(
+        "--settings",
+        nargs="+",
+        metavar="S",
+        help=f"of: {', '.join(SETTINGS)} (default: {' '.join(SETTINGS)})",
+    )
+    grid.add_argument(
+        "--num-samples",
+        type=int,
+        metavar="N",
+        help=f"prompts per task and length (default: {_default('num_samples')})",
+    )
+    _output_arguments(parser)
+
+
+def _output_arguments(parser: argparse.ArgumentParser) -> None:
     meas = parser.add_argument_group("measurement")
     meas.add_argument("--max-tokens", type=int, default=8, help="answer tokens (default 8)")
     meas.add_argument("--chunk-size", type=int, default=256, help="server chunk size (256)")
@@ -209,9 +256,20 @@ def format_report(report: EvalReport, *, detail: bool | None = None) -> str:
     return "\n\n".join(parts)
 
 
+def plot_style(i: int) -> dict[str, Any]:
+    """The ``i``-th policy's colour index (of tab20), marker and line style: colours cycle every
+    20, markers every 8, line styles every 20: no two of the first 80 policies look alike."""
+    return {
+        "color": i % 20,
+        "marker": MARKERS[i % len(MARKERS)],
+        "linestyle": LINESTYLES[(i // 20) % len(LINESTYLES)],
+    }
+
+
 def plot_report(report: EvalReport, path: str | Path) -> None:
-    """Accuracy vs keep ratio per policy, pooled over tasks and lengths, one panel per setting,
-    full KV as a dashed line; a PNG at ``path``. Needs matplotlib (``pip install 'kvdrop[plot]'``).
+    """Accuracy vs keep ratio per policy with its 95% Wilson band, pooled over tasks and lengths,
+    one panel per setting, full KV as a dotted line; a PNG at ``path``. Needs matplotlib
+    (``pip install 'kvdrop[plot]'``).
     """
     try:
         import matplotlib
@@ -226,7 +284,7 @@ def plot_report(report: EvalReport, path: str | Path) -> None:
     fig, axes = plt.subplots(
         1, len(settings), figsize=(5.5 * len(settings) + 2, 4.5), squeeze=False, sharey=True
     )
-    cmap = plt.get_cmap("tab10")
+    cmap = plt.get_cmap("tab20")
     titles = {
         "inside": "question inside the compressed prompt",
         "after": "question after compression",
@@ -234,11 +292,19 @@ def plot_report(report: EvalReport, path: str | Path) -> None:
     for ax, setting in zip(axes[0], settings):
         mine = [r for r in pooled if r["setting"] == setting]
         for i, policy in enumerate(policies):
-            pts = sorted((r["keep_ratio"], r["accuracy"]) for r in mine if r["policy"] == policy)
+            pts = sorted(
+                (r["keep_ratio"], r["accuracy"], r["ci_low"], r["ci_high"])
+                for r in mine
+                if r["policy"] == policy
+            )
             if pts:
-                xs, ys = zip(*pts)
-                style = "-" if i < 10 else "--"
-                ax.plot(xs, ys, style, marker="o", label=policy, color=cmap(i % 10))
+                xs, ys, lo, hi = zip(*pts)
+                style = plot_style(i)
+                color = cmap(style["color"])
+                ax.plot(
+                    xs, ys, style["linestyle"], marker=style["marker"], label=policy, color=color
+                )
+                ax.fill_between(xs, lo, hi, color=color, alpha=0.12, linewidth=0)
         full = [r["accuracy"] for r in mine if r["policy"] == FULL]
         if full:
             ax.axhline(full[0], color="black", linestyle=":", label="full KV")

@@ -171,7 +171,7 @@ def spawn_server(
 
 _CHILD_SCRIPT = """
 import sys
-from kvdrop_sdk.server.testing import spawn_server
+from kvdrop_sdk.testing.server import spawn_server
 with spawn_server(l1_size_gb=0.01) as srv:
     print(srv.proc.pid, srv.shm_name, flush=True)
     sys.stdin.read()

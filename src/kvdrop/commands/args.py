@@ -1,0 +1,31 @@
+"""Argument types shared by the ``kvdrop`` subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+__all__ = ["finite_positive", "finite_ratio"]
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def finite_positive(text: str) -> float:
+    """An argparse ``type``: a finite float > 0 (``inf`` and ``nan`` are refused in one line)."""
+    value = _number(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def finite_ratio(text: str) -> float:
+    """An argparse ``type``: a finite float in (0, 1]."""
+    value = _number(text)
+    if not math.isfinite(value) or not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value

@@ -1,0 +1,1 @@
+"""Test and measurement tooling of kvdrop (e.g. ``profiling.PeakRSS``), kept out of the policies."""
