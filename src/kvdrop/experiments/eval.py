@@ -82,6 +82,7 @@ ROW_FIELDS = (
     "top1_agreement",
     "kept_fraction",
     "modify_ms",
+    "cost_s",
 )
 
 #: Named grids. ``quick`` is CI's smoke run (seconds of compute); ``default`` is the grid of
@@ -100,6 +101,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         lengths=(1024,),
         tasks=DEFAULT_TASKS,
         num_samples=6,
+    ),
+    # The lengths that matter (docs/quality.md): the recommended policies at 1K-4K tokens, 12
+    # samples a cell; add 8192 with --lengths (SmolLM2 takes 8K; hours on two CPU cores).
+    "long": dict(
+        policies=("kvzip", "snapkv", "knorm"),
+        keep_ratios=(0.5, 0.25),
+        lengths=(1024, 2048, 4096),
+        tasks=DEFAULT_TASKS,
+        num_samples=12,
     ),
 }
 
