@@ -136,6 +136,9 @@ class Measurement:
             mine = {(s.task, s.index) for s, st in todo[(FULL, 1.0)] if st == setting}
             fid = [(0.0, 1.0)] * len(items)
             yield self._records(length, FULL, 1.0, items, full, fid, conts, score_s, mine)
+        # Prompts whose reconstruction scores the server holds (stored by an earlier run of this
+        # batch, under its salt): later runs of policies that read them skip the pass.
+        scored: set[tuple[str, int, str]] = set()
         for policy, by_ratio in self.policies.items():
             uses_q = self.needs_query[policy] or self.scores[policy]
             ctxs = [self.kv_ctx] + ([self.q_ctx] if uses_q else [])
@@ -144,7 +147,11 @@ class Measurement:
                 if not items:
                     yield []
                     continue
-                run = self._run(policy, items, salt, fn, ctxs, self.scores[policy])
+                keys = {(s.task, s.index, setting) for s, setting in items}
+                reconstruct = self.scores[policy] and not keys <= scored
+                run = self._run(policy, items, salt, fn, ctxs, reconstruct)
+                if reconstruct:
+                    scored |= keys
                 self._check_loaded(run, items, (length, policy, ratio))
                 refs = [reference[(s.task, s.index, setting)] for s, setting in items]
                 conts = [cont for cont, _ in refs]
