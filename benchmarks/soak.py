@@ -40,6 +40,7 @@ from kvdrop_sdk.table import format_table
 from kvdrop_sdk.testing.fuzz import FuzzTarget, fuzz_messages, send_fuzz
 from kvdrop_sdk.testing.server import spawn_server, spawn_server_in_child
 from kvdrop_sdk.testing.toy import ToyEngine
+from soak_mixed import soak_mixed
 
 Row = dict[str, Any]
 
@@ -582,6 +583,7 @@ PHASES: dict[str, Callable[[argparse.Namespace], list[Row]]] = {
     "faults": soak_faults,
     "hostile": soak_hostile,
     "engine": soak_engine,
+    "mixed": soak_mixed,
 }
 
 
@@ -636,12 +638,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--readers", type=int, default=4)
     p.add_argument("--stream-rounds", type=int, default=5)
     p.add_argument("--fault-cycles", type=int, default=10)
+    p.add_argument("--mixed-s", type=float, default=30.0, help="seconds of hostile + good load")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated of {list(PHASES)}")
     p.add_argument("--json", action="store_true")
     p.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     args = p.parse_args(argv)
     if args.quick:
         args.messages, args.load_s, args.stream_rounds, args.fault_cycles = 10_000, 10.0, 1, 2
+        args.mixed_s = 8.0
     args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
     unknown = [x for x in args.phases if x not in PHASES]
     if unknown:

@@ -39,9 +39,9 @@ from kvdrop_engine.paged import PagedKVCache, to_host
 from kvdrop_engine.reconstruct import ScoresJob
 from kvdrop_engine.sequence import LoadState, Request
 from kvdrop_engine.stats import EngineStats
-from kvdrop_sdk.errors import PartialStoreError
+from kvdrop_sdk.errors import PartialStoreError, SDKError, ServerUnavailableError
 
-__all__ = ["STORE_THREADS", "Transfers", "check_seconds"]
+__all__ = ["STORE_THREADS", "Transfers", "check_seconds", "refused"]
 
 #: Threads that run stores (each caller waits for its own, up to ``store_timeout_s``).
 STORE_THREADS = 4
@@ -54,6 +54,19 @@ def check_seconds(**values: float) -> None:
     for name, value in values.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+
+
+def refused(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps) is a kvdrop SDK error other than "server unavailable":
+    the server answered and refused this request, so it is up and needs no back-off."""
+    seen: BaseException | None = exc
+    found = False
+    while seen is not None:
+        if isinstance(seen, ServerUnavailableError):
+            return False
+        found = found or isinstance(seen, SDKError)
+        seen = seen.__cause__
+    return found
 
 
 class Transfers:
@@ -106,8 +119,12 @@ class Transfers:
         """Whether the server may be asked (no back-off running)."""
         return time.monotonic() >= self._down_until
 
-    def io_failed(self, what: str, reason: str) -> None:
-        """Log one line and leave the server alone for ``backoff_s``."""
+    def io_failed(self, what: str, reason: str, exc: BaseException | None = None) -> None:
+        """Log one line and leave the server alone for ``backoff_s`` -- unless ``exc`` says the
+        server answered and refused this one request (bad input is no outage)."""
+        if exc is not None and refused(exc):
+            logger.warning("kvdrop server %s %s (this request only)", what, reason)
+            return
         self._down_until = time.monotonic() + self.backoff_s
         logger.warning(
             "kvdrop server %s %s; computing without it for %g s", what, reason, self.backoff_s
@@ -208,7 +225,7 @@ class Transfers:
                 if req.load_state is not LoadState.COPIED and plan.kv is not None:
                     self.cache.load(req.blocks, plan.kv)  # (CUDA graphs: on the loop thread)
             except Exception as exc:
-                self.io_failed("load failed:", f"{type(exc).__name__}: {exc}")
+                self.io_failed("load failed:", f"{type(exc).__name__}: {exc}", exc)
                 self.recompute(req)
                 continue
             req.follow(plan, self.connector)
@@ -247,7 +264,7 @@ class Transfers:
                 if isinstance(exc.__cause__, PartialStoreError):
                     logger.warning("%s", exc)  # the server works; its pool is full of pins
                 else:
-                    self.io_failed("store failed:", str(exc))
+                    self.io_failed("store failed:", str(exc), exc)
 
     def _stored(self, job: StoreJob | WindowJob | ScoresJob, future: Future[Any]) -> None:
         failed = future.cancelled() or future.exception() is not None

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any
 
 import torch
 
-__all__ = ["SCALING_TYPES", "RopeConfig", "apply_rope", "rotate"]
+__all__ = ["ROPE_FIELDS", "SCALING_TYPES", "RopeConfig", "apply_rope", "rotate"]
 
 #: The ``rope_type`` values understood here (HF spelling); ``None``/"default" means unscaled.
 SCALING_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
-# Keys each scaling needs (beyond rope_type) and the ones it may carry.
+# Keys each scaling needs (beyond rope_type) and the ones it may carry besides those; anything
+# else in a scaling dict is refused (a misspelt key would otherwise be ignored silently).
 _REQUIRED: dict[str, tuple[str, ...]] = {
     "default": (),
     "linear": ("factor",),
@@ -31,6 +32,85 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
     "yarn": (),
 }
+_OPTIONAL: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": (),
+    "dynamic": (),
+    "llama3": ("original_max_position_embeddings",),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    ),
+}
+_INT_KEYS = ("original_max_position_embeddings",)
+_BOOL_KEYS = ("truncate",)
+#: Scaling numbers that may be zero (yarn's mscale terms: 0 means "not used", as in HF).
+_NON_NEGATIVE = ("mscale", "mscale_all_dim")
+
+
+def _finite_positive(value: Any, what: str, *, zero_ok: bool = False) -> float:
+    """``value`` as a float if it is a finite number > 0 (>= 0 with ``zero_ok``); else
+    ValueError naming ``what``."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok and math.isfinite(value) and (value >= 0 if zero_ok else value > 0):
+        return float(value)
+    bound = ">= 0" if zero_ok else "> 0"
+    raise ValueError(f"{what} must be a finite number {bound}, got {value!r}")
+
+
+def _check_scaling(scaling: Any, rotary_dim: int) -> dict[str, Any]:
+    """A validated copy of an HF ``rope_scaling`` dict: a known type, every required field, no
+    unknown field, each number finite and positive, and the relations the formulas divide by."""
+    if not isinstance(scaling, Mapping):
+        raise ValueError(
+            f"RopeConfig.scaling must be a mapping (HF rope_scaling) or None, "
+            f"got {type(scaling).__name__}"
+        )
+    kind = _scaling_type(scaling)
+    if kind not in SCALING_TYPES:
+        raise ValueError(
+            f"RopeConfig.scaling rope_type {kind!r} is not supported; expected one of "
+            f"{', '.join(SCALING_TYPES)}"
+        )
+    allowed = {"rope_type", "type", *_REQUIRED[kind], *_OPTIONAL[kind]}
+    unknown = sorted(str(k) for k in scaling if k not in allowed)
+    if unknown:
+        raise ValueError(
+            f"RopeConfig.scaling has unknown field(s) {unknown} for rope_type {kind!r}; "
+            f"expected only {sorted(allowed)}"
+        )
+    for key in _REQUIRED[kind]:
+        if scaling.get(key) is None:
+            raise ValueError(
+                f"RopeConfig.scaling[{key!r}] is required for rope_type {kind!r} and must be a "
+                f"finite number > 0, got None"
+            )
+    for key, value in scaling.items():
+        what = f"RopeConfig.scaling[{key!r}]"
+        if key in ("rope_type", "type") or value is None:
+            continue
+        if key in _BOOL_KEYS:
+            if not isinstance(value, bool):
+                raise ValueError(f"{what} must be a bool, got {value!r}")
+        elif key in _INT_KEYS:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{what} must be a positive int, got {value!r}")
+        else:
+            _finite_positive(value, what, zero_ok=key in _NON_NEGATIVE)
+    if kind == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        raise ValueError(
+            "RopeConfig.scaling['high_freq_factor'] must be > low_freq_factor for llama3, got "
+            f"{scaling['high_freq_factor']!r} and {scaling['low_freq_factor']!r}"
+        )
+    if kind == "dynamic" and rotary_dim <= 2:
+        raise ValueError(f"dynamic NTK scaling needs rotary_dim > 2, got {rotary_dim}")
+    return dict(scaling)
 
 
 def _scaling_type(scaling: Mapping[str, Any] | None) -> str:
@@ -58,47 +138,47 @@ class RopeConfig:
     max_position_embeddings: int = 8192
 
     def __post_init__(self) -> None:
-        if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2:
+        hd = self.head_dim
+        if not isinstance(hd, int) or isinstance(hd, bool) or hd <= 0 or hd % 2:
             raise ValueError(
                 f"RopeConfig.head_dim must be a positive even int, got {self.head_dim!r}"
             )
         rd = self.head_dim if self.rotary_dim is None else self.rotary_dim
-        if not isinstance(rd, int) or rd <= 0 or rd % 2 or rd > self.head_dim:
+        if not isinstance(rd, int) or isinstance(rd, bool) or rd <= 0 or rd % 2 or rd > hd:
             raise ValueError(
                 f"RopeConfig.rotary_dim must be a positive even int <= head_dim={self.head_dim}, "
                 f"got {self.rotary_dim!r}"
             )
         object.__setattr__(self, "rotary_dim", rd)
-        if not (isinstance(self.theta, (int, float)) and self.theta > 0):
-            raise ValueError(f"RopeConfig.theta must be a positive number, got {self.theta!r}")
-        if not isinstance(self.max_position_embeddings, int) or self.max_position_embeddings <= 0:
+        theta = self.theta
+        ok = isinstance(theta, (int, float)) and not isinstance(theta, bool)
+        if not (ok and math.isfinite(theta) and theta > 1):
+            # theta <= 1 gives frequencies >= 1 per position (and yarn divides by log(theta)).
+            raise ValueError(f"RopeConfig.theta must be a finite number > 1, got {theta!r}")
+        if not isinstance(self.interleaved, bool):
+            raise ValueError(f"RopeConfig.interleaved must be a bool, got {self.interleaved!r}")
+        mpe = self.max_position_embeddings
+        if not isinstance(mpe, int) or isinstance(mpe, bool) or mpe <= 0:
             raise ValueError(
-                "RopeConfig.max_position_embeddings must be a positive int, "
-                f"got {self.max_position_embeddings!r}"
+                f"RopeConfig.max_position_embeddings must be a positive int, got {mpe!r}"
             )
         if self.scaling is not None:
-            if not isinstance(self.scaling, Mapping):
-                raise ValueError(
-                    f"RopeConfig.scaling must be a mapping (HF rope_scaling) or None, "
-                    f"got {type(self.scaling).__name__}"
-                )
-            kind = _scaling_type(self.scaling)
-            if kind not in SCALING_TYPES:
-                raise ValueError(
-                    f"RopeConfig.scaling rope_type {kind!r} is not supported; expected one of "
-                    f"{', '.join(SCALING_TYPES)}"
-                )
-            for key in _REQUIRED[kind]:
-                value = self.scaling.get(key)
-                if not isinstance(value, (int, float)) or isinstance(value, bool):
-                    raise ValueError(
-                        f"RopeConfig.scaling[{key!r}] is required for rope_type {kind!r} and must "
-                        f"be a number, got {value!r}"
-                    )
-            factor = self.scaling.get("factor")
-            if kind in ("linear", "dynamic", "llama3") and factor <= 0:  # type: ignore[operator]
-                raise ValueError(f"RopeConfig.scaling['factor'] must be > 0, got {factor!r}")
-            object.__setattr__(self, "scaling", MappingProxyType(dict(self.scaling)))
+            scaling = _check_scaling(self.scaling, rd)
+            object.__setattr__(self, "scaling", MappingProxyType(scaling))
+        self._check_frequencies()
+
+    def _check_frequencies(self) -> None:
+        """A last guard: parameters each in range can still combine into unusable ones."""
+        try:
+            inv, attn = self.inv_freq()
+        except (ArithmeticError, ValueError) as exc:
+            raise ValueError(f"RoPE parameters {self.to_json()} are unusable: {exc}") from None
+        finite = bool(torch.isfinite(inv).all()) and math.isfinite(attn)
+        if not (finite and bool((inv > 0).all()) and attn > 0):
+            raise ValueError(
+                f"RoPE parameters {self.to_json()} give non-finite or zero frequencies "
+                f"(attention factor {attn!r}); check theta and the scaling factors"
+            )
 
     @property
     def rope_type(self) -> str:
@@ -177,14 +257,7 @@ class RopeConfig:
         """Inverse of :meth:`to_json`; ValueError naming a missing or unexpected field."""
         if not isinstance(d, Mapping):
             raise ValueError(f"RoPE parameters must be a mapping, got {type(d).__name__}")
-        names = {
-            "head_dim",
-            "theta",
-            "rotary_dim",
-            "interleaved",
-            "scaling",
-            "max_position_embeddings",
-        }
+        names = set(ROPE_FIELDS)
         missing, extra = names - d.keys(), d.keys() - names
         if missing or extra:
             raise ValueError(
@@ -291,6 +364,10 @@ class RopeConfig:
     ) -> torch.Tensor:
         """:func:`rotate` with this config (the form the engine's model calls)."""
         return rotate(x, cos, sin, self, inverse=inverse, attention_factor=attention_factor)
+
+
+#: The fields of ``RopeConfig.to_json()`` (and of a cache layout's ``rope`` dict), in order.
+ROPE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(RopeConfig))
 
 
 def rotate(

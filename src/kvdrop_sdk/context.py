@@ -25,12 +25,17 @@ import torch
 
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.edit import ModifyFnType
-from kvdrop_sdk.errors import CacheKindError, SDKError, ServerRestartedError
+from kvdrop_sdk.errors import (
+    CacheKindError,
+    SDKError,
+    ServerRestartedError,
+    ServerUnavailableError,
+)
 from kvdrop_sdk.hashing import TOKEN_BYTES, encode_tokens
 from kvdrop_sdk.layout import CacheLayout, dtype_name
-from kvdrop_sdk.protocol import RpcClient, RpcError, server_hint
+from kvdrop_sdk.protocol import MAX_SALT_CHARS, RpcClient, RpcError, server_hint
 from kvdrop_sdk.transport.contiguous import MODES, ContiguousTransferWrapper
-from kvdrop_sdk.validate import is_number
+from kvdrop_sdk.validate import is_number, tensor_problem
 
 __all__ = ["Context", "ModifyFnType", "connect"]
 
@@ -119,7 +124,7 @@ class Context:
             resp.raise_for_status()
             body = resp.json()
         except requests.RequestException as exc:
-            raise SDKError(
+            raise ServerUnavailableError(
                 f"cannot reach the kvdrop server at {address} ({type(exc).__name__}); "
                 f"{server_hint(self.url, self.http_url)}"
             ) from None
@@ -132,6 +137,11 @@ class Context:
     def _fields(self, cache_salt: str = "") -> dict[str, Any]:
         if not isinstance(cache_salt, str):
             raise SDKError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+        if len(cache_salt) > MAX_SALT_CHARS:
+            raise SDKError(
+                f"cache_salt is {len(cache_salt)} characters; at most {MAX_SALT_CHARS} are "
+                "accepted (use a short id or a hash of a longer one)"
+            )
         return {"model": self.server_model_name, "kind": self.kind.value, "salt": cache_salt}
 
     def _check_open(self) -> None:
@@ -154,11 +164,26 @@ class Context:
     @staticmethod
     def _encode(tokens: Sequence[int]) -> bytes:
         if isinstance(tokens, torch.Tensor):
+            check_tensor(tokens, "token ids")
+            if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex():
+                raise SDKError(
+                    f"token ids must be a 1-D integer tensor, got {tokens.dim()}-D {tokens.dtype}"
+                )
+            if tokens.dtype == torch.bool:
+                raise SDKError("token ids must be integers, got a bool tensor")
             tokens = tokens.tolist()
         try:
             return encode_tokens(tokens)
         except ValueError as exc:
             raise SDKError(f"bad token ids: {exc}") from None
+
+    def _call(
+        self, op: str, fields: dict[str, Any], frames: Sequence[Any] = ()
+    ) -> tuple[dict[str, Any], list[Any]]:
+        """One RPC through the restart path (``_retry``), naming the layout it assumes."""
+        return self._retry(
+            lambda: self._rpc.call(op, {**fields, "layout": self.layout.to_json()}, frames)
+        )
 
     def _fetch_layout(self) -> CacheLayout:
         """Register ``layout=`` (if given) and read the model's layout from the server."""
@@ -276,8 +301,7 @@ class Context:
         self._check_open()
         self._check_request_configs(request_configs)
         layout = self.layout
-        if not isinstance(kv, torch.Tensor):
-            raise SDKError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        check_tensor(kv, "kv")
         raw = self._encode(tokens)
         num_tokens = len(raw) // TOKEN_BYTES
         if kv.dim() != 4 or kv.shape[2] != num_tokens:
@@ -388,6 +412,13 @@ def connect(
         ctx.close()
         raise
     return ctx
+
+
+def check_tensor(value: Any, what: str) -> None:
+    """``SDKError`` unless ``value`` is a dense tensor with data (not sparse, not on ``meta``)."""
+    problem = tensor_problem(value)
+    if problem is not None:
+        raise SDKError(f"{what} must be a torch.Tensor, dense and with data; {problem}")
 
 
 def _reject_lmcache_server(config: dict[str, Any], http_url: str, kind: CacheKind) -> None:

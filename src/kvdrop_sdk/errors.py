@@ -10,6 +10,7 @@ __all__ = [
     "RequestStreamError",
     "SDKError",
     "ServerRestartedError",
+    "ServerUnavailableError",
 ]
 
 
@@ -57,3 +58,9 @@ class ServerRestartedError(SDKError):
 
 class CacheKindError(SDKError, ValueError):
     """An unknown cache kind (a ``ValueError`` too, as upstream's ``connect`` raises)."""
+
+
+class ServerUnavailableError(SDKError):
+    """No reply from the server within the timeout, or the connection failed: the server may be
+    down or hung. The one SDK error that says so; any other error means the server answered (an
+    engine backs off from the server only for this one, never for a refused request)."""

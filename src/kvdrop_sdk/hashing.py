@@ -33,7 +33,12 @@ def root_hash(model_name: str, kind: str, cache_salt: str) -> bytes:
 
 
 def encode_tokens(tokens: Sequence[int]) -> bytes:
-    """Token ids as little-endian int64 bytes; ValueError for non-int or negative ids."""
+    """Token ids as little-endian int64 bytes; ValueError for non-int (bools included) or
+    negative ids."""
+    if not isinstance(tokens, (list, tuple)):
+        tokens = list(tokens)
+    if any(isinstance(t, bool) for t in tokens):
+        raise ValueError("token ids must be ints, got a bool (True would be stored as token 1)")
     try:
         arr = array("q", tokens)
     except (TypeError, OverflowError) as exc:

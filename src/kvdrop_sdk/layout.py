@@ -8,14 +8,18 @@ the kept keys to the positions the engine will read them at, which needs exactly
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
+from kvdrop_rope import ROPE_FIELDS, RopeConfig
 from kvdrop_sdk.cache_kind import CacheKind
-from kvdrop_sdk.validate import is_int, is_number
+from kvdrop_sdk.validate import is_int
 
 __all__ = ["DTYPES", "ROPE_FIELDS", "CacheLayout", "check_rope", "dtype_from_name", "dtype_name"]
 
@@ -53,50 +57,31 @@ def dtype_from_name(name: Any) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}") from None
 
 
-#: Keys of a layout's ``rope`` dict (``kvdrop_rope.RopeConfig.to_json()`` writes exactly these).
-ROPE_FIELDS = (
-    "head_dim",
-    "theta",
-    "rotary_dim",
-    "interleaved",
-    "scaling",
-    "max_position_embeddings",
-)
-
-
 def check_rope(rope: Any) -> dict[str, Any]:
     """A validated copy of a layout's ``rope`` dict; ValueError naming the bad field.
 
-    ``head_dim``, ``rotary_dim`` (<= head_dim, even) and ``max_position_embeddings`` are positive
-    ints, ``theta`` a positive number, ``interleaved`` a bool (GPT-J pairs; False = NeoX halves),
-    ``scaling`` an HF ``rope_scaling`` dict or None.
+    The one set of rules is ``kvdrop_rope.RopeConfig``'s (exactly :data:`ROPE_FIELDS`; theta
+    finite and > 1; each scaling kind with every field it needs, each finite and positive, no
+    unknown field; frequencies that come out finite), so a layout never carries RoPE parameters
+    that re-rotation could not use. Normalised as ``RopeConfig.to_json()`` writes it.
     """
     if not isinstance(rope, Mapping):
         raise ValueError(f"rope must be a JSON object, got {type(rope).__name__}")
-    missing = set(ROPE_FIELDS) - rope.keys()
-    extra = rope.keys() - set(ROPE_FIELDS)
-    if missing or extra:
-        raise ValueError(
-            f"rope fields must be exactly {list(ROPE_FIELDS)}; missing {sorted(missing)}, "
-            f"unexpected {sorted(map(str, extra))}"
-        )
-    for name in ("head_dim", "rotary_dim", "max_position_embeddings"):
-        if not is_int(rope[name]) or rope[name] <= 0:
-            raise ValueError(f"rope.{name} must be a positive int, got {rope[name]!r}")
-    if rope["rotary_dim"] > rope["head_dim"] or rope["rotary_dim"] % 2:
-        raise ValueError(
-            f"rope.rotary_dim must be even and <= head_dim={rope['head_dim']}, got "
-            f"{rope['rotary_dim']!r}"
-        )
-    if not is_number(rope["theta"]) or not rope["theta"] > 0:
-        raise ValueError(f"rope.theta must be a positive number, got {rope['theta']!r}")
-    if not isinstance(rope["interleaved"], bool):
-        raise ValueError(f"rope.interleaved must be a bool, got {rope['interleaved']!r}")
-    if rope["scaling"] is not None and not isinstance(rope["scaling"], Mapping):
-        raise ValueError(f"rope.scaling must be an object or null, got {rope['scaling']!r}")
-    out = dict(rope)
-    out["scaling"] = None if rope["scaling"] is None else dict(rope["scaling"])
-    return out
+    try:
+        key = json.dumps(rope, sort_keys=True, allow_nan=True)
+    except (TypeError, ValueError, RecursionError):
+        raise ValueError("rope must be a JSON object of numbers, bools and strings") from None
+    return dict(_checked_rope(key))
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_rope(key: str) -> MappingProxyType[str, Any]:
+    """Validation of one ``rope`` dict, by its canonical JSON (requests repeat the same few)."""
+    try:
+        rope = RopeConfig.from_json(json.loads(key))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"rope: {exc}") from None
+    return MappingProxyType(rope.to_json())
 
 
 @dataclass(frozen=True)
@@ -104,16 +89,18 @@ class CacheLayout:
     """Shape of one model's cached tensors: ``(2|1, num_layers, tokens, num_heads * head_dim)``.
 
     ``num_heads`` is the number of KV heads for the KV kind and of query heads for the QUERY kind.
-    ``rope`` (optional) is the model's rotary embedding as a JSON dict (:data:`ROPE_FIELDS`); it
-    does not take part in equality (two layouts of the same bytes are the same layout), see
-    :meth:`merged`.
+    ``rope`` (optional) is the model's rotary embedding as a JSON dict (:data:`ROPE_FIELDS`,
+    validated by ``kvdrop_rope``). It is part of the layout's identity: cached keys are post-RoPE,
+    so two layouts of the same bytes but other RoPE parameters are different layouts (a server
+    refuses to re-register one over the other as it refuses another dtype). Only a layout without
+    RoPE parameters matches one with them, see :meth:`merged`.
     """
 
     num_layers: int
     num_heads: int
     head_dim: int
     dtype: torch.dtype
-    rope: Mapping[str, Any] | None = field(default=None, compare=False)
+    rope: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "head_dim"):
@@ -125,16 +112,41 @@ class CacheLayout:
         dtype_name(self.dtype)
         if self.rope is not None:
             try:
-                object.__setattr__(self, "rope", check_rope(self.rope))
+                rope = check_rope(self.rope)
             except ValueError as exc:
                 raise ValueError(f"CacheLayout.{exc}") from None
+            if rope["head_dim"] != self.head_dim:
+                raise ValueError(
+                    f"CacheLayout.rope.head_dim is {rope['head_dim']}, but the layout's head_dim "
+                    f"is {self.head_dim}"
+                )
+            object.__setattr__(self, "rope", MappingProxyType(rope))
+
+    def __hash__(self) -> int:
+        rope = None if self.rope is None else json.dumps(dict(self.rope), sort_keys=True)
+        return hash((self.num_layers, self.num_heads, self.head_dim, self.dtype, rope))
+
+    def same_bytes(self, other: CacheLayout) -> bool:
+        """Whether ``other`` lays out the same bytes (RoPE parameters aside)."""
+        return (self.num_layers, self.num_heads, self.head_dim, self.dtype) == (
+            other.num_layers,
+            other.num_heads,
+            other.head_dim,
+            other.dtype,
+        )
+
+    def matches(self, assumed: CacheLayout) -> bool:
+        """Whether a request that assumes ``assumed`` may use this (registered) layout: the same
+        bytes, and the same RoPE parameters unless ``assumed`` names none."""
+        return self.same_bytes(assumed) and (assumed.rope is None or assumed == self)
 
     def merged(self, other: CacheLayout) -> CacheLayout:
         """``self`` completed with ``other``'s RoPE parameters (a layout registered without them
-        gains them); ValueError when shapes/dtypes differ or both carry different RoPE."""
-        if self != other:
+        gains them; one registered with them keeps them against ``other`` without); ValueError
+        when shapes/dtypes differ or both carry different RoPE."""
+        if not self.same_bytes(other):
             raise ValueError(f"layouts differ: {self.to_json()} vs {other.to_json()}")
-        if other.rope is None or self.rope == other.rope:
+        if other.rope is None or dict(self.rope or {}) == dict(other.rope):
             return self
         if self.rope is not None:
             raise ValueError(f"RoPE parameters differ: {self.rope} vs {other.rope}")
@@ -169,7 +181,7 @@ class CacheLayout:
             "dtype": dtype_name(self.dtype),
         }
         if self.rope is not None:
-            out["rope"] = check_rope(self.rope)
+            out["rope"] = dict(self.rope)
         return out
 
     @classmethod

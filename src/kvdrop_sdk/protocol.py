@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import secrets
 import threading
 import time
@@ -21,12 +22,12 @@ from typing import Any
 
 import zmq
 
-from kvdrop_sdk.errors import SDKError
+from kvdrop_sdk.errors import SDKError, ServerUnavailableError
 from kvdrop_sdk.validate import is_int
 
 __all__ = [
     "MAX_HEADER_BYTES",
-    "OPS",
+    "MAX_SALT_CHARS",
     "PROTOCOL_VERSION",
     "SOCKET_BUFFER_BYTES",
     "ProtocolError",
@@ -35,6 +36,7 @@ __all__ = [
     "decode_header",
     "encode_header",
     "error_reply",
+    "peek_rid",
     "server_hint",
 ]
 
@@ -43,22 +45,9 @@ PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 64 * 1024
 #: Kernel socket buffer size for both ends (bulk transfers stream better with larger buffers).
 SOCKET_BUFFER_BYTES = 4 << 20
-#: Operations the server understands (see docs/sdk.md for each one's frames).
-OPS = (
-    "ping",
-    "register",
-    "layout",
-    "lookup",
-    "get",
-    "put",
-    "reserve",
-    "commit",
-    "abort",
-    "pin",
-    "release",
-    "put_window",
-    "get_window",
-)
+#: Longest ``cache_salt`` accepted (characters); the SDK refuses longer ones before sending.
+MAX_SALT_CHARS = 4096
+_RID = re.compile(rb'"rid":(\d{1,18})[,}]')
 
 
 class ProtocolError(ValueError):
@@ -70,11 +59,18 @@ class ProtocolError(ValueError):
 
 
 class RpcError(SDKError):
-    """The server answered a request with an error reply."""
+    """The server answered a request with an error reply: it is up, and refused this request
+    (``code`` says why). Not a reason to think the server is down (that is
+    ``ServerUnavailableError``)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+def _error(reply: dict[str, Any]) -> RpcError:
+    code = str(reply.get("code", "error"))
+    return RpcError(code, f"server error ({code}): {reply.get('error', 'unknown error')}")
 
 
 def encode_header(header: dict[str, Any]) -> bytes:
@@ -97,6 +93,14 @@ def decode_header(raw: bytes | memoryview) -> dict[str, Any]:
             "bad_header", f"header must be a JSON object, got {type(value).__name__}"
         )
     return value
+
+
+def peek_rid(raw: bytes | memoryview) -> int | None:
+    """The integer ``rid`` of a header that may be too large or malformed to decode, read from
+    its first bytes (clients write ``{"v":..,"op":..,"rid":N,...}``); None when not found. Lets
+    the server answer even a refused request so that its caller can match the reply."""
+    match = _RID.search(bytes(raw[:256]))
+    return int(match.group(1)) if match else None
 
 
 def error_reply(rid: Any, code: str, message: str, instance: str | None = None) -> bytes:
@@ -209,7 +213,7 @@ class RpcClient:
             while len(replies) < len(rids):
                 left_ms = max(0, int((deadline - time.monotonic()) * 1000))
                 if not sock.poll(left_ms, zmq.POLLIN):
-                    raise SDKError(
+                    raise ServerUnavailableError(
                         f"no reply from kvdrop server at {self.url} within {wait:g} s "
                         f"(op {ops[0]!r}); {self._hint}"
                     )
@@ -218,9 +222,13 @@ class RpcClient:
                 rid = reply.get("rid")
                 if is_int(rid) and rid in rids:
                     replies[rid] = (reply, list(parts[1:]))
+                elif rid is None and reply.get("ok") is False:
+                    # This socket serves only this call, so a refusal the server could not match
+                    # to a request is about one of ours: give its reason at once.
+                    raise _error(reply)
             ok = True
         except zmq.ZMQError as exc:
-            raise SDKError(
+            raise ServerUnavailableError(
                 f"transport error talking to {self.url} (op {ops[0]!r}): {exc}"
             ) from None
         except ProtocolError as exc:
@@ -237,9 +245,7 @@ class RpcClient:
         ordered = [replies[rid] for rid in rids]
         for reply, _ in ordered:
             if not reply.get("ok"):
-                code = str(reply.get("code", "error"))
-                message = reply.get("error", "unknown error")
-                raise RpcError(code, f"server error ({code}): {message}")
+                raise _error(reply)
         return ordered
 
     def __enter__(self) -> RpcClient:

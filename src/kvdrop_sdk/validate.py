@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_int", "is_number", "positive_int", "token_ids"]
+__all__ = ["is_int", "is_number", "positive_int", "tensor_problem", "token_ids"]
 
 
 def is_int(value: Any) -> bool:
@@ -23,6 +23,18 @@ def is_int(value: Any) -> bool:
 def is_number(value: Any) -> bool:
     """True for an ``int`` or ``float`` that is not a ``bool``."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def tensor_problem(value: Any) -> str | None:
+    """Why ``value`` cannot be read as a dense tensor's elements (not a tensor, sparse or another
+    non-strided layout, on the ``meta`` device: no data), or None when it can."""
+    if not isinstance(value, torch.Tensor):
+        return f"got {type(value).__name__}"
+    if value.layout != torch.strided:
+        return f"got a {value.layout} tensor (convert with .to_dense())"
+    if value.device.type == "meta":
+        return "got a tensor on the meta device, which has no data"
+    return None
 
 
 def positive_int(value: Any, what: str, *, minimum: int = 1) -> int:
@@ -40,6 +52,11 @@ def token_ids(value: Any, what: str, *, vocab_size: int | None = None) -> list[i
     caller's rule.
     """
     if isinstance(value, torch.Tensor):
+        problem = tensor_problem(value)
+        if problem is not None:
+            raise ValueError(f"{what} must be a dense integer tensor; {problem}")
+        if value.dtype == torch.bool:
+            raise ValueError(f"{what} must be integer token ids, got a bool tensor")
         if value.dim() != 1 or value.is_floating_point() or value.is_complex():
             raise ValueError(
                 f"{what} must be a 1-D integer tensor, got {value.dim()}-D {value.dtype}"

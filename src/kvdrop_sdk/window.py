@@ -8,6 +8,9 @@ the generated tokens included) and a strided sample -- and stores them as one
 i.e. exactly the token list a request stream holds after that call. ``RequestStream.modify_kv``
 reads it and hands the rows to the edit function with their positions
 (``EditContext.query_positions``). The server side is :mod:`kvdrop_sdk.server.windows`.
+Window calls go through the context's restart path (``Context._call``): after a server restart
+the query layout is registered again and the call retried, as for chunks; the first stored copy
+of a window wins.
 
 Each row may carry its attention log-normalisers ``lse`` (per query head, the log-sum-exp of its
 scaled logits over every key it attended to, the uncached tail's keys included): with them
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind
-from kvdrop_sdk.context import Context
+from kvdrop_sdk.context import Context, check_tensor
 from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.hashing import decode_tokens, encode_tokens
 from kvdrop_sdk.layout import dtype_name
@@ -58,6 +61,10 @@ class QueryWindow:
 
     def __post_init__(self) -> None:
         q, pos = self.queries, self.positions
+        check_tensor(q, "window queries")
+        check_tensor(pos, "window positions")
+        if self.lse is not None:
+            check_tensor(self.lse, "window lse")
         if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != 1:
             shape = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
             raise SDKError(f"window queries must be a [1, L, R, Dq] tensor, got {shape}")
@@ -89,8 +96,9 @@ class QueryWindow:
 
 
 def _query_ctx(ctx: Context) -> Context:
-    if CacheKind.parse(getattr(ctx, "kind", None)) is not CacheKind.QUERY:
-        raise SDKError(f"query windows go through a query context, got a {ctx.kind!r} context")
+    if not isinstance(ctx, Context) or ctx.kind is not CacheKind.QUERY:
+        what = f"a {ctx.kind.value!r} context" if isinstance(ctx, Context) else type(ctx).__name__
+        raise SDKError(f"query windows go through a query context, got {what}")
     return ctx
 
 
@@ -130,9 +138,9 @@ def store_window(
         frames.append(tensor_buffer(window.lse.detach().to("cpu").contiguous()))
         fields["lse"] = True
     try:
-        reply, _ = ctx._rpc.call("put_window", fields, frames)
+        reply, _ = ctx._call("put_window", fields, frames)
     except RpcError as exc:
-        raise SDKError(f"storing the query window failed: {exc}") from None
+        raise RpcError(exc.code, f"storing the query window failed: {exc}") from None
     return bool(reply.get("stored"))
 
 
@@ -147,9 +155,9 @@ def retrieve_window(
     if not raw:
         return None
     try:
-        reply, frames = ctx._rpc.call("get_window", ctx._fields(cache_salt), [raw])
+        reply, frames = ctx._call("get_window", ctx._fields(cache_salt), [raw])
     except RpcError as exc:
-        raise SDKError(f"reading the query window failed: {exc}") from None
+        raise RpcError(exc.code, f"reading the query window failed: {exc}") from None
     if not reply.get("found"):
         return None
     rows = reply.get("rows")
@@ -227,9 +235,9 @@ def store_scores(
     }
     data = tensor_buffer(s.detach().to("cpu").contiguous())
     try:
-        reply, _ = ctx._rpc.call("put_window", fields, [raw, data])
+        reply, _ = ctx._call("put_window", fields, [raw, data])
     except RpcError as exc:
-        raise SDKError(f"storing the token scores failed: {exc}") from None
+        raise RpcError(exc.code, f"storing the token scores failed: {exc}") from None
     return bool(reply.get("stored"))
 
 
@@ -245,9 +253,9 @@ def retrieve_scores(
         return None
     fields = {**ctx._fields(cache_salt), "record": "scores"}
     try:
-        reply, frames = ctx._rpc.call("get_window", fields, [raw])
+        reply, frames = ctx._call("get_window", fields, [raw])
     except RpcError as exc:
-        raise SDKError(f"reading the token scores failed: {exc}") from None
+        raise RpcError(exc.code, f"reading the token scores failed: {exc}") from None
     if not reply.get("found"):
         return None
     rows, heads = reply.get("rows"), reply.get("heads")

@@ -91,6 +91,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "spawn_server pass their own pid so no server outlives them",
     )
     parser.add_argument(
+        "--quarantine-s",
+        type=float,
+        default=600.0,
+        help="keep the slots of an expired shared-memory reservation out of use this long, "
+        "unless its writer ends the reservation first (a stalled writer may still be copying; "
+        "default 600)",
+    )
+    parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
 
@@ -115,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ready_file=args.ready_file,
         http_timeout_s=args.http_timeout_s,
         parent_pid=args.parent_pid,
+        quarantine_s=args.quarantine_s,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -14,6 +15,14 @@ FEATURES = ("transfer_query",)
 #: ``--l1-size-gb`` counts binary gigabytes.
 GIB = 1024**3
 _SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+#: (field, lowest, highest) of the float settings. A pool needs one page; timeouts beyond a day
+#: overflow some OS calls (socket timeouts, condition waits) and mean "never" anyway.
+_NUMBERS = (
+    ("l1_size_gb", 4096 / GIB, float(1 << 20)),
+    ("max_lease_s", 0.001, 86400.0),
+    ("http_timeout_s", 0.001, 86400.0),
+    ("quarantine_s", 0.0, 86400.0 * 7),
+)
 
 
 @dataclass
@@ -34,6 +43,7 @@ class ServerConfig:
     ready_file: str | None = None
     http_timeout_s: float = 30.0
     parent_pid: int | None = None
+    quarantine_s: float = 600.0
 
     def __post_init__(self) -> None:
         self.enable = tuple(dict.fromkeys(self.enable))
@@ -41,12 +51,11 @@ class ServerConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting and what is expected."""
+        self._check_numbers()
         for name in ("port", "http_port"):
             value = getattr(self, name)
             if not is_int(value) or not 0 <= value <= 65535:
                 raise ValueError(f"--{name.replace('_', '-')} must be 0..65535 (0 = any free)")
-        if not self.l1_size_gb > 0:
-            raise ValueError(f"--l1-size-gb must be > 0, got {self.l1_size_gb}")
         if self.eviction_policy.upper() != "LRU":
             raise ValueError(f"--eviction-policy {self.eviction_policy!r}: only LRU is supported")
         if not is_int(self.chunk_size) or self.chunk_size <= 0:
@@ -60,14 +69,22 @@ class ServerConfig:
             raise ValueError(
                 f"--enable {unknown[0]!r}: unknown feature; expected one of {FEATURES}"
             )
-        if self.workers < 1:
-            raise ValueError(f"--workers must be >= 1, got {self.workers}")
-        if not self.max_lease_s > 0:
-            raise ValueError(f"--max-lease-s must be > 0, got {self.max_lease_s}")
-        if not self.http_timeout_s > 0:
-            raise ValueError(f"--http-timeout-s must be > 0, got {self.http_timeout_s}")
+        if not is_int(self.workers) or not 1 <= self.workers <= 256:
+            raise ValueError(f"--workers must be an int in 1..256, got {self.workers}")
         if self.parent_pid is not None and (not is_int(self.parent_pid) or self.parent_pid < 1):
             raise ValueError(f"--parent-pid must be a process id, got {self.parent_pid}")
+
+    def _check_numbers(self) -> None:
+        """The float settings: finite, positive and within what the OS can take."""
+        for name, low, high in _NUMBERS:
+            value = getattr(self, name)
+            flag = "--" + name.replace("_", "-")
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (ok and math.isfinite(value) and low <= value <= high):
+                bound = ">= 0" if low == 0 else "> 0"
+                raise ValueError(
+                    f"{flag} must be {bound} and finite (from {low:g} to {high:g}), got {value!r}"
+                )
 
     @property
     def pool_bytes(self) -> int:

@@ -7,7 +7,12 @@ holder belongs to a server that died without cleaning up (SIGKILL, OOM kill), an
 (``reap_stale_segments``, and a restart under the same ``--shm-name``). Files without the magic
 are never touched.
 
-``check_pool_size`` refuses, before anything is allocated, a pool the machine cannot hold.
+``check_pool_size`` refuses, before anything is allocated, a pool the machine cannot hold. A lazy
+shared pool gets its pages only as slots are used, and /dev/shm may fill up after the start (other
+processes write there too); touching a page tmpfs cannot back is a SIGBUS in every process that
+maps it. So ``back(offset, nbytes)`` reserves a slot's pages with ``posix_fallocate`` before the
+slot is handed out: it fails with ``PoolSpaceError`` instead, which the server answers as
+``no_space``, and stays up. Backed blocks stay backed (as touched pages stay resident).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import fcntl
 import logging
 import mmap
 import os
+import threading
 import uuid
 
 import torch
@@ -26,6 +32,7 @@ __all__ = [
     "MAGIC",
     "Pool",
     "PoolSizeError",
+    "PoolSpaceError",
     "SegmentInUseError",
     "check_pool_size",
     "reap_stale_segments",
@@ -40,11 +47,17 @@ MAGIC = b"KVDROPL2"
 HEADER_BYTES = 4096
 _SHM_DIR = "/dev/shm"
 _GIB = 1024**3
+#: Granularity of ``Pool.back`` (bytes reserved per ``posix_fallocate`` call at most).
+BACK_BLOCK = 2 << 20
 
 
 class PoolSizeError(ValueError):
     """The pool does not fit in this machine's memory or in /dev/shm (the message says what to
     change)."""
+
+
+class PoolSpaceError(RuntimeError):
+    """/dev/shm has no room left for pages of a lazy shared pool (the message says what to do)."""
 
 
 class SegmentInUseError(FileExistsError):
@@ -120,16 +133,21 @@ def check_pool_size(
             )
     if shm:
         if shm_free is None:
-            try:
-                st = os.statvfs(_SHM_DIR)
-                shm_free = st.f_bavail * st.f_frsize
-            except OSError:
-                shm_free = None
+            shm_free = _shm_free()
         if shm_free is not None and nbytes > shm_free:
             raise PoolSizeError(
                 f"a shared pool of {_gib(nbytes)} GiB does not fit: {_SHM_DIR} has "
                 f"{_gib(shm_free)} GiB free; lower --l1-size-gb or enlarge {_SHM_DIR}"
             )
+
+
+def _shm_free() -> int | None:
+    """Free bytes in /dev/shm, or None when unknown."""
+    try:
+        st = os.statvfs(_SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _claim_stale(path: str) -> bool:
@@ -208,6 +226,8 @@ class Pool:
         self._mm: mmap.mmap | None = None
         self._path: str | None = None
         self._lock_fd: int | None = None
+        self._backed = bytearray(-(-self.nbytes // BACK_BLOCK))  # 1 = pages reserved
+        self._back_lock = threading.Lock()
         try:
             if shm_name is None:
                 # No MADV_HUGEPAGE: with THP defrag=madvise, faults may stall for seconds.
@@ -221,6 +241,14 @@ class Pool:
                     "--l1-size-gb" + (" or enlarge /dev/shm" if shm_name else "")
                 ) from None
             raise
+        if not lazy or shm_name is None:
+            self._backed[:] = b"\x01" * len(self._backed)  # all reserved, or not tmpfs at all
+        else:
+            try:
+                self.back(0, HEADER_BYTES)
+            except PoolSpaceError as exc:
+                self.close()
+                raise PoolSizeError(str(exc)) from None
         self.data = torch.frombuffer(self._mm, dtype=torch.uint8)
         if not lazy:
             self.data.zero_()
@@ -252,6 +280,30 @@ class Pool:
             raise
         self._lock_fd = fd
         return mm
+
+    def back(self, offset: int, nbytes: int) -> None:
+        """Make sure the pages of ``[offset, offset + nbytes)`` are reserved in /dev/shm (a no-op
+        for anonymous or fully reserved pools); ``PoolSpaceError`` when /dev/shm is full."""
+        first, last = offset // BACK_BLOCK, (offset + max(nbytes, 1) - 1) // BACK_BLOCK
+        if all(self._backed[first : last + 1]):
+            return
+        with self._back_lock:
+            for block in range(first, last + 1):
+                if self._backed[block] or self._lock_fd is None:
+                    continue
+                start = block * BACK_BLOCK
+                length = min(BACK_BLOCK, self.nbytes - start)
+                try:
+                    os.posix_fallocate(self._lock_fd, start, length)
+                except OSError as exc:
+                    free = _shm_free()
+                    raise PoolSpaceError(
+                        f"{_SHM_DIR} is full ({exc.strerror}; {_gib(free or 0)} GiB free): the "
+                        f"pool could not reserve {length} bytes for this request; free space in "
+                        f"{_SHM_DIR}, or restart the server with a smaller --l1-size-gb or "
+                        "--no-l1-use-lazy (which reserves the whole pool at start)"
+                    ) from None
+                self._backed[block] = 1
 
     @property
     def buffer(self) -> mmap.mmap:

@@ -6,15 +6,23 @@ lease; pinned or reserved chunks are never evicted. Leases expire so a crashed c
 the pool; every allocation gets a fresh generation number so a reader whose lease expired can tell
 whether its chunks were evicted (and possibly overwritten) in the meantime.
 
+Quarantine: a shared-memory writer copies into its reserved slots itself, after the server said
+where. A writer stalled past its reservation's lease could still be copying, so the slots of an
+expired reservation are not handed on: their keys are forgotten (another client may store the same
+chunk, into other slots) but the bytes stay allocated until the writer ends that lease (its
+``commit`` or ``abort``, which the SDK sends after its copies, answered ``lease_expired``) or
+``quarantine_s`` passes. So a late copy lands in a slot nobody reads.
+
 Leases are owned: their ids are 128 random bits and only the owner (the client token the request
 carried) may release, commit or abort one; anything else is answered like an id that never
 existed (``unknown_lease``). The ids of recently expired leases are remembered (bounded) so their
 owner learns "expired" rather than "unknown".
 
 Layouts: one per (model, kind). Registering the same layout again is a no-op; a different one
-replaces the registration only while no chunk of that (model, kind) is stored or being written
-(so a client that registered a wrong layout first cannot lock the real engine out), and is refused
-(``layout_conflict``) once chunks exist. At most ``max_layouts`` registrations are kept; when full,
+replaces the registration only while nothing of that (model, kind) is held -- no chunk stored or
+being written, and no query window (``holders``, the window store's count) -- so a client that
+registered a wrong layout first cannot lock the real engine out, and is refused
+(``layout_conflict``) once data exists. At most ``max_layouts`` registrations are kept; when full,
 the least recently used registration without chunks makes room, else ``too_many_layouts``.
 """
 
@@ -26,12 +34,21 @@ import secrets
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvdrop_sdk.layout import CacheLayout
 
-__all__ = ["ALIGN", "INTERNAL_OWNER", "MAX_LAYOUTS", "Allocator", "ChunkStore", "StoreError"]
+__all__ = [
+    "ALIGN",
+    "INTERNAL_OWNER",
+    "MAX_LAYOUTS",
+    "QUARANTINE_S",
+    "Allocator",
+    "ChunkStore",
+    "StoreError",
+]
 
 #: Slot offsets and sizes are rounded up to this many bytes (page aligned copies).
 ALIGN = 4096
@@ -39,6 +56,8 @@ ALIGN = 4096
 INTERNAL_OWNER = "server"
 #: Largest number of (model, kind) layout registrations kept.
 MAX_LAYOUTS = 1024
+#: Longest an expired reservation's slots stay quarantined when its writer never comes back.
+QUARANTINE_S = 600.0
 _EXPIRED_MEMORY = 4096
 Tag = tuple[str, str]
 
@@ -120,6 +139,15 @@ class _Lease:
 
 
 @dataclass
+class _Quarantine:
+    """Slots of an expired reservation whose writer may still be copying into them."""
+
+    owner: str
+    blocks: list[tuple[int, int]]  # (offset, nbytes)
+    until: float
+
+
+@dataclass
 class _Registration:
     layout: CacheLayout
     owner: str
@@ -136,6 +164,7 @@ class _Stats:
     evictions: int = 0
     dropped_chunks: int = 0
     expired_leases: int = 0
+    quarantined_chunks: int = 0
 
 
 class ChunkStore:
@@ -148,6 +177,8 @@ class ChunkStore:
         clock: Any = time.monotonic,
         *,
         max_layouts: int = MAX_LAYOUTS,
+        quarantine_s: float = QUARANTINE_S,
+        holders: Callable[[Tag], int] | None = None,
     ) -> None:
         self._alloc = Allocator(start, end)
         self._entries: dict[bytes, _Entry] = {}
@@ -157,6 +188,9 @@ class ChunkStore:
         self._layouts: OrderedDict[Tag, _Registration] = OrderedDict()
         self._tag_chunks: Counter[Tag] = Counter()
         self.max_layouts = max_layouts
+        self.quarantine_s = quarantine_s
+        self._quarantine: dict[str, _Quarantine] = {}
+        self._holders = holders or (lambda tag: 0)
         self._gens = itertools.count(1)
         self._clock = clock
         self._lock = threading.Lock()
@@ -178,16 +212,20 @@ class ChunkStore:
                     old.layout = merged
                     self._layouts.move_to_end(tag)
                     return merged
-            held = self._tag_chunks[tag]
-            if old is not None and held:
+            chunks, windows = self._tag_chunks[tag], self._holders(tag)
+            if old is not None and (chunks or windows):
                 raise StoreError(
                     "layout_conflict",
                     f"model {model!r} kind {kind!r} is registered with {old.layout.to_json()}, "
-                    f"not {layout.to_json()}, and holds {held} chunk(s) stored under it; use "
-                    "another model name, or wait until its chunks are evicted",
+                    f"not {layout.to_json()}, and holds {chunks} chunk(s) and {windows} query "
+                    "window(s) stored under it; use another model name, or wait until they are "
+                    "evicted",
                 )
             if old is None and len(self._layouts) >= self.max_layouts:
-                idle = next((t for t in self._layouts if not self._tag_chunks[t]), None)
+                idle = next(
+                    (t for t in self._layouts if not self._tag_chunks[t] and not self._holders(t)),
+                    None,
+                )
                 if idle is None:
                     raise StoreError(
                         "too_many_layouts",
@@ -216,9 +254,11 @@ class ChunkStore:
     # -- internals (lock held) -----------------------------------------------------------------
     def _expire(self) -> None:
         now = self._clock()
+        for lid in [lid for lid, q in self._quarantine.items() if q.until <= now]:
+            self._unquarantine(lid)
         for lid in [lid for lid, lease in self._leases.items() if lease.expiry <= now]:
             self.stats.expired_leases += 1
-            lease = self._end_lease(lid)
+            lease = self._end_lease(lid, expired=True)
             if lease is not None:
                 self._expired[lid] = (lease.owner, lease.write)
                 while len(self._expired) > _EXPIRED_MEMORY:
@@ -239,25 +279,40 @@ class ChunkStore:
             "unknown_lease", f"lease {lid!r} is unknown, already ended, or not this client's"
         )
 
-    def _end_lease(self, lid: str) -> _Lease | None:
+    def _end_lease(self, lid: str, *, expired: bool = False) -> _Lease | None:
+        """End lease ``lid``: unpin its chunks, or drop its uncommitted ones (quarantining their
+        slots when it ``expired``: its writer may still be copying)."""
         lease = self._leases.pop(lid, None)
         if lease is None:
             return None
+        held: list[tuple[int, int]] = []
         for key, gen in lease.items:
             entry = self._entries.get(key)
             if entry is None or entry.gen != gen:
                 continue
             if lease.write:
                 if not entry.committed:
-                    self._drop(key)
+                    self._drop(key, free=not expired)
+                    held.append((entry.offset, entry.nbytes))
             else:
                 entry.pins -= 1
+        if expired and held:
+            until = self._clock() + self.quarantine_s
+            self._quarantine[lid] = _Quarantine(lease.owner, held, until)
+            self.stats.quarantined_chunks += len(held)
         return lease
 
-    def _drop(self, key: bytes) -> None:
+    def _unquarantine(self, lid: str) -> None:
+        """Free the slots quarantined for the expired reservation ``lid`` (if any)."""
+        q = self._quarantine.pop(lid, None)
+        for offset, nbytes in q.blocks if q is not None else ():
+            self._alloc.free(offset, nbytes)
+
+    def _drop(self, key: bytes, *, free: bool = True) -> None:
         entry = self._entries.pop(key)
         self._lru.pop(key, None)
-        self._alloc.free(entry.offset, entry.nbytes)
+        if free:
+            self._alloc.free(entry.offset, entry.nbytes)
         if entry.tag is not None:
             self._tag_chunks[entry.tag] -= 1
             if not self._tag_chunks[entry.tag]:
@@ -389,6 +444,7 @@ class ChunkStore:
             lease = self._owned(lid, owner, write=True)
             if lease is None:
                 self._expired.pop(lid, None)
+                self._unquarantine(lid)  # its writer is done copying
                 raise StoreError(
                     "lease_expired", f"reservation {lid} expired before commit; nothing was stored"
                 )
@@ -410,6 +466,7 @@ class ChunkStore:
             self._expire()
             if self._owned(lid, owner, write=True) is None:
                 self._expired.pop(lid, None)
+                self._unquarantine(lid)  # its writer is done copying
                 return
             self._end_lease(lid)
 
@@ -434,4 +491,6 @@ class ChunkStore:
                 "dropped_chunks": s.dropped_chunks,
                 "evictions": s.evictions,
                 "expired_leases": s.expired_leases,
+                "quarantined_chunks": s.quarantined_chunks,
+                "quarantined_bytes": sum(n for q in self._quarantine.values() for _, n in q.blocks),
             }

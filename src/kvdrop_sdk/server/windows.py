@@ -2,12 +2,14 @@
 
 An engine that captures queries keeps, per call, only the rows a policy can use (the last ``W``
 tokens of the call's whole sequence and a strided sample, see ``kvdrop_engine.capture``) and
-stores them here as one record, keyed by ``sha256(model, salt, every token id of the call)``:
-exactly that request finds it, nothing else. A record is ``[1, L, R, Dq]`` query rows in the
-model's query layout plus their ``R`` positions (int64, strictly increasing, each below the number
-of tokens). Records live on the heap beside the chunk pool, bounded by ``capacity_bytes`` with LRU
-eviction; for one key the record with more rows is kept (a call that loaded most of its prompt
-from the cache computes fewer rows than the call that stored it).
+stores them here as one record, keyed by ``sha256(model, cache kind, salt, every token id of the
+call)``: exactly that request finds it, nothing else. A record is ``[1, L, R, Dq]`` query rows in
+the model's query layout plus their ``R`` positions (int64, strictly increasing, each below the
+number of tokens). Records live on the heap beside the chunk pool, bounded by ``capacity_bytes``
+with LRU eviction. The first copy of a key wins, as for chunks: a later put under the same key is
+not kept, whatever its size (a put could otherwise replace another client's window). Records
+count as data held under their (model, kind) registration (``held``): while one exists, the
+registration cannot be replaced by another layout.
 
 Ops (``put_window`` / ``get_window``): frames ``[token ids, positions (little-endian int64),
 rows, (lse)]`` in, ``[positions, rows, (lse)]`` out; the header carries ``model``, ``kind``
@@ -26,7 +28,7 @@ import hashlib
 import itertools
 import struct
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +51,8 @@ __all__ = [
 
 #: Most rows one record may hold (a strided sample of a 1M-token sequence at stride 16, say).
 MAX_WINDOW_ROWS = 1 << 16
-_VERSION = b"kvdrop-window-v1"
+_VERSION = b"kvdrop-window-v2"
+Tag = tuple[str, str]
 #: Record kinds of the store: query windows and per-token scores.
 RECORD_KINDS = ("query", "scores")
 
@@ -65,12 +68,12 @@ def record_kind(header: dict[str, Any]) -> str:
 
 
 def window_key(
-    model: str, salt: str, token_bytes: bytes | memoryview, record: str = "query"
+    model: str, kind: str, salt: str, token_bytes: bytes | memoryview, record: str = "query"
 ) -> bytes:
-    """The record key of one call: model, salt and every token id (length-prefixed fields); a
-    scores record's key also names its kind."""
+    """The record key of one call: model, cache kind, salt and every token id (length-prefixed
+    fields); a scores record's key also names its record kind."""
     h = hashlib.sha256(_VERSION)
-    fields = [model.encode("utf-8"), salt.encode("utf-8")]
+    fields = [model.encode("utf-8"), kind.encode("utf-8"), salt.encode("utf-8")]
     if record != "query":
         fields.append(record.encode("utf-8"))
     for field in fields:
@@ -88,6 +91,7 @@ class WindowRecord:
     positions: bytes
     data: bytes
     lse: bytes | None = None
+    tag: Tag = ("", "")
 
     @property
     def nbytes(self) -> int:
@@ -102,46 +106,57 @@ class ScoresRecord:
     heads: int
     layers: int
     data: bytes
+    tag: Tag = ("", "")
 
     @property
     def nbytes(self) -> int:
         return len(self.data)
 
 
+Record = WindowRecord | ScoresRecord
+
+
 class WindowStore:
-    """Key -> :class:`WindowRecord` or :class:`ScoresRecord`, LRU-bounded by bytes; thread-safe."""
+    """Key -> :class:`WindowRecord` or :class:`ScoresRecord`, LRU-bounded by bytes;
+    thread-safe."""
 
     def __init__(self, capacity_bytes: int) -> None:
         if not is_int(capacity_bytes) or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         self.capacity_bytes = capacity_bytes
-        self._records: OrderedDict[bytes, WindowRecord | ScoresRecord] = OrderedDict()
+        self._records: OrderedDict[bytes, Record] = OrderedDict()
+        self._tags: Counter[Tag] = Counter()
         self._used = 0
         self._evictions = 0
         self._lock = threading.Lock()
 
-    def put(self, key: bytes, record: WindowRecord | ScoresRecord) -> bool:
-        """Keep ``record`` unless one with at least as many rows is stored; False when not kept
-        (also when it is larger than the whole capacity)."""
+    def put(self, key: bytes, record: Record) -> bool:
+        """Keep ``record`` unless a record is stored under ``key`` already (first copy wins);
+        False when not kept (also when it is larger than the whole capacity)."""
         if record.nbytes > self.capacity_bytes:
             return False
         with self._lock:
-            old = self._records.get(key)
-            if old is not None:
-                if old.rows >= record.rows:
-                    self._records.move_to_end(key)
-                    return False
-                self._used -= old.nbytes
-                del self._records[key]
+            if key in self._records:
+                self._records.move_to_end(key)
+                return False
             while self._records and self._used + record.nbytes > self.capacity_bytes:
                 _, evicted = self._records.popitem(last=False)
                 self._used -= evicted.nbytes
                 self._evictions += 1
+                self._tags[evicted.tag] -= 1
+                if not self._tags[evicted.tag]:
+                    del self._tags[evicted.tag]
             self._records[key] = record
             self._used += record.nbytes
+            self._tags[record.tag] += 1
             return True
 
-    def get(self, key: bytes) -> WindowRecord | ScoresRecord | None:
+    def held(self, tag: Tag) -> int:
+        """How many records are stored under the (model, kind) registration ``tag``."""
+        with self._lock:
+            return self._tags[tag]
+
+    def get(self, key: bytes) -> Record | None:
         """The record stored under ``key`` (now most recently used), or None."""
         with self._lock:
             record = self._records.get(key)
@@ -161,12 +176,13 @@ class WindowStore:
 
 
 def parse_put(
-    header: dict[str, Any], frames: list[Any], layout: CacheLayout
-) -> tuple[bytes, WindowRecord | ScoresRecord]:
-    """Validate a ``put_window`` request against the query ``layout``; return the token bytes
-    and the record (copies of the frames). ``ProtocolError`` says what was wrong."""
+    header: dict[str, Any], frames: list[Any], layout: CacheLayout, tag: Tag
+) -> tuple[bytes, Record]:
+    """Validate a ``put_window`` request against the query ``layout`` of registration ``tag``;
+    return the token bytes and the record (copies of the frames). ``ProtocolError`` says what
+    was wrong."""
     if record_kind(header) == "scores":
-        return _parse_scores(header, frames, layout)
+        return _parse_scores(header, frames, layout, tag)
     has_lse = header.get("lse", False)
     if not isinstance(has_lse, bool):
         raise ProtocolError("bad_field", f"field 'lse' must be a bool, got {has_lse!r}")
@@ -215,11 +231,11 @@ def parse_put(
             f"lse of {rows} rows is float32 [1, {layout.num_layers}, {rows}, {layout.num_heads}], "
             f"got {len(lse)} bytes",
         )
-    return tokens, WindowRecord(rows, dtype_name(layout.dtype), positions, data, lse)
+    return tokens, WindowRecord(rows, dtype_name(layout.dtype), positions, data, lse, tag)
 
 
 def _parse_scores(
-    header: dict[str, Any], frames: list[Any], layout: CacheLayout
+    header: dict[str, Any], frames: list[Any], layout: CacheLayout, tag: Tag
 ) -> tuple[bytes, ScoresRecord]:
     """A scores record: frames ``[tokens, float32 [L, heads, rows]]``, ``rows`` at most the
     call's tokens, ``heads`` dividing the query layout's."""
@@ -248,18 +264,15 @@ def _parse_scores(
             f"scores are float32 [{layout.num_layers}, {heads}, {rows}] = {expected} bytes, got "
             f"{len(data)}",
         )
-    return tokens, ScoresRecord(rows, heads, layout.num_layers, data)
+    return tokens, ScoresRecord(rows, heads, layout.num_layers, data, tag)
 
 
-def reply_get(
-    record: WindowRecord | ScoresRecord | None, kind: str = "query"
-) -> tuple[dict[str, Any], list[bytes]]:
+def reply_get(record: Record | None, kind: str = "query") -> tuple[dict[str, Any], list[bytes]]:
     """The ``get_window`` reply for ``record`` (``found: false`` without frames on a miss, or
     when the record is not of ``kind``)."""
     if isinstance(record, ScoresRecord) and kind == "scores":
-        return {"found": True, "record": "scores", "rows": record.rows, "heads": record.heads}, [
-            record.data
-        ]
+        reply = {"found": True, "record": "scores", "rows": record.rows, "heads": record.heads}
+        return reply, [record.data]
     if not isinstance(record, WindowRecord) or kind != "query":
         return {"found": False}, []
     header = {

@@ -28,7 +28,8 @@ import zmq
 
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.layout import CacheLayout, dtype_name
-from kvdrop_sdk.protocol import MAX_HEADER_BYTES, OPS, PROTOCOL_VERSION
+from kvdrop_sdk.protocol import MAX_HEADER_BYTES, PROTOCOL_VERSION
+from kvdrop_sdk.server.ops import OPS
 
 __all__ = ["FuzzMessage", "FuzzReport", "FuzzTarget", "fuzz_messages", "send_fuzz"]
 

@@ -112,6 +112,40 @@ def test_leases_expire_and_generations_detect_reuse() -> None:
     assert store.lookup(keys("d")) == 1
 
 
+def test_expired_reservations_are_quarantined_until_their_writer_ends_them() -> None:
+    """A writer stalled past its lease may still copy into its slots: they are not reused until
+    it ends the lease (commit/abort) or ``quarantine_s`` passes."""
+    clock = Clock()
+    store = ChunkStore(0, 2 * ALIGN, clock=clock, quarantine_s=100)
+    lid, _, _, _ = store.reserve(keys("a"), ALIGN, 5, owner="w1")
+    clock.now = 6  # writer 1's lease lapses while it is stalled
+    nlid, nslots, _, dropped = store.reserve(keys("a", "b"), ALIGN, 5, owner="w2")
+    assert [off for _, off in nslots] == [ALIGN] and dropped == 1  # a's old slot is not handed on
+    assert store.snapshot()["quarantined_bytes"] == ALIGN
+    with pytest.raises(StoreError, match="expired"):
+        store.commit(lid, owner="w1")  # writer 1 is back: done copying
+    assert store.snapshot()["quarantined_bytes"] == 0
+    assert store.commit(nlid, owner="w2") == 1
+    assert put(store, keys("c")) == 1  # the freed slot is usable again
+    # A writer that never comes back: the slot returns after quarantine_s.
+    store.reserve(keys("d"), ALIGN, 5, owner="w3")
+    clock.now = 20
+    assert store.snapshot()["quarantined_bytes"] == ALIGN
+    clock.now = 121
+    assert store.snapshot()["quarantined_bytes"] == 0
+
+
+def test_windows_hold_a_registration_like_chunks() -> None:
+    held = {("m##query", "query"): 1}
+    store = ChunkStore(0, 2 * ALIGN, holders=lambda tag: held.get(tag, 0))
+    a = CacheLayout(1, 2, 8, torch.float32)
+    store.register("m##query", "query", a)
+    with pytest.raises(StoreError, match="1 query window"):
+        store.register("m##query", "query", CacheLayout(1, 2, 8, torch.float16))
+    held.clear()
+    store.register("m##query", "query", CacheLayout(1, 2, 8, torch.float16))
+
+
 def test_release_of_a_write_lease_is_refused() -> None:
     store, _ = make_store(2)
     wlid, _, _, _ = store.reserve(keys("a"), ALIGN, 5)
@@ -194,6 +228,12 @@ def test_layout_registry_is_bounded() -> None:
         ({"shm_name": "../etc"}, "--shm-name"),
         ({"enable": ("transfer_kv",)}, "unknown feature"),
         ({"workers": 0}, "--workers"),
+        ({"l1_size_gb": float("inf")}, "--l1-size-gb must be > 0 and finite"),
+        ({"l1_size_gb": float("nan")}, "--l1-size-gb"),
+        ({"http_timeout_s": float("inf")}, "--http-timeout-s"),
+        ({"max_lease_s": 1e300}, "--max-lease-s"),
+        ({"quarantine_s": -1.0}, "--quarantine-s"),
+        ({"workers": True}, "--workers"),
     ],
 )
 def test_server_config_validation(kwargs: dict[str, object], message: str) -> None:

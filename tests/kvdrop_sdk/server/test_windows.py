@@ -1,4 +1,4 @@
-"""The server's window store: keyed by the whole token list, the richer record kept, LRU bounded."""
+"""The server's window store: keyed by kind and every token, first copy wins, LRU bounded."""
 
 from __future__ import annotations
 
@@ -7,23 +7,24 @@ import pytest
 from kvdrop_sdk.server.windows import WindowRecord, WindowStore, window_key
 
 
-def record(rows: int, size: int = 100) -> WindowRecord:
-    return WindowRecord(rows, "float32", b"p" * 8 * rows, b"d" * size)
+def record(rows: int, size: int = 100, tag: tuple[str, str] = ("m", "query")) -> WindowRecord:
+    return WindowRecord(rows, "float32", b"p" * 8 * rows, b"d" * size, tag=tag)
 
 
-def test_key_covers_model_salt_and_every_token() -> None:
-    base = window_key("m", "s", b"\x01" * 16)
-    assert base != window_key("m", "s", b"\x01" * 8)
-    assert base != window_key("m", "t", b"\x01" * 16) != window_key("n", "s", b"\x01" * 16)
-    assert window_key("ab", "c", b"") != window_key("a", "bc", b"")  # length-prefixed fields
+def test_key_covers_model_kind_salt_and_every_token() -> None:
+    base = window_key("m", "query", "s", b"\x01" * 16)
+    assert base != window_key("m", "query", "s", b"\x01" * 8)
+    assert base != window_key("m", "query", "t", b"\x01" * 16)
+    assert base != window_key("n", "query", "s", b"\x01" * 16)
+    assert base != window_key("m", "kv", "s", b"\x01" * 16)  # the kind is part of the key
+    assert window_key("ab", "c", "", b"") != window_key("a", "bc", "", b"")  # length-prefixed
 
 
-def test_more_rows_win_and_lru_evicts_by_bytes() -> None:
+def test_first_copy_wins_and_lru_evicts_by_bytes() -> None:
     store = WindowStore(1000)
-    assert store.put(b"a", record(4))
-    assert not store.put(b"a", record(2))  # a poorer record for the same call is not kept
-    assert store.get(b"a").rows == 4
-    assert store.put(b"a", record(6))  # a richer one replaces it
+    assert store.put(b"a", record(6))
+    assert not store.put(b"a", record(2))  # a second put for the same call is not kept...
+    assert not store.put(b"a", record(7))  # ...even with more rows (it could be anyone's)
     assert store.get(b"a").rows == 6
     for name in (b"b", b"c", b"d", b"e", b"f"):  # 158 bytes each: 148 + 5 * 158 = 938
         assert store.put(name, record(1, 150))
@@ -38,5 +39,6 @@ def test_more_rows_win_and_lru_evicts_by_bytes() -> None:
         "window_evictions": 1,
     }
     assert not store.put(b"huge", record(1, 2000))  # larger than everything: refused
+    assert store.held(("m", "query")) == 6 and store.held(("m", "kv")) == 0
     with pytest.raises(ValueError, match="capacity_bytes"):
         WindowStore(0)
