@@ -231,6 +231,7 @@ def _build(args: argparse.Namespace, connect: ConnectorFactory) -> tuple[Any, An
     """Connector, engine and HTTP server (not started); EngineSetupError on a user error."""
     from kvdrop_engine.engine import Engine
     from kvdrop_engine.http import CompletionHTTPServer
+    from kvdrop_engine.metrics import engine_load
 
     try:
         model, tokenizer, name = _load(args)
@@ -267,6 +268,7 @@ def _build(args: argparse.Namespace, connect: ConnectorFactory) -> tuple[Any, An
             vocab_size=cfg.vocab_size,
             max_model_len=cfg.max_position_embeddings,
             stats=lambda: engine.stats().to_dict(),
+            gauges=lambda: engine_load(engine),
         )
     except OSError as exc:
         if connector is not None:

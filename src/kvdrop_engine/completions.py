@@ -1,77 +1,68 @@
-"""The OpenAI ``/v1/completions`` and ``/v1/chat/completions`` requests and responses, apart
-from any transport.
+"""The OpenAI ``/v1/completions`` and ``/v1/chat/completions`` requests (and vLLM's
+``/tokenize`` and ``/detokenize``), validated apart from any transport.
 
-:func:`parse_completion_request` and :func:`parse_chat_request` validate a decoded JSON body into
-a :class:`CompletionRequest` (raising :class:`BadRequestError` with the HTTP status and the
-offending field); a chat request's messages become prompt token ids through the model's chat
-template. :class:`CompletionBuilder` (and :class:`ChatCompletionBuilder`) turn the engine's
-``TokenEvent``s into the response: streamed chunks or one JSON body, with the logprobs tokens
-written as token-id text when the client asks for it (the form ``kvdrop_sdk.adapters.openai``
-reads back). :mod:`kvdrop_engine.http` serves both.
+One parser serves both routes (:func:`parse_request`): a :class:`Route` says what differs (the
+fields allowed, how the prompt is made, the ``max_tokens`` default, the logprobs fields), and
+everything else (sampling, stops, ``n``, salt, streaming) is read once. Every part of a request
+is bounded before the expensive step that would read it: text prompts by characters before
+tokenizing, a chat's messages, roles and content parts by count and size before templating,
+``stop`` and ``stop_token_ids`` by count. Bad input raises :class:`BadRequestError` with the HTTP
+status and the offending field. The responses are :mod:`kvdrop_engine.responses`;
+:mod:`kvdrop_engine.http` serves both.
 """
 
 from __future__ import annotations
 
-import math
-import time
-import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
-from kvdrop_engine.tokenizer import IncrementalDetokenizer, TextTokenizer
-from kvdrop_sdk.adapters.openai import token_id_text
-from kvdrop_sdk.events import TokenEvent
-from kvdrop_sdk.validate import is_int, is_number, token_ids
+from kvdrop_engine.request_fields import (
+    BadRequestError,
+    check_body,
+    get_bool,
+    get_float,
+    get_int,
+    get_str,
+    get_token_ids,
+)
+from kvdrop_engine.sampling import MAX_LOGPROBS, MIN_TEMPERATURE
+from kvdrop_engine.tokenizer import TextTokenizer
 
 __all__ = [
     "CHARS_PER_TOKEN_BOUND",
     "DEFAULT_MAX_PROMPT_CHARS",
     "DEFAULT_MAX_TOKENS",
+    "MAX_CHAT_MESSAGES",
+    "MAX_N",
+    "MAX_ROLE_CHARS",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_TOKEN_IDS",
     "BadRequestError",
-    "ChatCompletionBuilder",
-    "ChatTemplater",
-    "CompletionBuilder",
+    "ChatTemplate",
     "CompletionRequest",
-    "error_body",
+    "Settings",
     "max_prompt_chars_for",
-    "models_body",
     "parse_chat_request",
     "parse_completion_request",
+    "parse_detokenize_request",
+    "parse_request",
+    "parse_tokenize_request",
 ]
 
-#: Request fields that are understood (others are rejected so a typo does not pass silently).
-_KNOWN_FIELDS = frozenset(
+#: Fields both routes understand (others are rejected so that a typo does not pass silently).
+_SHARED_FIELDS = frozenset(
     {
-        "model",
-        "prompt",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "seed",
-        "ignore_eos",
-        "stop",
-        "stop_token_ids",
-        "stream",
-        "stream_options",
-        "logprobs",
-        "echo",
-        "n",
-        "best_of",
-        "user",
-        "presence_penalty",
-        "frequency_penalty",
-        "cache_salt",
-        "return_tokens_as_token_ids",
+        "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop",
+        "stop_token_ids", "stream", "stream_options", "logprobs", "n", "best_of", "user",
+        "presence_penalty", "frequency_penalty", "cache_salt", "return_tokens_as_token_ids",
+        "skip_special_tokens", "include_stop_str_in_output",
     }
-)
-
-#: What a chat request may hold besides the sampling fields both routes share.
-_CHAT_FIELDS = (_KNOWN_FIELDS - {"prompt", "logprobs", "echo", "best_of"}) | {
+)  # fmt: skip
+_COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt", "echo"}
+_CHAT_FIELDS = _SHARED_FIELDS | {
     "messages",
     "max_completion_tokens",
-    "logprobs",
     "top_logprobs",
     "add_generation_prompt",
 }
@@ -83,32 +74,63 @@ DEFAULT_MAX_TOKENS = 16
 CHARS_PER_TOKEN_BOUND = 16
 #: The character limit of text prompts when the model's context length is unknown.
 DEFAULT_MAX_PROMPT_CHARS = 2 * 1024 * 1024
-
 #: Fallback ``max_tokens`` of a chat request when the context length is unknown.
 DEFAULT_CHAT_MAX_TOKENS = 512
+#: A chat's messages (and, apart, its content parts) when the context length is unknown; with
+#: one, ``max_model_len`` (every message adds at least one token to the prompt).
+MAX_CHAT_MESSAGES = 4096
+#: Longest ``role`` and ``name`` of a message (roles are words: system, user, assistant, tool).
+MAX_ROLE_CHARS = 64
+#: Most ``stop`` strings, the longest one, and most ``stop_token_ids`` per request.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+#: Most choices per request (``n``).
+MAX_N = 16
 
 
-class ChatTemplater(Protocol):
-    """What a chat request needs from the tokenizer: messages in, prompt token ids out
-    (``kvdrop_engine.tokenizer.Tokenizer`` and ``JSONTokenizer`` render the model's template)."""
+@runtime_checkable
+class ChatTemplate(Protocol):
+    """A tokenizer with the model's chat template: messages in, prompt token ids out
+    (``kvdrop_engine.tokenizer.Tokenizer`` and ``JSONTokenizer``)."""
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]: ...
 
 
-class BadRequestError(ValueError):
-    """A request the server rejects; ``status`` is the HTTP status, the message says what to fix."""
+@dataclass(frozen=True)
+class Settings:
+    """What a server's requests are validated against: its model name, tokenizer, vocabulary,
+    context length, logprobs token form and text-prompt limit (default from the context)."""
 
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
+    model_name: str
+    tokenizer: TextTokenizer | None = None
+    vocab_size: int | None = None
+    max_model_len: int | None = None
+    return_tokens_as_token_ids: bool = False
+    max_prompt_chars: int | None = None
+
+    @property
+    def prompt_chars(self) -> int:
+        """The character limit of text prompts (and of a chat's text)."""
+        if self.max_prompt_chars is not None:
+            return self.max_prompt_chars
+        return max_prompt_chars_for(self.max_model_len)
+
+    @property
+    def chat_items(self) -> int:
+        """Most messages (and most content parts) one chat may hold."""
+        return MAX_CHAT_MESSAGES if self.max_model_len is None else self.max_model_len
 
 
 @dataclass(frozen=True)
 class CompletionRequest:
-    """A validated ``/v1/completions`` request, ready for the engine."""
+    """A validated completions or chat request, ready for the engine.
+
+    ``logprobs`` is None (none asked) or how many alternatives each token lists; ``stop`` are the
+    stop strings; ``n`` choices are generated from seeds ``seed + i`` (when a seed is given).
+    """
 
     prompt_token_ids: list[int]
     sampling_params: dict[str, Any]
@@ -119,55 +141,17 @@ class CompletionRequest:
     logprobs: int | None
     tokens_as_token_ids: bool
     chat: bool = False
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    include_stop_str: bool = False
 
-
-# ---------------------------------------------------------------------------------------------
-# Request validation
-# ---------------------------------------------------------------------------------------------
-
-
-def _get_int(body: dict[str, Any], name: str, *, minimum: int | None = None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not is_int(value):
-        raise BadRequestError(f"'{name}' must be an integer, got {value!r}", param=name)
-    if minimum is not None and value < minimum:
-        raise BadRequestError(f"'{name}' must be >= {minimum}, got {value}", param=name)
-    return int(value)
-
-
-def _get_float(
-    body: dict[str, Any], name: str, *, low: float, high: float, low_open: bool = False
-) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not is_number(value) or not math.isfinite(value):
-        raise BadRequestError(f"'{name}' must be a finite number, got {value!r}", param=name)
-    value = float(value)
-    if value > high or value < low or (low_open and value == low):
-        bracket = "(" if low_open else "["
-        raise BadRequestError(
-            f"'{name}' must be in {bracket}{low}, {high}], got {value}", param=name
-        )
-    return value
-
-
-def _get_bool(body: dict[str, Any], name: str) -> bool | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, bool):
-        raise BadRequestError(f"'{name}' must be true or false, got {value!r}", param=name)
-    return value
-
-
-def _token_ids(value: list[Any], vocab_size: int | None, name: str) -> list[int]:
-    try:
-        return token_ids(value, name, vocab_size=vocab_size)
-    except (TypeError, ValueError) as exc:
-        raise BadRequestError(str(exc), param=name) from None
+    def choice_params(self, index: int) -> dict[str, Any]:
+        """The sampling parameters of choice ``index`` (its own seed when one was given)."""
+        params = dict(self.sampling_params)
+        if index and "seed" in params:
+            params["seed"] = (params["seed"] + index) % 2**64
+        return params
 
 
 def max_prompt_chars_for(max_model_len: int | None) -> int:
@@ -177,8 +161,8 @@ def max_prompt_chars_for(max_model_len: int | None) -> int:
     return max_model_len * CHARS_PER_TOKEN_BOUND
 
 
-def _too_long(chars: int, max_prompt_chars: int | None, what: str, param: str) -> None:
-    if max_prompt_chars is not None and chars > max_prompt_chars:
+def _too_long(chars: int, max_prompt_chars: int, what: str, param: str) -> None:
+    if chars > max_prompt_chars:
         raise BadRequestError(
             f"{what} is {chars} characters, over this server's limit of {max_prompt_chars} "
             "characters (it could not fit the model's context); shorten it",
@@ -186,241 +170,112 @@ def _too_long(chars: int, max_prompt_chars: int | None, what: str, param: str) -
         )
 
 
-def _prompt_ids(
-    prompt: Any,
-    tokenizer: TextTokenizer | None,
-    vocab_size: int | None,
-    max_prompt_chars: int | None = None,
-    max_model_len: int | None = None,
-) -> list[int]:
-    """Accept a string, a list of token ids, or a list holding exactly one of those.
+def _in_vocab(ids: list[int], vocab_size: int | None, what: str, param: str) -> list[int]:
+    bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        raise BadRequestError(
+            f"{what} gave token id {bad[0]}, outside the model's vocabulary [0, {vocab_size}); "
+            "the tokenizer does not match the model",
+            param=param,
+        )
+    if not ids:
+        raise BadRequestError(f"{what} gave an empty prompt; send at least one token", param=param)
+    return ids
 
-    Cheap bounds come first: a text longer than ``max_prompt_chars`` characters is refused before
-    the tokenizer sees it, a token list longer than ``max_model_len`` before each id is checked.
-    """
+
+# ---------------------------------------------------------------------------------------------
+# Prompts: text or token ids (completions), messages through the chat template (chat)
+# ---------------------------------------------------------------------------------------------
+
+
+def _text_ids(text: str, settings: Settings, param: str) -> list[int]:
+    tokenizer = settings.tokenizer
+    if tokenizer is None:
+        raise BadRequestError(
+            f"'{param}' is text but this server has no tokenizer; send a list of token ids",
+            param=param,
+        )
+    _too_long(len(text), settings.prompt_chars, f"'{param}'", param)
+    ids = [int(t) for t in tokenizer.encode(text)]
+    return _in_vocab(ids, settings.vocab_size, f"the tokenizer, on '{param}',", param)
+
+
+def _completion_prompt(body: dict[str, Any], settings: Settings) -> list[int]:
+    """``prompt``: a string, a list of token ids, or a list holding exactly one of those."""
+    if "prompt" not in body:
+        raise BadRequestError("'prompt' is required", param="prompt")
+    prompt = body["prompt"]
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise BadRequestError(
                 f"'prompt' holds {len(prompt)} prompts; this server takes one prompt per request "
-                "(send concurrent requests instead)",
+                "(send concurrent requests, or 'n' for several choices)",
                 param="prompt",
             )
         prompt = prompt[0]
     if isinstance(prompt, str):
-        if tokenizer is None:
-            raise BadRequestError(
-                "'prompt' is text but this server has no tokenizer; send a list of token ids",
-                param="prompt",
-            )
-        _too_long(len(prompt), max_prompt_chars, "'prompt'", "prompt")
-        ids = [int(t) for t in tokenizer.encode(prompt)]
-        bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
-        if bad:
-            raise BadRequestError(
-                f"the tokenizer turned 'prompt' into token id {bad[0]}, outside the model's "
-                f"vocabulary [0, {vocab_size}); the tokenizer does not match the model",
-                param="prompt",
-            )
-    elif isinstance(prompt, list):
-        if max_model_len is not None and len(prompt) > max_model_len:
-            raise BadRequestError(
-                f"'prompt' has {len(prompt)} tokens, more than the model's context length "
-                f"{max_model_len}; shorten it",
-                param="prompt",
-            )
-        ids = _token_ids(prompt, vocab_size, "prompt")
-    else:
-        raise BadRequestError(
-            "'prompt' must be a string, a list of token ids, or a list of one of those; "
-            f"got {type(prompt).__name__}",
-            param="prompt",
-        )
-    if not ids:
-        raise BadRequestError("'prompt' is empty; send at least one token", param="prompt")
-    return ids
-
-
-def _check_body(body: Any, known: frozenset[str], model_name: str) -> dict[str, Any]:
-    """A JSON object of known fields naming this server's model (or none)."""
-    if not isinstance(body, dict):
-        raise BadRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise BadRequestError(
-            f"unknown field(s) {', '.join(map(repr, unknown))}; supported: "
-            + ", ".join(sorted(known)),
-            param=unknown[0],
-        )
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise BadRequestError(
-            f"the model {model!r} does not exist; this server serves {model_name!r}",
-            status=404,
-            param="model",
-        )
-    return body
-
-
-def _check_unsupported(body: dict[str, Any]) -> None:
-    """Fields both routes accept only at their OpenAI defaults."""
-    for name, only in (("n", 1), ("best_of", 1)):
-        value = _get_int(body, name, minimum=1)
-        if value is not None and value != only:
-            raise BadRequestError(f"'{name}' must be 1 on this server, got {value}", param=name)
-    if _get_bool(body, "echo"):
-        raise BadRequestError("'echo' is not supported; leave it false", param="echo")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = _get_float(body, name, low=-2.0, high=2.0)
-        if value not in (None, 0.0):
-            raise BadRequestError(f"'{name}' is not supported; leave it 0", param=name)
-    stop = body.get("stop")
-    if stop not in (None, [], ""):
-        raise BadRequestError(
-            "stop strings are not supported; use 'stop_token_ids' instead", param="stop"
-        )
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise BadRequestError("'user' must be a string", param="user")
-
-
-def _finish_request(
-    body: dict[str, Any],
-    prompt_ids: list[int],
-    *,
-    max_tokens: int,
-    max_tokens_field: str,
-    vocab_size: int | None,
-    max_model_len: int | None,
-    logprobs: int | None,
-    return_tokens_as_token_ids: bool,
-    chat: bool,
-) -> CompletionRequest:
-    """Sampling, salt and streaming fields, shared by both routes."""
-    if max_model_len is not None and len(prompt_ids) + max_tokens > max_model_len:
-        raise BadRequestError(
-            f"prompt ({len(prompt_ids)} tokens) + {max_tokens_field} ({max_tokens}) exceeds the "
-            f"model's context length {max_model_len}; shorten the prompt or lower "
-            f"{max_tokens_field}",
-            param=max_tokens_field,
-        )
-    params: dict[str, Any] = {"max_tokens": max_tokens}
-    temperature = _get_float(body, "temperature", low=0.0, high=100.0)
-    if temperature is not None:
-        params["temperature"] = temperature
-    top_p = _get_float(body, "top_p", low=0.0, high=1.0, low_open=True)
-    if top_p is not None:
-        params["top_p"] = top_p
-    top_k = _get_int(body, "top_k", minimum=-1)
-    if top_k is not None and top_k > 0:
-        params["top_k"] = top_k
-    seed = _get_int(body, "seed", minimum=-(2**63))
-    if seed is not None:
-        if seed >= 2**64:
-            raise BadRequestError(f"'seed' must be < 2**64, got {seed}", param="seed")
-        params["seed"] = seed
-    ignore_eos = _get_bool(body, "ignore_eos")
-    if ignore_eos is not None:
-        params["ignore_eos"] = ignore_eos
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None:
-        if not isinstance(stop_ids, list):
-            raise BadRequestError(
-                "'stop_token_ids' must be a list of token ids", param="stop_token_ids"
-            )
-        params["stop_token_ids"] = _token_ids(stop_ids, vocab_size, "stop_token_ids")
-
-    cache_salt = body.get("cache_salt")
-    if cache_salt is None:
-        cache_salt = ""
-    if not isinstance(cache_salt, str):
-        raise BadRequestError(
-            f"'cache_salt' must be a string, got {cache_salt!r}", param="cache_salt"
-        )
-
-    stream = bool(_get_bool(body, "stream"))
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise BadRequestError(
-                "'stream_options' must be an object with only 'include_usage'",
-                param="stream_options",
-            )
-        if not stream:
-            raise BadRequestError(
-                "'stream_options' is only allowed with 'stream': true", param="stream_options"
-            )
-        include_usage = bool(_get_bool(options, "include_usage"))
-    as_ids = _get_bool(body, "return_tokens_as_token_ids")
-    return CompletionRequest(
-        prompt_token_ids=prompt_ids,
-        sampling_params=params,
-        cache_salt=cache_salt,
-        max_tokens=max_tokens,
-        stream=stream,
-        include_usage=include_usage,
-        logprobs=logprobs,
-        tokens_as_token_ids=return_tokens_as_token_ids if as_ids is None else as_ids,
-        chat=chat,
+        return _text_ids(prompt, settings, "prompt")
+    if isinstance(prompt, list):
+        ids = get_token_ids(prompt, settings.vocab_size, "prompt", settings.max_model_len)
+        if not ids:
+            raise BadRequestError("'prompt' is empty; send at least one token", param="prompt")
+        return ids
+    raise BadRequestError(
+        "'prompt' must be a string, a list of token ids, or a list of one of those; "
+        f"got {type(prompt).__name__}",
+        param="prompt",
     )
 
 
-def parse_completion_request(
-    body: Any,
-    *,
-    model_name: str,
-    tokenizer: TextTokenizer | None = None,
-    vocab_size: int | None = None,
-    max_model_len: int | None = None,
-    return_tokens_as_token_ids: bool = False,
-    max_prompt_chars: int | None = None,
-) -> CompletionRequest:
-    """Validate a decoded JSON body of ``POST /v1/completions``; raise ``BadRequestError``.
-
-    The engine gets ``max_tokens`` always and each other sampling field only when the client set
-    it, so the engine's own defaults apply otherwise. ``top_k`` of 0 or -1 means "disabled" (as in
-    vLLM) and is not passed on. Text prompts longer than ``max_prompt_chars`` (default
-    ``max_prompt_chars_for(max_model_len)``) are refused before tokenizing.
-    """
-    body = _check_body(body, _KNOWN_FIELDS, model_name)
-    if "prompt" not in body:
-        raise BadRequestError("'prompt' is required", param="prompt")
-    if max_prompt_chars is None:
-        max_prompt_chars = max_prompt_chars_for(max_model_len)
-    prompt_ids = _prompt_ids(body["prompt"], tokenizer, vocab_size, max_prompt_chars, max_model_len)
-    _check_unsupported(body)
-    max_tokens = _get_int(body, "max_tokens", minimum=1)
-    logprobs = _get_int(body, "logprobs", minimum=0)
-    if logprobs is not None and logprobs > 0:
+def _content(content: Any, where: str, parts_left: int) -> tuple[str, int]:
+    """A message's content as text (text parts joined) and how many parts it used."""
+    if isinstance(content, str):
+        return content, 0
+    if not isinstance(content, list):
         raise BadRequestError(
-            "only 'logprobs': 0 is supported (the sampled token, no alternatives)",
-            param="logprobs",
+            f"{where}.content must be a string or a list of text parts, got "
+            f"{type(content).__name__}",
+            param="messages",
         )
-    return _finish_request(
-        body,
-        prompt_ids,
-        max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-        max_tokens_field="max_tokens",
-        vocab_size=vocab_size,
-        max_model_len=max_model_len,
-        logprobs=logprobs,
-        return_tokens_as_token_ids=return_tokens_as_token_ids,
-        chat=False,
-    )
+    if len(content) > parts_left:
+        raise BadRequestError(
+            f"the messages hold more than {parts_left} content parts in all; send fewer",
+            param="messages",
+        )
+    texts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text"):
+            raise BadRequestError(
+                f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
+                param="messages",
+            )
+        if not isinstance(part.get("text"), str):
+            raise BadRequestError(
+                f"{where}.content: a text part needs a string 'text'", param="messages"
+            )
+        texts.append(part["text"])
+    return "".join(texts), len(content)
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    """``messages`` as ``[{"role": str, "content": str}]``; content parts of type text are
-    joined (OpenAI's list form), anything else is refused."""
+def _messages(body: dict[str, Any], settings: Settings) -> list[dict[str, str]]:
+    """``messages`` as ``[{"role": str, "content": str}]``, every part bounded before any is
+    read in full: the number of messages and of content parts, each role and name, the text."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequestError(
             "'messages' is required: a non-empty list of {'role': ..., 'content': ...}",
             param="messages",
         )
-    out = []
+    limit = settings.chat_items
+    if len(messages) > limit:
+        raise BadRequestError(
+            f"'messages' holds {len(messages)} messages; at most {limit} fit this server's context",
+            param="messages",
+        )
+    out, parts, chars = [], 0, 0
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        if not isinstance(message, dict):
             raise BadRequestError(
                 f"{where} must be an object with a string 'role' and a 'content'", param="messages"
             )
@@ -431,352 +286,265 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
                 "are not supported); send 'role' and 'content'",
                 param="messages",
             )
-        content = message.get("content")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not (
-                    isinstance(part, dict)
-                    and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)
-                ):
-                    raise BadRequestError(
-                        f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are "
-                        "supported",
-                        param="messages",
-                    )
-                texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str):
+        if not isinstance(message.get("role"), str):
             raise BadRequestError(
-                f"{where}.content must be a string or a list of text parts, got "
-                f"{type(content).__name__}",
-                param="messages",
+                f"{where} must be an object with a string 'role' and a 'content'", param="messages"
             )
-        out.append({"role": message["role"], "content": content})
+        role = get_str(message, "role", MAX_ROLE_CHARS) or ""
+        get_str(message, "name", MAX_ROLE_CHARS)
+        content, used = _content(message.get("content"), where, limit - parts)
+        parts += used
+        chars += len(content) + len(role)
+        _too_long(chars, settings.prompt_chars, "the chat's text", "messages")
+        out.append({"role": role, "content": content})
     return out
 
 
-def parse_chat_request(
-    body: Any,
-    *,
-    model_name: str,
-    tokenizer: TextTokenizer | None = None,
-    vocab_size: int | None = None,
-    max_model_len: int | None = None,
-    return_tokens_as_token_ids: bool = False,
-    max_prompt_chars: int | None = None,
-) -> CompletionRequest:
-    """Validate a decoded JSON body of ``POST /v1/chat/completions``; raise ``BadRequestError``.
-
-    The messages go through the model's chat template (``tokenizer.apply_chat_template``, with
-    the assistant's generation prompt unless ``add_generation_prompt`` is false). Sampling fields
-    are those of :func:`parse_completion_request`; ``max_completion_tokens`` (or the older
-    ``max_tokens``) defaults, as in vLLM, to the rest of the context. ``logprobs: true`` lists the
-    sampled tokens (``top_logprobs`` must be 0).
-    """
-    body = _check_body(body, _CHAT_FIELDS, model_name)
-    messages = _messages(body)
-    if max_prompt_chars is None:
-        max_prompt_chars = max_prompt_chars_for(max_model_len)
-    chars = sum(len(m.get("content", "")) for m in messages)
-    _too_long(chars, max_prompt_chars, "the chat's text", "messages")  # before templating
-    templater = getattr(tokenizer, "apply_chat_template", None)
-    if tokenizer is None or templater is None:
+def _chat_prompt(body: dict[str, Any], settings: Settings) -> list[int]:
+    messages = _messages(body, settings)
+    tokenizer = settings.tokenizer
+    if not isinstance(tokenizer, ChatTemplate):
         raise BadRequestError(
             "this server has no tokenizer with a chat template; use /v1/completions with token "
             "ids or text",
             param="messages",
         )
-    add_generation_prompt = _get_bool(body, "add_generation_prompt")
+    add_generation_prompt = get_bool(body, "add_generation_prompt") is not False
     try:
-        ids = [int(t) for t in templater(messages, add_generation_prompt is not False)]
+        ids = [int(t) for t in tokenizer.apply_chat_template(messages, add_generation_prompt)]
     except ValueError as exc:  # TokenizerError: no template, or the template refused them
         raise BadRequestError(f"cannot apply the chat template: {exc}", param="messages") from None
-    bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
-    if bad:
+    return _in_vocab(ids, settings.vocab_size, "the chat template", "messages")
+
+
+# ---------------------------------------------------------------------------------------------
+# The two routes and the one parser
+# ---------------------------------------------------------------------------------------------
+
+
+def _completion_logprobs(body: dict[str, Any]) -> int | None:
+    return _bounded_logprobs(get_int(body, "logprobs", minimum=0), "logprobs")
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    wanted = get_bool(body, "logprobs")
+    top = get_int(body, "top_logprobs", minimum=0)
+    if top is not None and not wanted:
+        raise BadRequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return _bounded_logprobs(top or 0, "top_logprobs") if wanted else None
+
+
+def _bounded_logprobs(value: int | None, name: str) -> int | None:
+    if value is not None and value > MAX_LOGPROBS:
         raise BadRequestError(
-            f"the chat template gave token id {bad[0]}, outside the model's vocabulary "
-            f"[0, {vocab_size}); the tokenizer does not match the model",
+            f"'{name}' asks for {value} alternatives per token; at most {MAX_LOGPROBS}", param=name
+        )
+    return value
+
+
+def _completion_max_tokens(body: dict[str, Any], prompt: list[int], settings: Settings) -> int:
+    value = get_int(body, "max_tokens", minimum=1)
+    return DEFAULT_MAX_TOKENS if value is None else value
+
+
+def _chat_max_tokens(body: dict[str, Any], prompt: list[int], settings: Settings) -> int:
+    """``max_completion_tokens`` (or the older ``max_tokens``); as in vLLM, the rest of the
+    context by default."""
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    value = get_int(body, name, minimum=1)
+    if value is not None:
+        return value
+    if settings.max_model_len is None:
+        return DEFAULT_CHAT_MAX_TOKENS
+    if len(prompt) >= settings.max_model_len:
+        raise BadRequestError(
+            f"the chat ({len(prompt)} tokens) fills the model's context length "
+            f"{settings.max_model_len}; shorten the messages",
             param="messages",
         )
-    if not ids:
-        raise BadRequestError("the chat template gave an empty prompt", param="messages")
-    _check_unsupported(body)
-
-    field_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    max_tokens = _get_int(body, field_name, minimum=1)
-    if max_tokens is None:
-        if max_model_len is None:
-            max_tokens = DEFAULT_CHAT_MAX_TOKENS
-        elif len(ids) >= max_model_len:
-            raise BadRequestError(
-                f"the chat ({len(ids)} tokens) fills the model's context length "
-                f"{max_model_len}; shorten the messages",
-                param="messages",
-            )
-        else:
-            max_tokens = max_model_len - len(ids)
-    logprobs = _get_bool(body, "logprobs")
-    top = _get_int(body, "top_logprobs", minimum=0)
-    if top is not None and not logprobs:
-        raise BadRequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    if top:
-        raise BadRequestError(
-            "only 'top_logprobs': 0 is supported (the sampled token, no alternatives)",
-            param="top_logprobs",
-        )
-    return _finish_request(
-        body,
-        ids,
-        max_tokens=max_tokens,
-        max_tokens_field=field_name,
-        vocab_size=vocab_size,
-        max_model_len=max_model_len,
-        logprobs=0 if logprobs else None,
-        return_tokens_as_token_ids=return_tokens_as_token_ids,
-        chat=True,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Responses
-# ---------------------------------------------------------------------------------------------
-
-
-def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    """The OpenAI-style error object for ``status``."""
-    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed"}.get(
-        status, "InternalServerError" if status >= 500 else "InvalidRequestError"
-    )
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
-
-
-def models_body(model_name: str, created: int, max_model_len: int | None) -> dict[str, Any]:
-    """Body of ``GET /v1/models`` for a server of one model."""
-    card: dict[str, Any] = {
-        "id": model_name,
-        "object": "model",
-        "created": created,
-        "owned_by": "kvdrop",
-        "root": model_name,
-    }
-    if max_model_len is not None:
-        card["max_model_len"] = max_model_len
-    return {"object": "list", "data": [card]}
+    return settings.max_model_len - len(prompt)
 
 
 @dataclass(frozen=True)
-class Piece:
-    """What one token adds to a choice: its text, its logprobs token, where its text starts,
-    and the finish reason if it is the last."""
+class Route:
+    """What differs between the completions and the chat route."""
 
-    text: str
-    token: str | None
-    offset: int
-    finish: str | None
-    token_id: int = -1
+    chat: bool
+    fields: frozenset[str]
+    prompt: Callable[[dict[str, Any], Settings], list[int]]
+    max_tokens: Callable[[dict[str, Any], list[int], Settings], int]
+    logprobs: Callable[[dict[str, Any]], int | None]
 
 
-@dataclass
-class CompletionBuilder:
-    """Builds the response to one request from its ``TokenEvent``s.
+COMPLETIONS = Route(
+    False, _COMPLETION_FIELDS, _completion_prompt, _completion_max_tokens, _completion_logprobs
+)
+CHAT = Route(True, _CHAT_FIELDS, _chat_prompt, _chat_max_tokens, _chat_logprobs)
 
-    Feed every event to :meth:`add`; stream each returned piece with :meth:`chunk`, or build the
-    whole body with :meth:`body` at the end. ``detokenize`` computes each token's text with
-    ``tokenizer`` (an :class:`IncrementalDetokenizer`) instead of trusting ``TokenEvent.text``.
-    """
 
-    request: CompletionRequest
-    model_name: str
-    tokenizer: TextTokenizer | None = None
-    detokenize: bool = False
-    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
-    created: int = field(default_factory=lambda: int(time.time()))
-    pieces: list[Piece] = field(default_factory=list)
+def _check_unsupported(body: dict[str, Any], n: int) -> None:
+    """Fields accepted only at their OpenAI defaults (or, for ``best_of``, equal to ``n``)."""
+    best_of = get_int(body, "best_of", minimum=1)
+    if best_of not in (None, n):
+        raise BadRequestError(f"'best_of' must equal 'n' ({n}), got {best_of}", param="best_of")
+    if get_bool(body, "echo"):
+        raise BadRequestError("'echo' is not supported; leave it false", param="echo")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = get_float(body, name, low=-2.0, high=2.0)
+        if value not in (None, 0.0):
+            raise BadRequestError(f"'{name}' is not supported; leave it 0", param=name)
+    get_str(body, "user")
 
-    def __post_init__(self) -> None:
-        self._detok = (
-            IncrementalDetokenizer(self.tokenizer)
-            if self.detokenize and self.tokenizer is not None
-            else None
+
+def _stop_strings(body: dict[str, Any], settings: Settings) -> tuple[str, ...]:
+    """``stop``: a string or a list of strings (capped); text output needs the tokenizer."""
+    stop = body.get("stop")
+    if stop is None or stop == "":
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise BadRequestError(
+            "'stop' must be a string or a list of non-empty strings", param="stop"
         )
-        self._offset = 0
-
-    @property
-    def count(self) -> int:
-        """Tokens added so far."""
-        return len(self.pieces)
-
-    @property
-    def finish(self) -> str | None:
-        """The finish reason of the last piece (None while generating)."""
-        return self.pieces[-1].finish if self.pieces else None
-
-    def add(self, event: TokenEvent) -> Piece:
-        """Account one generated token. Its finish reason is the engine's, or "length" once
-        ``max_tokens`` tokens arrived (an engine that does not label its last token)."""
-        finish = event.finish_reason
-        if finish is None and self.count + 1 >= self.request.max_tokens:
-            finish = "length"
-        if self._detok is not None:
-            text = self._detok.add(event.token_id, final=finish is not None)
-        else:
-            text = event.text
-        token = None
-        if self.request.logprobs is not None:
-            if self.request.tokens_as_token_ids:
-                token = token_id_text(event.token_id)
-            elif self.tokenizer is not None:
-                token = self.tokenizer.decode([event.token_id])
-            else:
-                token = text
-        piece = Piece(
-            text=text, token=token, offset=self._offset, finish=finish, token_id=event.token_id
+    if len(items) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in items):
+        raise BadRequestError(
+            f"'stop' allows at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+            "characters each",
+            param="stop",
         )
-        self._offset += len(text)
-        self.pieces.append(piece)
-        return piece
-
-    def preamble(self) -> list[dict[str, Any]]:
-        """Chunks streamed before the first token (none for completions)."""
-        return []
-
-    def chunk(self, piece: Piece | None = None, *, finish: str | None = None) -> dict[str, Any]:
-        """One streamed chunk: ``piece``'s text and logprobs, or an empty one ending with
-        ``finish`` (an engine that stopped without a reason)."""
-        logprobs = None
-        if piece is not None and piece.token is not None:
-            logprobs = {
-                "text_offset": [piece.offset],
-                "token_logprobs": [None],
-                "tokens": [piece.token],
-                "top_logprobs": [None],
-            }
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": "" if piece is None else piece.text,
-                    "logprobs": logprobs,
-                    "finish_reason": finish if piece is None else piece.finish,
-                    "stop_reason": None,
-                }
-            ],
-        }
-
-    def usage(self) -> dict[str, int]:
-        """Prompt, completion and total token counts."""
-        n_prompt = len(self.request.prompt_token_ids)
-        return {
-            "prompt_tokens": n_prompt,
-            "completion_tokens": self.count,
-            "total_tokens": n_prompt + self.count,
-        }
-
-    def usage_chunk(self) -> dict[str, Any]:
-        """The last streamed chunk of ``stream_options.include_usage``: no choices, the usage."""
-        return {**self.chunk(), "choices": [], "usage": self.usage()}
-
-    def body(self) -> dict[str, Any]:
-        """The non-streaming response (finish reason "stop" when the engine gave none)."""
-        logprobs = None
-        if self.request.logprobs is not None:
-            logprobs = {
-                "text_offset": [p.offset for p in self.pieces],
-                "token_logprobs": [None] * self.count,
-                "tokens": [p.token for p in self.pieces],
-                "top_logprobs": [None] * self.count,
-            }
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": "".join(p.text for p in self.pieces),
-                    "logprobs": logprobs,
-                    "finish_reason": self.finish or "stop",
-                    "stop_reason": None,
-                }
-            ],
-            "usage": self.usage(),
-        }
+    if items and settings.tokenizer is None:
+        raise BadRequestError(
+            "'stop' strings need text output and this server has no tokenizer; use "
+            "'stop_token_ids'",
+            param="stop",
+        )
+    return tuple(dict.fromkeys(items))
 
 
-@dataclass
-class ChatCompletionBuilder(CompletionBuilder):
-    """Builds a ``/v1/chat/completions`` response (``chat.completion`` or its chunks).
+def _sampling(body: dict[str, Any], max_tokens: int, settings: Settings) -> dict[str, Any]:
+    """The engine's sampling parameters: ``max_tokens`` always, the others only when set."""
+    params: dict[str, Any] = {"max_tokens": max_tokens}
+    temperature = get_float(body, "temperature", low=0.0, high=100.0)
+    if temperature is not None:  # a tiny positive one is raised to the minimum, as in vLLM
+        params["temperature"] = (
+            MIN_TEMPERATURE if 0 < temperature < MIN_TEMPERATURE else temperature
+        )
+    top_p = get_float(body, "top_p", low=0.0, high=1.0, low_open=True)
+    if top_p is not None:
+        params["top_p"] = top_p
+    top_k = get_int(body, "top_k", minimum=-1)
+    if top_k is not None and top_k > 0:  # 0 and -1 mean "disabled", as in vLLM
+        params["top_k"] = top_k
+    seed = get_int(body, "seed", minimum=-(2**63))
+    if seed is not None:
+        if seed >= 2**64:
+            raise BadRequestError(f"'seed' must be < 2**64, got {seed}", param="seed")
+        params["seed"] = seed
+    ignore_eos = get_bool(body, "ignore_eos")
+    if ignore_eos is not None:
+        params["ignore_eos"] = ignore_eos
+    if body.get("stop_token_ids") is not None:
+        ids = get_token_ids(
+            body["stop_token_ids"], settings.vocab_size, "stop_token_ids", MAX_STOP_TOKEN_IDS
+        )
+        params["stop_token_ids"] = sorted(set(ids))
+    return params
 
-    The assistant's content is the generated text without the text of the token that stopped it
-    (EOS or a stop token id: ``<|im_end|>`` is not content, as in vLLM); ``logprobs.content``
-    lists every sampled token, that one included, in the same form as the completions route.
+
+def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
+    """``stream`` and ``stream_options.include_usage``."""
+    stream = bool(get_bool(body, "stream"))
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise BadRequestError(
+            "'stream_options' must be an object with only 'include_usage'", param="stream_options"
+        )
+    if not stream:
+        raise BadRequestError(
+            "'stream_options' is only allowed with 'stream': true", param="stream_options"
+        )
+    return stream, bool(get_bool(options, "include_usage"))
+
+
+def parse_request(body: Any, route: Route, settings: Settings) -> CompletionRequest:
+    """Validate a decoded JSON body of ``route``; raise ``BadRequestError``.
+
+    Cheap checks come first (fields, ``n``, ``stop``), then the prompt (bounded before it is
+    tokenized or templated), then what depends on its length.
     """
+    body = check_body(body, route.fields, settings.model_name)
+    n = get_int(body, "n", minimum=1) or 1
+    if n > MAX_N:
+        raise BadRequestError(f"'n' must be at most {MAX_N}, got {n}", param="n")
+    _check_unsupported(body, n)
+    stop = _stop_strings(body, settings)
+    logprobs = route.logprobs(body)
+    stream, include_usage = _streaming(body)
+    cache_salt = get_str(body, "cache_salt") or ""
+    as_ids = get_bool(body, "return_tokens_as_token_ids")
+    skip_special = get_bool(body, "skip_special_tokens")
+    include_stop = get_bool(body, "include_stop_str_in_output")
+    prompt = route.prompt(body, settings)
+    max_tokens = route.max_tokens(body, prompt, settings)
+    limit = settings.max_model_len
+    if limit is not None and len(prompt) + max_tokens > limit:
+        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        raise BadRequestError(
+            f"prompt ({len(prompt)} tokens) + {name} ({max_tokens}) exceeds the model's context "
+            f"length {limit}; shorten the prompt or lower {name}",
+            param=name,
+        )
+    params = _sampling(body, max_tokens, settings)
+    if logprobs is not None:
+        params["logprobs"] = logprobs  # the engine computes the values
+    return CompletionRequest(
+        prompt_token_ids=prompt,
+        sampling_params=params,
+        cache_salt=cache_salt,
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=logprobs,
+        tokens_as_token_ids=settings.return_tokens_as_token_ids if as_ids is None else as_ids,
+        chat=route.chat,
+        n=n,
+        stop=stop,
+        skip_special_tokens=skip_special is not False,
+        include_stop_str=bool(include_stop),
+    )
 
-    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
 
-    def add(self, event: TokenEvent) -> Piece:
-        """Account one generated token (see :meth:`CompletionBuilder.add`)."""
-        piece = super().add(event)
-        if piece.finish == "stop" and piece.text:
-            stop_text = (
-                self.tokenizer.decode([event.token_id]) if self.tokenizer is not None else ""
-            )
-            if stop_text and piece.text.endswith(stop_text):
-                piece = replace(piece, text=piece.text[: -len(stop_text)])
-                self.pieces[-1] = piece
-        return piece
+def parse_completion_request(body: Any, **settings: Any) -> CompletionRequest:
+    """``POST /v1/completions`` (keywords: the fields of :class:`Settings`)."""
+    return parse_request(body, COMPLETIONS, Settings(**settings))
 
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model_name}
 
-    @staticmethod
-    def _logprob(piece: Piece) -> dict[str, Any]:
-        return {"token": piece.token, "logprob": None, "bytes": None, "top_logprobs": []}
+def parse_chat_request(body: Any, **settings: Any) -> CompletionRequest:
+    """``POST /v1/chat/completions`` (keywords: the fields of :class:`Settings`)."""
+    return parse_request(body, CHAT, Settings(**settings))
 
-    def _logprobs(self, pieces: list[Piece]) -> dict[str, Any] | None:
-        if self.request.logprobs is None:
-            return None
-        return {"content": [self._logprob(p) for p in pieces]}
 
-    def preamble(self) -> list[dict[str, Any]]:
-        """The first chunk: the assistant role, no content yet (as OpenAI streams it)."""
-        choice = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        return [{**self._head("chat.completion.chunk"), "choices": [choice]}]
+def parse_tokenize_request(body: Any, settings: Settings) -> list[int]:
+    """vLLM's ``POST /tokenize``: ``{"prompt": text}`` or ``{"messages": [...]}`` (with
+    ``add_generation_prompt``, default true) to token ids, bounded as the routes bound them."""
+    known = frozenset(
+        {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens"}
+    )
+    body = check_body(body, known, settings.model_name)
+    get_bool(body, "add_special_tokens")
+    if ("prompt" in body) == ("messages" in body):
+        raise BadRequestError("send exactly one of 'prompt' (text) or 'messages'", param="prompt")
+    if "messages" in body:
+        return _chat_prompt(body, settings)
+    text = get_str(body, "prompt")
+    return _text_ids(text or "", settings, "prompt") if text else []
 
-    def chunk(self, piece: Piece | None = None, *, finish: str | None = None) -> dict[str, Any]:
-        """One streamed ``chat.completion.chunk``: ``piece``'s content delta and logprobs, or an
-        empty delta ending with ``finish``."""
-        choice: dict[str, Any] = {
-            "index": 0,
-            "delta": {} if piece is None else {"content": piece.text},
-            "logprobs": None if piece is None else self._logprobs([piece]),
-            "finish_reason": finish if piece is None else piece.finish,
-        }
-        return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
-    def usage_chunk(self) -> dict[str, Any]:
-        """The last streamed chunk of ``stream_options.include_usage``: no choices, the usage."""
-        return {**self._head("chat.completion.chunk"), "choices": [], "usage": self.usage()}
-
-    def body(self) -> dict[str, Any]:
-        """The non-streaming ``chat.completion`` (finish reason "stop" when the engine gave
-        none)."""
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": "".join(p.text for p in self.pieces)},
-            "logprobs": self._logprobs(self.pieces),
-            "finish_reason": self.finish or "stop",
-        }
-        return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage()}
+def parse_detokenize_request(body: Any, settings: Settings) -> list[int]:
+    """vLLM's ``POST /detokenize``: ``{"tokens": [ids]}``, ids in the vocabulary."""
+    body = check_body(body, frozenset({"model", "tokens"}), settings.model_name)
+    if settings.tokenizer is None:
+        raise BadRequestError("this server has no tokenizer", param="tokens")
+    return get_token_ids(body.get("tokens"), settings.vocab_size, "tokens", settings.max_model_len)

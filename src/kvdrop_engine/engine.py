@@ -28,7 +28,14 @@ from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.paged import to_host
 from kvdrop_engine.reconstruct import ReconstructionPrompt, ScoresJob, reconstruction_scores
 from kvdrop_engine.runner import ModelRunner
-from kvdrop_engine.sampling import SamplingParams, finish_reason, pick_tokens, sample_row
+from kvdrop_engine.sampling import (
+    SamplingParams,
+    TokenLogprobs,
+    finish_reason,
+    pick_tokens,
+    sample_row,
+    token_logprobs,
+)
 from kvdrop_engine.scheduler import (
     DEFAULT_BUDGET_TOKENS,
     Scheduler,
@@ -200,6 +207,11 @@ class Engine:
     def num_free_blocks(self) -> int:
         """Blocks not reserved by any running request."""
         return self.cache.allocator.num_free
+
+    def load(self) -> tuple[int, int]:
+        """Requests running (admitted: prefilling or decoding) and waiting for admission now."""
+        with self._cv:
+            return len(self._sched.running), len(self._sched.waiting)
 
     @property
     def graphs(self) -> DecodeGraphs | None:
@@ -376,13 +388,16 @@ class Engine:
                     "cached KV or weights?); the request is stopped, others go on"
                 )
             tok = argmax if req.params.greedy else sample_row(row, req.params, req.generator)
+            logprobs = None
+            if req.params.logprobs is not None:
+                logprobs = token_logprobs(row[None], [tok], [req.params.logprobs])[0]
             if not req.output and req.store_upto and self._transfers is not None:
                 self._transfers.submit(req, self._transfers.prompt_job(req))
-            self._emit(req, tok)
+            self._emit(req, tok, logprobs)
         except Exception as exc:
             self._fail(req, exc)
 
-    def _emit(self, req: Request, tok: int) -> None:
+    def _emit(self, req: Request, tok: int, logprobs: TokenLogprobs | None = None) -> None:
         req.output.append(tok)
         reason = finish_reason(tok, len(req.output), req.params, self.eos_token_ids)
         text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
@@ -391,7 +406,8 @@ class Engine:
                 self._transfers.submit(req, job)
             if req.params.reconstruct:
                 self._transfers.submit(req, self._reconstruct(req))
-        req.out.put(TokenEvent(token_id=tok, text=text, finish_reason=reason))
+        lp, top = (None, ()) if logprobs is None else logprobs
+        req.out.put(TokenEvent(tok, text, reason, logprob=lp, top_logprobs=top))
         if reason is not None:
             with self._cv:
                 self._sched.finish(req)

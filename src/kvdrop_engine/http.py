@@ -1,13 +1,16 @@
 """An OpenAI-compatible HTTP server around any ``PostCompletion`` callable: the transport only.
 
 Serves ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or server-sent events, one
-event per token), ``GET /v1/models``, ``GET /health`` and optionally ``GET /stats`` with the
-stdlib's threading HTTP server: every request runs in its own thread, so concurrent requests reach
-the engine together and it can batch them. What a request may contain and what a response holds
-is :mod:`kvdrop_engine.completions`; with ``return_tokens_as_token_ids`` (as vLLM's
+event per token; ``n`` choices), vLLM's ``POST /tokenize`` and ``POST /detokenize``,
+``GET /metrics`` (Prometheus text, :mod:`kvdrop_engine.metrics`), ``GET /v1/models``,
+``GET /health`` and optionally ``GET /stats`` with the stdlib's threading HTTP server: every
+request runs in its own thread, so concurrent requests reach the engine together and it can batch
+them. What a request may contain is :mod:`kvdrop_engine.completions`, what a response holds
+:mod:`kvdrop_engine.responses`; with ``return_tokens_as_token_ids`` (as vLLM's
 ``--return-tokens-as-token-ids``) the logprobs tokens carry the token ids, which is how
-``kvdrop_sdk.adapters.openai.make_post_completion`` learns them. A client that goes away is
-logged in one line (its request is cancelled), never with a traceback.
+``kvdrop_sdk.adapters.openai.make_post_completion`` learns them. Every request is logged in one
+line (method, path, status, prompt and completion tokens, seconds); a client that goes away is
+one line too (its request is cancelled), never a traceback.
 
 Hostile or unlucky clients cost little: bodies over ``MAX_BODY_BYTES``, text prompts over the
 character limit (refused before tokenizing) and deeply nested JSON get a 4xx answer; connections
@@ -31,15 +34,24 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kvdrop_engine.completions import (
+    CHAT,
+    COMPLETIONS,
     BadRequestError,
+    CompletionRequest,
+    Route,
+    Settings,
+    max_prompt_chars_for,
+    parse_detokenize_request,
+    parse_request,
+    parse_tokenize_request,
+)
+from kvdrop_engine.fanout import ChoiceStreams, close_stream
+from kvdrop_engine.metrics import EngineGauges, ServerMetrics
+from kvdrop_engine.responses import (
     ChatCompletionBuilder,
     CompletionBuilder,
-    CompletionRequest,
     error_body,
-    max_prompt_chars_for,
     models_body,
-    parse_chat_request,
-    parse_completion_request,
 )
 from kvdrop_engine.tokenizer import TextTokenizer
 from kvdrop_sdk.events import PostCompletion, TokenEvent
@@ -54,11 +66,15 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 _GONE_CHECK_S = 0.02
 _DISCONNECTS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 
-#: The POST routes and the kind of request each takes.
-_POST_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}
+#: The generating POST routes and what each takes.
+_POST_ROUTES: dict[str, Route] = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
+_TOKEN_ROUTES = ("/tokenize", "/detokenize")
 
 #: What the server answers, for its start-up line and its 404s.
-ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health"
+ROUTES = (
+    "POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize, "
+    "GET /v1/models, GET /health, GET /metrics"
+)
 
 
 class _Server(ThreadingHTTPServer):
@@ -90,7 +106,10 @@ class CompletionHTTPServer:
     ``ValueError``/``TypeError`` are answered with 400, others with 500;
     errors after streaming began are sent as an SSE ``{"error": ...}`` event before ``[DONE]``.
     ``health`` backs ``GET /health`` (503 when it returns False); ``stats``, when given, is served
-    as JSON at ``GET /stats`` (the reference engine's counters). ``read_timeout`` closes
+    as JSON at ``GET /stats`` (the reference engine's counters); ``gauges`` adds the engine's
+    queues, KV blocks and cache counters to ``GET /metrics``. With a tokenizer the server
+    detokenizes itself unless ``detokenize=False`` (``skip_special_tokens`` and ``stop`` strings
+    need it). ``read_timeout`` closes
     connections idle or half-sent for that long; ``max_prompt_chars`` bounds text prompts before
     tokenizing (default: ``max_model_len`` x 16, or 2 Mi characters without ``max_model_len``).
     """
@@ -104,11 +123,12 @@ class CompletionHTTPServer:
         host: str = "127.0.0.1",
         port: int = 8000,
         return_tokens_as_token_ids: bool = False,
-        detokenize: bool = False,
+        detokenize: bool | None = None,
         vocab_size: int | None = None,
         max_model_len: int | None = None,
         health: Callable[[], bool] | None = None,
         stats: Callable[[], dict[str, Any]] | None = None,
+        gauges: EngineGauges | None = None,
         read_timeout: float = 30.0,
         max_prompt_chars: int | None = None,
     ) -> None:
@@ -126,11 +146,21 @@ class CompletionHTTPServer:
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
-        self.detokenize = detokenize
+        self.detokenize = tokenizer is not None if detokenize is None else detokenize
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.health = health
         self.stats = stats
+        self.gauges = gauges
+        self.metrics = ServerMetrics()
+        self.settings = Settings(
+            model_name=model_name,
+            tokenizer=tokenizer,
+            vocab_size=vocab_size,
+            max_model_len=max_model_len,
+            return_tokens_as_token_ids=return_tokens_as_token_ids,
+            max_prompt_chars=self.max_prompt_chars,
+        )
         self.created = int(time.time())
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
@@ -195,16 +225,26 @@ class CompletionHTTPServer:
     def parse(self, body: Any, *, chat: bool = False) -> CompletionRequest:
         """Validate a completion (or, with ``chat``, a chat completion) request with this
         server's settings."""
-        parse = parse_chat_request if chat else parse_completion_request
-        return parse(
-            body,
-            model_name=self.model_name,
-            tokenizer=self.tokenizer,
-            vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-            return_tokens_as_token_ids=self.return_tokens_as_token_ids,
-            max_prompt_chars=self.max_prompt_chars,
-        )
+        return parse_request(body, CHAT if chat else COMPLETIONS, self.settings)
+
+    def metrics_text(self) -> str:
+        """Body of ``GET /metrics``."""
+        return self.metrics.render(self.model_name, None if self.gauges is None else self.gauges())
+
+    def token_payload(self, path: str, body: Any) -> dict[str, Any]:
+        """Body of ``POST /tokenize`` or ``POST /detokenize`` (vLLM's shapes)."""
+        tokenizer = self.tokenizer
+        if path == "/detokenize":
+            ids = parse_detokenize_request(body, self.settings)
+            assert tokenizer is not None
+            return {"prompt": tokenizer.decode(ids)}
+        ids = parse_tokenize_request(body, self.settings)
+        return {
+            "count": len(ids),
+            "max_model_len": self.max_model_len,
+            "tokens": ids,
+            "token_strs": None,
+        }
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -223,16 +263,39 @@ class _Handler(BaseHTTPRequestHandler):
         # A client closing its keep-alive connection between requests (what a pooled HTTP client
         # does when it is dropped) is normal HTTP: only a request cut off is worth a log line.
         self._in_request = False
+        self.command, self.path = "-", "-"
+        self._status: int | None = None
+        self._tokens = (0, 0)  # prompt, completion tokens of a generating request
         try:
             super().handle_one_request()
         except _DISCONNECTS:
             if self._in_request:
                 raise
             self.close_connection = True
+        finally:
+            if self._in_request:
+                self._log_request()
 
     def parse_request(self) -> bool:
         self._in_request = True  # the request line arrived: from now on a reset cuts it off
+        self._started = time.monotonic()
         return super().parse_request()
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self._status = code
+        super().send_response(code, message)
+
+    def _log_request(self) -> None:
+        """The request's one log line: client, method, path, status, tokens, seconds."""
+        logger.info(
+            '%s "%s %s" %s prompt_tokens=%d completion_tokens=%d %.3f s',
+            self.address_string(),
+            self.command or "-",
+            self.path.split("?", 1)[0],
+            self._status or "-",
+            *self._tokens,
+            time.monotonic() - self._started,
+        )
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s %s", self.address_string(), format % args)
@@ -312,11 +375,18 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send_json(200, {"status": "ok"})
             else:
                 self._send_error(503, "the engine is not healthy or is shutting down")
+        elif path == "/metrics":
+            data = app.metrics_text().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
         elif path == "/stats" and app.stats is not None:
             self._send_json(200, app.stats())
         elif path == "/v1/models":
             self._send_json(200, app.models_payload())
-        elif path in _POST_ROUTES:
+        elif path in _POST_ROUTES or path in _TOKEN_ROUTES:
             self._send_error(405, f"use POST for {path}")
         else:
             self._send_error(404, f"no route {path or '/'}; this server answers {ROUTES}")
@@ -324,20 +394,22 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         app = self.server.app
         path = self.path.split("?", 1)[0].rstrip("/")
-        if path not in _POST_ROUTES:
+        if path not in _POST_ROUTES and path not in _TOKEN_ROUTES:
             # Drain a sane body so the connection stays usable; otherwise close it after refusing.
             length = self.headers.get("Content-Length") or "0"
             if length.isdigit() and int(length) <= MAX_BODY_BYTES:
                 self.rfile.read(int(length))
             else:
                 self.close_connection = True
-            status = 405 if path in ("/health", "/v1/models") else 404
-            self._send_error(
-                status, f"no POST route {path or '/'}; POST /v1/completions or /v1/chat/completions"
-            )
+            status = 405 if path in ("/health", "/v1/models", "/metrics") else 404
+            self._send_error(status, f"no POST route {path or '/'}; this server answers {ROUTES}")
             return
         try:
-            req = app.parse(self._read_json(), chat=_POST_ROUTES[path])
+            body = self._read_json()
+            if path in _TOKEN_ROUTES:
+                self._send_json(200, app.token_payload(path, body))
+                return
+            req = parse_request(body, _POST_ROUTES[path], app.settings)
         except BadRequestError as exc:
             self.close_connection = exc.status in (408, 411, 413)
             self._send_error(exc.status, str(exc), exc.param)
@@ -350,30 +422,33 @@ class _Handler(BaseHTTPRequestHandler):
     # ---- completions ---------------------------------------------------------------------
 
     def _complete(self, app: CompletionHTTPServer, req: CompletionRequest) -> None:
-        """Call the engine; answer 400/500 if it fails before its first token, else stream/JSON."""
-        events: Iterator[TokenEvent] | None = None
+        """Call the engine (once per choice); answer 400/500 if it fails before its first token,
+        else stream or collect; account the request in ``/metrics``."""
+        started = time.monotonic()
+        build = self._builder(app, req)
+        opened: list[Iterator[TokenEvent]] = []
         try:
-            events = iter(
-                app.post_completion(req.prompt_token_ids, dict(req.sampling_params), req.cache_salt)
-            )
-            first: TokenEvent | None = next(events)
-        except StopIteration:
-            first = None
+            for i in range(req.n):
+                events = app.post_completion(
+                    req.prompt_token_ids, req.choice_params(i), req.cache_salt
+                )
+                opened.append(iter(events))
+            streams = ChoiceStreams(opened)
+            pairs = iter(streams)
+            first = next(pairs, None)
         except (ValueError, TypeError) as exc:
-            _close(events)
+            _close_all(opened)
             self._send_error(400, f"the engine rejected the request: {exc}")
             return
         except Exception as exc:
             logger.exception("engine failed before its first token")
-            _close(events)
+            _close_all(opened)
             self._send_error(500, f"the engine failed: {type(exc).__name__}: {exc}")
             return
-        assert events is not None
+        finish = "abort"
         try:
-            if req.stream:
-                self._stream(app, req, first, events)
-            else:
-                self._collect(app, req, first, events)
+            run = self._stream if req.stream else self._collect
+            finish = run(app, build, first, pairs, streams)
         except _DISCONNECTS as exc:
             self.close_connection = True
             logger.info(
@@ -382,83 +457,96 @@ class _Handler(BaseHTTPRequestHandler):
                 exc.strerror or exc,
             )
         finally:
-            _close(events)
+            streams.close()
+            self._tokens = (len(req.prompt_token_ids), build.count)
+            app.metrics.finished(finish, *self._tokens, time.monotonic() - started)
 
     def _builder(self, app: CompletionHTTPServer, req: CompletionRequest) -> CompletionBuilder:
         kind = ChatCompletionBuilder if req.chat else CompletionBuilder
         return kind(req, app.model_name, tokenizer=app.tokenizer, detokenize=app.detokenize)
 
+    def _pieces(
+        self,
+        app: CompletionHTTPServer,
+        build: CompletionBuilder,
+        first: tuple[int, TokenEvent] | None,
+        events: Iterator[tuple[int, TokenEvent]],
+        streams: ChoiceStreams,
+    ) -> Iterator[tuple[int, Any]]:
+        """Each event as ``(choice index, piece)`` until every choice finished (or shutdown)."""
+        item = first
+        while item is not None:
+            index, event = item
+            piece = build.add(event, index)
+            if piece.finish is not None:
+                streams.done(index)
+            yield index, piece
+            if all(c.finish is not None for c in build.choices) or app.closing:
+                return
+            item = next(events, None)
+
     def _stream(
         self,
         app: CompletionHTTPServer,
-        req: CompletionRequest,
-        first: TokenEvent | None,
-        events: Iterator[TokenEvent],
-    ) -> None:
+        build: CompletionBuilder,
+        first: tuple[int, TokenEvent] | None,
+        events: Iterator[tuple[int, TokenEvent]],
+        streams: ChoiceStreams,
+    ) -> str:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        build = self._builder(app, req)
         for opening in build.preamble():
             self._sse(opening)
-        event = first
+        finish = "stop"
         try:
-            while event is not None:
-                piece = build.add(event)
-                self._sse(build.chunk(piece))
-                if piece.finish is not None or app.closing:
-                    break
-                event = next(events, None)
-            if build.finish is None:
-                # The engine ended without a reason: an EOS it did not label, or server shutdown.
-                self._sse(build.chunk(finish="stop"))
+            for index, piece in self._pieces(app, build, first, events, streams):
+                if piece.text or piece.token is not None or piece.finish is not None:
+                    self._sse(build.chunk(piece, index=index))
+            for choice in build.choices:
+                if choice.finish is None:  # an EOS the engine did not label, or shutdown
+                    self._sse(build.chunk(finish="stop", index=choice.index))
+            finish = build.finish or "stop"
         except _DISCONNECTS:
             raise
         except Exception as exc:
             logger.exception("engine failed while streaming")
             self._sse(error_body(f"the engine failed: {type(exc).__name__}: {exc}", 500))
-        if req.include_usage:
+            finish = "error"
+        if build.request.include_usage:
             self._sse(build.usage_chunk())
         self._sse("[DONE]")
         self._write_chunk(b"")
+        return finish
 
     def _collect(
         self,
         app: CompletionHTTPServer,
-        req: CompletionRequest,
-        first: TokenEvent | None,
-        events: Iterator[TokenEvent],
-    ) -> None:
-        build = self._builder(app, req)
-        event = first
+        build: CompletionBuilder,
+        first: tuple[int, TokenEvent] | None,
+        events: Iterator[tuple[int, TokenEvent]],
+        streams: ChoiceStreams,
+    ) -> str:
         checked = time.monotonic()
         try:
-            while event is not None:
-                piece = build.add(event)
-                if piece.finish is not None or app.closing:
-                    break
+            for _ in self._pieces(app, build, first, events, streams):
                 now = time.monotonic()
                 if now - checked >= _GONE_CHECK_S:
                     checked = now
                     if self._client_gone():  # nobody will read the answer: stop generating
                         raise ConnectionAbortedError("the client closed the connection")
-                event = next(events, None)
         except ConnectionAbortedError:
             raise
         except Exception as exc:
             logger.exception("engine failed while generating")
             self._send_error(500, f"the engine failed: {type(exc).__name__}: {exc}")
-            return
+            return "error"
         self._send_json(200, build.body())
+        return build.finish or "stop"
 
 
-def _close(events: Iterator[TokenEvent] | None) -> None:
-    """Close a generator so the engine frees the request's blocks (no-op for other iterators)."""
-    close = getattr(events, "close", None)
-    if callable(close):
-        try:
-            close()
-        except Exception:
-            logger.exception("closing the engine's event stream failed")
+def _close_all(streams: list[Iterator[TokenEvent]]) -> None:
+    for stream in streams:
+        close_stream(stream)

@@ -2,7 +2,8 @@
 
 ``SamplingParams.from_dict`` validates an OpenAI/vLLM-style dict once, when a request enters the
 engine; :func:`sample` then picks one token per row of a step's logits (greedy rows in one
-``argmax``), and :func:`finish_reason` says whether a token ends its request.
+``argmax``), :func:`token_logprobs` gives the log-probabilities a request asked for, and
+:func:`finish_reason` says whether a token ends its request.
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ from kvdrop_sdk.validate import is_int, is_number
 
 __all__ = [
     "GREEDY_BELOW",
+    "MAX_LOGPROBS",
+    "MIN_TEMPERATURE",
     "SamplingParams",
+    "TokenLogprobs",
     "finish_reason",
     "make_generator",
     "pick_tokens",
     "sample",
     "sample_row",
+    "token_logprobs",
 ]
 
 #: A temperature at or below this samples greedily: dividing logits by a tinier one overflows
@@ -34,13 +39,23 @@ __all__ = [
 GREEDY_BELOW = 1e-5
 
 #: OpenAI fields a request may carry that do not change sampling here.
-_TOLERATED_KEYS = frozenset({"stream", "logprobs", "model", "user", "echo", "n"})
+_TOLERATED_KEYS = frozenset({"stream", "model", "user", "echo", "n"})
+#: The smallest positive temperature the OpenAI server passes on: lower ones are raised to it,
+#: as vLLM does (the engine itself samples greedily at or below ``GREEDY_BELOW``).
+MIN_TEMPERATURE = 1e-2
+#: Most alternatives per token a request may ask for (vLLM's default ``max_logprobs``).
+MAX_LOGPROBS = 20
+
+#: One token's log-probability and its ``top`` alternatives as ``(token_id, logprob)``.
+TokenLogprobs = tuple[float, tuple[tuple[int, float], ...]]
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. ``temperature <= GREEDY_BELOW`` (0 included) is greedy; ``top_k <= 0``
-    and ``top_p == 1`` are off. ``stop_set`` holds ``stop_token_ids`` for O(1) checks."""
+    and ``top_p == 1`` are off. ``stop_set`` holds ``stop_token_ids`` for O(1) checks.
+    ``logprobs`` (None: none) asks for each sampled token's log-probability and that many top
+    alternatives."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -49,6 +64,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
     #: kvdrop's extension: score this prompt with KVzip's reconstruction pass when the request
     #: ends (needs an engine built with ``reconstruction``; the ``kvzip`` policy reads them).
     reconstruct: bool = False
@@ -113,6 +129,10 @@ class SamplingParams:
             raise bad("ignore_eos", "a bool")
         if not all(is_int(t) for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of ints")
+        if self.logprobs is not None and (
+            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -166,6 +186,27 @@ def pick_tokens(logits: Tensor, greedy: Tensor | None = None) -> list[int | None
     picked = logits.argmax(dim=-1) if greedy is None else greedy
     rows = torch.where(finite, picked, torch.full_like(picked, -1)).tolist()
     return [None if t < 0 else int(t) for t in rows]
+
+
+def token_logprobs(
+    logits: Tensor, tokens: Sequence[int], tops: Sequence[int | None]
+) -> list[TokenLogprobs | None]:
+    """Row ``i``'s log-probability of ``tokens[i]`` and its ``tops[i]`` most likely tokens, from
+    the model's raw logits (as vLLM's default ``raw_logprobs``); None where ``tops[i]`` is None."""
+    rows = [i for i, top in enumerate(tops) if top is not None]
+    out: list[TokenLogprobs | None] = [None] * len(tops)
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=logits.device)
+    logp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    k = max(int(tops[i] or 0) for i in rows)
+    top_lp, top_ids = (t.cpu().tolist() for t in torch.topk(logp, k, dim=-1)) if k else ([], [])
+    chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=logp.device))
+    for j, (i, lp) in enumerate(zip(rows, chosen[:, 0].cpu().tolist(), strict=True)):
+        n = int(tops[i] or 0)
+        alts = tuple(zip(top_ids[j][:n], top_lp[j][:n], strict=True)) if n else ()
+        out[i] = (float(lp), alts)
+    return out
 
 
 def finish_reason(

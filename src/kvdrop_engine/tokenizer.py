@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "IncrementalDetokenizer",
     "JSONTokenizer",
+    "SpecialTokens",
     "TextTokenizer",
     "TokenDecoder",
     "Tokenizer",
@@ -63,16 +64,26 @@ class TextTokenizer(TokenDecoder, Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
+@runtime_checkable
+class SpecialTokens(Protocol):
+    """A tokenizer that says which ids are special (``<|im_end|>``...): what
+    ``skip_special_tokens`` leaves out of the text."""
+
+    special_token_ids: frozenset[int]
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without splitting multi-byte characters.
 
     Each :meth:`add` decodes a short window (the tokens since the last emitted boundary plus the
     new one), never the whole output, and returns what the new token adds. A trailing U+FFFD means
     an incomplete UTF-8 sequence: the text is held back until it completes, or until ``final``.
+    Ids in ``skip`` (the special tokens, with ``skip_special_tokens``) add no text.
     """
 
-    def __init__(self, tokenizer: TokenDecoder) -> None:
+    def __init__(self, tokenizer: TokenDecoder, skip: frozenset[int] = frozenset()) -> None:
         self._tok = tokenizer
+        self._skip = skip
         self._ids: list[int] = []
         self._start = 0  # the window: ids[start:emitted] is text already returned
         self._emitted = 0
@@ -80,7 +91,16 @@ class IncrementalDetokenizer:
     def add(self, token_id: int, *, final: bool = False) -> str:
         """Append one token; return the new text it completes (possibly empty). ``final`` flushes
         whatever is held back (the last token of a request)."""
+        if token_id in self._skip:
+            return self.flush() if final else ""
         self._ids.append(token_id)
+        return self._delta(final)
+
+    def flush(self) -> str:
+        """The text held back (an incomplete character), now; the request ends."""
+        return self._delta(True)
+
+    def _delta(self, final: bool) -> str:
         before = self._tok.decode(self._ids[self._start : self._emitted])
         now = self._tok.decode(self._ids[self._start :])
         if len(now) <= len(before) or (not final and now.endswith("\ufffd")):
@@ -104,6 +124,9 @@ class JSONTokenizer:
         path = Path(path)
         self._tk = HFTokenizer.from_file(str(path))
         self.vocab_size = self._tk.get_vocab_size(with_added_tokens=True)
+        self.special_token_ids: frozenset[int] = frozenset(
+            i for i, added in self._tk.get_added_tokens_decoder().items() if added.special
+        )
         self.name = path.parent.name or path.name
         self.chat_template: str | None = None
         self.bos_token: str | None = None
@@ -121,9 +144,10 @@ class JSONTokenizer:
         """Token ids of ``text``."""
         return list(self._tk.encode(text).ids)
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of ``token_ids`` (special tokens kept)."""
-        return self._tk.decode([int(t) for t in token_ids], skip_special_tokens=False)
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``token_ids`` (special tokens kept unless ``skip_special_tokens``)."""
+        ids = [int(t) for t in token_ids]
+        return self._tk.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
         self,
@@ -219,6 +243,9 @@ class Tokenizer:
         self._tk = tk
         self.name = name
         self.special_tokens: frozenset[str] = frozenset(special)
+        self.special_token_ids: frozenset[int] = frozenset(
+            i for i, ty in enumerate(types) if ty == _CONTROL
+        )
         self.chat_template: str | None = metadata.get("tokenizer.chat_template")
         self.bos_token_id: int | None = _opt_int(metadata.get("tokenizer.ggml.bos_token_id"))
         eos = _opt_int(metadata.get("tokenizer.ggml.eos_token_id"))

@@ -19,13 +19,17 @@ class TokenEvent:
     """One generated token: its id (required to key the cache), text, and why generation stopped.
 
     ``finish_reason`` is ``None`` while generating, then "stop" (EOS / stop token) or "length"
-    (``max_tokens`` reached) on the last event, as in the OpenAI completions API.
+    (``max_tokens`` reached) on the last event, as in the OpenAI completions API. ``logprob`` and
+    ``top_logprobs`` (``(token_id, logprob)`` pairs, most likely first) are set when the request
+    asked for logprobs and the engine computes them.
     """
 
     token_id: int
     text: str = ""
     finish_reason: str | None = None
     time: float = field(default_factory=time.perf_counter)
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 class PostCompletion(Protocol):

@@ -7,6 +7,9 @@ the installed example plugin keeps.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ from sybil import Sybil
 from sybil.parsers.markdown import PythonCodeBlockParser
 
 import kvdrop
+from kvdrop import registry
 from kvdrop_sdk import CacheKind
 
 ROOT = Path(__file__).parents[2]
@@ -46,3 +50,26 @@ def test_the_documented_plugins_are_the_installed_ones() -> None:
         documented = factory(keep_tokens=32, chunk_size=8, **params)
         installed = kvdrop.get(name, keep_tokens=32, chunk_size=8, **params)
         assert documented(tensors, tokens)[1] == installed(tensors, tokens)[1]
+
+
+def test_the_readme_tour_warns_about_nothing_it_does_not_show() -> None:
+    """A reader who pastes the README's python blocks sees only what the page shows: no
+    ``PolicyWarning`` (or any other warning) on stderr."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        page_namespace(ROOT / "README.md")
+    assert [str(w.message) for w in caught] == []
+
+
+def test_the_builtin_list_holds_with_other_plugins_installed() -> None:
+    """docs/policies.md prints the built-ins: a third-party plugin registered at run time (as an
+    installed distribution would be) must not change what it prints."""
+    registry._reset()
+    kvdrop.register("zz-docs-extra", registry.factory("random"))
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            page_namespace(ROOT / "docs" / "policies.md")
+    finally:
+        registry._reset()
+    assert "zz-docs-extra" not in out.getvalue()
+    assert "'snapkv'" in out.getvalue()

@@ -9,13 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdrop_engine.completions import (
-    BadRequestError,
-    ChatCompletionBuilder,
-    CompletionBuilder,
-    parse_chat_request,
-    parse_completion_request,
-)
+from kvdrop_engine.completions import BadRequestError, parse_chat_request, parse_completion_request
+from kvdrop_engine.responses import ChatCompletionBuilder, CompletionBuilder
 from kvdrop_engine.tokenizer import TokenizerError
 from kvdrop_sdk.adapters.openai import parse_token_id_text, token_id_text
 from kvdrop_sdk.events import TokenEvent
@@ -113,7 +108,8 @@ def test_parse_never_fails_with_anything_but_bad_request(body: Any) -> None:
     assert req.prompt_token_ids and all(0 <= t < VOCAB for t in req.prompt_token_ids)
     assert req.max_tokens >= 1 and req.sampling_params["max_tokens"] == req.max_tokens
     assert set(req.sampling_params) <= {
-        "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop_token_ids"
+        "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop_token_ids",
+        "logprobs",
     }  # fmt: skip
 
 
@@ -186,12 +182,12 @@ def test_chat_max_tokens_default_is_the_rest_of_the_context() -> None:
         ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "unknown field(s)"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 0}, "needs 'logprobs'"),
         (
-            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2},
-            "only 'top_logprobs': 0",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "at most 20",
         ),
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": 0}, "must be true or false"),
-        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "'n' must be 1"),
-        ({"messages": [{"role": "user", "content": "x"}], "stop": ["."]}, "stop strings"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 17}, "'n' must be at most 16"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "non-empty strings"),
     ],
 )
 def test_chat_bad_requests_say_what_is_wrong(body: dict[str, Any], fragment: str) -> None:
@@ -263,6 +259,7 @@ def test_chat_builder_body_and_chunks() -> None:
         "delta": {},
         "logprobs": None,
         "finish_reason": "length",
+        "stop_reason": None,
     }
 
 
@@ -304,3 +301,51 @@ def test_chat_parse_never_fails_with_anything_but_bad_request(body: Any) -> None
         return
     assert req.chat and req.prompt_token_ids and req.max_tokens >= 1
     assert len(req.prompt_token_ids) + req.max_tokens <= 4096
+
+
+class CountingTemplate(CharTokenizer):
+    """Counts chat templating calls: bounds must refuse a request before any."""
+
+    calls = 0
+
+    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
+        CountingTemplate.calls += 1
+        return self.encode("".join(m["content"] for m in messages) or "x")
+
+
+@pytest.mark.parametrize(
+    ("messages", "fragment"),
+    [
+        ([{"role": "r" * 4_000_000, "content": "x"}], "'role' is 4000000 characters"),
+        ([{"role": "user", "content": "x", "name": "n" * 100}], "'name' is 100 characters"),
+        ([{"role": "user", "content": ""}] * 150_000, "150000 messages"),
+        ([{"role": "user", "content": [{"type": "text", "text": ""}] * 5000}], "content parts"),
+        ([{"role": "user", "content": "x" * 70_000}], "the chat's text is 70004 characters"),
+    ],
+)
+def test_chat_bounds_refuse_before_templating(messages: list[Any], fragment: str) -> None:
+    CountingTemplate.calls = 0
+    with pytest.raises(BadRequestError) as info:
+        parse_chat_request(
+            {"messages": messages}, model_name="m", tokenizer=CountingTemplate(), max_model_len=4096
+        )
+    assert fragment in str(info.value) and info.value.status == 400
+    assert CountingTemplate.calls == 0
+
+
+def test_stop_lists_are_capped_and_deduplicated() -> None:
+    req = parse_completion_request(
+        {"prompt": "x", "stop": ["a", "b", "a"], "stop_token_ids": [5, 3, 5]},
+        model_name="m",
+        tokenizer=CharTokenizer(),
+    )
+    assert req.stop == ("a", "b") and req.sampling_params["stop_token_ids"] == [3, 5]
+    with pytest.raises(BadRequestError, match="at most 1024"):
+        parse_completion_request(
+            {"prompt": [1], "stop_token_ids": list(range(2_000_000))}, model_name="m"
+        )
+
+
+def test_a_tiny_temperature_is_raised_to_the_minimum() -> None:
+    req = parse_completion_request({"prompt": [1], "temperature": 1e-39}, model_name="m")
+    assert req.sampling_params["temperature"] == 0.01

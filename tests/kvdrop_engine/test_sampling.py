@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from kvdrop_engine.errors import InvalidRequestError
-from kvdrop_engine.sampling import SamplingParams, finish_reason, make_generator, sample
+from kvdrop_engine.sampling import (
+    SamplingParams,
+    finish_reason,
+    make_generator,
+    sample,
+    token_logprobs,
+)
 
 
 def test_from_dict_validates_and_tolerates_openai_fields() -> None:
@@ -19,6 +25,7 @@ def test_from_dict_validates_and_tolerates_openai_fields() -> None:
         ({"top_p": 1.5}, "top_p"),
         ({"n": 2}, "n=1"),
         ({"beam_width": 2}, "unsupported sampling parameter"),
+        ({"logprobs": 21}, "logprobs"),
     ]:
         with pytest.raises(InvalidRequestError, match=match):
             SamplingParams.from_dict(bad)
@@ -46,3 +53,17 @@ def test_finish_reason() -> None:
     assert finish_reason(2, 1, SamplingParams(max_tokens=3, ignore_eos=True), {2}) is None
     assert finish_reason(5, 2, p, {2}) is None
     assert finish_reason(5, 3, p, {2}) == "length"
+
+
+def test_token_logprobs_are_log_softmax_of_the_raw_logits() -> None:
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(0))
+    out = token_logprobs(logits, [5, 6, 7], [None, 0, 3])
+    assert out[0] is None
+    logp = torch.log_softmax(logits, dim=-1)
+    lp, top = out[1]
+    assert lp == pytest.approx(float(logp[1, 6])) and top == ()
+    lp, top = out[2]
+    assert lp == pytest.approx(float(logp[2, 7]))
+    best = torch.topk(logp[2], 3)
+    assert [t for t, _ in top] == best.indices.tolist()
+    assert [v for _, v in top] == pytest.approx(best.values.tolist())

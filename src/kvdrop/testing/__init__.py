@@ -1,1 +1,25 @@
-"""Test and measurement tooling of kvdrop (e.g. ``profiling.PeakRSS``), kept out of the policies."""
+"""Test and measurement tooling of kvdrop, kept out of the policies: :func:`check_policy` runs the
+policy contract (:mod:`kvdrop.testing.policy_contract`) in a plugin's own CI, no source checkout
+needed; ``profiling.PeakRSS`` measures peak memory."""
+
+from __future__ import annotations
+
+from kvdrop.testing.policy_contract import (
+    check_describes_itself,
+    check_invalid_parameters,
+    check_invariants,
+    check_policy,
+    check_window_path,
+    check_wrong_shapes,
+    policy_names,
+)
+
+__all__ = [
+    "check_describes_itself",
+    "check_invalid_parameters",
+    "check_invariants",
+    "check_policy",
+    "check_window_path",
+    "check_wrong_shapes",
+    "policy_names",
+]

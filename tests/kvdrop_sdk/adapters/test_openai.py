@@ -80,8 +80,9 @@ def test_tokens_equal_the_engine_called_directly(
     assert [e.finish_reason for e in got] == [None] * 5 + ["length"]
     times = [e.time for e in got]
     assert times == sorted(times)
-    # What reached the engine: the sampling params unchanged, the salt, the prompt ids.
-    assert engine.calls[0] == (prompt, params, "salt")
+    # What reached the engine: the sampling params unchanged (plus the adapter's "logprobs": 0,
+    # the token ids it reads back), the salt, the prompt ids.
+    assert engine.calls[0] == (prompt, {**params, "logprobs": 0}, "salt")
 
 
 def test_payload_matches_the_upstream_adapter() -> None:

@@ -1,0 +1,349 @@
+"""The contract every kvdrop policy keeps, as checks a plugin's own CI can run (no source
+checkout needed): ``kvdrop.testing.check_policy("my-policy")``.
+
+:func:`check_policy` runs four checks on one policy, given by its registered name or by its
+factory (a :class:`kvdrop.PolicyFactory`, registered or not):
+
+- :func:`check_invariants`: hypothesis draws inputs from the documented domain (below) and
+  parameters from their declared domains, with ``derandomize=True`` (the same examples on every
+  run and machine); the output must have the input's L, D, dtype and device, keep
+  ``expected_count`` tokens in order, be the input's rows bit for bit, leave the inputs unchanged,
+  be deterministic, and accept another SDK's cache-kind enum by value. A query policy that takes
+  a query window (``QueryNeed.WINDOW``) is also called the way the engine calls it: the
+  last rows of a longer prompt with their positions (:func:`check_window_path`).
+- :func:`check_invalid_parameters`: bad ``keep_ratio``/``chunk_size``/unknown parameters raise
+  ``PolicyParamError`` naming the parameter.
+- :func:`check_wrong_shapes`: wrongly shaped inputs raise ``PolicyInputError`` (and
+  ``MissingQueryError`` for a query policy without queries).
+- :func:`check_describes_itself`: a built policy is a ``kvdrop.Policy`` and says what ``describe``
+  says.
+
+The input domain: T = 1..160 tokens; chunk sizes 1, 4, 16, 32; float32, bfloat16, float16; 1-3
+layers; 1-3 KV heads of ``head_dim`` 2, 4 or 8 and GQA groups of 1 or 2; ``keep_ratio`` in
+[0.01, 1] or ``keep_tokens`` 1..200. Other parameters: each of their ``choices``, bools, ints
+0..40, floats in [-1, 1] and None where the type allows, kept where the parameter's own ``check``
+accepts them; parameters of other types keep ``PolicyInfo.example``'s value or their default.
+:func:`policy_names` lists what to parametrize a pytest test over. Needs ``hypothesis``.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import types
+import typing
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvdrop.errors import (
+    MissingQueryError,
+    MissingTokenScoresError,
+    PolicyInputError,
+    PolicyParamError,
+    PolicyWarning,
+)
+from kvdrop.factories import PolicyFactory, PolicyInfo
+from kvdrop.params import Param
+from kvdrop.policy import Policy
+from kvdrop.registry import available, factory, source
+from kvdrop_sdk import CacheKind
+from kvdrop_sdk.edit import EditContext
+from kvdrop_sdk.query_capture import QueryNeed
+
+__all__ = [
+    "DTYPES",
+    "Case",
+    "ForeignKind",
+    "check_describes_itself",
+    "check_invalid_parameters",
+    "check_invariants",
+    "check_policy",
+    "check_window_path",
+    "check_wrong_shapes",
+    "expected_count",
+    "parameter_domain",
+    "policy_names",
+]
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Parameters drawn with the tensors (budget, chunk size and head_dim must fit them).
+SHAPED = frozenset({"keep_ratio", "keep_tokens", "chunk_size", "head_dim"})
+INTS = tuple(range(41))
+FLOATS = (-1.0, -0.5, 0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+
+PolicyRef = str | PolicyFactory
+
+
+class ForeignKind(enum.Enum):
+    """Another SDK's cache-kind enum (e.g. LMCache's): policies must accept it by value."""
+
+    KV = "kv"
+    QUERY = "query"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One drawn input: parameters, ``kv [2, L, T, D]``, ``query [1, L, T, Dq]``, distinct token
+    ids (so each kept token maps back to one index), the per-head size, and per-token scores
+    ``[L, Hkv, T]`` of the engine's reconstruction pass (for policies declaring
+    ``token_scores``, e.g. ``kvzip``; they get them in the edit context)."""
+
+    params: dict[str, Any]
+    kv: torch.Tensor
+    query: torch.Tensor
+    tokens: list[int]
+    head_dim: int
+    scores: torch.Tensor | None = None
+
+    def context(self, policy: Any) -> EditContext | None:
+        """The edit context a policy that reads token scores gets (None for the others)."""
+        if not policy.token_scores or self.scores is None:
+            return None
+        return EditContext.of(self.kv.shape[2], token_scores=self.scores)
+
+
+def policy_names(distribution: str | None = None) -> list[str]:
+    """Registered policy names, or only those of ``distribution`` (your plugin's dist name):
+    ``@pytest.mark.parametrize("name", policy_names("my-plugin"))``."""
+    names = available()
+    if distribution is None:
+        return names
+    return [n for n in names if source(n).startswith(f"distribution {distribution!r} ")]
+
+
+def _factory(ref: PolicyRef) -> PolicyFactory:
+    return factory(ref) if isinstance(ref, str) else ref
+
+
+def _type_args(tp: Any) -> tuple[Any, ...]:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return typing.get_args(tp)
+    return (tp,)
+
+
+def parameter_domain(name: str, p: Param) -> list[Any]:
+    """Values of parameter ``p`` to draw from: its choices, or candidates of its type that its
+    own validation accepts; empty when none can be inferred."""
+    if p.choices is not None:
+        return list(p.choices)
+    kinds = _type_args(p.type)
+    candidates: list[Any] = []
+    if bool in kinds:
+        candidates += [False, True]
+    if int in kinds:
+        candidates += INTS
+    if float in kinds:
+        candidates += FLOATS
+    if candidates and type(None) in kinds:
+        candidates.append(None)
+    ok = []
+    for value in candidates:
+        try:
+            p.validate(name, value)
+        except PolicyParamError:
+            continue
+        ok.append(value)
+    return ok
+
+
+def _draw_case(draw: Callable[[Any], Any], info: PolicyInfo) -> Case:
+    import hypothesis.strategies as st
+
+    head_dim = draw(st.sampled_from([2, 4, 8]))
+    kv_heads, group = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2]))
+    num_tokens, chunk = draw(st.integers(1, 160)), draw(st.sampled_from([1, 4, 16, 32]))
+    params: dict[str, Any] = {}
+    for p in info.params:
+        if p.name in SHAPED:
+            continue
+        values = parameter_domain(info.name, p)
+        if values:
+            params[p.name] = draw(st.sampled_from(values))
+        elif p.name in info.example:
+            params[p.name] = info.example[p.name]
+    params["chunk_size"] = chunk
+    if draw(st.booleans()):
+        params["keep_ratio"] = draw(st.floats(0.01, 1.0))
+    else:
+        params["keep_tokens"] = draw(st.integers(1, 200))
+    if "head_dim" in {p.name for p in info.params}:
+        params["head_dim"] = head_dim
+    dtype, layers = draw(st.sampled_from(DTYPES)), draw(st.integers(1, 3))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    kv = torch.randn(2, layers, num_tokens, kv_heads * head_dim, generator=gen).to(dtype)
+    query = torch.randn(1, layers, num_tokens, kv_heads * group * head_dim, generator=gen)
+    tokens = torch.randperm(10 * num_tokens + 10, generator=gen)[:num_tokens].tolist()
+    scores = torch.rand(layers, kv_heads, num_tokens, generator=gen)
+    return Case(params, kv, query.to(dtype), tokens, head_dim, scores)
+
+
+def expected_count(params: dict[str, Any], num_tokens: int) -> int:
+    """The contract's budget: aligned down to chunk_size, at least one chunk, at most T."""
+    chunk = params["chunk_size"]
+    raw = params.get("keep_tokens")
+    if raw is None:
+        raw = int(params["keep_ratio"] * num_tokens + 1e-9)
+    return min(max(chunk, raw - raw % chunk), num_tokens)
+
+
+def _check_kept(case: Case, out: torch.Tensor, kept: list[Any], count: int | None) -> None:
+    """Shape, dtype, order and bit-identical rows of one result."""
+    kv, tokens = case.kv, case.tokens
+    assert out.dim() == 4 and out.shape[:2] == kv.shape[:2] and out.shape[3] == kv.shape[3], (
+        f"output shape {tuple(out.shape)} does not match the input {tuple(kv.shape)} but in T"
+    )
+    assert out.dtype == kv.dtype and out.device == kv.device, "output dtype/device changed"
+    assert out.shape[2] == len(kept), "output rows and kept tokens differ in number"
+    if count is not None:
+        assert len(kept) == count, f"kept {len(kept)} tokens; the budget is {count}"
+        if count < kv.shape[2]:
+            assert count % case.params["chunk_size"] == 0, "the budget is not chunk-aligned"
+    index = {t: i for i, t in enumerate(tokens)}
+    assert all(t in index for t in kept), "kept tokens must be input tokens"
+    positions = [index[t] for t in kept]
+    assert all(a < b for a, b in itertools.pairwise(positions)), "kept tokens must keep order"
+    assert torch.equal(out, kv[:, :, positions]), "kept rows must be the input rows, bit-identical"
+
+
+def _invariants(ref: PolicyRef, case: Case) -> None:
+    make = _factory(ref)
+    kv_before, q_before = case.kv.clone(), case.query.clone()
+    tensors = {CacheKind.KV: case.kv, CacheKind.QUERY: case.query}
+    policy = make(**case.params)
+    context = case.context(policy)
+    out, kept = policy(tensors, case.tokens, context=context)
+    count = expected_count(case.params, case.kv.shape[2])
+    _check_kept(case, out, list(kept), count)
+    if count == case.kv.shape[2]:
+        assert list(kept) == case.tokens and torch.equal(out, case.kv), "all kept: input back"
+    assert torch.equal(case.kv, kv_before) and torch.equal(case.query, q_before), "inputs changed"
+    foreign = {ForeignKind.KV: case.kv, ForeignKind.QUERY: case.query}
+    out2, kept2 = make(**case.params)(foreign, case.tokens, context=context)
+    assert list(kept2) == list(kept) and torch.equal(out2, out), "not deterministic"
+
+
+def check_window_path(ref: PolicyRef, case: Case, tail: int, rows: int) -> None:
+    """Call the policy as the engine does in window mode: the prompt has ``tail`` more tokens
+    than the cache's T, and the query tensor holds only its last ``rows`` rows, with their
+    positions (some past T), no log-normalisers and no RoPE parameters (so nothing is
+    re-rotated and the kept rows come back bit for bit)."""
+    num_tokens = case.kv.shape[2]
+    total = num_tokens + tail
+    rows = max(1, min(rows, total))
+    positions = torch.arange(total - rows, total)
+    gen = torch.Generator().manual_seed(total)
+    query = torch.randn(1, case.kv.shape[1], rows, case.query.shape[3], generator=gen)
+    context = EditContext(
+        positions=torch.arange(num_tokens),
+        query_positions=positions,
+        prompt_tokens=total,
+        head_dim=case.head_dim,
+    )
+    policy = _factory(ref)(**case.params)
+    tensors = {CacheKind.KV: case.kv, CacheKind.QUERY: query.to(case.kv.dtype)}
+    out, kept = policy(tensors, case.tokens, context=context)
+    _check_kept(case, out, list(kept), None)
+    again = _factory(ref)(**case.params)(tensors, case.tokens, context=context)
+    assert list(again[1]) == list(kept), "not deterministic on the window path"
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Tiny budgets and short windows warn (PolicyWarning); the checks are about results."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PolicyWarning)
+        yield
+
+
+def check_invariants(ref: PolicyRef, *, max_examples: int = 40) -> None:
+    """The drawn-input checks (hypothesis, derandomized); raises on the first falsified one."""
+    try:
+        from hypothesis import HealthCheck, given, settings
+        from hypothesis import strategies as st
+    except ImportError as exc:  # the test kit's one extra dependency
+        raise ImportError("kvdrop.testing needs hypothesis: pip install hypothesis") from exc
+    make = _factory(ref)
+    info = make.info
+    policy = make(**dict(info.example))
+    window = policy.queries is QueryNeed.WINDOW
+
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    @given(data=st.data())
+    def run(data: Any) -> None:
+        case = _draw_case(data.draw, info)
+        with _quiet():
+            _invariants(ref, case)
+            if window:
+                tail, rows = data.draw(st.integers(0, 40)), data.draw(st.integers(1, 72))
+                check_window_path(ref, case, tail, rows)
+
+    run()
+
+
+def _raises(kind: type[Exception], fragment: str, call: Callable[[], Any]) -> None:
+    try:
+        call()
+    except kind as exc:
+        assert fragment in str(exc), f"{kind.__name__} does not mention {fragment!r}: {exc}"
+        return
+    raise AssertionError(f"expected {kind.__name__} mentioning {fragment!r}; nothing raised")
+
+
+def check_invalid_parameters(ref: PolicyRef) -> None:
+    """Bad parameters raise ``PolicyParamError`` naming the parameter."""
+    make = _factory(ref)
+    example = dict(make.info.example)
+    for bad, fragment in [
+        ({"keep_ratio": 0.0}, "keep_ratio"),
+        ({"keep_ratio": 1.5}, "keep_ratio"),
+        ({"keep_ratio": "half"}, "keep_ratio"),
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"keep_ratio": 0.5, "keep_tokens": 256}, "not both"),
+        ({"bogus": 1}, "bogus"),
+    ]:
+        _raises(PolicyParamError, fragment, lambda bad=bad: make(**{**example, **bad}))
+
+
+def check_wrong_shapes(ref: PolicyRef) -> None:
+    """Wrongly shaped inputs raise ``PolicyInputError`` saying what was expected."""
+    make = _factory(ref)
+    fn = make(**{**dict(make.info.example), "keep_tokens": 4, "chunk_size": 4})
+    kv, query, tokens = torch.randn(2, 2, 16, 8), torch.randn(1, 2, 16, 8), list(range(16))
+    _raises(PolicyInputError, "[2, L, T, D]", lambda: fn({CacheKind.KV: kv[0]}, tokens))
+    both = {CacheKind.KV: kv, CacheKind.QUERY: query}
+    _raises(PolicyInputError, "token ids", lambda: fn(both, tokens[:15]))
+    _raises(PolicyInputError, "no KV tensor", lambda: fn({CacheKind.QUERY: query}, tokens))
+    if make.info.needs_query:
+        _raises(
+            MissingQueryError, "--enable transfer_query", lambda: fn({CacheKind.KV: kv}, tokens)
+        )
+    if fn.token_scores:
+        _raises(MissingTokenScoresError, "reconstruction pass", lambda: fn(both, tokens))
+
+
+def check_describes_itself(ref: PolicyRef) -> None:
+    """A built policy is a ``kvdrop.Policy`` and says what ``describe`` says."""
+    make = _factory(ref)
+    fn = make(**dict(make.info.example))
+    assert isinstance(fn, Policy), f"{make.info.name}: the factory built a {type(fn).__name__}"
+    assert fn.queries is make.info.queries, f"queries {fn.queries} differs from describe's"
+
+
+def check_policy(ref: PolicyRef, *, max_examples: int = 40) -> None:
+    """Every contract check on one policy (a registered name or a factory); raises
+    ``AssertionError`` (or the policy's own error) on the first broken rule."""
+    check_describes_itself(ref)
+    check_invalid_parameters(ref)
+    check_wrong_shapes(ref)
+    check_invariants(ref, max_examples=max_examples)

@@ -1,0 +1,347 @@
+"""The OpenAI completions and chat responses, built from the engine's ``TokenEvent``s.
+
+A :class:`Choice` turns one choice's events into text the way vLLM does: its own incremental
+detokenizer (special tokens left out with ``skip_special_tokens``, the default), the text of the
+token that stopped generation (EOS, a stop token id) left out, ``stop`` strings cut off (the text
+that could still begin one is held back while streaming), and each token's logprob and top
+alternatives. :class:`CompletionBuilder` (and :class:`ChatCompletionBuilder`) hold the ``n``
+choices of a request and write streamed chunks or one JSON body; with
+``return_tokens_as_token_ids`` the logprobs tokens are token-id text (the form
+``kvdrop_sdk.adapters.openai`` reads back).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvdrop_engine.completions import CompletionRequest
+from kvdrop_engine.tokenizer import IncrementalDetokenizer, SpecialTokens, TextTokenizer
+from kvdrop_sdk.adapters.openai import token_id_text
+from kvdrop_sdk.events import TokenEvent
+
+__all__ = [
+    "ChatCompletionBuilder",
+    "Choice",
+    "CompletionBuilder",
+    "Piece",
+    "error_body",
+    "models_body",
+]
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI-style error object for ``status``."""
+    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed"}.get(
+        status, "InternalServerError" if status >= 500 else "InvalidRequestError"
+    )
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def models_body(model_name: str, created: int, max_model_len: int | None) -> dict[str, Any]:
+    """Body of ``GET /v1/models`` for a server of one model."""
+    card: dict[str, Any] = {
+        "id": model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "kvdrop",
+        "root": model_name,
+    }
+    if max_model_len is not None:
+        card["max_model_len"] = max_model_len
+    return {"object": "list", "data": [card]}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one token adds to a choice: the text released with it (empty while it may still
+    begin a stop string), its logprobs token and where that starts, its logprob and top
+    alternatives, and the finish (and stop) reason if it is the last."""
+
+    text: str
+    token: str | None
+    offset: int
+    finish: str | None
+    token_id: int = -1
+    logprob: float | None = None
+    top: tuple[tuple[str, float], ...] = ()
+    stop_reason: str | int | None = None
+
+
+class Choice:
+    """One choice of a request: its pieces, text and finish, from its events in order."""
+
+    def __init__(
+        self,
+        request: CompletionRequest,
+        index: int,
+        tokenizer: TextTokenizer | None,
+        detokenize: bool,
+    ) -> None:
+        self.request = request
+        self.index = index
+        self.tokenizer = tokenizer
+        skip = frozenset()
+        if request.skip_special_tokens and isinstance(tokenizer, SpecialTokens):
+            skip = tokenizer.special_token_ids
+        self._detok = (
+            IncrementalDetokenizer(tokenizer, skip)
+            if detokenize and tokenizer is not None
+            else None
+        )
+        self._hold = max((len(s) for s in request.stop), default=1) - 1
+        self._pending = ""
+        self._offset = 0
+        self.pieces: list[Piece] = []
+        self.text = ""
+
+    @property
+    def count(self) -> int:
+        """Tokens added so far."""
+        return len(self.pieces)
+
+    @property
+    def finish(self) -> str | None:
+        """The finish reason (None while generating)."""
+        return self.pieces[-1].finish if self.pieces else None
+
+    def add(self, event: TokenEvent) -> Piece:
+        """Account one generated token. Its finish reason is the engine's, "stop" when a stop
+        string appeared, or "length" once ``max_tokens`` tokens arrived."""
+        req = self.request
+        finish = event.finish_reason
+        if finish is None and self.count + 1 >= req.max_tokens:
+            finish = "length"
+        stopped_by_token = finish == "stop" and not req.include_stop_str
+        delta = self._token_text(event, final=finish is not None, drop=stopped_by_token)
+        text, stop = self._release(delta, final=finish is not None)
+        stop_reason: str | int | None = stop
+        if stop is not None:
+            finish = "stop"
+        elif finish == "stop" and event.token_id in req.sampling_params.get("stop_token_ids", ()):
+            stop_reason = event.token_id
+        token, top = self._logprob_tokens(event)
+        piece = Piece(
+            text, token, self._offset, finish, event.token_id, event.logprob, top, stop_reason
+        )
+        self._offset += len(text)
+        self.text += text
+        self.pieces.append(piece)
+        return piece
+
+    def _token_text(self, event: TokenEvent, *, final: bool, drop: bool) -> str:
+        """The text ``event`` adds (none for the token that stopped generation, as in vLLM)."""
+        if self._detok is None:
+            return "" if drop else event.text
+        return self._detok.flush() if drop else self._detok.add(event.token_id, final=final)
+
+    def _release(self, delta: str, *, final: bool) -> tuple[str, str | None]:
+        """Text safe to send now, and the stop string that ended the choice (if one did)."""
+        self._pending += delta
+        stops = self.request.stop
+        hits = [(i, s) for s in stops if (i := self._pending.find(s)) >= 0]
+        if hits:
+            at, stop = min(hits)
+            end = at + len(stop) if self.request.include_stop_str else at
+            out, self._pending = self._pending[:end], ""
+            return out, stop
+        cut = len(self._pending) if final else max(len(self._pending) - self._hold, 0)
+        out, self._pending = self._pending[:cut], self._pending[cut:]
+        return out, None
+
+    def _name(self, token_id: int, fallback: str) -> str:
+        if self.request.tokens_as_token_ids:
+            return token_id_text(token_id)
+        if self.tokenizer is not None:
+            return self.tokenizer.decode([token_id])
+        return fallback
+
+    def _logprob_tokens(
+        self, event: TokenEvent
+    ) -> tuple[str | None, tuple[tuple[str, float], ...]]:
+        if self.request.logprobs is None:
+            return None, ()
+        top = tuple((self._name(t, ""), lp) for t, lp in event.top_logprobs)
+        return self._name(event.token_id, event.text), top
+
+
+@dataclass
+class CompletionBuilder:
+    """Builds the ``text_completion`` response to one request (its ``n`` choices).
+
+    Feed every event to :meth:`add` with its choice's index; stream each returned piece with
+    :meth:`chunk`, or build the whole body with :meth:`body` at the end. ``detokenize`` computes
+    each token's text with ``tokenizer`` instead of trusting ``TokenEvent.text``.
+    """
+
+    request: CompletionRequest
+    model_name: str
+    tokenizer: TextTokenizer | None = None
+    detokenize: bool = False
+    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.choices = [
+            Choice(self.request, i, self.tokenizer, self.detokenize) for i in range(self.request.n)
+        ]
+
+    @property
+    def count(self) -> int:
+        """Tokens added so far, over every choice."""
+        return sum(c.count for c in self.choices)
+
+    @property
+    def finish(self) -> str | None:
+        """The first choice's finish reason (None while it generates)."""
+        return self.choices[0].finish
+
+    @property
+    def pieces(self) -> list[Piece]:
+        """The first choice's pieces."""
+        return self.choices[0].pieces
+
+    def add(self, event: TokenEvent, index: int = 0) -> Piece:
+        """Account one generated token of choice ``index``."""
+        return self.choices[index].add(event)
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model_name}
+
+    def _logprobs(self, pieces: list[Piece]) -> dict[str, Any] | None:
+        if self.request.logprobs is None:
+            return None
+        return {
+            "text_offset": [p.offset for p in pieces],
+            "token_logprobs": [p.logprob for p in pieces],
+            "tokens": [p.token for p in pieces],
+            "top_logprobs": [_top_dict(p) for p in pieces],
+        }
+
+    def preamble(self) -> list[dict[str, Any]]:
+        """Chunks streamed before the first token (none for completions)."""
+        return []
+
+    def chunk(
+        self, piece: Piece | None = None, *, finish: str | None = None, index: int = 0
+    ) -> dict[str, Any]:
+        """One streamed chunk of choice ``index``: ``piece``'s text and logprobs, or an empty
+        one ending with ``finish`` (an engine that stopped without a reason)."""
+        choice = {
+            "index": index,
+            "text": "" if piece is None else piece.text,
+            "logprobs": None if piece is None else self._logprobs([piece]),
+            "finish_reason": finish if piece is None else piece.finish,
+            "stop_reason": None if piece is None else piece.stop_reason,
+        }
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage(self) -> dict[str, int]:
+        """Prompt, completion (all choices) and total token counts."""
+        n_prompt = len(self.request.prompt_token_ids)
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": self.count,
+            "total_tokens": n_prompt + self.count,
+        }
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last streamed chunk of ``stream_options.include_usage``: no choices, the usage."""
+        return {**self.chunk(), "choices": [], "usage": self.usage()}
+
+    def _choice_body(self, choice: Choice) -> dict[str, Any]:
+        last = choice.pieces[-1] if choice.pieces else None
+        return {
+            "index": choice.index,
+            "text": choice.text,
+            "logprobs": self._logprobs(choice.pieces),
+            "finish_reason": choice.finish or "stop",
+            "stop_reason": None if last is None else last.stop_reason,
+        }
+
+    def body(self) -> dict[str, Any]:
+        """The non-streaming response (finish reason "stop" when the engine gave none)."""
+        choices = [self._choice_body(c) for c in self.choices]
+        return {**self._head("text_completion"), "choices": choices, "usage": self.usage()}
+
+
+def _top_dict(piece: Piece) -> dict[str, float | None]:
+    """vLLM's ``top_logprobs`` entry: the sampled token and the alternatives, token -> logprob."""
+    return {piece.token or "": piece.logprob, **dict(piece.top)}
+
+
+def _chat_logprob(token: str, logprob: float | None) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+@dataclass
+class ChatCompletionBuilder(CompletionBuilder):
+    """Builds a ``/v1/chat/completions`` response (``chat.completion`` or its chunks);
+    ``logprobs.content`` lists every sampled token, with ``top_logprobs`` alternatives."""
+
+    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+
+    def _logprobs(self, pieces: list[Piece]) -> dict[str, Any] | None:
+        if self.request.logprobs is None:
+            return None
+        content = [
+            {
+                **_chat_logprob(p.token or "", p.logprob),
+                "top_logprobs": [_chat_logprob(t, lp) for t, lp in p.top],
+            }
+            for p in pieces
+        ]
+        return {"content": content}
+
+    def preamble(self) -> list[dict[str, Any]]:
+        """The first chunk of each choice: the assistant role, no content yet (as OpenAI)."""
+        return [
+            {
+                **self._head("chat.completion.chunk"),
+                "choices": [
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            }
+            for c in self.choices
+        ]
+
+    def chunk(
+        self, piece: Piece | None = None, *, finish: str | None = None, index: int = 0
+    ) -> dict[str, Any]:
+        """One streamed ``chat.completion.chunk`` of choice ``index``: ``piece``'s content delta
+        and logprobs, or an empty delta ending with ``finish``."""
+        choice: dict[str, Any] = {
+            "index": index,
+            "delta": {} if piece is None else {"content": piece.text},
+            "logprobs": None if piece is None else self._logprobs([piece]),
+            "finish_reason": finish if piece is None else piece.finish,
+            "stop_reason": None if piece is None else piece.stop_reason,
+        }
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last streamed chunk of ``stream_options.include_usage``: no choices, the usage."""
+        return {**self._head("chat.completion.chunk"), "choices": [], "usage": self.usage()}
+
+    def _choice_body(self, choice: Choice) -> dict[str, Any]:
+        last = choice.pieces[-1] if choice.pieces else None
+        return {
+            "index": choice.index,
+            "message": {"role": "assistant", "content": choice.text},
+            "logprobs": self._logprobs(choice.pieces),
+            "finish_reason": choice.finish or "stop",
+            "stop_reason": None if last is None else last.stop_reason,
+        }
+
+    def body(self) -> dict[str, Any]:
+        """The non-streaming ``chat.completion`` (finish reason "stop" when the engine gave
+        none)."""
+        choices = [self._choice_body(c) for c in self.choices]
+        return {**self._head("chat.completion"), "choices": choices, "usage": self.usage()}
