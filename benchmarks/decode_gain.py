@@ -50,6 +50,7 @@ from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import load_checkpoint, preset_config
 from kvdrop_engine.model import ModelConfig, Transformer
 from kvdrop_engine.paged import to_device, to_host
+from kvdrop_engine.reconstruct import ReconstructionPrompt
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
 from kvdrop_sdk.table import format_table
@@ -279,9 +280,13 @@ def run(
     policy_fn: Any,
     needs_query: bool,
     salt: str,
+    reconstruct: bool = False,
 ) -> dict[str, Any]:
-    """One side of the comparison (`run_pipeline`, as the demo uses it): a table row."""
-    kinds = [CacheKind.KV] + ([CacheKind.QUERY] if needs_query and policy_fn else [])
+    """One side of the comparison (`run_pipeline`, as the demo uses it): a table row.
+    ``reconstruct``: the prefill runs KVzip's reconstruction pass (policies declaring
+    ``token_scores``); its loop-thread time is reported next to the prefill's."""
+    uses_q = (needs_query or reconstruct) and policy_fn is not None
+    kinds = [CacheKind.KV] + ([CacheKind.QUERY] if uses_q else [])
     ctxs = [connect(k, server.url, server.http_url, model_name) for k in kinds]
     greedy = {"temperature": 0.0, "ignore_eos": True, "max_tokens": args.max_tokens}
     log(f"{name}: prefill, {'modify, ' if policy_fn else ''}decode {len(prompts)} prompts")
@@ -295,16 +300,25 @@ def run(
             modify_fn=policy_fn,
             cache_salt=salt,
             modify_concurrency=args.modify_concurrency,
+            reconstruct=reconstruct,
         )
     finally:
         for c in ctxs:
             c.close()
     log(f"{name}: done (decode graphs captured: {engine.graphs and engine.graphs.captured})")
+    recon_s = float(res.prefill_engine.get("reconstruction_seconds", 0.0))
+    prefill_s = float(res.prefill["duration"])
     return {
         "run": name,
         "prefill_tokens": res.prefill["input_tokens"],
         "prefill_s": res.prefill["duration"],
         "prefill_tok_s": res.prefill["input_tput"],
+        # The pass runs on the loop thread inside the prefill phase: its share of the phase, and
+        # its time over the rest of the phase (the prefill proper).
+        "reconstruct_s": recon_s if reconstruct else None,
+        "reconstruct_x_prefill": (
+            recon_s / (prefill_s - recon_s) if reconstruct and prefill_s > recon_s else None
+        ),
         "query_B_per_tok": res.prefill_query_bytes / max(int(res.prefill["input_tokens"]), 1),
         "modify_s": res.modify["duration"] if res.modify is not None else None,
         "modify_s_per_req": (
@@ -390,6 +404,8 @@ def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
     prompts = make_prompts(args, cfg.vocab_size)
     policies = {name: build_policy(name, cfg, args) for name in args.policy}
     needs_q = {name: kvdrop.describe(name).needs_query for name in args.policy}
+    # Policies reading the reconstruction pass's scores (kvzip) run with the query context too.
+    scores = {name: bool(policies[name].token_scores) for name in args.policy}
 
     # Budget: the decode request is prompt + 1 prefill token, then max_tokens more.
     if args.kv_budget_tokens:
@@ -401,7 +417,7 @@ def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
         log(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
     gb = server_gb(cfg, dtype, prompts, args)
     flags: dict[str, Any] = {"chunk_size": args.chunk_size, "l1_size_gb": round(gb, 3)}
-    if any(needs_q.values()):
+    if any(needs_q.values()) or any(scores.values()):
         flags["enable"] = ["transfer_query"]
     log(f"starting kvdrop server (pool {gb:.2f} GiB)")
     rows: list[dict[str, Any]] = []
@@ -424,6 +440,8 @@ def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
                 max_batch_size=max(256, args.num_requests),
                 max_prefill_tokens=args.max_prefill_tokens,
                 connector=connector,
+                # Random weights have no tokenizer: fixed prompt ids (the pass costs the same).
+                reconstruction=ReconstructionPrompt.synthetic(cfg.vocab_size),
             )
             return connector, engine
 
@@ -447,7 +465,7 @@ def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
                     "shared" if args.share_prefill else "baseline",
                 )
             )
-            for name in (n for n in args.policy if not needs_q[n]):
+            for name in (n for n in args.policy if not needs_q[n] and not scores[n]):
                 salt = "shared" if args.share_prefill else name
                 rows.append(
                     run(
@@ -455,7 +473,7 @@ def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
                     )
                 )
         connector.close()
-        query_runs = [n for n in args.policy if needs_q[n]]
+        query_runs = [n for n in args.policy if needs_q[n] or scores[n]]
         if query_runs:
             del engine
             if device.type == "cuda":
@@ -473,8 +491,9 @@ def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
                             prompts,
                             args,
                             policies[name],
-                            True,
+                            needs_q[name],
                             name,
+                            reconstruct=scores[name],
                         )
                     )
             connector.close()
@@ -530,7 +549,9 @@ def print_report(report: dict[str, Any]) -> None:
     print()
     cols = [
         "run",
-        "prefill_tok_s",
+        "prefill_s",
+        "reconstruct_s",
+        "reconstruct_x_prefill",
         "query_B_per_tok",
         "modify_s",
         "modify_s_per_req",

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvdrop.errors import (
     MissingQueryError,
+    MissingTokenScoresError,
     PolicyConflictError,
     PolicyInputError,
     PolicyNotFoundError,
@@ -67,6 +68,7 @@ __all__ = [
     "Chunk",
     "Compose",
     "MissingQueryError",
+    "MissingTokenScoresError",
     "Param",
     "PluginWarning",
     "Policy",

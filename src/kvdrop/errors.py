@@ -36,6 +36,22 @@ class MissingQueryError(PolicyInputError):
         )
 
 
+class MissingTokenScoresError(PolicyInputError):
+    """A policy that reads the engine's per-token scores (``kvzip``) was handed none."""
+
+    def __init__(self, policy: str) -> None:
+        super().__init__(
+            f"policy {policy!r} scores tokens with the engine's reconstruction pass "
+            "(EditContext.token_scores), but none were passed. It needs kvdrop's reference "
+            "engine running that pass after prefill (QueryCapture(scores=True), which "
+            "QueryCapture.for_policies turns on for this policy; kvdrop eval and kvdrop demo do "
+            "it), a kvdrop server with `--enable transfer_query` (the scores are stored in its "
+            "window store) and a query context passed to create_request(). An LMCache server has "
+            "no store for these scores: pick another policy there (`knorm` or `keydiff` for "
+            "caches compressed before the question is known)."
+        )
+
+
 class PolicyNotFoundError(KeyError):
     """No policy is registered under the requested name."""
 

@@ -40,6 +40,7 @@ class EditInputs:
     head_dim: int | None = None
     device: str | None = None
     rope: Mapping[str, Any] | None = None
+    token_scores: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +84,7 @@ def edit_inputs(
         head_dim=None if context is None else context.head_dim,
         device=None if context is None else context.device,
         rope=None if context is None else context.rope,
+        token_scores=None if context is None else context.token_scores,
     )
 
 

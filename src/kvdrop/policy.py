@@ -79,6 +79,8 @@ class Scorer:
     queries: ClassVar[QueryNeed] = QueryNeed.NONE
     needs_selection: ClassVar[bool] = False
     reads_values: ClassVar[bool] = True
+    #: Reads ``selection.token_scores`` (the engine's reconstruction pass), e.g. ``kvzip``.
+    token_scores: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -136,6 +138,13 @@ class Policy(abc.ABC):
         """Whether it reads every cached token's query (derived from :attr:`queries`; kept for
         callers not yet on ``QueryCapture.for_policies``)."""
         return self.queries is QueryNeed.FULL
+
+    @property
+    def token_scores(self) -> bool:
+        """Whether it reads per-token scores the engine computes with the model
+        (``EditContext.token_scores``: KVzip's reconstruction pass), so the engine must run it
+        (``QueryCapture.for_policies`` reads it)."""
+        return False
 
     @abc.abstractmethod
     def select_indices(
@@ -282,6 +291,10 @@ class ScorerPolicy(SelectorPolicy):
     def queries(self) -> QueryNeed:
         return self.scorer.queries
 
+    @property
+    def token_scores(self) -> bool:
+        return self.scorer.token_scores
+
     def _scorer_for(self, inputs: EditInputs) -> Scorer:
         """The scorer with a query scorer's ``head_dim=None`` filled in (layout's, else 128)."""
         scorer = self.scorer
@@ -354,6 +367,7 @@ class ScorerPolicy(SelectorPolicy):
                     query_positions=qpos,
                     query_lse=lse,
                     head_dim=inputs.head_dim,
+                    token_scores=inputs.token_scores,
                 )
                 scores = scorer.score(kv, q, selection)
             else:

@@ -135,6 +135,7 @@ class Selector:
         query_positions: torch.Tensor | None = None,
         query_lse: torch.Tensor | None = None,
         head_dim: int | None = None,
+        token_scores: torch.Tensor | None = None,
     ) -> Selection:
         """What this selector keeps of a ``num_tokens`` request (``budget``: this many instead)."""
         if budget is None:
@@ -151,6 +152,7 @@ class Selector:
             query_positions=query_positions,
             query_lse=query_lse,
             head_dim=head_dim,
+            token_scores=token_scores,
         )
 
     def ranking(
@@ -210,7 +212,8 @@ class Selection:
     the query tensor the scorer gets (rows may lie past ``T``: the uncached tail);
     ``query_lse`` ``[1, L, R, Hq]`` the rows' attention log-normalisers over every key they saw
     (NaN where unknown; see ``kvdrop_sdk.edit.EditContext``); ``head_dim`` the layout's, when
-    known.
+    known; ``token_scores`` ``[L, H, S]`` the engine's per-token scores (KVzip's reconstruction
+    pass), when the edit context has them.
     """
 
     num_tokens: int
@@ -224,6 +227,7 @@ class Selection:
     query_positions: torch.Tensor | None = field(default=None, compare=False)
     query_lse: torch.Tensor | None = field(default=None, compare=False)
     head_dim: int | None = None
+    token_scores: torch.Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.prompt_tokens is None:

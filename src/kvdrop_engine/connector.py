@@ -53,7 +53,7 @@ from kvdrop_sdk.query_capture import (
     QueryCapture,
     QueryNeed,
 )
-from kvdrop_sdk.window import QueryWindow, store_window
+from kvdrop_sdk.window import QueryWindow, TokenScores, store_scores, store_window
 
 __all__ = [
     "DEFAULT_QUERY_STRIDE",
@@ -234,6 +234,7 @@ class ServerConnector(KVConnector):
     """
 
     stores_windows = True
+    stores_scores = True
 
     def __init__(
         self,
@@ -261,7 +262,7 @@ class ServerConnector(KVConnector):
                 )
             queries = QueryCapture(QueryNeed(query_capture), query_window, query_stride)
         elif not queries.full:
-            queries = QueryCapture(QueryNeed.WINDOW, queries.window, queries.stride)
+            queries = QueryCapture(QueryNeed.WINDOW, queries.window, queries.stride, queries.scores)
         super().__init__(queries, store_decoded=store_decoded)
         self.url = url
         self.http_url = http_url
@@ -402,6 +403,16 @@ class ServerConnector(KVConnector):
             return False
         return store_window(self._q_ctx, list(tokens), window, cache_salt)
 
+    def store_scores(
+        self, tokens: Sequence[int], scores: TokenScores, cache_salt: str = ""
+    ) -> bool:
+        """Store a call's reconstruction scores (kvzip) beside its window (False without
+        transfer_query: the scores live in the query store)."""
+        self._ctx()
+        if self._q_ctx is None:
+            return False
+        return store_scores(self._q_ctx, list(tokens), scores, cache_salt)
+
     def close(self) -> None:
         """Close the contexts (idempotent)."""
         for ctx in (self._q_ctx, self._kv_ctx):
@@ -418,7 +429,7 @@ def _kvdrop_connector(
         http_url,
         model_name,
         queries=queries,
-        transfer_query=queries.enabled or None,
+        transfer_query=queries.uses_query_context or None,
         **options,
     )
 

@@ -18,7 +18,7 @@ from torch import Tensor
 from kvdrop_engine.model import ModelConfig
 from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.query_capture import QueryCapture
-from kvdrop_sdk.window import QueryWindow
+from kvdrop_sdk.window import QueryWindow, TokenScores
 
 __all__ = ["KVConnector"]
 
@@ -33,6 +33,8 @@ class KVConnector(abc.ABC):
 
     #: Whether :meth:`store_window` stores query windows (else every prompt query goes in chunks).
     stores_windows: bool = False
+    #: Whether :meth:`store_scores` stores the reconstruction pass's per-token scores (kvzip).
+    stores_scores: bool = False
 
     def __init__(self, queries: QueryCapture, *, store_decoded: bool = False) -> None:
         if not isinstance(queries, QueryCapture):
@@ -90,6 +92,16 @@ class KVConnector(abc.ABC):
     ) -> bool:
         """Store the query window of the call over ``tokens`` (only where ``stores_windows``)."""
         raise SDKError(f"{type(self).__name__} does not store query windows")
+
+    def store_scores(
+        self, tokens: Sequence[int], scores: TokenScores, cache_salt: str = ""
+    ) -> bool:
+        """Store the reconstruction scores of the call over ``tokens`` (only where
+        ``stores_scores``)."""
+        raise SDKError(
+            f"{type(self).__name__} does not store reconstruction scores (kvzip): they need a "
+            "kvdrop server's window store"
+        )
 
     def close(self) -> None:  # noqa: B027 (a declared default, not a forgotten abstract)
         """Release the connector's contexts (default: nothing to release)."""

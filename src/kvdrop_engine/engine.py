@@ -25,6 +25,8 @@ from kvdrop_engine.connector import KVConnector
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
+from kvdrop_engine.paged import to_host
+from kvdrop_engine.reconstruct import ReconstructionPrompt, ScoresJob, reconstruction_scores
 from kvdrop_engine.runner import ModelRunner
 from kvdrop_engine.sampling import (
     SamplingParams,
@@ -97,6 +99,7 @@ class Engine:
         load_timeout_s: float = 10.0,
         store_timeout_s: float = 30.0,
         connector_backoff_s: float = 30.0,
+        reconstruction: ReconstructionPrompt | None = None,
     ) -> None:
         cfg: ModelConfig = model.config
         try:
@@ -112,6 +115,10 @@ class Engine:
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
         self.model, self.config, self.tokenizer = model, cfg, tokenizer
+        #: KVzip's reconstruction prompt: a request with ``reconstruct=True`` has its prompt
+        #: scored by the pass when it ends, the scores stored beside its query window (the
+        #: ``kvzip`` policy reads them; :mod:`kvdrop_engine.reconstruct`).
+        self.reconstruction = reconstruction
         self.runner = ModelRunner(
             model,
             cfg,
@@ -247,6 +254,11 @@ class Engine:
             detok=detok,
         )
         self._sched.check_fits(req)
+        if req.params.reconstruct and (self.reconstruction is None or self._transfers is None):
+            raise InvalidRequestError(
+                "reconstruct=true needs an engine built with reconstruction=ReconstructionPrompt"
+                "(...) and a connector to store the scores in (kvdrop_engine.reconstruct)"
+            )
         self.start()
         with self._cv:
             self._sched.waiting.append(req)
@@ -392,12 +404,35 @@ class Engine:
         if reason is not None and self._transfers is not None and not req.cancelled:
             for job in self._transfers.finish_jobs(req, self.config.head_dim**-0.5):
                 self._transfers.submit(req, job)
+            if req.params.reconstruct:
+                self._transfers.submit(req, self._reconstruct(req))
         lp, top = (None, ()) if logprobs is None else logprobs
         req.out.put(TokenEvent(tok, text, reason, logprob=lp, top_logprobs=top))
         if reason is not None:
             with self._cv:
                 self._sched.finish(req)
                 self._stats.requests_finished += 1
+
+    def _reconstruct(self, req: Request) -> ScoresJob:
+        """(loop, before the last token) KVzip's reconstruction pass over the request's prompt,
+        on its own KV (its blocks are still its own); the scores go to the host here."""
+        assert self.reconstruction is not None
+        started = time.perf_counter()
+        computed = len(req.prompt) + len(req.output) - 1  # the last token was never fed back
+        scores = reconstruction_scores(
+            self.model,
+            req.prompt,
+            computed,
+            lambda layer: self.cache.keys(req.blocks, layer, computed),
+            lambda layer: self.cache.values(req.blocks, layer, computed),
+            self.reconstruction,
+        )
+        scores = to_host(scores)
+        with self._cv:
+            self._stats.reconstructions += 1
+            self._stats.reconstruction_tokens += len(req.prompt)
+            self._stats.reconstruction_seconds += time.perf_counter() - started
+        return ScoresJob(scores, req.prompt + req.output, req.cache_salt)
 
     def _fail(self, req: Request, exc: BaseException) -> None:
         with self._cv:

@@ -196,6 +196,11 @@ class PagedKVCache:
         slots = self.slots(block_table, 0, num_tokens)
         return self.k[layer].view(-1, self.num_kv_heads, self.head_dim)[slots]
 
+    def values(self, block_table: Sequence[int], layer: int, num_tokens: int) -> Tensor:
+        """Values of tokens ``0 .. num_tokens-1`` of one layer: ``[T, Hkv, d]`` (a copy)."""
+        slots = self.slots(block_table, 0, num_tokens)
+        return self.v[layer].view(-1, self.num_kv_heads, self.head_dim)[slots]
+
     def read(self, block_table: Sequence[int], num_tokens: int) -> Tensor:
         """KV of tokens ``0 .. num_tokens-1`` in the server layout ``[2, L, T, Hkv*d]``, on the
         cache's device."""

@@ -65,6 +65,9 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    #: kvdrop's extension: score this prompt with KVzip's reconstruction pass when the request
+    #: ends (needs an engine built with ``reconstruction``; the ``kvzip`` policy reads them).
+    reconstruct: bool = False
     stop_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -112,6 +115,8 @@ class SamplingParams:
 
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "an int >= 1")
+        if not isinstance(self.reconstruct, bool):
+            raise bad("reconstruct", "a bool")
         if not is_number(self.temperature) or self.temperature < 0:
             raise bad("temperature", "a number >= 0")
         if not is_number(self.top_p) or not 0 < self.top_p <= 1:

@@ -30,6 +30,12 @@ class EngineStats:
     #: ``prefix_load_seconds``: time spent loading cached prefixes (asking the server and copying
     #: into the blocks), summed over requests; it runs on connector threads, not the loop.
     decode_only_steps: int = 0
+    #: KVzip's reconstruction pass (requests with ``reconstruct``): prompts scored, their tokens,
+    #: the pass's wall time on the loop thread, and the score bytes stored.
+    reconstructions: int = 0
+    reconstruction_tokens: int = 0
+    reconstruction_seconds: float = 0.0
+    scores_bytes_stored: int = 0
     decode_step_seconds: float = 0.0
     decode_kv_tokens: int = 0
     graph_capture_seconds: float = 0.0

@@ -37,6 +37,7 @@ from kvdrop_engine.connector import (
 )
 from kvdrop_engine.errors import EngineError
 from kvdrop_engine.paged import PagedKVCache, to_device, to_host_all
+from kvdrop_engine.reconstruct import ScoresJob
 from kvdrop_engine.sequence import LoadState, Request
 from kvdrop_engine.stats import EngineStats
 from kvdrop_sdk.errors import PartialStoreError, SDKError, ServerUnavailableError
@@ -264,7 +265,7 @@ class Transfers:
             st.connector_fallbacks += 1
 
     # ----------------------------------------------------------------- stores
-    def submit(self, req: Request, job: StoreJob | WindowJob) -> None:
+    def submit(self, req: Request, job: StoreJob | WindowJob | ScoresJob) -> None:
         """(loop) Start ``job`` on the store pool and attach it to ``req`` (its caller waits)."""
         if not self.io_ok():
             with self._counters() as st:
@@ -291,11 +292,13 @@ class Transfers:
                 else:
                     self.io_failed("store failed:", str(exc), exc)
 
-    def _stored(self, job: StoreJob | WindowJob, future: Future[Any]) -> None:
+    def _stored(self, job: StoreJob | WindowJob | ScoresJob, future: Future[Any]) -> None:
         failed = future.cancelled() or future.exception() is not None
         with self._counters() as st:
             if failed:
                 st.store_failures += 1
+            elif isinstance(job, ScoresJob):
+                st.scores_bytes_stored += future.result()
             elif isinstance(job, WindowJob):
                 rows, nbytes = future.result()
                 st.query_rows_stored += rows

@@ -109,6 +109,10 @@ class EditContext:
     - ``device``: where the caller wants scoring to run (None: the function decides).
     - ``head_dim`` and ``chunk_size``: from the layout and the server, when known.
     - ``request_id``: the request stream's id (for logs).
+    - ``token_scores`` ``[L, H, S]`` float32: per-token importance the engine computed with the
+      model for the call's first ``S`` tokens (KVzip's reconstruction pass; see
+      ``kvdrop_sdk.window.TokenScores``), for policies that declare ``token_scores``; ``S`` may
+      be more or fewer than the ``T`` KV rows (tokens decoded after the pass have none).
     """
 
     positions: torch.Tensor
@@ -121,6 +125,7 @@ class EditContext:
     head_dim: int | None = None
     chunk_size: int | None = None
     request_id: str = ""
+    token_scores: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         pos = _int_vector(self.positions, "positions")
@@ -162,6 +167,14 @@ class EditContext:
                 raise ValueError(
                     f"EditContext.{name} must be a positive int or None, got {value!r}"
                 )
+        ts = self.token_scores
+        if ts is not None and (
+            not isinstance(ts, torch.Tensor) or ts.dim() != 3 or not ts.is_floating_point()
+        ):
+            raise ValueError(
+                "EditContext.token_scores must be a float [L, H, S] tensor, got "
+                f"{getattr(ts, 'shape', ts)!r}"
+            )
         if self.device is not None and not isinstance(self.device, str):
             object.__setattr__(self, "device", str(self.device))
 

@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_QUERY_STRIDE",
     "DEFAULT_QUERY_WINDOW",
     "DeclaresQueries",
+    "DeclaresTokenScores",
     "QueryCapture",
     "QueryNeed",
 ]
@@ -55,14 +56,26 @@ class DeclaresQueries(Protocol):
     def queries(self) -> QueryNeed: ...
 
 
+@runtime_checkable
+class DeclaresTokenScores(Protocol):
+    """A policy that says whether it reads per-token scores the engine computes with the model
+    (``EditContext.token_scores``: KVzip's reconstruction pass after prefill)."""
+
+    @property
+    def token_scores(self) -> bool: ...
+
+
 @dataclass(frozen=True)
 class QueryCapture:
     """What the engine captures: ``mode`` ("none", "window" or "full"), and the window's size
-    (``window`` last positions, every ``stride``-th position; 0 = no strided sample)."""
+    (``window`` last positions, every ``stride``-th position; 0 = no strided sample), and
+    ``scores``: whether the engine also runs the reconstruction pass after each prompt and stores
+    its per-token scores (``kvdrop_sdk.window.TokenScores``) through the query context."""
 
     mode: QueryNeed = QueryNeed.NONE
     window: int = DEFAULT_QUERY_WINDOW
     stride: int = DEFAULT_QUERY_STRIDE
+    scores: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -72,6 +85,8 @@ class QueryCapture:
             raise ValueError(
                 f"query capture mode must be one of {modes}, got {self.mode!r}"
             ) from None
+        if not isinstance(self.scores, bool):
+            raise ValueError(f"QueryCapture.scores must be a bool, got {self.scores!r}")
         for name, low in (("window", 1), ("stride", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -81,6 +96,11 @@ class QueryCapture:
     def enabled(self) -> bool:
         """Whether any query is captured."""
         return self.mode is not QueryNeed.NONE
+
+    @property
+    def uses_query_context(self) -> bool:
+        """Whether the engine talks to the server's query store (queries or scores)."""
+        return self.enabled or self.scores
 
     @property
     def full(self) -> bool:
@@ -99,11 +119,13 @@ class QueryCapture:
         """The least capture that serves every policy: the widest ``queries`` they declare, at
         least ``floor`` (``"full"`` where a user asked for it). An object that declares nothing
         (a plain edit function) is served the full queries, the upstream layout it was written
-        for."""
+        for. ``scores`` is on when a policy declares ``token_scores``."""
         need = QueryNeed(floor)
+        policies = list(policies)
+        scores = any(isinstance(p, DeclaresTokenScores) and p.token_scores for p in policies)
         for policy in policies:
             declared = policy.queries if isinstance(policy, DeclaresQueries) else QueryNeed.FULL
             declared = QueryNeed(declared)
             if declared.rank > need.rank:
                 need = declared
-        return cls(need, window, stride)
+        return cls(need, window, stride, scores)

@@ -58,6 +58,7 @@ present, else the cache is polled by retrieving, as upstream does).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -90,7 +91,7 @@ from kvdrop_sdk.events import PostCompletion, TokenEvent
 from kvdrop_sdk.foreign import Closeable, StreamContext, as_token_event
 from kvdrop_sdk.stream_contexts import StreamContexts
 from kvdrop_sdk.validate import is_int, token_ids
-from kvdrop_sdk.window import retrieve_window
+from kvdrop_sdk.window import retrieve_window, scores_for
 
 __all__ = [
     "ModifyFnType",
@@ -480,6 +481,10 @@ class RequestStream:
             context = None
             if with_context:
                 context = self._edit_context(kv_ctx, cached, len(current), queries, device)
+                q_ctx = self._cache.by_kind.get(CacheKind.QUERY)
+                scores = scores_for(fn, q_ctx, current, self.active_cache_salt)
+                if scores is not None:
+                    context = dataclasses.replace(context, token_scores=scores)
             sid = self._request_stream_id
             new_kv, new_tokens = call_edit(fn, tensors, kept_input, context, sid, edit_timeout)
             edited = tensors[CacheKind.KV]

@@ -16,6 +16,11 @@ Each row may carry its attention log-normalisers ``lse`` (per query head, the lo
 scaled logits over every key it attended to, the uncached tail's keys included): with them
 ``exp(q.k / sqrt(d) - lse)`` is the row's true attention probability on a cached key, although
 the tail's keys are not in the cache (``EditContext.query_lse``).
+
+:class:`TokenScores` is the store's second record kind: per-token importance ``[L, H, N]`` of a
+call's first ``N`` tokens that the engine computed with the model (KVzip's reconstruction pass,
+``kvdrop_engine.reconstruct``), read by policies that score without the model
+(``EditContext.token_scores``). Small where the queries behind them would be large.
 """
 
 from __future__ import annotations
@@ -31,9 +36,18 @@ from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.hashing import decode_tokens, encode_tokens
 from kvdrop_sdk.layout import dtype_name
 from kvdrop_sdk.protocol import RpcError
+from kvdrop_sdk.query_capture import DeclaresTokenScores
 from kvdrop_sdk.transport.buffers import tensor_buffer
 
-__all__ = ["QueryWindow", "retrieve_window", "store_window"]
+__all__ = [
+    "QueryWindow",
+    "TokenScores",
+    "retrieve_scores",
+    "retrieve_window",
+    "scores_for",
+    "store_scores",
+    "store_window",
+]
 
 
 @dataclass(frozen=True)
@@ -168,3 +182,100 @@ def retrieve_window(
             raise SDKError(f"server sent {len(lse_buf)} lse bytes for {lse_shape}")
         lse = torch.frombuffer(lse_buf, dtype=torch.float32).view(lse_shape)
     return QueryWindow(queries, positions, lse)
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    """Per-token scores ``[L, H, N]`` (float32, CPU) of the first ``N`` tokens of one call, per
+    layer and head (``H`` divides the query layout's heads: KV heads for KVzip)."""
+
+    scores: torch.Tensor
+
+    def __post_init__(self) -> None:
+        s = self.scores
+        if (
+            not isinstance(s, torch.Tensor)
+            or s.dim() != 3
+            or s.dtype != torch.float32
+            or s.shape[2] == 0
+        ):
+            shape = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
+            raise SDKError(
+                f"token scores must be a float32 [L, H, N] tensor with N >= 1, got {shape}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.scores.shape[2])
+
+
+def store_scores(
+    ctx: Context, tokens: Sequence[int], scores: TokenScores, cache_salt: str = ""
+) -> bool:
+    """Store ``scores`` for the call over ``tokens`` (prompt + generated; the scores cover its
+    first ``N``); False when the server kept a record at least as long or has no room."""
+    _query_ctx(ctx)
+    ctx._check_open()
+    layout = ctx.layout
+    s = scores.scores
+    if s.shape[0] != layout.num_layers or layout.num_heads % s.shape[1]:
+        raise SDKError(
+            f"token scores {tuple(s.shape)} do not fit the query layout of "
+            f"{ctx.server_model_name!r}: expected {layout.num_layers} layers and heads dividing "
+            f"{layout.num_heads}"
+        )
+    raw = ctx._encode(tokens)
+    if scores.num_tokens > len(raw) // 8:
+        raise SDKError(f"{scores.num_tokens} scored tokens but the call has {len(raw) // 8}")
+    fields = {
+        **ctx._fields(cache_salt),
+        "record": "scores",
+        "rows": scores.num_tokens,
+        "heads": int(s.shape[1]),
+    }
+    data = tensor_buffer(s.detach().to("cpu").contiguous())
+    try:
+        reply, _ = ctx._call("put_window", fields, [raw, data])
+    except RpcError as exc:
+        raise RpcError(exc.code, f"storing the token scores failed: {exc}") from None
+    return bool(reply.get("stored"))
+
+
+def retrieve_scores(
+    ctx: Context, tokens: Sequence[int], cache_salt: str = ""
+) -> TokenScores | None:
+    """The scores stored for exactly ``tokens`` under ``cache_salt``, or None."""
+    _query_ctx(ctx)
+    ctx._check_open()
+    layout = ctx.layout
+    raw = ctx._encode(tokens)
+    if not raw:
+        return None
+    fields = {**ctx._fields(cache_salt), "record": "scores"}
+    try:
+        reply, frames = ctx._call("get_window", fields, [raw])
+    except RpcError as exc:
+        raise RpcError(exc.code, f"reading the token scores failed: {exc}") from None
+    if not reply.get("found"):
+        return None
+    rows, heads = reply.get("rows"), reply.get("heads")
+    if len(frames) != 1 or not isinstance(rows, int) or not isinstance(heads, int):
+        raise SDKError(f"server sent a malformed scores reply {reply!r} with {len(frames)} frames")
+    buf = bytearray(frames[0].buffer)
+    shape = (layout.num_layers, heads, rows)
+    if len(buf) != 4 * layout.num_layers * heads * rows:
+        raise SDKError(f"server sent {len(buf)} score bytes for float32 {shape}")
+    return TokenScores(torch.frombuffer(buf, dtype=torch.float32).view(shape))
+
+
+def scores_for(
+    fn: object, q_ctx: object, tokens: Sequence[int], cache_salt: str
+) -> torch.Tensor | None:
+    """The engine's scores ``[L, H, N]`` of the call over ``tokens`` for an edit function that
+    declares ``token_scores`` (read through a kvdrop query context), else None."""
+    if not (isinstance(fn, DeclaresTokenScores) and fn.token_scores):
+        return None
+    if not isinstance(q_ctx, Context):
+        return None  # no query context, or an LMCache one: the policy says what is missing
+    found = retrieve_scores(q_ctx, tokens, cache_salt)
+    return None if found is None else found.scores

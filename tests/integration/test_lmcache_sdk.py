@@ -74,6 +74,13 @@ def test_policy_inside_lmcache_sdk_batch(case: str, setup: Setup) -> None:
     from lmcache.sdk.cache_kind import LMCacheSDKCacheKind
 
     policy = build(case, setup.cfg)
+    if policy.token_scores:
+        # kvzip reads the kvdrop engine's reconstruction scores, which LMCache cannot store:
+        # inside lmcache.sdk it fails with the one error that says so.
+        kv = torch.randn(2, setup.cfg.num_layers, CHUNK, setup.cfg.kv_dim)
+        with pytest.raises(kvdrop.MissingTokenScoresError, match="LMCache server has no store"):
+            policy({"kv": kv}, list(range(CHUNK)))
+        return
     needs_query = kvdrop.describe("snapkv" if case == "snapkv+rerotate" else case).needs_query
     seen: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
 

@@ -10,7 +10,14 @@ from kvdrop_sdk.context import connect
 from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.layout import CacheLayout
 from kvdrop_sdk.testing.server import ServerHandle
-from kvdrop_sdk.window import QueryWindow, retrieve_window, store_window
+from kvdrop_sdk.window import (
+    QueryWindow,
+    TokenScores,
+    retrieve_scores,
+    retrieve_window,
+    store_scores,
+    store_window,
+)
 
 Q_LAYOUT = CacheLayout(num_layers=2, num_heads=4, head_dim=8, dtype=torch.bfloat16)
 
@@ -65,3 +72,28 @@ def test_bad_windows_are_refused(kv_server: ServerHandle, model_name: str) -> No
     ) as kv:
         with pytest.raises(SDKError, match="query context"):
             retrieve_window(kv, [1, 2])
+
+
+def test_token_scores_are_a_record_of_their_own(kv_server: ServerHandle, model_name: str) -> None:
+    """Scores of a call are stored beside (not instead of) its query window, and read back
+    exactly; a bad record is refused with what was expected."""
+    with connect(
+        CacheKind.QUERY, kv_server.url, kv_server.http_url, model_name, layout=Q_LAYOUT
+    ) as ctx:
+        tokens = list(range(200, 240))
+        scores = TokenScores(torch.rand(2, 2, 32, generator=torch.Generator().manual_seed(1)))
+        assert retrieve_scores(ctx, tokens, "s") is None
+        assert store_window(ctx, tokens, window([0, 39]), "s")
+        assert store_scores(ctx, tokens, scores, "s")
+        got = retrieve_scores(ctx, tokens, "s")
+        assert got is not None and torch.equal(got.scores, scores.scores)
+        w = retrieve_window(ctx, tokens, "s")
+        assert w is not None and w.positions.tolist() == [0, 39]
+        assert retrieve_scores(ctx, tokens[:-1], "s") is None
+        assert retrieve_scores(ctx, tokens, "") is None
+        with pytest.raises(SDKError, match="heads dividing 4"):
+            store_scores(ctx, tokens, TokenScores(torch.zeros(2, 3, 8)), "s")
+        with pytest.raises(SDKError, match="the call has 40"):
+            store_scores(ctx, tokens, TokenScores(torch.zeros(2, 4, 41)), "s")
+        with pytest.raises(SDKError, match="float32"):
+            TokenScores(torch.zeros(2, 4, 8, dtype=torch.float16))

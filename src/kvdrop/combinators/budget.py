@@ -147,6 +147,10 @@ class Budget(Policy):
     def queries(self) -> QueryNeed:
         return self.policy.queries
 
+    @property
+    def token_scores(self) -> bool:
+        return self.policy.token_scores
+
     def for_length(self, num_tokens: int) -> SelectorPolicy:
         """The inner policy with this request's budget."""
         value = self.rule(num_tokens)

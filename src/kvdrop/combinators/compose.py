@@ -79,6 +79,10 @@ class Compose(SelectorPolicy):
         """The widest need of its parts (``NONE < WINDOW < FULL``)."""
         return max((p.queries for p in self.parts), key=lambda q: q.rank)
 
+    @property
+    def token_scores(self) -> bool:
+        return any(p.token_scores for p in self.parts)
+
     def quotas(self, budget: int) -> list[int]:
         """Tokens each part picks: ``budget`` split by weight in whole chunks (largest remainders
         first, ties to the earlier part)."""

@@ -52,6 +52,10 @@ class Rerotate(Policy):
     def queries(self) -> QueryNeed:
         return self.policy.queries
 
+    @property
+    def token_scores(self) -> bool:
+        return self.policy.token_scores
+
     def select_indices(
         self,
         tensors: Mapping[Any, torch.Tensor],

@@ -29,7 +29,7 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``kvdrop demo`` (heavy imports stay in ``run``)."""
     run_ = parser.add_argument_group("experiment")
-    run_.add_argument("--policy", default="rkv", help="drop policy (see `kvdrop list`)")
+    run_.add_argument("--policy", default="snapkv", help="drop policy (see `kvdrop list`)")
     run_.add_argument(
         "--keep-ratio", type=finite_positive, default=0.5, help="fraction kept (default 0.5)"
     )

@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=sorted(PRESETS),
         default="default",
         help="'default': every registered policy x keep 0.75/0.5/0.25 x 1024 tokens x 4 tasks x "
-        "2 settings x 6 samples (docs/quality.md); 'quick': a CI smoke run",
+        "2 settings x 6 samples (docs/quality.md); 'long': kvzip, snapkv, knorm x keep 0.5/0.25 "
+        "x 1024/2048/4096 tokens x 12 samples (add 8192 with --lengths); 'quick': a CI smoke run",
     )
     grid.add_argument(
         "--policies",
@@ -208,6 +209,7 @@ def _cells(rows: Sequence[Mapping[str, Any]], labels: Sequence[str]) -> list[dic
             top1=f"{r['top1_agreement']:.2f}",
             kept=f"{r['kept_fraction']:.2f}",
             modify_ms=f"{r['modify_ms']:.0f}",
+            cost_s=f"{r.get('cost_s', 0.0):.1f}",
         )
         out.append(row)
     return out

@@ -194,6 +194,8 @@ def _runs(args: argparse.Namespace, s: _Setup, log: Any) -> tuple[Any, Any, dict
                 modify_fn=fn,
                 cache_salt=f"{name}-{run_id}",
                 progress=progress,
+                # The dropped run's prefill scores its prompts for kvzip (token_scores).
+                reconstruct=fn is not None and s.capture.scores,
             )
             for name, fn in (("baseline", None), ("dropped", s.modify_fn))
         ]

@@ -51,7 +51,7 @@ from kvdrop.experiments.results import (
     sort_rows,
     wilson,
 )
-from kvdrop.experiments.tasks import SETTINGS, TASKS, Sample, make_samples
+from kvdrop.experiments.tasks import DEFAULT_TASKS, SETTINGS, TASKS, Sample, make_samples
 from kvdrop_sdk.query_capture import QueryNeed
 
 __all__ = [
@@ -82,6 +82,7 @@ ROW_FIELDS = (
     "top1_agreement",
     "kept_fraction",
     "modify_ms",
+    "cost_s",
 )
 
 #: Named grids. ``quick`` is CI's smoke run (seconds of compute); ``default`` is the grid of
@@ -98,8 +99,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         policies=None,
         keep_ratios=(0.75, 0.5, 0.25),
         lengths=(1024,),
-        tasks=tuple(TASKS),
+        tasks=DEFAULT_TASKS,
         num_samples=6,
+    ),
+    # The lengths that matter (docs/quality.md): the recommended policies at 1K-4K tokens, 12
+    # samples a cell; add 8192 with --lengths (SmolLM2 takes 8K; hours on two CPU cores).
+    "long": dict(
+        policies=("kvzip", "snapkv", "knorm"),
+        keep_ratios=(0.5, 0.25),
+        lengths=(1024, 2048, 4096),
+        tasks=DEFAULT_TASKS,
+        num_samples=12,
     ),
 }
 
@@ -112,7 +122,7 @@ class EvalConfig:
     policies: tuple[str, ...] | None = None
     keep_ratios: tuple[float, ...] = PRESETS["default"]["keep_ratios"]
     lengths: tuple[int, ...] = PRESETS["default"]["lengths"]
-    tasks: tuple[str, ...] = tuple(TASKS)
+    tasks: tuple[str, ...] = DEFAULT_TASKS
     settings: tuple[str, ...] = SETTINGS
     num_samples: int = PRESETS["default"]["num_samples"]
     max_tokens: int = 8

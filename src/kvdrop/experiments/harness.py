@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdrop_sdk.query_capture import DeclaresQueries, QueryCapture, QueryNeed
+from kvdrop_sdk.query_capture import DeclaresQueries, DeclaresTokenScores, QueryCapture, QueryNeed
 
 __all__ = [
     "Harness",
@@ -34,6 +34,7 @@ __all__ = [
     "open_harness",
     "query_bytes_per_token",
     "query_capture",
+    "reconstruction_prompt",
 ]
 
 CONNECTOR_KINDS = ("kvdrop", "lmcache")
@@ -187,13 +188,19 @@ def open_harness(
     ``final_status`` holds the server's status and everything is closed in reverse order."""
     from kvdrop_engine.engine import Engine
 
+    if capture.scores and kind != "kvdrop":
+        raise HarnessError(
+            "a policy reads the engine's reconstruction scores (kvzip); they are stored in a "
+            "kvdrop server's window store, which an LMCache server does not have: use "
+            "--cache-server kvdrop, or a policy that needs no scores (knorm, keydiff, snapkv)"
+        )
     with cache_server(
         kind,
         url=url,
         http_url=http_url,
         chunk_size=chunk_size,
         pool_gb=pool_gb,
-        queries=capture.enabled,
+        queries=capture.uses_query_context,
         shm_prefix=shm_prefix,
         log=log,
     ) as (url_, http_url_, status):
@@ -206,9 +213,10 @@ def open_harness(
                 kv_budget_tokens=kv_budget_tokens,
                 block_size=block_size,
                 connector=connector,
+                reconstruction=reconstruction_prompt(model, tokenizer) if capture.scores else None,
             ).start()
             stack.callback(engine.stop)
-            contexts = _contexts(kind, url_, http_url_, model_name, capture.enabled)
+            contexts = _contexts(kind, url_, http_url_, model_name, capture.uses_query_context)
             for ctx in contexts:
                 stack.callback(ctx.close)
             harness = Harness(engine, connector, contexts, url_, http_url_, status)
@@ -216,6 +224,16 @@ def open_harness(
                 yield harness
             finally:
                 harness.final_status = status()
+
+
+def reconstruction_prompt(model: Any, tokenizer: Any) -> Any:
+    """KVzip's reconstruction prompt in ``tokenizer``'s ids (fixed ids without a tokenizer:
+    random weights, where only the pass's cost means something)."""
+    from kvdrop_engine.reconstruct import ReconstructionPrompt
+
+    if tokenizer is None:
+        return ReconstructionPrompt.synthetic(model.config.vocab_size)
+    return ReconstructionPrompt.from_tokenizer(tokenizer)
 
 
 def _window_positions(num_tokens: int, capture: QueryCapture) -> list[int]:
@@ -243,6 +261,7 @@ def check_policies(
     kv = torch.randn(2, cfg.num_layers, num_tokens, width, generator=gen)
     rows = _window_positions(num_tokens, capture)
     query = torch.randn(1, cfg.num_layers, len(rows), cfg.num_heads * cfg.head_dim, generator=gen)
+    scores = torch.rand(cfg.num_layers, cfg.num_kv_heads, num_tokens, generator=gen)
     for name, fn in policies.items():
         tensors = {CacheKind.KV: kv}
         if _declared_need(fn) is not QueryNeed.NONE and capture.enabled:
@@ -253,6 +272,9 @@ def check_policies(
             prompt_tokens=num_tokens,
             head_dim=cfg.head_dim,
             chunk_size=chunk_size,
+            token_scores=scores
+            if isinstance(fn, DeclaresTokenScores) and fn.token_scores
+            else None,
         )
         try:
             with warnings.catch_warnings():

@@ -45,7 +45,12 @@ class Measurement:
         # (window-reading scorers then read the chunk queries of the cached part and the
         # window's rows of the rest).
         self.capture = query_capture(fn for by in policies.values() for fn in by.values())
-        self.any_query = self.capture.enabled
+        # Policies that read the engine's reconstruction scores (kvzip): their prefill runs the
+        # pass, and the scores travel through the query context.
+        self.scores = {
+            name: any(fn.token_scores for fn in by.values()) for name, by in policies.items()
+        }
+        self.any_query = self.capture.uses_query_context
         self.server_status: dict[str, Any] | None = None
         eos = tuple(model.config.eos_token_ids or ())
         self.eos = eos[0] if eos else None
@@ -131,14 +136,22 @@ class Measurement:
             mine = {(s.task, s.index) for s, st in todo[(FULL, 1.0)] if st == setting}
             fid = [(0.0, 1.0)] * len(items)
             yield self._records(length, FULL, 1.0, items, full, fid, conts, score_s, mine)
+        # Prompts whose reconstruction scores the server holds (stored by an earlier run of this
+        # batch, under its salt): later runs of policies that read them skip the pass.
+        scored: set[tuple[str, int, str]] = set()
         for policy, by_ratio in self.policies.items():
-            ctxs = [self.kv_ctx] + ([self.q_ctx] if self.needs_query[policy] else [])
+            uses_q = self.needs_query[policy] or self.scores[policy]
+            ctxs = [self.kv_ctx] + ([self.q_ctx] if uses_q else [])
             for ratio, fn in by_ratio.items():
                 items = list(todo[(policy, ratio)])
                 if not items:
                     yield []
                     continue
-                run = self._run(policy, items, salt, fn, ctxs)
+                keys = {(s.task, s.index, setting) for s, setting in items}
+                reconstruct = self.scores[policy] and not keys <= scored
+                run = self._run(policy, items, salt, fn, ctxs, reconstruct)
+                if reconstruct:
+                    scored |= keys
                 self._check_loaded(run, items, (length, policy, ratio))
                 refs = [reference[(s.task, s.index, setting)] for s, setting in items]
                 conts = [cont for cont, _ in refs]
@@ -159,9 +172,18 @@ class Measurement:
                     )
                 yield self._records(length, policy, ratio, items, run, fid, conts, score_s)
 
-    def _run(self, name: str, items: Sequence[Item], salt: str, fn: Any, contexts: list) -> Any:
-        """One pipeline run over ``items``: prefill, modify with ``fn`` (if any), decode from the
-        edited cache (the question appended in the ``after`` setting)."""
+    def _run(
+        self,
+        name: str,
+        items: Sequence[Item],
+        salt: str,
+        fn: Any,
+        contexts: list,
+        reconstruct: bool = False,
+    ) -> Any:
+        """One pipeline run over ``items``: prefill (with the reconstruction pass when
+        ``reconstruct``), modify with ``fn`` (if any), decode from the edited cache (the question
+        appended in the ``after`` setting)."""
         from kvdrop.experiments.prompts import Prompt
         from kvdrop.experiments.runner import run_pipeline
         from kvdrop_sdk.batch import BatchedStreamFailures
@@ -176,6 +198,7 @@ class Measurement:
                 modify_fn=fn,
                 cache_salt=salt,
                 suffixes=[s.suffix(setting) for s, setting in items],
+                reconstruct=reconstruct,
             )
         except BatchedStreamFailures as exc:
             first = next(iter(exc.failures.values()))
@@ -228,6 +251,7 @@ class Measurement:
             "modify": float(run.modify["duration"]) if run.modify is not None else 0.0,
             "decode": float(run.decode["duration"]),
             "score": score_s,
+            "reconstruct": float(run.prefill_engine.get("reconstruction_seconds", 0.0)),
         }
         out = []
         for (task, setting), idx in groups.items():

@@ -60,13 +60,18 @@ def aggregate(
 
     Accuracy pools the answers; ``kl`` and ``top1_agreement`` are means over every scored
     position; ``kept_fraction`` is the tokens decoded from (kept plus any uncompressed tail) over
-    the prompt tokens; ``modify_ms`` the modify phase's wall time per prompt. A sample measured
-    twice (an interrupted batch run again) counts once.
+    the prompt tokens; ``modify_ms`` the modify phase's wall time per prompt; ``cost_s`` what one
+    prompt of the cell cost in wall time: its share of the run's prefill (KVzip's reconstruction
+    pass included), modify and decode (the fidelity scoring, eval's own work, left out). A sample
+    measured twice (an interrupted batch run again) counts once.
     """
     groups: dict[tuple[Any, ...], dict[tuple[Any, ...], dict[str, Any]]] = defaultdict(dict)
     for rec in records:
         key = tuple(rec[f] for f in by)
-        share = rec.get("seconds", {}).get("modify", 0.0) / max(1, len(rec["samples"]))
+        seconds = rec.get("seconds", {})
+        share = seconds.get("modify", 0.0) / max(1, len(rec["samples"]))
+        cost = sum(seconds.get(k, 0.0) for k in ("prefill", "modify", "decode"))
+        cost /= max(1, len(rec["samples"]))
         for i, idx in enumerate(rec["samples"]):
             groups[key][(*(rec[f] for f in KEY), idx)] = {
                 "correct": bool(rec["correct"][i]),
@@ -76,6 +81,7 @@ def aggregate(
                 "kept": rec["kept"][i],
                 "prompt": rec["prompt"][i],
                 "modify_s": share,
+                "cost_s": cost,
             }
     rows = []
     for key, samples in groups.items():
@@ -97,6 +103,7 @@ def aggregate(
             ),
             kept_fraction=sum(v["kept"] for v in vals) / max(1, sum(v["prompt"] for v in vals)),
             modify_ms=1000 * sum(v["modify_s"] for v in vals) / n,
+            cost_s=sum(v["cost_s"] for v in vals) / n,
         )
         rows.append(row)
     return rows

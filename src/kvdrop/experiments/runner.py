@@ -122,6 +122,7 @@ def run_pipeline(
     modify_timeout: float = 600.0,
     modify_concurrency: int | None = None,
     fresh_decode: bool = False,
+    reconstruct: bool = False,
     suffixes: Sequence[Sequence[int]] | None = None,
 ) -> RunResult:
     """Prefill, optionally modify, then decode ``prompts`` through ``engine``'s post_completion.
@@ -133,6 +134,8 @@ def run_pipeline(
     prompt without that token (the kept tokens and the uncached tail after a modify), so every
     output token comes from the edited cache; ``suffixes`` (one token list per prompt, e.g. a
     question asked after compression) are appended to that prompt and imply ``fresh_decode``.
+    ``reconstruct`` asks the engine to score each prompt with KVzip's reconstruction pass in the
+    prefill (for policies that declare ``token_scores``, e.g. ``kvzip``).
     """
     if suffixes is not None and len(suffixes) != len(prompts):
         raise ValueError(f"{len(suffixes)} suffixes for {len(prompts)} prompts; give one each")
@@ -146,7 +149,7 @@ def run_pipeline(
         batch.add(stream)
         streams.append(stream)
     batch.progress = progress(f"{name}: prefill")
-    prefill = batch.prefill(sampling)
+    prefill = batch.prefill({**sampling, "reconstruct": True} if reconstruct else sampling)
     modify = None
     if modify_fn is not None:
         batch.progress = progress(f"{name}: modify")

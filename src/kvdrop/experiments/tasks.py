@@ -13,6 +13,11 @@ Four tasks, each a seeded generator of :class:`Sample`s at an exact token length
 * ``story``: facts spread through an everyday story: four people, one fact each (a city, a dog's
   name, a job, a favourite colour), the asked one at the controlled depth and the others spread
   evenly; the question asks the one fact.
+* ``vt``: RULER's variable tracking, single-answer: two chains ``VAR A = 12345.`` ...
+  ``VAR B = VAR A.`` in filler (the asked chain's first link at the controlled depth, its second
+  later); the question asks the value of the asked chain's last variable, the other chain's value
+  is the distractor. Two hops: the answer is never next to the name asked for. Not in the default
+  grid (``--tasks ... vt``).
 
 Every question opens the assistant's answer with a prefix ("The pass key is"), as RULER does: the
 answers are short and checkable.
@@ -36,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SETTINGS", "TASKS", "Sample", "make_samples", "prompt_layout"]
+__all__ = ["DEFAULT_TASKS", "SETTINGS", "TASKS", "Sample", "make_samples", "prompt_layout"]
 
 #: Where the question is: compressed with the context, or appended after compression.
 SETTINGS = ("inside", "after")
@@ -294,6 +299,41 @@ def _story(rng: random.Random, depth: float) -> _Spec:
     )
 
 
+def _variable(rng: random.Random, taken: set[str]) -> str:
+    while True:
+        name = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+        if name not in taken:
+            taken.add(name)
+            return name
+
+
+def _vt(rng: random.Random, depth: float) -> _Spec:
+    names: set[str] = set()
+    numbers: set[str] = set()
+    chains = [(_variable(rng, names), _variable(rng, names), _number(rng, numbers)) for _ in "ab"]
+    (first, last, value), (d_first, d_last, d_value) = chains
+    # The asked chain's second link sits between its first and the end; the other chain anywhere.
+    later = depth + (1 - depth) * rng.uniform(0.2, 0.8)
+    others = sorted(rng.random() for _ in range(2))
+    needles = [
+        (depth, f"VAR {first} = {value}."),
+        (later, f"VAR {last} = VAR {first}."),
+        (others[0], f"VAR {d_first} = {d_value}."),
+        (others[1], f"VAR {d_last} = VAR {d_first}."),
+    ]
+    return _Spec(
+        intro="Memorize and track the chain(s) of variable assignments hidden in this text.",
+        needles=needles,
+        filler=_filler,
+        question=f"What is the value of VAR {last}? Follow the chain of assignments. "
+        "Answer with the number only.",
+        answer=value,
+        distractors=(d_value,),
+        depth=depth,
+        answer_prefix=f"The value of VAR {last} is",
+    )
+
+
 def _city(rng: random.Random, p: str) -> tuple[str, str, str, str]:
     c = rng.choice(_CITIES)
     return f"{p} lives in {c}.", f"In which city does {p} live?", f"{p} lives in", c
@@ -334,7 +374,10 @@ TASKS: dict[str, Callable[[random.Random, float], _Spec]] = {
     "multikey": _multikey,
     "kv": _kv,
     "story": _story,
+    "vt": _vt,
 }
+#: The tasks of the default grid (``vt`` is measured on request).
+DEFAULT_TASKS = ("passkey", "multikey", "kv", "story")
 
 
 def make_samples(task: str, tokenizer: Any, length: int, n: int, seed: int = 0) -> list[Sample]:

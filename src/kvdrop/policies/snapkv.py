@@ -41,16 +41,18 @@ class SnapKVScorer(Scorer):
     nothing). A window query in the tail sees every cached key. Its attention is the true one:
     normalised over every key it saw, the tail's included (the engine records each saved row's
     log-normaliser, ``EditContext.query_lse``), so a query that looked mostly at the tail adds
-    little; without log-normalisers the softmax runs over the cached keys only. As
-    upstream, the defaults are window 64, kernel 5, avg pooling, mean everywhere -- but the budget
-    is chunk-aligned.
+    little; without log-normalisers the softmax runs over the cached keys only. The defaults
+    are upstream's (window 64, avg pooling, mean everywhere) but for the pooling kernel: 15, not
+    5 -- chosen with ``kvdrop eval`` on development seeds (docs/quality.md): under one shared
+    selection a wider kernel keeps the digits that follow the token the question attends to --
+    and the budget is chunk-aligned.
     """
 
     queries = QueryNeed.WINDOW
     needs_selection = True  # observes the selector's window
     reads_values = False
     head_dim: int | None = query_head_dim()
-    kernel: int = odd_kernel(5)
+    kernel: int = odd_kernel(15)
     pooling: str = param("avg", "pooling of token scores", choices=("avg", "max"))
     group_agg: str = param("mean", "how the query heads of a GQA group combine", choices=HEAD_AGG)
     head_agg: str = param("mean", "how KV heads combine", choices=HEAD_AGG)

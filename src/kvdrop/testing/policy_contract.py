@@ -40,7 +40,13 @@ from typing import Any
 
 import torch
 
-from kvdrop.errors import MissingQueryError, PolicyInputError, PolicyParamError, PolicyWarning
+from kvdrop.errors import (
+    MissingQueryError,
+    MissingTokenScoresError,
+    PolicyInputError,
+    PolicyParamError,
+    PolicyWarning,
+)
 from kvdrop.factories import PolicyFactory, PolicyInfo
 from kvdrop.params import Param
 from kvdrop.policy import Policy
@@ -83,13 +89,22 @@ class ForeignKind(enum.Enum):
 @dataclass(frozen=True)
 class Case:
     """One drawn input: parameters, ``kv [2, L, T, D]``, ``query [1, L, T, Dq]``, distinct token
-    ids (so each kept token maps back to one index) and the per-head size."""
+    ids (so each kept token maps back to one index), the per-head size, and per-token scores
+    ``[L, Hkv, T]`` of the engine's reconstruction pass (for policies declaring
+    ``token_scores``, e.g. ``kvzip``; they get them in the edit context)."""
 
     params: dict[str, Any]
     kv: torch.Tensor
     query: torch.Tensor
     tokens: list[int]
     head_dim: int
+    scores: torch.Tensor | None = None
+
+    def context(self, policy: Any) -> EditContext | None:
+        """The edit context a policy that reads token scores gets (None for the others)."""
+        if not policy.token_scores or self.scores is None:
+            return None
+        return EditContext.of(self.kv.shape[2], token_scores=self.scores)
 
 
 def policy_names(distribution: str | None = None) -> list[str]:
@@ -163,7 +178,8 @@ def _draw_case(draw: Callable[[Any], Any], info: PolicyInfo) -> Case:
     kv = torch.randn(2, layers, num_tokens, kv_heads * head_dim, generator=gen).to(dtype)
     query = torch.randn(1, layers, num_tokens, kv_heads * group * head_dim, generator=gen)
     tokens = torch.randperm(10 * num_tokens + 10, generator=gen)[:num_tokens].tolist()
-    return Case(params, kv, query.to(dtype), tokens, head_dim)
+    scores = torch.rand(layers, kv_heads, num_tokens, generator=gen)
+    return Case(params, kv, query.to(dtype), tokens, head_dim, scores)
 
 
 def expected_count(params: dict[str, Any], num_tokens: int) -> int:
@@ -198,14 +214,16 @@ def _invariants(ref: PolicyRef, case: Case) -> None:
     make = _factory(ref)
     kv_before, q_before = case.kv.clone(), case.query.clone()
     tensors = {CacheKind.KV: case.kv, CacheKind.QUERY: case.query}
-    out, kept = make(**case.params)(tensors, case.tokens)
+    policy = make(**case.params)
+    context = case.context(policy)
+    out, kept = policy(tensors, case.tokens, context=context)
     count = expected_count(case.params, case.kv.shape[2])
     _check_kept(case, out, list(kept), count)
     if count == case.kv.shape[2]:
         assert list(kept) == case.tokens and torch.equal(out, case.kv), "all kept: input back"
     assert torch.equal(case.kv, kv_before) and torch.equal(case.query, q_before), "inputs changed"
     foreign = {ForeignKind.KV: case.kv, ForeignKind.QUERY: case.query}
-    out2, kept2 = make(**case.params)(foreign, case.tokens)
+    out2, kept2 = make(**case.params)(foreign, case.tokens, context=context)
     assert list(kept2) == list(kept) and torch.equal(out2, out), "not deterministic"
 
 
@@ -310,6 +328,8 @@ def check_wrong_shapes(ref: PolicyRef) -> None:
         _raises(
             MissingQueryError, "--enable transfer_query", lambda: fn({CacheKind.KV: kv}, tokens)
         )
+    if fn.token_scores:
+        _raises(MissingTokenScoresError, "reconstruction pass", lambda: fn(both, tokens))
 
 
 def check_describes_itself(ref: PolicyRef) -> None:

@@ -28,7 +28,13 @@ from kvdrop_sdk.protocol import MAX_SALT_CHARS, ProtocolError
 from kvdrop_sdk.server.config import ServerConfig
 from kvdrop_sdk.server.pool import Pool, PoolSpaceError
 from kvdrop_sdk.server.store import INTERNAL_OWNER, ChunkStore, StoreError
-from kvdrop_sdk.server.windows import WindowStore, parse_put, reply_get, window_key
+from kvdrop_sdk.server.windows import (
+    WindowStore,
+    parse_put,
+    record_kind,
+    reply_get,
+    window_key,
+)
 from kvdrop_sdk.transport.buffers import copy_rows
 from kvdrop_sdk.validate import is_int, is_number
 
@@ -393,7 +399,7 @@ class RequestOps:
         model, kind = self._model_kind(header)
         layout = self._checked_layout(header, model, kind)
         tokens, record = parse_put(header, frames, layout, (model, kind.value))
-        key = window_key(model, kind.value, _salt(header), tokens)
+        key = window_key(model, kind.value, _salt(header), tokens, record_kind(header))
         return {"stored": self.windows.put(key, record)}, []
 
     def op_get_window(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
@@ -403,8 +409,9 @@ class RequestOps:
         self._checked_layout(header, model, kind)
         if len(frames) != 1:
             raise ProtocolError("bad_frames", "get_window takes one frame: the token ids")
-        key = window_key(model, kind.value, _salt(header), frames[0].buffer)
-        return reply_get(self.windows.get(key))
+        record = record_kind(header)
+        key = window_key(model, kind.value, _salt(header), frames[0].buffer, record)
+        return reply_get(self.windows.get(key), record)
 
 
 #: op name -> method answering it (``Server.handle`` dispatches through this table).

@@ -15,6 +15,11 @@ Ops (``put_window`` / ``get_window``): frames ``[token ids, positions (little-en
 rows, (lse)]`` in, ``[positions, rows, (lse)]`` out; the header carries ``model``, ``kind``
 ("query"), ``salt`` and, on put, ``rows``, ``dtype`` and ``lse: true`` when the rows' attention
 log-normalisers follow (float32 ``[1, L, R, Hq]``).
+
+A second record kind, ``record: "scores"``, holds per-token importance scores of one call (KVzip's
+reconstruction pass, ``kvdrop_engine.reconstruct``): float32 ``[L, H, N]`` for the call's first
+``N`` tokens, ``H`` dividing the query layout's heads (``heads`` in the header). Frames
+``[token ids, scores]`` in, ``[scores]`` out; its key differs from the call's query window's.
 """
 
 from __future__ import annotations
@@ -34,9 +39,12 @@ from kvdrop_sdk.validate import is_int
 
 __all__ = [
     "MAX_WINDOW_ROWS",
+    "RECORD_KINDS",
+    "ScoresRecord",
     "WindowRecord",
     "WindowStore",
     "parse_put",
+    "record_kind",
     "reply_get",
     "window_key",
 ]
@@ -45,13 +53,30 @@ __all__ = [
 MAX_WINDOW_ROWS = 1 << 16
 _VERSION = b"kvdrop-window-v2"
 Tag = tuple[str, str]
+#: Record kinds of the store: query windows and per-token scores.
+RECORD_KINDS = ("query", "scores")
 
 
-def window_key(model: str, kind: str, salt: str, token_bytes: bytes | memoryview) -> bytes:
+def record_kind(header: dict[str, Any]) -> str:
+    """The header's ``record`` field ("query" when absent); ``ProtocolError`` if unknown."""
+    kind = header.get("record", "query")
+    if kind not in RECORD_KINDS:
+        raise ProtocolError(
+            "bad_field", f"field 'record' must be one of {list(RECORD_KINDS)}, got {kind!r}"
+        )
+    return str(kind)
+
+
+def window_key(
+    model: str, kind: str, salt: str, token_bytes: bytes | memoryview, record: str = "query"
+) -> bytes:
     """The record key of one call: model, cache kind, salt and every token id (length-prefixed
-    fields)."""
+    fields); a scores record's key also names its record kind."""
     h = hashlib.sha256(_VERSION)
-    for field in (model.encode("utf-8"), kind.encode("utf-8"), salt.encode("utf-8")):
+    fields = [model.encode("utf-8"), kind.encode("utf-8"), salt.encode("utf-8")]
+    if record != "query":
+        fields.append(record.encode("utf-8"))
+    for field in fields:
         h.update(struct.pack("<Q", len(field)) + field)
     h.update(bytes(token_bytes))
     return h.digest()
@@ -73,20 +98,39 @@ class WindowRecord:
         return len(self.positions) + len(self.data) + len(self.lse or b"")
 
 
+@dataclass(frozen=True)
+class ScoresRecord:
+    """One call's per-token scores: float32 bytes of ``[layers, heads, rows]``."""
+
+    rows: int
+    heads: int
+    layers: int
+    data: bytes
+    tag: Tag = ("", "")
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+Record = WindowRecord | ScoresRecord
+
+
 class WindowStore:
-    """Key -> :class:`WindowRecord`, LRU-bounded by bytes; thread-safe."""
+    """Key -> :class:`WindowRecord` or :class:`ScoresRecord`, LRU-bounded by bytes;
+    thread-safe."""
 
     def __init__(self, capacity_bytes: int) -> None:
         if not is_int(capacity_bytes) or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         self.capacity_bytes = capacity_bytes
-        self._records: OrderedDict[bytes, WindowRecord] = OrderedDict()
+        self._records: OrderedDict[bytes, Record] = OrderedDict()
         self._tags: Counter[Tag] = Counter()
         self._used = 0
         self._evictions = 0
         self._lock = threading.Lock()
 
-    def put(self, key: bytes, record: WindowRecord) -> bool:
+    def put(self, key: bytes, record: Record) -> bool:
         """Keep ``record`` unless a record is stored under ``key`` already (first copy wins);
         False when not kept (also when it is larger than the whole capacity)."""
         if record.nbytes > self.capacity_bytes:
@@ -112,7 +156,7 @@ class WindowStore:
         with self._lock:
             return self._tags[tag]
 
-    def get(self, key: bytes) -> WindowRecord | None:
+    def get(self, key: bytes) -> Record | None:
         """The record stored under ``key`` (now most recently used), or None."""
         with self._lock:
             record = self._records.get(key)
@@ -133,10 +177,12 @@ class WindowStore:
 
 def parse_put(
     header: dict[str, Any], frames: list[Any], layout: CacheLayout, tag: Tag
-) -> tuple[bytes, WindowRecord]:
+) -> tuple[bytes, Record]:
     """Validate a ``put_window`` request against the query ``layout`` of registration ``tag``;
     return the token bytes and the record (copies of the frames). ``ProtocolError`` says what
     was wrong."""
+    if record_kind(header) == "scores":
+        return _parse_scores(header, frames, layout, tag)
     has_lse = header.get("lse", False)
     if not isinstance(has_lse, bool):
         raise ProtocolError("bad_field", f"field 'lse' must be a bool, got {has_lse!r}")
@@ -188,9 +234,46 @@ def parse_put(
     return tokens, WindowRecord(rows, dtype_name(layout.dtype), positions, data, lse, tag)
 
 
-def reply_get(record: WindowRecord | None) -> tuple[dict[str, Any], list[bytes]]:
-    """The ``get_window`` reply for ``record`` (``found: false`` without frames on a miss)."""
-    if record is None:
+def _parse_scores(
+    header: dict[str, Any], frames: list[Any], layout: CacheLayout, tag: Tag
+) -> tuple[bytes, ScoresRecord]:
+    """A scores record: frames ``[tokens, float32 [L, heads, rows]]``, ``rows`` at most the
+    call's tokens, ``heads`` dividing the query layout's."""
+    if len(frames) != 2:
+        raise ProtocolError(
+            "bad_frames", f"put_window of scores takes 2 frames (tokens, scores), got {len(frames)}"
+        )
+    tokens, data = (bytes(f.buffer) for f in frames)
+    num_tokens = _token_count(tokens)
+    rows, heads = header.get("rows"), header.get("heads")
+    if not is_int(rows) or not 0 < rows <= num_tokens:
+        raise ProtocolError(
+            "bad_field",
+            f"field 'rows' must be an int in [1, {num_tokens}] (the call's tokens), got {rows!r}",
+        )
+    if not is_int(heads) or heads <= 0 or layout.num_heads % heads:
+        raise ProtocolError(
+            "bad_field",
+            f"field 'heads' must be a positive int dividing the layout's {layout.num_heads} "
+            f"heads, got {heads!r}",
+        )
+    expected = 4 * layout.num_layers * heads * rows
+    if len(data) != expected:
+        raise ProtocolError(
+            "bad_data",
+            f"scores are float32 [{layout.num_layers}, {heads}, {rows}] = {expected} bytes, got "
+            f"{len(data)}",
+        )
+    return tokens, ScoresRecord(rows, heads, layout.num_layers, data, tag)
+
+
+def reply_get(record: Record | None, kind: str = "query") -> tuple[dict[str, Any], list[bytes]]:
+    """The ``get_window`` reply for ``record`` (``found: false`` without frames on a miss, or
+    when the record is not of ``kind``)."""
+    if isinstance(record, ScoresRecord) and kind == "scores":
+        reply = {"found": True, "record": "scores", "rows": record.rows, "heads": record.heads}
+        return reply, [record.data]
+    if not isinstance(record, WindowRecord) or kind != "query":
         return {"found": False}, []
     header = {
         "found": True,

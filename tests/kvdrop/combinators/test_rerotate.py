@@ -13,6 +13,7 @@ import kvdrop
 from kvdrop.combinators.rerotate import Rerotate, rerotate_keys, rerotated
 from kvdrop_rope import RopeConfig
 from kvdrop_sdk import CacheKind
+from kvdrop_sdk.edit import EditContext
 
 HEAD_DIM = 16
 CONFIGS: dict[str, RopeConfig] = {
@@ -217,8 +218,12 @@ def test_every_registered_policy_accepts_rerotate(name: str) -> None:
     params: dict[str, Any] = {**kvdrop.describe(name).example, "keep_tokens": 32, "chunk_size": 8}
     if "head_dim" in {p.name for p in kvdrop.describe(name).params}:
         params["head_dim"] = HEAD_DIM
-    plain_out, plain_kept = kvdrop.get(name, **params)(tensors, list(range(t)))
-    out, kept = kvdrop.get(name, **params, rerotate=cfg)(tensors, list(range(t)))
+    plain = kvdrop.get(name, **params)
+    # Policies that read the engine's reconstruction scores (kvzip) get them in the context.
+    scores = torch.rand(2, 2, t, generator=torch.Generator().manual_seed(0))
+    context = EditContext.of(t, token_scores=scores) if plain.token_scores else None
+    plain_out, plain_kept = plain(tensors, list(range(t)), context=context)
+    out, kept = kvdrop.get(name, **params, rerotate=cfg)(tensors, list(range(t)), context=context)
     assert list(kept) == list(plain_kept) and torch.equal(out[1], plain_out[1])
     ref = keys_at(raw[:, list(kept)], torch.arange(len(kept)), cfg, len(kept))
     assert float((out[0].double() - ref).abs().max()) <= 1e-4 * float(ref.abs().max())

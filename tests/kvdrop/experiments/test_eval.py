@@ -74,6 +74,13 @@ def test_aggregate_pools_answers_and_weighs_positions() -> None:
     assert row["top1_agreement"] == pytest.approx((8 + 1 + 0) / 20)
     assert row["kept_fraction"] == pytest.approx(640 / 1536)
     assert row["modify_ms"] == pytest.approx(1000 * (0.25 + 0.25 + 0.1) / 3)
+    assert row["cost_s"] == pytest.approx((0.25 + 0.25 + 0.1) / 3)  # modify only in these records
+
+
+def test_cost_per_prompt_adds_the_pipeline_phases_but_not_scoring() -> None:
+    seconds = {"prefill": 2.0, "modify": 0.5, "decode": 1.0, "score": 9.0, "reconstruct": 1.5}
+    (row,) = aggregate([record(seconds=seconds)])
+    assert row["cost_s"] == pytest.approx((2.0 + 0.5 + 1.0) / 2)  # the pass is inside prefill
 
 
 def test_aggregate_counts_a_sample_once_and_pools_by_fields() -> None:

@@ -111,3 +111,16 @@ def test_bad_requests_fail_clearly() -> None:
     with pytest.raises(ValueError, match="too short"):
         make_samples("story", tok, 40, 1)
     assert SETTINGS == ("inside", "after")
+
+
+def test_variable_tracking_needs_two_hops(tokenizer: Any) -> None:
+    """vt: the asked variable is assigned another variable, which holds the value, earlier."""
+    for s in make_samples("vt", tokenizer, 1024, 4, seed=0):
+        text = tokenizer.decode(s.context)
+        last = re.search(r"What is the value of VAR ([A-Z]{5})\?", tokenizer.decode(s.question))
+        assert last is not None
+        link = re.search(rf"VAR {last.group(1)} = VAR ([A-Z]{{5}})\.", text)
+        assert link is not None
+        first = text.index(f"VAR {link.group(1)} = {s.answer}.")
+        assert first < link.start()  # the value is assigned before the alias
+        assert len(s.distractors) == 1 and f"= {s.distractors[0]}." in text

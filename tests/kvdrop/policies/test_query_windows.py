@@ -3,6 +3,7 @@ uncached tail), with the rows' attention log-normalisers -- the lean mode of the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -194,6 +195,9 @@ def test_every_policy_scores_on_the_requested_device_and_returns_cpu_indices(nam
     if name == "last-queries":  # a dense-only plugin scorer: hand it every query
         tensors[CacheKind.QUERY], ctx = q, EditContext.of(96, head_dim=D)
     here = kvdrop.get(name, device="cpu", rerotate=False, **params)
+    if here.token_scores:  # kvzip: the engine's reconstruction scores come in the context
+        scores = torch.rand(kv.shape[1], 2, 96, generator=torch.Generator().manual_seed(7))
+        ctx = dataclasses.replace(ctx, token_scores=scores)
     kv_out, index = here.select_indices(tensors, list(range(96)), context=ctx)
     assert index.device.type == "cpu" and index.dtype == torch.int64 and kv_out is kv
     if torch.cuda.is_available():

@@ -1,0 +1,254 @@
+"""KVzip's reconstruction pass: how much each cached token matters for repeating the context.
+
+KVzip (Kim et al., 2025, "KVzip: Query-Agnostic KV Cache Compression with Context
+Reconstruction") scores a prefilled cache without knowing the question: the model is asked to
+repeat its context, teacher-forced over the cached prefix, and a cached token's importance is the
+largest attention any reconstruction query pays it. Whatever the model needs to reproduce the
+context is what a later question can need.
+
+For a prompt of ``N`` tokens whose KV is in the engine (positions ``0..N-1`` of a sequence of
+``S >= N`` computed tokens), the context is cut into chunks of ``chunk_tokens``; chunk ``i`` is
+fed as ``repeat prompt + suffix + chunk`` at positions ``S, S+1, ...`` (each chunk separately,
+after the whole cache, as the paper and kvpress do), the later chunks' prompt continuing from the
+last ``overlap`` tokens of the chunk before. Every reconstruction token attends to the whole
+cache and causally to its own chunk (so the hidden states are the model's own); its scores are
+softmax probabilities over the keys KVzip scores against: the first ``n_sink`` cached tokens,
+the chunk's own cached tokens and the reconstruction tokens themselves. Per layer and KV head a
+cached token of the chunk keeps the maximum over the reconstruction queries and the GQA group.
+
+The result, ``[L, Hkv, N]`` float32, is small (a few MB where the queries would be hundreds): the
+engine stores it through the server's window store (:func:`kvdrop_sdk.window.store_scores`) and
+the ``kvzip`` policy reads it from the edit context. Nothing is written to the paged cache.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvdrop_engine.connector_base import KVConnector
+from kvdrop_engine.errors import EngineError
+from kvdrop_engine.model import Transformer, causal_attention
+from kvdrop_sdk.window import TokenScores
+
+__all__ = [
+    "REPEAT_CONTINUE",
+    "REPEAT_FIRST",
+    "ReconstructionAttention",
+    "ReconstructionPrompt",
+    "ScoresJob",
+    "reconstruction_scores",
+]
+
+#: The paper's reconstruction prompt for the first chunk, and for the later ones (which go on
+#: from the last ``overlap`` tokens of the chunk before).
+REPEAT_FIRST = "\n\nRepeat the previous context exactly."
+REPEAT_CONTINUE = "\n\nRepeat the part of the previous context exactly, starting with"
+
+#: Bound of one float32 score tile (query rows are blocked under it).
+SCORE_TILE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class ReconstructionPrompt:
+    """Token ids of the reconstruction prompt: ``first`` (chunk 0), ``later`` (chunks 1..), the
+    ``suffix`` that closes the user turn and opens the assistant's (the chat template's, or a
+    newline); ``chunk_tokens`` context tokens per chunk, ``overlap`` tokens of the previous chunk
+    repeated in a later chunk's prompt, ``n_sink`` first tokens every score is normalised with."""
+
+    first: tuple[int, ...]
+    later: tuple[int, ...]
+    suffix: tuple[int, ...] = ()
+    chunk_tokens: int = 2048
+    overlap: int = 8
+    n_sink: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("first", "later", "suffix"):
+            ids = getattr(self, name)
+            if not isinstance(ids, tuple) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+            ):
+                raise ValueError(f"ReconstructionPrompt.{name} must be a tuple of token ids >= 0")
+        if not self.first:
+            raise ValueError("ReconstructionPrompt.first must not be empty")
+        for name, low in (("chunk_tokens", 1), ("overlap", 0), ("n_sink", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(
+                    f"ReconstructionPrompt.{name} must be an int >= {low}, got {value!r}"
+                )
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, **options: Any) -> ReconstructionPrompt:
+        """The paper's prompts in ``tokenizer``'s ids; the suffix is the chat template's end of a
+        user turn (assistant turn opened) when it has one, else a newline."""
+
+        def encode(text: str) -> tuple[int, ...]:
+            try:
+                return tuple(int(t) for t in tokenizer.encode(text, add_bos=False))
+            except TypeError:  # tokenizers without the flag never add BOS
+                return tuple(int(t) for t in tokenizer.encode(text))
+
+        suffix = encode("\n")
+        render = getattr(tokenizer, "render_chat", None)
+        if callable(render) and getattr(tokenizer, "chat_template", None):
+            marker = "\x00KVDROP\x00"
+            _, sep, after = render([{"role": "user", "content": marker}]).partition(marker)
+            if sep and after:
+                suffix = encode(after)
+        return cls(encode(REPEAT_FIRST), encode(REPEAT_CONTINUE), suffix, **options)
+
+    @classmethod
+    def synthetic(cls, vocab_size: int, **options: Any) -> ReconstructionPrompt:
+        """Fixed ids for a model without a tokenizer (random weights): the pass's cost is the
+        same as with the real prompt, its scores mean nothing."""
+        ids = tuple(range(1, min(vocab_size, 12)))
+        return cls(ids, ids, ids[:2], **options)
+
+    def chunks(self, num_tokens: int) -> list[tuple[int, int]]:
+        """``(start, end)`` of each context chunk over ``num_tokens`` tokens."""
+        step = self.chunk_tokens
+        return [(s, min(s + step, num_tokens)) for s in range(0, num_tokens, step)]
+
+    def input_ids(self, context: Sequence[int], start: int, end: int) -> list[int]:
+        """The reconstruction input of chunk ``context[start:end]``."""
+        head = (
+            list(self.first)
+            if start == 0
+            else [*self.later, *context[max(0, start - self.overlap) : start]]
+        )
+        return [*head, *self.suffix, *context[start:end]]
+
+
+class ReconstructionAttention:
+    """The model's attention backend for one reconstruction chunk: reads the cache (never writes
+    it), attends the chunk's ``M`` tokens over ``S`` cached keys and themselves, and records the
+    chunk's scores of cached tokens ``start..end-1`` into ``scores`` ``[L, Hkv, N]``.
+
+    ``keys(layer)``/``values(layer)`` give the cached ``[S, Hkv, d]`` of a layer."""
+
+    def __init__(
+        self,
+        keys: Callable[[int], Tensor],
+        values: Callable[[int], Tensor],
+        scores: Tensor,
+        start: int,
+        end: int,
+        n_sink: int,
+    ) -> None:
+        self.keys, self.values, self.scores = keys, values, scores
+        self.start, self.end, self.n_sink = start, end, n_sink
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Attention output ``[M, Hq, d]``; scores of this layer as a side effect."""
+        kc, vc = self.keys(layer), self.values(layer)
+        cached = kc.shape[0]
+        k_all = torch.cat([kc, k.to(kc.dtype)]).transpose(0, 1)  # [Hkv, S+M, d]
+        v_all = torch.cat([vc, v.to(vc.dtype)]).transpose(0, 1)
+        out = causal_attention(q, k_all, v_all, cached)
+        sink = min(self.n_sink, self.start)
+        scored = torch.cat(
+            [k_all[:, :sink], k_all[:, self.start : self.end], k_all[:, cached:]], dim=1
+        )
+        self.scores[layer, :, self.start : self.end] = _max_probs(
+            q, scored, sink, self.end - self.start
+        )
+        return out
+
+
+def _max_probs(q: Tensor, keys: Tensor, sink: int, width: int) -> Tensor:
+    """``[Hkv, width]``: per KV head, the max over query rows and the GQA group of the softmax
+    probability (over all of ``keys``, the last ``M`` of which are the rows' own, causal) of keys
+    ``sink .. sink+width-1``. Float32; rows blocked under :data:`SCORE_TILE_BYTES`."""
+    m, hq, d = q.shape
+    hkv, total = keys.shape[0], keys.shape[1]
+    group = hq // hkv
+    kt = keys.to(torch.float32).transpose(1, 2)  # [Hkv, d, K]
+    own = total - m
+    best = torch.zeros(hkv, width, dtype=torch.float32, device=q.device)
+    step = max(1, SCORE_TILE_BYTES // (4 * hq * total))
+    scale = 1.0 / math.sqrt(d)
+    cols = torch.arange(total, device=q.device)
+    for i in range(0, m, step):
+        rows = q[i : i + step].to(torch.float32) * scale  # [r, Hq, d]
+        r = rows.shape[0]
+        qh = rows.view(r, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, r * group, d)
+        logits = torch.matmul(qh, kt).view(hkv, r, group, total)
+        # Row j of the chunk sees its own tokens 0..j only.
+        hidden = cols[None, :] > (own + torch.arange(i, i + r, device=q.device))[:, None]
+        logits.masked_fill_(hidden[None, :, None, :], -torch.inf)
+        probs = torch.softmax(logits, dim=-1)[..., sink : sink + width]
+        best = torch.maximum(best, probs.amax(dim=(1, 2)))
+    return best
+
+
+@torch.inference_mode()
+def reconstruction_scores(
+    model: Transformer,
+    context: Sequence[int],
+    num_computed: int,
+    keys: Callable[[int], Tensor],
+    values: Callable[[int], Tensor],
+    prompt: ReconstructionPrompt,
+) -> Tensor:
+    """KVzip scores ``[L, Hkv, N]`` (float32, on the model's device) of the ``N = len(context)``
+    first cached tokens of a sequence with ``num_computed`` tokens in the cache.
+
+    ``keys(layer)``/``values(layer)`` return that layer's ``[num_computed, Hkv, d]`` cached KV
+    (post-RoPE keys). The first ``prompt.n_sink`` tokens score 1 (always worth keeping)."""
+    cfg = model.config
+    n = len(context)
+    if not 0 < n <= num_computed:
+        raise ValueError(
+            f"context of {n} tokens must be non-empty and within the {num_computed} cached"
+        )
+    scores = torch.zeros(
+        cfg.num_layers, cfg.num_kv_heads, n, dtype=torch.float32, device=model.device
+    )
+
+    def k_of(layer: int) -> Tensor:
+        return keys(layer)[:num_computed]
+
+    def v_of(layer: int) -> Tensor:
+        return values(layer)[:num_computed]
+
+    for start, end in prompt.chunks(n):
+        ids = prompt.input_ids(context, start, end)
+        attn = ReconstructionAttention(k_of, v_of, scores, start, end, prompt.n_sink)
+        tokens = torch.tensor(ids, dtype=torch.int64)
+        positions = torch.arange(num_computed, num_computed + len(ids), dtype=torch.int64)
+        model(tokens, positions, attn, logits_rows=torch.tensor([len(ids) - 1]))
+    scores[:, :, : prompt.n_sink] = 1.0
+    return scores
+
+
+@dataclass
+class ScoresJob:
+    """A finished request's reconstruction scores ``[L, Hkv, N]`` to push to the server from the
+    caller's thread (before its last token is handed over), keyed like its query window by
+    ``tokens`` (prompt + every generated token)."""
+
+    scores: Tensor
+    tokens: list[int]
+    cache_salt: str
+
+    def run(self, conn: KVConnector) -> int:
+        """Store it; returns the bytes sent. ``EngineError`` when the store fails."""
+        if not conn.stores_scores:
+            raise EngineError(
+                "the engine's connector cannot store reconstruction scores (kvzip): use a kvdrop "
+                "server (kvdrop_engine.connector.ServerConnector with transfer_query); LMCache "
+                "servers have no store for them"
+            )
+        scores = self.scores.to(device="cpu", dtype=torch.float32)
+        try:
+            conn.store_scores(self.tokens, TokenScores(scores), self.cache_salt)
+        except Exception as exc:
+            raise EngineError(f"storing the reconstruction scores failed: {exc}") from exc
+        return scores.numel() * 4

@@ -1,0 +1,95 @@
+"""KVzip's reconstruction pass: scores equal a brute-force recomputation, the cache is untouched."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvdrop_engine.loading import preset_config
+from kvdrop_engine.model import DenseAttention, Transformer
+from kvdrop_engine.reconstruct import ReconstructionPrompt, reconstruction_scores
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return Transformer.random(preset_config("tiny"), seed=0)
+
+
+class _Recording(DenseAttention):
+    """A dense cache that also keeps every call's post-RoPE queries, per layer."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.queries: dict[int, torch.Tensor] = {}
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        self.queries[layer] = q.clone()
+        return super().__call__(layer, q, k, v)
+
+
+def _brute_force(
+    model: Transformer, context: list[int], prompt: ReconstructionPrompt
+) -> torch.Tensor:
+    """Each chunk run on a fresh dense copy of the cache; scores from full softmax matrices."""
+    cfg = model.config
+    n = len(context)
+    out = torch.zeros(cfg.num_layers, cfg.num_kv_heads, n)
+    for start, end in prompt.chunks(n):
+        ids = prompt.input_ids(context, start, end)
+        dense = _Recording(cfg)
+        model(torch.tensor(context), torch.arange(n), dense)
+        model(torch.tensor(ids), torch.arange(n, n + len(ids)), dense)
+        m, sink = len(ids), min(prompt.n_sink, start)
+        for layer in range(cfg.num_layers):
+            keys = dense.keys(layer)  # [n + m, Hkv, d]
+            cols = [*range(sink), *range(start, end), *range(n, n + m)]
+            k = keys[cols].float()
+            q = dense.queries[layer].float()  # [m, Hq, d]
+            group = cfg.num_heads // cfg.num_kv_heads
+            for h in range(cfg.num_heads):
+                logits = q[:, h] @ k[:, h // group].T / math.sqrt(cfg.head_dim)
+                own = len(cols) - m
+                mask = torch.arange(len(cols))[None, :] > (own + torch.arange(m))[:, None]
+                probs = torch.softmax(logits.masked_fill(mask, -torch.inf), dim=-1)
+                best = probs[:, sink : sink + end - start].amax(dim=0)
+                region = out[layer, h // group, start:end]
+                out[layer, h // group, start:end] = torch.maximum(region, best)
+    out[:, :, : prompt.n_sink] = 1.0
+    return out
+
+
+def test_scores_match_brute_force_over_several_chunks(model: Transformer) -> None:
+    gen = torch.Generator().manual_seed(0)
+    context = torch.randint(3, 500, (70,), generator=gen).tolist()
+    prompt = ReconstructionPrompt((5, 6, 7), (8, 9), (10,), chunk_tokens=32, overlap=4, n_sink=2)
+    dense = DenseAttention(model.config)
+    model(torch.tensor(context), torch.arange(70), dense)
+    before = [dense.keys(layer).clone() for layer in range(model.config.num_layers)]
+    scores = reconstruction_scores(model, context, 70, dense.keys, dense.values, prompt)
+    assert scores.shape == (model.config.num_layers, model.config.num_kv_heads, 70)
+    torch.testing.assert_close(scores, _brute_force(model, context, prompt), rtol=1e-4, atol=1e-6)
+    assert dense.length == 70  # the cache is read, never written
+    for layer, keys in enumerate(before):
+        assert torch.equal(dense.keys(layer), keys)
+    assert (scores[:, :, 2:] > 0).all() and (scores <= 1).all()
+
+
+def test_later_chunks_continue_from_the_previous_chunk() -> None:
+    prompt = ReconstructionPrompt((1,), (2,), (3,), chunk_tokens=4, overlap=2)
+    context = list(range(10, 20))
+    assert prompt.chunks(10) == [(0, 4), (4, 8), (8, 10)]
+    assert prompt.input_ids(context, 0, 4) == [1, 3, 10, 11, 12, 13]
+    assert prompt.input_ids(context, 4, 8) == [2, 12, 13, 3, 14, 15, 16, 17]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("first", ()), ("chunk_tokens", 0), ("later", (1, -1)), ("n_sink", True)]
+)
+def test_bad_prompt_is_refused(field: str, value: object) -> None:
+    fields: dict[str, object] = {"first": (1,), "later": (2,), field: value}
+    with pytest.raises(ValueError, match=field):
+        ReconstructionPrompt(**fields)  # type: ignore[arg-type]
