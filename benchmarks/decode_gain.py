@@ -352,6 +352,12 @@ class EditOnDevice:
         self.fn = fn
         self.device = torch.device(device)
         self.failed: BaseException | None = None
+        # Declared on the instance: runtime-checkable Protocols (the SDK's DeclaresQueries,
+        # DeclaresTokenScores) look attributes up statically on Python >= 3.12, so a value that
+        # only __getattr__ forwards is invisible to them.
+        self.queries = fn.queries
+        self.token_scores = fn.token_scores
+        self.accepts_edit_context = fn.accepts_edit_context
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.fn, name)
