@@ -1,5 +1,5 @@
 """kvdrop's Triton kernels: checked on the CPU in Triton's interpreter (CI has no GPU), against
-float64 references (``kernel_checks.py``, in a child process because Triton reads
+float64 references (``similarity_kernel_checks.py``, in a child process because Triton reads
 ``TRITON_INTERPRET`` when first imported)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from kvdrop import kernels
 
-CHECKS = Path(__file__).with_name("kernel_checks.py")
+CHECKS = Path(__file__).with_name("similarity_kernel_checks.py")
 
 
 @pytest.mark.skipif(kernels.triton is None, reason="Triton is not installed")
