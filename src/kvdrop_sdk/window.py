@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -102,6 +103,16 @@ def _query_ctx(ctx: Context) -> Context:
     return ctx
 
 
+def _call(
+    ctx: Context, op: str, fields: dict[str, Any], frames: Sequence[Any], what: str
+) -> tuple[dict[str, Any], list[Any]]:
+    """``ctx``'s retrying call of ``op``; a refusal says ``what`` failed."""
+    try:
+        return ctx._call(op, fields, frames)
+    except RpcError as exc:
+        raise RpcError(exc.code, f"{what} failed: {exc}") from None
+
+
 def store_window(
     ctx: Context,
     tokens: Sequence[int],
@@ -137,10 +148,7 @@ def store_window(
             )
         frames.append(tensor_buffer(window.lse.detach().to("cpu").contiguous()))
         fields["lse"] = True
-    try:
-        reply, _ = ctx._call("put_window", fields, frames)
-    except RpcError as exc:
-        raise RpcError(exc.code, f"storing the query window failed: {exc}") from None
+    reply, _ = _call(ctx, "put_window", fields, frames, "storing the query window")
     return bool(reply.get("stored"))
 
 
@@ -154,10 +162,8 @@ def retrieve_window(
     raw = ctx._encode(tokens)
     if not raw:
         return None
-    try:
-        reply, frames = ctx._call("get_window", ctx._fields(cache_salt), [raw])
-    except RpcError as exc:
-        raise RpcError(exc.code, f"reading the query window failed: {exc}") from None
+    fields = ctx._fields(cache_salt)
+    reply, frames = _call(ctx, "get_window", fields, [raw], "reading the query window")
     if not reply.get("found"):
         return None
     rows = reply.get("rows")
@@ -234,10 +240,7 @@ def store_scores(
         "heads": int(s.shape[1]),
     }
     data = tensor_buffer(s.detach().to("cpu").contiguous())
-    try:
-        reply, _ = ctx._call("put_window", fields, [raw, data])
-    except RpcError as exc:
-        raise RpcError(exc.code, f"storing the token scores failed: {exc}") from None
+    reply, _ = _call(ctx, "put_window", fields, [raw, data], "storing the token scores")
     return bool(reply.get("stored"))
 
 
@@ -252,10 +255,7 @@ def retrieve_scores(
     if not raw:
         return None
     fields = {**ctx._fields(cache_salt), "record": "scores"}
-    try:
-        reply, frames = ctx._call("get_window", fields, [raw])
-    except RpcError as exc:
-        raise RpcError(exc.code, f"reading the token scores failed: {exc}") from None
+    reply, frames = _call(ctx, "get_window", fields, [raw], "reading the token scores")
     if not reply.get("found"):
         return None
     rows, heads = reply.get("rows"), reply.get("heads")
