@@ -77,9 +77,10 @@ def test_policy_inside_lmcache_sdk_batch(case: str, setup: Setup) -> None:
     if policy.token_scores:
         # kvzip reads the kvdrop engine's reconstruction scores, which LMCache cannot store:
         # inside lmcache.sdk it fails with the one error that says so.
-        kv = torch.randn(2, setup.cfg.num_layers, CHUNK, setup.cfg.kv_dim)
+        # Four chunks: over the 50% budget, so the policy must score (one chunk is kept whole).
+        kv = torch.randn(2, setup.cfg.num_layers, 4 * CHUNK, setup.cfg.kv_dim)
         with pytest.raises(kvdrop.MissingTokenScoresError, match="LMCache server has no store"):
-            policy({"kv": kv}, list(range(CHUNK)))
+            policy({"kv": kv}, list(range(4 * CHUNK)))
         return
     needs_query = kvdrop.describe("snapkv" if case == "snapkv+rerotate" else case).needs_query
     seen: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
