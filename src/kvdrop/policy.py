@@ -39,6 +39,7 @@ from kvdrop_sdk.query_capture import QueryNeed
 __all__ = [
     "DEFAULT_QUERY_HEAD_DIM",
     "Policy",
+    "PolicyWrapper",
     "QueryNeed",
     "Scorer",
     "ScorerPolicy",
@@ -200,6 +201,54 @@ class Policy(abc.ABC):
         return out, kept_tokens
 
 
+class PolicyWrapper(Policy):
+    """A policy around one inner ``policy`` (``Budget``, ``Rerotate``, a user's wrapper).
+
+    ``name``, ``queries``, ``token_scores``, ``rerotate`` and ``rope`` are the inner policy's
+    unless set on the wrapper: declared here once, as properties, so every reader finds them
+    (``needs_of`` included: Python 3.12's runtime-checkable Protocols do not see attributes a
+    ``__getattr__`` forwards). ``select_indices`` is the inner's; override it to change what is
+    kept.
+    """
+
+    def __init__(self, policy: Policy, name: str | None = None) -> None:
+        self.policy = policy
+        self._own: dict[str, Any] = {} if name is None else {"name": name}
+
+    def _get(self, attr: str) -> Any:
+        own = self.__dict__.get("_own", {})
+        return own[attr] if attr in own else getattr(self.policy, attr)
+
+    def _set(self, attr: str, value: Any) -> None:
+        self.__dict__.setdefault("_own", {})[attr] = value
+
+    name = property(lambda self: self._get("name"), lambda self, v: self._set("name", v))
+    rerotate = property(  # type: ignore[assignment]
+        lambda self: self._get("rerotate"), lambda self, v: self._set("rerotate", v)
+    )
+    rope = property(  # type: ignore[assignment]
+        lambda self: self._get("rope"), lambda self, v: self._set("rope", v)
+    )
+
+    @property
+    def queries(self) -> QueryNeed:
+        return self.policy.queries
+
+    @property
+    def token_scores(self) -> bool:
+        return self.policy.token_scores
+
+    def select_indices(
+        self,
+        tensors: Mapping[Any, torch.Tensor],
+        tokens: Sequence[int],
+        *,
+        context: EditContext | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The validated KV and the sorted indices the inner policy keeps."""
+        return self.policy.select_indices(tensors, tokens, context=context)
+
+
 def _row_positions(
     name: str,
     num_tokens: int,
@@ -297,16 +346,15 @@ class ScorerPolicy(SelectorPolicy):
             scorer = dataclasses.replace(scorer, head_dim=head_dim)  # type: ignore[type-var]
         return scorer
 
-    def _queries_for(
-        self, scorer: Scorer, inputs: EditInputs
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The query rows and positions ``scorer`` can read (dense ``0..T-1`` unless sparse)."""
+    def _queries_for(self, scorer: Scorer, inputs: EditInputs) -> torch.Tensor | None:
+        """The query rows ``scorer`` can read (those of ``0..T-1`` for a FULL reader; their
+        positions are the selection's)."""
         if scorer.queries is QueryNeed.NONE or inputs.query is None:
-            return None, None
+            return None
         qpos = inputs.query_positions
         assert qpos is not None
         if scorer.queries is QueryNeed.WINDOW:
-            return inputs.query, qpos
+            return inputs.query
         t = inputs.num_tokens
         if qpos.numel() < t or not torch.equal(qpos[:t], torch.arange(t)):
             raise PolicyInputError(
@@ -315,7 +363,7 @@ class ScorerPolicy(SelectorPolicy):
                 "queries = QueryNeed.WINDOW and read selection.query_positions, or run the engine "
                 "with full query capture (--query-capture full)"
             )
-        return inputs.query[:, :, :t], qpos[:t]
+        return inputs.query[:, :, :t]
 
     def scores(
         self,
@@ -332,32 +380,20 @@ class ScorerPolicy(SelectorPolicy):
         (keys and queries are moved there). Raises PolicyInputError on NaN scores.
         """
         if inputs is None:
-            qpos = None if query is None else torch.arange(query.shape[2])
-            inputs = EditInputs(kv, query, qpos, kv.shape[2], torch.arange(kv.shape[2]))
+            inputs = EditInputs(kv, query)
         scorer = self._scorer_for(inputs)
-        q, qpos = self._queries_for(scorer, inputs)
-        lse = inputs.query_lse if scorer.queries is QueryNeed.WINDOW and q is not None else None
+        q = self._queries_for(scorer, inputs)
         device = resolve_device(self.selector.device, inputs.device, kv)
         if device != kv.device:
             kv = (kv if scorer.reads_values else kv[:1]).to(device)
         if q is not None and q.device != device:
             q = q.to(device)
-        if lse is not None and lse.device != device:
-            lse = lse.to(device)
         num_tokens = kv.shape[2]
         scorer.check(kv, q)
         with torch.no_grad():
             if scorer.needs_selection:
-                selection = self.selector.selection(
-                    num_tokens,
-                    budget,
-                    prompt_tokens=inputs.prompt_tokens,
-                    protected=inputs.protected,
-                    query_positions=qpos,
-                    query_lse=lse,
-                    head_dim=inputs.head_dim,
-                    token_scores=inputs.token_scores,
-                )
+                queries = scorer.queries if q is not None else QueryNeed.NONE
+                selection = self.selector.selection(inputs, budget, queries=queries, device=device)
                 scores = scorer.score(kv, q, selection)
             else:
                 scores = scorer.score(kv, q)

@@ -33,7 +33,9 @@ import torch
 
 from kvdrop.device import device_ok
 from kvdrop.errors import PolicyParamError
+from kvdrop.inputs import EditInputs
 from kvdrop.params import Param, param, params_of_dataclass
+from kvdrop_sdk.query_capture import QueryNeed
 
 __all__ = ["SELECTOR_PARAMS", "Selection", "Selector"]
 
@@ -127,33 +129,20 @@ class Selector:
 
     def selection(
         self,
-        num_tokens: int,
+        inputs: EditInputs | int,
         budget: int | None = None,
         *,
-        prompt_tokens: int | None = None,
-        protected: int = 0,
-        query_positions: torch.Tensor | None = None,
-        query_lse: torch.Tensor | None = None,
-        head_dim: int | None = None,
-        token_scores: torch.Tensor | None = None,
+        queries: QueryNeed = QueryNeed.WINDOW,
+        device: torch.device | None = None,
     ) -> Selection:
-        """What this selector keeps of a ``num_tokens`` request (``budget``: this many instead)."""
+        """What this selector keeps of one request's ``inputs`` (a bare token count: no context,
+        no queries), at ``budget`` tokens (default: its own budget) for a scorer that reads
+        ``queries`` on ``device``."""
+        if not isinstance(inputs, EditInputs):
+            inputs = EditInputs(torch.empty(2, 0, int(inputs), 0))  # shape only: T rows
         if budget is None:
-            budget = self.budget(num_tokens, protected)
-        return Selection(
-            num_tokens=num_tokens,
-            budget=budget,
-            chunk_size=self.chunk_size,
-            n_sink=self.n_sink,
-            window=self.window,
-            chunked=self.chunked,
-            prompt_tokens=num_tokens if prompt_tokens is None else max(prompt_tokens, num_tokens),
-            protected=min(protected, num_tokens),
-            query_positions=query_positions,
-            query_lse=query_lse,
-            head_dim=head_dim,
-            token_scores=token_scores,
-        )
+            budget = self.budget(inputs.num_tokens, inputs.protected)
+        return Selection(self, budget, inputs, QueryNeed(queries), device)
 
     def ranking(
         self, scores: torch.Tensor, *, prompt_tokens: int | None = None, protected: int = 0
@@ -204,39 +193,80 @@ class Selector:
 class Selection:
     """What the selector keeps of one request, handed to scorers that declare
     ``needs_selection = True`` (e.g. H2O gives a share of ``budget`` to recent tokens, SnapKV
-    observes the last ``window`` queries). ``budget`` is the number of cached tokens this scorer's
-    ranking will be cut at (in a composition: the part's share).
+    observes the last ``window`` queries): the selector's rules, the ``budget`` (the number of
+    cached tokens this scorer's ranking will be cut at; in a composition, the part's share) and
+    the edit's inputs, read through (nothing is copied).
 
     ``prompt_tokens`` is the length ``N`` of the whole prompt (the ``N - T`` tokens after the
     cached ones are recomputed, never dropped); ``query_positions`` the position of each row of
     the query tensor the scorer gets (rows may lie past ``T``: the uncached tail);
     ``query_lse`` ``[1, L, R, Hq]`` the rows' attention log-normalisers over every key they saw
-    (NaN where unknown; see ``kvdrop_sdk.edit.EditContext``); ``head_dim`` the layout's, when
-    known; ``token_scores`` ``[L, H, S]`` the engine's per-token scores (KVzip's reconstruction
-    pass), when the edit context has them.
+    (NaN where unknown; see ``kvdrop_sdk.edit.EditContext``), for window readers; ``head_dim``
+    the layout's, when known; ``token_scores`` ``[L, H, S]`` the engine's per-token scores
+    (KVzip's reconstruction pass), when the edit context has them.
     """
 
-    num_tokens: int
+    selector: Selector
     budget: int
-    chunk_size: int
-    n_sink: int
-    window: int
-    chunked: bool
-    prompt_tokens: int | None = None
-    protected: int = 0
-    query_positions: torch.Tensor | None = field(default=None, compare=False)
-    query_lse: torch.Tensor | None = field(default=None, compare=False)
-    head_dim: int | None = None
-    token_scores: torch.Tensor | None = field(default=None, compare=False)
+    inputs: EditInputs = field(compare=False, repr=False)
+    #: Which query rows the scorer reads (a FULL reader gets the rows of the cached tokens).
+    queries: QueryNeed = QueryNeed.WINDOW
+    #: Where the scorer runs (its log-normalisers are read there); None: where they are.
+    device: torch.device | None = field(default=None, compare=False)
 
-    def __post_init__(self) -> None:
-        if self.prompt_tokens is None:
-            object.__setattr__(self, "prompt_tokens", self.num_tokens)
+    @property
+    def num_tokens(self) -> int:
+        return self.inputs.num_tokens
+
+    @property
+    def chunk_size(self) -> int:
+        return self.selector.chunk_size
+
+    @property
+    def n_sink(self) -> int:
+        return self.selector.n_sink
+
+    @property
+    def window(self) -> int:
+        return self.selector.window
+
+    @property
+    def chunked(self) -> bool:
+        return self.selector.chunked
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.inputs.prompt_tokens
+
+    @property
+    def protected(self) -> int:
+        return min(self.inputs.protected, self.num_tokens)
+
+    @property
+    def head_dim(self) -> int | None:
+        return self.inputs.head_dim
+
+    @property
+    def token_scores(self) -> torch.Tensor | None:
+        return self.inputs.token_scores
+
+    @property
+    def query_positions(self) -> torch.Tensor | None:
+        if self.queries is QueryNeed.NONE or self.inputs.query_positions is None:
+            return None
+        if self.queries is QueryNeed.FULL:
+            return self.inputs.query_positions[: self.num_tokens]
+        return self.inputs.query_positions
+
+    @property
+    def query_lse(self) -> torch.Tensor | None:
+        lse = self.inputs.query_lse if self.queries is QueryNeed.WINDOW else None
+        return lse if lse is None or self.device is None else lse.to(self.device)
 
     @property
     def total_tokens(self) -> int:
         """``N``: the whole prompt (``num_tokens`` when no longer prompt is known)."""
-        return self.num_tokens if self.prompt_tokens is None else self.prompt_tokens
+        return self.prompt_tokens
 
     @property
     def tail(self) -> int:
