@@ -71,6 +71,7 @@ from typing import Any
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind, KindMap
+from kvdrop_sdk.capabilities import KnowsLayout, StoresRecords
 from kvdrop_sdk.context import Context
 from kvdrop_sdk.edit import (
     EditContext,
@@ -412,7 +413,7 @@ class RequestStream:
             new_tokens = check_edit_tokens(tokens, "tokens")
             ctx = self._cache.get(kind)
             reference = None
-            if isinstance(ctx, Context):
+            if isinstance(ctx, KnowsLayout):
                 ref = ctx.layout.shape(kind, 1)
                 reference = (ref[1], ref[3], ctx.layout.dtype)
             chunk = int(ctx.chunk_size)
@@ -522,7 +523,8 @@ class RequestStream:
         dense = q_ctx.retrieve(tokens, salt) if capture.full else None
         has_dense = dense is not None and dense.shape[2] > 0
         window = None
-        if capture.enabled and isinstance(q_ctx, Context) and (with_context or not has_dense):
+        records = isinstance(q_ctx, StoresRecords)
+        if capture.enabled and records and (with_context or not has_dense):
             found = retrieve_window(q_ctx, tokens, salt)
             if found is not None:
                 window = (found.queries, found.positions, found.lse)
@@ -539,7 +541,7 @@ class RequestStream:
         device: str | None,
     ) -> EditContext:
         layout = None
-        if isinstance(kv_ctx, Context):
+        if isinstance(kv_ctx, KnowsLayout):
             layout = kv_ctx.layout
             if layout.rope is None:
                 # The engine may have registered its RoPE after this context read the layout.

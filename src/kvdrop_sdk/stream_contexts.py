@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind
-from kvdrop_sdk.context import Context
+from kvdrop_sdk.capabilities import CheapLookup, StoresRecords
 from kvdrop_sdk.errors import RequestStreamError
 from kvdrop_sdk.foreign import ForeignContext, StreamContext, wrap_contexts
 from kvdrop_sdk.query_capture import UPSTREAM_CAPTURE, QueryCapture
@@ -54,7 +54,7 @@ class StreamContexts:
         """What the engine stores of the queries, as the query context was told (another SDK's
         context: upstream's full queries in chunks)."""
         ctx = self.by_kind.get(CacheKind.QUERY)
-        return ctx.capture if isinstance(ctx, Context) else UPSTREAM_CAPTURE
+        return ctx.capture if isinstance(ctx, StoresRecords) else UPSTREAM_CAPTURE
 
     def chunk_size(self) -> int:
         """The KV context's chunk size (else any context's; 0 without contexts)."""
@@ -111,7 +111,7 @@ class StreamContexts:
         ``timeout`` runs out."""
         deadline = time.monotonic() + max(timeout, 0.0)
         kv_ctx = self.get(CacheKind.KV)
-        if isinstance(kv_ctx, Context):
+        if isinstance(kv_ctx, CheapLookup):
             while (
                 expected > 0
                 and kv_ctx.lookup(tokens, salt) < expected
@@ -137,7 +137,7 @@ class StreamContexts:
         """
         ctx = self.by_kind[kind]
         stored = bool(ctx.store(tensor, tokens, salt))
-        if stored and not isinstance(ctx, Context):
+        if stored and not isinstance(ctx, CheapLookup):
             self._await_visible(ctx, tokens, timeout, salt)
         return stored
 
