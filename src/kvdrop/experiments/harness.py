@@ -5,7 +5,7 @@
 * :func:`query_capture` decides which queries the engine captures, through
   :meth:`kvdrop_sdk.query_capture.QueryCapture.for_policies` (the one owner of that decision);
 * :func:`connect` builds the engine's connector, only through
-  :func:`kvdrop_engine.connector.make_connector`;
+  :func:`kvdrop_engine.connectors.factory.make_connector`;
 * :func:`cache_server` starts (and owns) a cache server, or uses a running one;
 * :func:`open_harness` puts server, connector, engine and contexts together and closes them in
   reverse order;
@@ -36,8 +36,6 @@ __all__ = [
     "query_capture",
     "reconstruction_prompt",
 ]
-
-CONNECTOR_KINDS = ("kvdrop", "lmcache")
 
 
 class HarnessError(ValueError):
@@ -77,7 +75,7 @@ def connect(
 ) -> Any:
     """The engine's connector (only through ``make_connector``); a bad address or a missing
     LMCache install is a :class:`HarnessError`."""
-    from kvdrop_engine.connector import make_connector
+    from kvdrop_engine.connectors.factory import make_connector
     from kvdrop_engine.errors import EngineSetupError
 
     try:
@@ -142,7 +140,7 @@ def _contexts(kind: str, url: str, http_url: str, model_name: str, queries: bool
     """The SDK contexts of an edit: KV, plus QUERY when ``queries`` (``lmcache.sdk``'s for an
     LMCache server: they speak its protocol, under kvdrop's batch)."""
     if kind == "lmcache":
-        from kvdrop_engine.lmcache_connector import connect_sdk
+        from kvdrop_engine.connectors.lmcache import connect_sdk
 
         return connect_sdk(url, http_url, model_name, query=queries)
     from kvdrop_sdk import kvcache, qcache
