@@ -139,8 +139,8 @@ class Server(RequestOps):
             backend.setsockopt(zmq.LINGER, 0)
             backend.bind(_BACKEND)
             try:
-                handler = handler_for(self, cfg.http_timeout_s)
-                self._http = HTTPServer((cfg.host, cfg.http_port), handler)
+                handler = handler_for(self)
+                self._http = HTTPServer((cfg.host, cfg.http_port), handler, cfg.http_limits)
             except OSError as exc:
                 raise ServerStartError(
                     _bind_error("--http-port", cfg.host, cfg.http_port, exc)
@@ -322,6 +322,8 @@ class Server(RequestOps):
             "eviction_policy": cfg.eviction_policy.upper(),
             "workers": cfg.workers,
             "max_message_bytes": cfg.max_message_bytes,
+            "max_request_bytes": cfg.max_request_bytes,
+            "http_max_connections": cfg.http_max_connections,
             "protocol_version": PROTOCOL_VERSION,
         }
 
