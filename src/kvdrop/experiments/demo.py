@@ -79,6 +79,7 @@ def _policy(args: argparse.Namespace, params: dict[str, Any], cfg: Any, log: Any
     """The policy as a user builds it, and the query capture it needs; checked on the layout."""
     import kvdrop
     from kvdrop.experiments.harness import check_policies
+    from kvdrop_engine.connectors.factory import capture_mode
     from kvdrop_sdk.query_capture import QueryCapture
 
     lmcache = args.cache_server == "lmcache"
@@ -88,7 +89,8 @@ def _policy(args: argparse.Namespace, params: dict[str, Any], cfg: Any, log: Any
     # user's kvdrop.get("snapkv", keep_ratio=0.5) gets it; lmcache.sdk contexts carry neither.
     rerotate: Any = (cfg.rope if lmcache else True) if not args.no_rerotate else False
     modify_fn = kvdrop.get(args.policy, rerotate=rerotate, **params)
-    capture = QueryCapture.for_policies([modify_fn], "full" if lmcache else args.query_capture)
+    mode = capture_mode(args.cache_server, args.query_capture)
+    capture = QueryCapture.for_policies([modify_fn], mode)
     if capture.full and args.query_capture == "window" and not lmcache:
         # A scorer that reads every cached token's query (a plugin without sparse_queries)
         # cannot work from a window: capture them all rather than fail in modify.
