@@ -34,7 +34,7 @@ from kvdrop.rope import rerotate_in_place, rope_from_layout
 from kvdrop.selector import Selection, Selector
 from kvdrop_rope import RopeConfig
 from kvdrop_sdk.edit import EditContext
-from kvdrop_sdk.query_capture import QueryNeed
+from kvdrop_sdk.query_capture import NO_NEEDS, Needs, QueryNeed, needs_of
 
 __all__ = [
     "DEFAULT_QUERY_HEAD_DIM",
@@ -136,6 +136,14 @@ class Policy(abc.ABC):
         (read through :func:`~kvdrop_sdk.query_capture.needs_of`)."""
         return False
 
+    @property
+    def needs(self) -> Needs:
+        """Everything it reads beside the KV, as one :class:`~kvdrop_sdk.query_capture.Needs`
+        (what :func:`~kvdrop_sdk.query_capture.needs_of` returns for it). Scorer policies read
+        their scorer's declarations and wrappers their policy's, so a new kind of input is
+        declared on the scorer and reaches every wrapper without a forwarding line."""
+        return Needs(self.queries, self.token_scores)
+
     @abc.abstractmethod
     def select_indices(
         self,
@@ -231,12 +239,16 @@ class PolicyWrapper(Policy):
     )
 
     @property
+    def needs(self) -> Needs:
+        return needs_of(self.policy)
+
+    @property
     def queries(self) -> QueryNeed:
-        return self.policy.queries
+        return self.needs.queries
 
     @property
     def token_scores(self) -> bool:
-        return self.policy.token_scores
+        return self.needs.token_scores
 
     def select_indices(
         self,
@@ -326,12 +338,17 @@ class ScorerPolicy(SelectorPolicy):
         return f"{type(self).__name__}({self.name!r}, {self.scorer!r}, {self.selector!r})"
 
     @property
+    def needs(self) -> Needs:
+        """Its scorer's declarations (a scorer that declares nothing reads only the KV)."""
+        return needs_of(self.scorer, default=NO_NEEDS)
+
+    @property
     def queries(self) -> QueryNeed:
-        return self.scorer.queries
+        return self.needs.queries
 
     @property
     def token_scores(self) -> bool:
-        return self.scorer.token_scores
+        return self.needs.token_scores
 
     def _scorer_for(self, inputs: EditInputs) -> Scorer:
         """The scorer with a query scorer's ``head_dim=None`` filled in (layout's, else 128)."""
