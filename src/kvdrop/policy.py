@@ -363,6 +363,12 @@ class ScorerPolicy(SelectorPolicy):
             scorer = dataclasses.replace(scorer, head_dim=head_dim)  # type: ignore[type-var]
         return scorer
 
+    def _rope_of(self, inputs: EditInputs) -> RopeConfig | None:
+        """The RoPE parameters the cached keys carry: explicit ones win over the context's."""
+        if self.rope is not None:
+            return self.rope
+        return rope_from_layout(inputs.rope, policy=self.name)
+
     def _queries_for(self, scorer: Scorer, inputs: EditInputs) -> torch.Tensor | None:
         """The query rows ``scorer`` can read (those of ``0..T-1`` for a FULL reader; their
         positions are the selection's)."""
@@ -410,7 +416,9 @@ class ScorerPolicy(SelectorPolicy):
         with torch.no_grad():
             if scorer.needs_selection:
                 queries = scorer.queries if q is not None else QueryNeed.NONE
-                selection = self.selector.selection(inputs, budget, queries=queries, device=device)
+                selection = self.selector.selection(
+                    inputs, budget, queries=queries, device=device, rope=self._rope_of(inputs)
+                )
                 scores = scorer.score(kv, q, selection)
             else:
                 scores = scorer.score(kv, q)

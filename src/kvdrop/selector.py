@@ -28,6 +28,7 @@ implementation of the order. Without an edit context ``N == T``: the plain upstr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -35,6 +36,7 @@ from kvdrop.device import device_ok
 from kvdrop.errors import PolicyParamError
 from kvdrop.inputs import EditInputs
 from kvdrop.params import Param, param, params_of_dataclass
+from kvdrop_rope import RopeConfig
 from kvdrop_sdk.query_capture import QueryNeed
 
 __all__ = ["SELECTOR_PARAMS", "Selection", "Selector"]
@@ -134,15 +136,21 @@ class Selector:
         *,
         queries: QueryNeed = QueryNeed.WINDOW,
         device: torch.device | None = None,
+        rope: RopeConfig | None = None,
+        **fields: Any,
     ) -> Selection:
-        """What this selector keeps of one request's ``inputs`` (a bare token count: no context,
-        no queries), at ``budget`` tokens (default: its own budget) for a scorer that reads
-        ``queries`` on ``device``."""
+        """What this selector keeps of one request's ``inputs``, at ``budget`` tokens (default:
+        its own budget) for a scorer that reads ``queries`` on ``device``; ``rope``: the RoPE
+        parameters its keys carry (the policy's). A bare token count builds shape-only inputs
+        from the edit-context ``fields`` it is given (``prompt_tokens``, ``query_positions``,
+        ``head_dim``, ...: tests, docs and the form before issue 24)."""
         if not isinstance(inputs, EditInputs):
-            inputs = EditInputs(torch.empty(2, 0, int(inputs), 0))  # shape only: T rows
+            inputs = _bare_inputs(int(inputs), fields)
+        elif fields:
+            raise TypeError(f"selection() of EditInputs takes no fields, got {sorted(fields)}")
         if budget is None:
             budget = self.budget(inputs.num_tokens, inputs.protected)
-        return Selection(self, budget, inputs, QueryNeed(queries), device)
+        return Selection(self, budget, inputs, QueryNeed(queries), device, rope)
 
     def ranking(
         self, scores: torch.Tensor, *, prompt_tokens: int | None = None, protected: int = 0
@@ -189,6 +197,17 @@ class Selector:
         return torch.sort(order[:k]).values
 
 
+def _bare_inputs(num_tokens: int, fields: dict[str, Any]) -> EditInputs:
+    """Shape-only inputs of ``num_tokens`` rows (and query rows at ``query_positions``) whose
+    context holds ``fields``."""
+    qpos = fields.get("query_positions")
+    query = None if qpos is None else torch.empty(1, 0, len(qpos), 0)
+    kv = torch.empty(2, 0, num_tokens, 0)
+    if not fields:
+        return EditInputs(kv)
+    return EditInputs(kv, query, None, **fields)
+
+
 @dataclass(frozen=True)
 class Selection:
     """What the selector keeps of one request, handed to scorers that declare
@@ -213,6 +232,9 @@ class Selection:
     queries: QueryNeed = QueryNeed.WINDOW
     #: Where the scorer runs (its log-normalisers are read there); None: where they are.
     device: torch.device | None = field(default=None, compare=False)
+    #: The RoPE parameters the cached keys carry (the policy's own, else the context's), for
+    #: scorers that undo the rotation (None: unknown).
+    rope: RopeConfig | None = field(default=None, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -245,6 +267,11 @@ class Selection:
     @property
     def head_dim(self) -> int | None:
         return self.inputs.head_dim
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[T]``: each cached row's RoPE position."""
+        return self.inputs.positions
 
     @property
     def token_scores(self) -> torch.Tensor | None:
