@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -68,6 +69,12 @@ class EditInputs:
     @property
     def num_tokens(self) -> int:
         return int(self.kv.shape[2])
+
+    def with_context(self, **fields: Any) -> EditInputs:
+        """The same tensors under a context with ``fields`` replaced (a plain call's context is
+        the upstream one: positions ``0..T-1``)."""
+        base = EditContext.of(self.num_tokens) if self.context is None else self.context
+        return EditInputs(self.kv, self.query, dataclasses.replace(base, **fields))
 
     @functools.cached_property
     def positions(self) -> torch.Tensor:

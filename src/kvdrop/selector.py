@@ -208,7 +208,7 @@ def _bare_inputs(num_tokens: int, fields: dict[str, Any]) -> EditInputs:
     return EditInputs(kv, query, None, **fields)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Selection:
     """What the selector keeps of one request, handed to scorers that declare
     ``needs_selection = True`` (e.g. H2O gives a share of ``budget`` to recent tokens, SnapKV
@@ -223,6 +223,9 @@ class Selection:
     (NaN where unknown; see ``kvdrop_sdk.edit.EditContext``), for window readers; ``head_dim``
     the layout's, when known; ``token_scores`` ``[L, H, S]`` the engine's per-token scores
     (KVzip's reconstruction pass), when the edit context has them.
+
+    Edit-context fields given by name (``Selection(..., positions=p)``, or
+    ``dataclasses.replace(selection, head_dim=4)``) replace the inputs' context fields.
     """
 
     selector: Selector
@@ -235,6 +238,28 @@ class Selection:
     #: The RoPE parameters the cached keys carry (the policy's own, else the context's), for
     #: scorers that undo the rotation (None: unknown).
     rope: RopeConfig | None = field(default=None, compare=False)
+
+    def __init__(
+        self,
+        selector: Selector,
+        budget: int,
+        inputs: EditInputs,
+        queries: QueryNeed = QueryNeed.WINDOW,
+        device: torch.device | None = None,
+        rope: RopeConfig | None = None,
+        **context_fields: Any,
+    ) -> None:
+        if context_fields:
+            inputs = inputs.with_context(**context_fields)
+        for name, value in (
+            ("selector", selector),
+            ("budget", budget),
+            ("inputs", inputs),
+            ("queries", QueryNeed(queries)),
+            ("device", device),
+            ("rope", rope),
+        ):
+            object.__setattr__(self, name, value)
 
     @property
     def num_tokens(self) -> int:
