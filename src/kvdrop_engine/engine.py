@@ -17,7 +17,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -43,7 +43,7 @@ from kvdrop_engine.scheduler import (
     decoded_store_upto,
     plan_step,
 )
-from kvdrop_engine.sequence import Request, new_request
+from kvdrop_engine.sequence import Request, TokenStream, new_request, raise_failure
 from kvdrop_engine.stats import EngineStats
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
 from kvdrop_engine.transfer import ScoresJob, StoreJob, Transfers, WindowJob, check_seconds
@@ -66,13 +66,6 @@ def _stop_running_engines() -> None:
     """
     for engine in list(_RUNNING):
         engine.stop()
-
-
-def _raise(item: BaseException) -> NoReturn:
-    """Raise a request's failure as the ``EngineError`` its caller expects."""
-    if isinstance(item, EngineError):
-        raise item
-    raise EngineError(f"request failed: {item!r}") from item
 
 
 class Engine:
@@ -250,8 +243,10 @@ class Engine:
         """Submit a request; iterate the returned generator for its tokens as they are produced.
 
         Validation happens here (raising ``InvalidRequestError`` / ``RequestTooLargeError``);
-        failures while serving raise ``EngineError`` from the iterator. Closing the iterator early
-        cancels the request and frees its blocks. Starts the engine if needed.
+        failures while serving raise ``EngineError`` from the iterator. Closing the iterator (from
+        any thread, before or after its first token) or dropping it cancels the request and
+        frees its blocks at once (:class:`~kvdrop_engine.sequence.TokenStream`). Starts the
+        engine if needed.
         """
         detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
         req = new_request(
@@ -268,7 +263,8 @@ class Engine:
                 "(...) and a connector to store the scores in (kvdrop_engine.reconstruct)"
             )
         self._submit(req)
-        return self._events(req)
+        transfers = self._transfers
+        return TokenStream(req, self._wake, None if transfers is None else transfers.await_stores)
 
     __call__ = post_completion
 
@@ -298,7 +294,7 @@ class Engine:
         def result() -> Tensor:
             item = req.out.get()
             if isinstance(item, BaseException):
-                _raise(item)
+                raise_failure(item)
             return item
 
         return result
@@ -322,26 +318,6 @@ class Engine:
         return [
             e.token_id for e in self.post_completion(prompt_token_ids, sampling_params, cache_salt)
         ]
-
-    def _events(self, req: Request) -> Iterator[TokenEvent]:
-        finished = False
-        try:
-            while True:
-                item = req.out.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    _raise(item)
-                if self._transfers is not None:
-                    self._transfers.await_stores(req)  # started before this token was queued
-                yield item
-                if item.finish_reason is not None:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                req.cancelled = True
-                with self._cv:
-                    self._cv.notify_all()
 
     def _wake(self) -> None:
         with self._cv:

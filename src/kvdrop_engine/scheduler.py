@@ -287,6 +287,7 @@ class Scheduler:
                     if req.load_state in (LoadState.COPY, LoadState.COPIED):
                         continue
                     req.load_state = LoadState.ABANDONED
+                req.loading.cancel()  # a load still queued never asks the server
             self.free(self.running.pop(rid))
         if any(r.cancelled for r in self.waiting):
             self.waiting = deque(r for r in self.waiting if not r.cancelled)
