@@ -366,6 +366,9 @@ class Engine:
         causing it; after the forward every failure is one request's own."""
         started = time.perf_counter()
         plan = plan_step(batch, self.max_prefill_tokens)
+        self._reconstruct(plan)
+        if not plan.seqs:
+            return
         try:
             out = self.runner.forward(plan)
             picked = pick_tokens(out.logits, out.greedy)
@@ -374,7 +377,8 @@ class Engine:
                 self._fail(batch[0], exc)
             else:
                 for req in batch:
-                    self._step([req])
+                    if req.reconstruction is None:  # its piece ran already
+                        self._step([req])
             return
         self._advance(plan, out)
         self._count(plan, out, started)
@@ -449,11 +453,21 @@ class Engine:
                 if len(req.output) == 1 and req.store_upto and transfers is not None:
                     transfers.submit(req, self._prompt_job(req))
                 text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
+                lp, top = (None, ()) if logprobs is None else logprobs
+                event = TokenEvent(tok, text, reason, logprob=lp, top_logprobs=top)
                 if reason is not None and transfers is not None and not req.cancelled:
                     for job in self._finish_jobs(req):
                         transfers.submit(req, job)
-                lp, top = (None, ()) if logprobs is None else logprobs
-                req.out.put(TokenEvent(tok, text, reason, logprob=lp, top_logprobs=top))
+                    if req.params.reconstruct:  # the end waits for the pass, run in pieces
+                        req.held = event
+                        req.reconstruction = self.runner.reconstruction_pass(
+                            req.prompt,
+                            req.blocks,
+                            len(req.prompt + req.output) - 1,
+                            self.reconstruction,
+                        )
+                        return
+                req.out.put(event)
         except Exception as exc:
             self._fail(req, exc)
             return
@@ -468,13 +482,13 @@ class Engine:
         queries = req.take_chunk_queries()
         return StoreJob(kv, queries, req.prompt[: req.store_upto], req.cache_salt, req.query_offset)
 
-    def _finish_jobs(self, req: Request) -> list[StoreJob | WindowJob | ScoresJob]:
+    def _finish_jobs(self, req: Request) -> list[StoreJob | WindowJob]:
         """(before the last token) What a finished request leaves in the server, keyed by prompt
         + every generated token: the KV of whole chunks its generated tokens completed
-        (``store_decoded``), its query window and its reconstruction scores (kvzip)."""
+        (``store_decoded``) and its query window (kvzip's scores follow its pass)."""
         conn = self.connector
         assert conn is not None
-        jobs: list[StoreJob | WindowJob | ScoresJob] = []
+        jobs: list[StoreJob | WindowJob] = []
         sequence = req.prompt + req.output
         computed = len(sequence) - 1  # the last generated token was never fed back
         upto = decoded_store_upto(req, conn.chunk_size, conn.store_decoded)
@@ -485,21 +499,34 @@ class Engine:
         record = None if window is None else self.runner.window_record(req.blocks, computed, window)
         if record is not None:
             jobs.append(WindowJob(*record, sequence, req.cache_salt))
-        if req.params.reconstruct:
-            jobs.append(ScoresJob(self._reconstruct(req, computed), sequence, req.cache_salt))
         return jobs
 
-    def _reconstruct(self, req: Request, computed: int) -> Tensor:
-        """KVzip's reconstruction pass over the request's prompt, on its own KV (its blocks are
-        still its own); the scores on the host."""
-        assert self.reconstruction is not None
-        started = time.perf_counter()
-        scores = self.runner.reconstruct(req.prompt, req.blocks, computed, self.reconstruction)
-        with self._cv:
-            self._stats.reconstructions += 1
-            self._stats.reconstruction_tokens += len(req.prompt)
-            self._stats.reconstruction_seconds += time.perf_counter() - started
-        return scores
+    def _reconstruct(self, plan: StepPlan) -> None:
+        """This step's pieces of kvzip's passes; a pass that ends stores its scores (before the
+        request's held last event is handed over) and ends its request."""
+        for req, rows in plan.pieces:
+            run = req.reconstruction
+            assert run is not None and self._transfers is not None
+            started = time.perf_counter()
+            try:
+                scores = self.runner.reconstruct_piece(run, rows)
+                if scores is not None:
+                    job = ScoresJob(scores, req.prompt + req.output, req.cache_salt)
+                    self._transfers.submit(req, job)
+            except Exception as exc:
+                self._fail(req, exc)
+                continue
+            with self._cv:
+                self._stats.reconstruction_seconds += time.perf_counter() - started
+                if scores is not None:
+                    self._stats.reconstructions += 1
+                    self._stats.reconstruction_tokens += len(req.prompt)
+            if scores is not None:
+                req.reconstruction = None
+                req.out.put(req.held)
+                with self._cv:
+                    self._sched.finish(req)
+                    self._stats.requests_finished += 1
 
     def _fail(self, req: Request, exc: BaseException) -> None:
         with self._cv:

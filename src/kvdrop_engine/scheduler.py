@@ -168,7 +168,8 @@ class StepPlan:
 
     ``stepped`` pairs each request with the tokens it computes in this step; ``sampled`` lists the
     requests whose next token comes from ``sample_rows`` (in order); ``scored`` pairs each scoring
-    request with how many of ``score_rows`` (in order) are its own.
+    request with how many of ``score_rows`` (in order) are its own; ``pieces`` pairs each
+    request in kvzip's reconstruction pass with the rows of it this step computes.
     """
 
     seqs: list[SeqStep] = field(default_factory=list)
@@ -179,16 +180,18 @@ class StepPlan:
     stepped: list[tuple[Request, int]] = field(default_factory=list)
     score_rows: list[int] = field(default_factory=list)
     scored: list[tuple[Request, int]] = field(default_factory=list)
+    pieces: list[tuple[Request, int]] = field(default_factory=list)
     num_prefill: int = 0
     num_decode: int = 0
 
 
 def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
     """Decodes first (one token each, so they never wait behind prefill chunks), then prompt
-    chunks in batch order until ``max_prefill_tokens`` prompt tokens are planned."""
+    chunks and pieces of reconstruction passes in batch order until ``max_prefill_tokens``
+    tokens are planned (so a long kvzip pass never holds the decodes up)."""
     plan = StepPlan()
     for req in batch:
-        if req.prefilling:
+        if req.prefilling or req.reconstruction is not None:
             continue
         plan.seqs.append(SeqStep(req.rid, req.blocks, req.num_computed, 1))
         plan.tokens.append(req.output[-1])
@@ -199,7 +202,14 @@ def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
         plan.num_decode += 1
     budget = max_prefill_tokens
     for req in batch:
-        if not req.prefilling or budget <= 0:
+        if budget <= 0:
+            break
+        if req.reconstruction is not None:  # a piece of kvzip's pass, under the same budget
+            n = min(req.reconstruction.next_rows(), budget)
+            budget -= n
+            plan.pieces.append((req, n))
+            continue
+        if not req.prefilling:
             continue
         start = req.num_computed
         n = min(len(req.prompt) - start, budget)

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from kvdrop_engine.capture import WindowCapture
 from kvdrop_engine.errors import EngineError, InvalidRequestError
+from kvdrop_engine.reconstruct import ReconstructionPass
 from kvdrop_engine.sampling import SamplingParams, make_generator
 from kvdrop_engine.tokenizer import IncrementalDetokenizer
 from kvdrop_sdk.events import TokenEvent
@@ -67,6 +68,10 @@ class Request:
     #: positions ``score_from..`` of its prompt; -1 for a request that generates.
     score_from: int = -1
     score_parts: list[Tensor] = field(default_factory=list)
+    #: KVzip's pass over the prompt, run in pieces after the last token; that token's event is
+    #: ``held`` until the pass ends (its scores are stored before the caller sees the end).
+    reconstruction: ReconstructionPass | None = None
+    held: TokenEvent | None = None
 
     @property
     def prefilling(self) -> bool:
