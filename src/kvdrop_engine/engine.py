@@ -334,8 +334,11 @@ class Engine:
                 if self._stopping:
                     return
                 sched.drop_cancelled()
-                admitted = sched.admit()
                 st = self._stats
+                for _, computed in sched.grow():
+                    st.preemptions += 1
+                    st.recomputed_tokens += computed
+                admitted = sched.admit()
                 st.requests_admitted += len(admitted)
                 st.peak_running = max(st.peak_running, len(sched.running))
                 st.peak_blocks_used = max(
@@ -345,7 +348,8 @@ class Engine:
             if transfers is not None:
                 try:
                     for req in admitted:
-                        transfers.start_load(req)
+                        if not req.preempted:  # a preempted one recomputes what it had
+                            transfers.start_load(req)
                     transfers.finish_loads(loading)
                 except Exception as exc:  # a broken connector: fail its requests, keep looping
                     for req in admitted + loading:

@@ -4,10 +4,13 @@ On admission :func:`plan_prefix` decides what a request loads from the cache ser
 stores after prefill (:func:`plan_recompute` when the server cannot be asked), for the engine's
 query capture; :func:`follow` applies that decision to the request.
 
-Admission reserves blocks for the whole request (prompt + ``max_tokens``) up front, so a running
-request never waits for memory and nothing is ever preempted; a request that waits for blocks
-keeps its place in line (FIFO, no starvation). :func:`plan_step` puts every admitted request in
-one step: decodes first (one token each), then prompt chunks up to ``max_prefill_tokens``.
+Admission takes the blocks of a request's prompt; each decode step grows it by the block its
+next token needs (:meth:`Scheduler.grow`), and when the budget runs out the newest running
+request is preempted and later recomputed (vLLM's recompute), so one request whose
+``max_tokens`` is the whole budget does not make every other wait until it ends. A request that
+waits for blocks keeps its place in line (FIFO, no starvation); a preempted one goes first.
+:func:`plan_step` puts every admitted request in one step: decodes first (one token each), then
+prompt chunks up to ``max_prefill_tokens``.
 
 The :class:`Scheduler` is not thread-safe by itself: the engine calls it under its condition.
 """
@@ -211,11 +214,11 @@ def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
             continue
         if not req.prefilling:
             continue
-        start = req.num_computed
-        n = min(len(req.prompt) - start, budget)
+        start, known = req.num_computed, req.prefill_tokens
+        n = min(len(known) - start, budget)
         budget -= n
         plan.seqs.append(SeqStep(req.rid, req.blocks, start, n))
-        plan.tokens.extend(req.prompt[start : start + n])
+        plan.tokens.extend(known[start : start + n])
         plan.positions.extend(range(start, start + n))
         if req.scoring:
             first = max(start, req.score_from)  # rows of positions first..start+n-1
@@ -223,7 +226,7 @@ def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
                 end = len(plan.tokens)
                 plan.score_rows.extend(range(end - (start + n - first), end))
                 plan.scored.append((req, start + n - first))
-        elif start + n == len(req.prompt):
+        elif start + n == len(req.prompt) and not req.output:
             plan.sample_rows.append(len(plan.tokens) - 1)
             plan.sampled.append(req)
         plan.stepped.append((req, n))
@@ -269,9 +272,13 @@ class Scheduler:
                 "shorten the prompt, lower max_tokens, or give the engine a larger budget"
             )
 
+    def _admission_blocks(self, req: Request) -> int:
+        """Blocks a request takes on admission: room for what it computes before its first
+        sample (its prompt; after a preemption, everything it had); decodes grow it later."""
+        return blocks_needed(len(req.prefill_tokens), self.block_size)
+
     def _head_fits(self) -> bool:
-        head = self.waiting[0]
-        return self.blocks_for(len(head.prompt), head.params.max_tokens) <= self.allocator.num_free
+        return self._admission_blocks(self.waiting[0]) <= self.allocator.num_free
 
     def admit(self) -> list[Request]:
         """Move waiting requests to running, in order, while the head's blocks are free."""
@@ -280,12 +287,55 @@ class Scheduler:
             if not self._head_fits():
                 break  # FIFO: the head waits for blocks; later requests do not overtake it
             req = self.waiting.popleft()
-            req.blocks = self.allocator.allocate(
-                self.blocks_for(len(req.prompt), req.params.max_tokens)
-            )
+            req.blocks = self.allocator.allocate(self._admission_blocks(req))
             self.running[req.rid] = req
             admitted.append(req)
         return admitted
+
+    def grow(self) -> list[tuple[Request, int]]:
+        """Give each decoding request (oldest first) the block its next token needs; when none
+        is free, preempt the newest running request (vLLM's recompute: its blocks come back, it
+        goes first in the waiting line, and is recomputed when admitted again). Returns the
+        preempted requests with the tokens each had computed. A request whose load or
+        reconstruction pass runs is not preempted (its blocks are being read or written)."""
+        preempted: list[tuple[Request, int]] = []
+        for req in list(self.running.values()):
+            if req.rid not in self.running or not self._decoding(req):
+                continue
+            need = blocks_needed(req.num_computed + 1, self.block_size) - len(req.blocks)
+            while need > self.allocator.num_free:
+                victim = self._victim()
+                preempted.append((victim, victim.num_computed))
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                if need > 0:
+                    req.blocks = req.blocks + self.allocator.allocate(need)
+        return preempted
+
+    @staticmethod
+    def _decoding(req: Request) -> bool:
+        return (
+            not req.cancelled
+            and req.loading is None
+            and req.reconstruction is None
+            and not req.prefilling
+            and bool(req.output)
+        )
+
+    def _victim(self) -> Request:
+        """The newest running request that may be preempted (a decoding one always may)."""
+        for req in reversed(self.running.values()):
+            if req.loading is None and req.reconstruction is None and not req.cancelled:
+                return req
+        raise AssertionError("a decoding request is always preemptible")
+
+    def _preempt(self, req: Request) -> None:
+        self.running.pop(req.rid)
+        self.free(req)
+        req.preempt()
+        self.waiting.appendleft(req)
 
     def drop_cancelled(self) -> None:
         """Free cancelled requests -- except one whose prefix a load thread is copying into its

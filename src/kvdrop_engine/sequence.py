@@ -73,10 +73,30 @@ class Request:
     reconstruction: ReconstructionPass | None = None
     held: TokenEvent | None = None
 
+    #: Preempted (its blocks taken back) and waiting to recompute what it had computed.
+    preempted: bool = False
+
+    @property
+    def prefill_tokens(self) -> list[int]:
+        """The tokens computed as a prefill: the prompt, and after a preemption every generated
+        token but the last too (the last is fed by the next decode step)."""
+        return self.prompt + self.output[:-1]
+
     @property
     def prefilling(self) -> bool:
-        """Whether prompt tokens are still to be computed."""
-        return self.num_computed < len(self.prompt)
+        """Whether prompt tokens (or, after a preemption, generated ones) are to be computed."""
+        return self.num_computed < len(self.prompt) + max(0, len(self.output) - 1)
+
+    def preempt(self) -> None:
+        """Forget what is computed (its blocks are taken back): it is recomputed from token 0,
+        its query capture restarted so that it keeps the same rows (vLLM's recompute)."""
+        self.num_computed, self.preempted = 0, True
+        self.query_parts, self.query_offset, self.score_parts = [], 0, []
+        if self.output:
+            self.capture_queries = False  # the prompt's chunk queries were stored already
+        if self.window is not None:
+            w = self.window
+            self.window = WindowCapture(w.num_prompt, w.window, w.stride)
 
     @property
     def scoring(self) -> bool:
