@@ -107,9 +107,9 @@ class FinchScorer(Scorer):
         rows, positions, lse = last_rows("finch", query, selection, window)
         per_layer = []
         for layer in range(kv.shape[1]):
-            keys = heads_f32(kv[0, layer, :obs], self.head_dim)
+            keys = heads_f32(kv[0, layer], self.head_dim)  # the question's own keys normalise too
             q = heads_f32(rows[0, layer], self.head_dim)
-            mass = position_weighted_mass(q, keys, positions, layer_lse(lse, layer))
+            mass = position_weighted_mass(q, keys, positions, layer_lse(lse, layer))[:, :obs]
             per_layer.append(group_heads(mass / max(q.shape[1], 1), keys.shape[0], "mean"))
         return torch.stack(per_layer)
 
