@@ -23,6 +23,7 @@ import torch
 import kvdrop
 from kvdrop.policies.cap import CapScorer
 from kvdrop.policies.finch import FinchScorer
+from kvdrop.policies.leverage import LeverageScorer
 from kvdrop.policies.non_causal_attn import NonCausalAttnScorer
 from kvdrop.selector import Selector
 from kvdrop_rope import RopeConfig
@@ -132,7 +133,7 @@ def _per_head(setup: Setup, spec: str, **params: Any) -> torch.Tensor:
     fn = kvdrop.get(spec, chunk_size=1, **params)
     rows = []
     for head in range(setup.keys.shape[1]):
-        query = setup.query(head) if fn.needs_query else None
+        query = None if fn.queries is kvdrop.QueryNeed.NONE else setup.query(head)
         rows.append(fn.scores(setup.kv(head), query))  # type: ignore[attr-defined]
     return torch.stack(rows)
 
@@ -217,9 +218,9 @@ def new_score_pairs(setup: Setup) -> Iterator[Row]:
         f"T = {t}, a multiple of chunk_length (a partial chunk: kvdrop masks its padding)",
     )
     cap_sel = Selector(keep_ratio=0.5, chunk_size=1, n_sink=4).selection(
-        t, query_positions=positions
+        t, query_positions=positions, rope=setup.rope
     )
-    ours = CapScorer(head_dim=d, rope=setup.rope).head_scores(setup.kv(), setup.query(), cap_sel)
+    ours = CapScorer(head_dim=d).head_scores(setup.kv(), setup.query(), cap_sel)
     theirs = _press_scores(setup, _press("CapPress", n_sink=4))
     yield Row("cap", "CapPress", _diff(ours[0], theirs), "all T", None)
     window = 24
@@ -237,6 +238,46 @@ def new_score_pairs(setup: Setup) -> Iterator[Row]:
         "T - question",
         None,
         f"question = last {window} tokens (kvdrop: after the delimiter)",
+    )
+
+
+def i26a_score_pairs(setup: Setup) -> Iterator[Row]:
+    """The other helper's ports of issue 26 (cur, lagkv, leverage, expected-attention)."""
+    t, d = setup.num_tokens, setup.head_dim
+    cur = _press("CURPress", num_sinks=4)
+    ours = _per_head(setup, "cur", n_sink=4)[:, 4:]
+    yield Row("cur", "CURPress", _diff(ours, _press_scores(setup, cur)[:, 4:]), "T - sinks", None)
+    ours = _per_head(setup, "lagkv", n_sink=4, lag_size=128)
+    theirs = _press_scores(setup, _press("LagKVPress", n_sink=4, lag_size=128))
+    yield Row("lagkv", "LagKVPress", _diff(ours, theirs), "all T", None)
+    selection = Selector(keep_ratio=0.5, chunk_size=1).selection(
+        t, head_dim=d, rope=setup.rope, positions=torch.arange(t)
+    )
+    ours = LeverageScorer(head_dim=d).head_scores(setup.kv(), selection)[0]
+    with torch.no_grad():
+        pre_rope = setup.module.k_proj(setup.hidden).view(1, t, -1, d).transpose(1, 2)
+        torch.manual_seed(0)  # kvpress draws the sketch from torch's global generator
+        theirs = _press("LeverageScorePress").compute_leverage_scores(pre_rope, 48)[0]
+    theirs = (theirs - theirs.mean()) / theirs.std().clamp_min(1e-6)
+    yield Row(
+        "leverage",
+        "LeverageScorePress",
+        _diff(ours, theirs),
+        "all T",
+        None,
+        "kvpress's global generator seeded as kvdrop's sketch seed",
+    )
+    fn = kvdrop.get("expected-attention", head_dim=d, chunk_size=1)
+    fn.rope = setup.rope  # the model's RoPE, as the engine registers it with the layout
+    heads = [fn.scores(setup.kv(h), setup.query(h)) for h in range(setup.keys.shape[1])]
+    theirs = _press_scores(setup, _press("ExpectedAttentionPress", epsilon=0.0))
+    yield Row(
+        "expected-attention",
+        "ExpectedAttentionPress",
+        _diff(torch.stack(heads)[:, 4:], theirs[:, 4:]),
+        "T - sinks",
+        None,
+        "every prompt query row given (the engine's lean window estimates the statistics)",
     )
 
 
@@ -324,7 +365,12 @@ EXCEPTIONS = (
 
 def rows(num_tokens: int, seed: int, ratio: float) -> list[Row]:
     setup = build(num_tokens, seed)
-    return [*score_pairs(setup), *select_pairs(setup, ratio), *EXCEPTIONS]
+    return [
+        *score_pairs(setup),
+        *i26a_score_pairs(setup),
+        *select_pairs(setup, ratio),
+        *EXCEPTIONS,
+    ]
 
 
 #: The target: scores within this (float32) or kept sets at least this similar.
