@@ -285,6 +285,29 @@ def i26a_score_pairs(setup: Setup) -> Iterator[Row]:
     )
 
 
+def compactor_pair(setup: Setup, ratio: float) -> Row:
+    """``compactor`` against ``CompactorPress``, after the mean over KV heads (the scorer gives
+    no per-head scores, and both z-normalise over all heads of a layer)."""
+    t, d = setup.num_tokens, setup.head_dim
+    fn = kvdrop.get("compactor", head_dim=d, chunk_size=1, keep_ratio=ratio)
+    fn.rope = setup.rope
+    ours = fn.scores(setup.kv(), setup.query())  # type: ignore[attr-defined]
+    press = _press("CompactorPress", compression_ratio=1.0 - ratio)
+    torch.manual_seed(0)  # its leverage sketch, from torch's global generator (kvdrop: seed 0)
+    theirs = _press_scores(setup, press).mean(dim=0)
+    partial = (t - 12) % 256 != 0
+    note = (
+        f"scored on the {t - 12} tokens between the sinks and the last 4: a partial last "
+        "chunk, padded unmasked by kvpress (as non-causal-attn; equal to 1e-6 when T - 12 is "
+        "a multiple of 256)"
+        if partial
+        else "T - 12 a multiple of 256; blending = 1 - keep"
+    )
+    region = "T - sinks - last 4, mean over KV heads"
+    diff = _diff(ours[8 : t - 4], theirs[8 : t - 4])
+    return Row("compactor", "CompactorPress", diff, region, None, note, partial)
+
+
 def _kept_rows(original: torch.Tensor, kept: torch.Tensor) -> set[int]:
     """Indices of ``kept`` rows ``[n, d]`` in ``original`` ``[T, d]`` (exact matches)."""
     return set(torch.cdist(kept.float(), original.float()).argmin(dim=1).tolist())
@@ -372,6 +395,7 @@ def rows(num_tokens: int, seed: int, ratio: float) -> list[Row]:
     return [
         *score_pairs(setup),
         *i26a_score_pairs(setup),
+        compactor_pair(setup, ratio),
         *select_pairs(setup, ratio),
         *EXCEPTIONS,
     ]
