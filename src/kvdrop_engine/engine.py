@@ -141,27 +141,29 @@ class Engine:
         self._ids = itertools.count()
         self._cv = threading.Condition()
         self.connector = connector
-        self._transfers: Transfers | None = None
-        if connector is not None:
-            connector.bind(cfg, self.dtype)
-            self._transfers = Transfers(
-                connector,
-                self.cache,
-                load_concurrency=load_concurrency,
-                load_timeout_s=self.load_timeout_s,
-                store_timeout_s=self.store_timeout_s,
-                backoff_s=self.connector_backoff_s,
-                copy_on_loop=self._graphs is not None,
-                wake=self._wake,
-                stats=lambda: self._stats,
-                lock=self._cv,
-            )
+        self._transfers = None if connector is None else self._bind(connector)
         load_lock = threading.Lock() if self._transfers is None else self._transfers.load_lock
         self._sched = Scheduler(
             self.cache.allocator, block_size, max_batch_size, load_lock, self.eos_token_ids
         )
         self._thread: threading.Thread | None = None
         self._stopping = False
+
+    def _bind(self, connector: KVConnector) -> Transfers:
+        """Bind ``connector`` to the model and build the server I/O over it."""
+        connector.bind(self.config, self.dtype)
+        return Transfers(
+            connector,
+            self.cache,
+            load_concurrency=self.load_concurrency,
+            load_timeout_s=self.load_timeout_s,
+            store_timeout_s=self.store_timeout_s,
+            backoff_s=self.connector_backoff_s,
+            copy_on_loop=self._graphs is not None,
+            wake=self._wake,
+            stats=lambda: self._stats,
+            lock=self._cv,
+        )
 
     def start(self) -> Engine:
         """Start the loop thread (idempotent)."""
@@ -231,7 +233,7 @@ class Engine:
             self._stats = EngineStats()
 
     def blocks_for(self, num_prompt_tokens: int, max_tokens: int) -> int:
-        """Blocks a request reserves: room for the prompt and every generated token but the last."""
+        """The most blocks a request holds: its prompt and every generated token but the last."""
         return self._sched.blocks_for(num_prompt_tokens, max_tokens)
 
     def post_completion(

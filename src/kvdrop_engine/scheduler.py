@@ -257,7 +257,7 @@ class Scheduler:
         self.running: dict[int, Request] = {}
 
     def blocks_for(self, num_prompt_tokens: int, max_tokens: int) -> int:
-        """Blocks a request reserves: room for the prompt and every generated token but the last."""
+        """The most blocks a request holds: its prompt and every generated token but the last."""
         return blocks_needed(num_prompt_tokens + max_tokens - 1, self.block_size)
 
     def check_fits(self, req: Request) -> None:
