@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 
 #: Largest request body accepted (a 100K-token prompt as JSON ids is about 0.7 MB).
 MAX_BODY_BYTES = 32 * 1024 * 1024
-#: Seconds between checks that a non-streaming request's client is still connected.
+#: Seconds between checks that a request's client is still connected.
 _GONE_CHECK_S = 0.02
 _DISCONNECTS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 
@@ -422,11 +422,28 @@ class _Handler(BaseHTTPRequestHandler):
     # ---- completions ---------------------------------------------------------------------
 
     def _complete(self, app: CompletionHTTPServer, req: CompletionRequest) -> None:
+        """Serve one completion while a watcher cancels it the moment its client goes (during a
+        prefix load or prefill too, with or without bytes to write)."""
+        opened: list[Iterator[TokenEvent]] = []
+        watch = _ClientWatch(self._client_gone, lambda: _close_all(opened))
+        try:
+            self._complete_watched(app, req, opened, watch)
+        finally:
+            watch.stop()
+            if watch.gone:  # also the choices posted after the watcher fired
+                _close_all(opened)
+
+    def _complete_watched(
+        self,
+        app: CompletionHTTPServer,
+        req: CompletionRequest,
+        opened: list[Iterator[TokenEvent]],
+        watch: _ClientWatch,
+    ) -> None:
         """Call the engine (once per choice); answer 400/500 if it fails before its first token,
         else stream or collect; account the request in ``/metrics``."""
         started = time.monotonic()
         build = self._builder(app, req)
-        opened: list[Iterator[TokenEvent]] = []
         try:
             for i in range(req.n):
                 events = app.post_completion(
@@ -447,6 +464,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         finish = "abort"
         try:
+            if watch.gone:  # the client left before its first token: nothing to answer
+                raise ConnectionAbortedError("the client closed the connection")
             run = self._stream if req.stream else self._collect
             finish = run(app, build, first, pairs, streams)
         except _DISCONNECTS as exc:
@@ -545,6 +564,27 @@ class _Handler(BaseHTTPRequestHandler):
             return "error"
         self._send_json(200, build.body())
         return build.finish or "stop"
+
+
+class _ClientWatch:
+    """A thread that checks every ``_GONE_CHECK_S`` whether a request's client is gone and then
+    calls ``on_gone`` once (it closes the engine's streams: the request is cancelled at once)."""
+
+    def __init__(self, gone: Callable[[], bool], on_gone: Callable[[], None]) -> None:
+        self.gone = False
+        self._stop = threading.Event()
+        self._gone_check, self._on_gone = gone, on_gone
+        threading.Thread(target=self._run, name="kvdrop-client-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(_GONE_CHECK_S):
+            if self._gone_check():
+                self.gone = True
+                self._on_gone()
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def _close_all(streams: list[Iterator[TokenEvent]]) -> None:
