@@ -30,9 +30,12 @@ import hashlib
 import itertools
 import struct
 import threading
+import warnings
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from kvdrop_sdk.hashing import TOKEN_BYTES, decode_tokens
 from kvdrop_sdk.layout import CacheLayout, dtype_name
@@ -270,6 +273,14 @@ def _parse_scores(
             "bad_data",
             f"scores are float32 [{layout.num_layers}, {heads}, {rows}] = {expected} bytes, got "
             f"{len(data)}",
+        )
+    with warnings.catch_warnings():  # read-only bytes: only read here
+        warnings.simplefilter("ignore", UserWarning)
+        values = torch.frombuffer(data, dtype=torch.float32)
+    bad = int((~torch.isfinite(values)).sum())
+    if bad:
+        raise ProtocolError(
+            "bad_data", f"scores must be finite; {bad} of {values.numel()} are NaN or inf"
         )
     return tokens, ScoresRecord(rows, heads, layout.num_layers, data, tag)
 

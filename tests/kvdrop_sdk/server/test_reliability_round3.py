@@ -24,13 +24,15 @@ import torch
 
 import kvdrop_sdk as sdk
 from kvdrop_sdk import CacheKind, CacheLayout
-from kvdrop_sdk.errors import PartialStoreError
+from kvdrop_sdk.context import connect
+from kvdrop_sdk.errors import PartialStoreError, SDKError
 from kvdrop_sdk.hashing import encode_tokens
-from kvdrop_sdk.protocol import RpcClient
+from kvdrop_sdk.protocol import RpcClient, RpcError
 from kvdrop_sdk.server.app import Server
 from kvdrop_sdk.server.config import ServerConfig
 from kvdrop_sdk.server.pool import shm_path
-from kvdrop_sdk.testing.server import spawn_server
+from kvdrop_sdk.testing.server import ServerHandle, spawn_server
+from kvdrop_sdk.window import TokenScores, retrieve_scores, store_scores
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -256,3 +258,33 @@ def test_a_store_refused_for_quarantined_slots_says_so() -> None:
             with sdk.kvcache.connect(srv.url, srv.http_url, "q", 10, transport="socket") as good:
                 with pytest.raises(PartialStoreError, match=f"{CHUNK_BYTES} quarantined"):
                     good.store(kv_for(2, 4 * CHUNK), toks(2, 4 * CHUNK))
+
+
+# -- H: token scores must be finite --------------------------------------------------------------
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_token_scores_are_refused_by_client_and_server(
+    kv_server: ServerHandle, model_name: str, bad: float
+) -> None:
+    q_layout = CacheLayout(num_layers=2, num_heads=4, head_dim=8, dtype=torch.bfloat16)
+    tokens = list(range(300, 340))
+    scores = torch.rand(2, 2, 32, generator=torch.Generator().manual_seed(2))
+    scores[1, 0, 7] = bad
+    with connect(
+        CacheKind.QUERY, kv_server.url, kv_server.http_url, model_name, layout=q_layout
+    ) as ctx:
+        with pytest.raises(SDKError, match="token scores must be finite; 1 of 128"):
+            store_scores(ctx, tokens, TokenScores(scores), "h")
+        # A client that skips the SDK's check meets the server's.
+        with RpcClient(kv_server.url, 10) as rpc:
+            head = {
+                "model": ctx.server_model_name,
+                "kind": "query",
+                "salt": "h",
+                "record": "scores",
+                "rows": 32,
+                "heads": 2,
+            }
+            with pytest.raises(RpcError, match="scores must be finite; 1 of 128") as info:
+                rpc.call("put_window", head, [encode_tokens(tokens), scores.numpy().tobytes()])
+            assert info.value.code == "bad_data"
+        assert retrieve_scores(ctx, tokens, "h") is None  # nothing was stored
