@@ -294,8 +294,9 @@ def soak_round3(args: argparse.Namespace) -> list[Row]:
     failures = [k for k in loud.c if k.startswith("failed:")][:3]
     measured = (
         f"{seconds:g} s quiet then {seconds:g} s with 5 hostile clients: good requests "
-        f"{quiet.c['good_requests']:,} + {loud.c['good_requests']:,}, 0 expected failed: {failed} "
-        f"{failures or ''}; wrong reads {wrong} in {quiet.c['reads'] + loud.c['reads']:,}; good "
+        f"{quiet.c['good_requests']:,} + {loud.c['good_requests']:,}, failed {failed}"
+        f"{' ' + str(failures) if failures else ''}; wrong reads {wrong} in "
+        f"{quiet.c['reads'] + loud.c['reads']:,}; good "
         f"p99 {p99q * 1000:.1f} ms quiet, {p99h * 1000:.1f} ms hostile "
         f"({p99h / max(p99q, 1e-9):.2f}x); server RSS {rss0 / 2**20:.0f} MiB at start, peak "
         f"{peak[0] / 2**20:.0f} MiB; hostile: {hostile}; server: {status['corrupted_chunks']} "

@@ -104,7 +104,7 @@ class ServerConfig:
             flag = "--" + name.replace("_", "-")
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not (ok and math.isfinite(value) and low <= value <= high):
-                bound = ">= 0" if low == 0 else "> 0"
+                bound = "> 0" if 0 < low < 1 else f">= {low:g}"
                 raise ValueError(
                     f"{flag} must be {bound} and finite (from {low:g} to {high:g}), got {value!r}"
                     + _WHY.get(name, "")
