@@ -1,4 +1,8 @@
-"""Admission and step planning: who runs, and what one step computes.
+"""Admission and step planning: who runs, what a prompt loads and stores, what one step computes.
+
+On admission :func:`plan_prefix` decides what a request loads from the cache server and what it
+stores after prefill (:func:`plan_recompute` when the server cannot be asked), for the engine's
+query capture; :func:`follow` applies that decision to the request.
 
 Admission reserves blocks for the whole request (prompt + ``max_tokens``) up front, so a running
 request never waits for memory and nothing is ever preempted; a request that waits for blocks
@@ -13,15 +17,32 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvdrop_engine.errors import RequestTooLargeError
+from torch import Tensor
+
+from kvdrop_engine.capture import WindowCapture
+from kvdrop_engine.connectors.base import KVConnector
+from kvdrop_engine.errors import EngineError, RequestTooLargeError
 from kvdrop_engine.paged import BlockAllocator, SeqStep, blocks_needed
+from kvdrop_engine.sampling import finish_reason
 from kvdrop_engine.sequence import LoadState, Request
+from kvdrop_sdk.query_capture import QueryCapture
 from kvdrop_sdk.validate import positive_int
 
-__all__ = ["DEFAULT_BUDGET_TOKENS", "Scheduler", "StepPlan", "budget_blocks", "plan_step"]
+__all__ = [
+    "DEFAULT_BUDGET_TOKENS",
+    "PrefixPlan",
+    "Scheduler",
+    "StepPlan",
+    "budget_blocks",
+    "decoded_store_upto",
+    "follow",
+    "plan_prefix",
+    "plan_recompute",
+    "plan_step",
+]
 
 #: The engine's KV budget when it is given neither ``num_blocks`` nor ``kv_budget_tokens``.
 DEFAULT_BUDGET_TOKENS = 65536
@@ -41,12 +62,113 @@ def budget_blocks(num_blocks: int | None, kv_budget_tokens: int | None, block_si
     return num_blocks
 
 
+@dataclass(frozen=True)
+class PrefixPlan:
+    """What admission does with a prompt: copy ``kv`` (its first ``num_loaded`` tokens, or None)
+    into the request's blocks; after prefill store the first ``store_upto`` prompt tokens (0 =
+    nothing new to store), with chunk queries captured from token ``query_offset`` on when
+    ``capture_queries`` (full mode); keep a query window when ``capture_window``."""
+
+    kv: Tensor | None
+    num_loaded: int
+    store_upto: int = 0
+    capture_queries: bool = False
+    query_offset: int = 0
+    capture_window: bool = False
+
+
+def plan_prefix(
+    conn: KVConnector, capture: QueryCapture, prompt: list[int], cache_salt: str
+) -> PrefixPlan:
+    """Look up ``prompt``'s cached prefix and decide what to load and store, for the engine's
+    query ``capture``; ``EngineError`` when the server cannot be asked."""
+    try:
+        kv = conn.load(prompt, cache_salt)
+    except Exception as exc:
+        raise EngineError(f"loading the cached prefix from the server failed: {exc}") from exc
+    cached = 0 if kv is None else int(kv.shape[2])
+    # At least the last prompt token is computed: its logits pick the first output token.
+    n = min(cached, len(prompt) - 1)
+    loaded = kv[:, :, :n] if kv is not None and n > 0 else None
+    aligned = len(prompt) // conn.chunk_size * conn.chunk_size
+    window, full = _query_modes(conn, capture)
+    if aligned <= cached:
+        return PrefixPlan(loaded, n, capture_window=window)
+    # Chunk queries (full mode) are captured for the computed tokens; a loaded prefix (shared
+    # with an earlier prompt) must have its queries cached too, or the query cache would hold a
+    # hole. After a modify the kept tokens have none: their prompt stores KV only.
+    if not conn.transfer_query or not full:
+        return PrefixPlan(loaded, n, store_upto=aligned, capture_window=window)
+    try:
+        q_cached = conn.lookup_queries(prompt, cache_salt) if n else 0
+    except Exception as exc:
+        raise EngineError(f"query lookup in the server failed: {exc}") from exc
+    capture = n == 0 or q_cached >= n
+    return PrefixPlan(
+        loaded,
+        n,
+        store_upto=aligned,
+        capture_queries=capture,
+        query_offset=n,
+        capture_window=window,
+    )
+
+
+def plan_recompute(conn: KVConnector, capture: QueryCapture, prompt: list[int]) -> PrefixPlan:
+    """Admission's plan when the server cannot be asked (down, slow, failing): compute the whole
+    prompt, then store its whole chunks (with queries when the connector stores them)."""
+    aligned = len(prompt) // conn.chunk_size * conn.chunk_size
+    window, full = _query_modes(conn, capture)
+    return PrefixPlan(
+        None,
+        0,
+        store_upto=aligned,
+        capture_queries=bool(conn.transfer_query) and full and aligned > 0,
+        capture_window=window,
+    )
+
+
+def _query_modes(conn: KVConnector, capture: QueryCapture) -> tuple[bool, bool]:
+    """(keep a query window, store every prompt query in chunks) for ``capture`` on ``conn``."""
+    # Windows need a connector that can store them (kvdrop's); others (an LMCache server's) are
+    # built for the full queries in chunks, the upstream layout.
+    window = conn.transfer_query and conn.stores_windows
+    return window, capture.full
+
+
+def follow(req: Request, plan: PrefixPlan, capture: QueryCapture | None) -> None:
+    """Make ``req`` take admission's decision: ``plan.num_loaded`` tokens are in its blocks
+    already; it keeps a query window of ``capture``'s sizes when the plan says so. A scoring
+    request only loads: it stores and captures nothing."""
+    req.num_computed = plan.num_loaded
+    if req.scoring:
+        return
+    req.store_upto = plan.store_upto
+    req.capture_queries = plan.capture_queries
+    req.query_offset = plan.query_offset
+    if plan.capture_window and capture is not None:
+        req.window = WindowCapture(len(req.prompt), capture.window, capture.stride)
+
+
+def decoded_store_upto(req: Request, chunk_size: int, store_decoded: bool) -> int:
+    """The tokens of a finished request's sequence to store again (``store_decoded``: the whole
+    chunks its generated tokens completed beyond the stored prompt); 0 for none."""
+    if not store_decoded or not chunk_size:
+        return 0
+    computed = len(req.prompt) + len(req.output) - 1  # the last token was never fed back
+    aligned = computed // chunk_size * chunk_size
+    return (
+        aligned if aligned > max(req.store_upto, len(req.prompt) // chunk_size * chunk_size) else 0
+    )
+
+
 @dataclass
 class StepPlan:
     """One engine step: the flat token batch, its attention layout, and which rows are sampled.
 
     ``stepped`` pairs each request with the tokens it computes in this step; ``sampled`` lists the
-    requests whose next token comes from ``sample_rows`` (in order).
+    requests whose next token comes from ``sample_rows`` (in order); ``scored`` pairs each scoring
+    request with how many of ``score_rows`` (in order) are its own.
     """
 
     seqs: list[SeqStep] = field(default_factory=list)
@@ -55,6 +177,8 @@ class StepPlan:
     sample_rows: list[int] = field(default_factory=list)
     sampled: list[Request] = field(default_factory=list)
     stepped: list[tuple[Request, int]] = field(default_factory=list)
+    score_rows: list[int] = field(default_factory=list)
+    scored: list[tuple[Request, int]] = field(default_factory=list)
     num_prefill: int = 0
     num_decode: int = 0
 
@@ -83,7 +207,13 @@ def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
         plan.seqs.append(SeqStep(req.rid, req.blocks, start, n))
         plan.tokens.extend(req.prompt[start : start + n])
         plan.positions.extend(range(start, start + n))
-        if start + n == len(req.prompt):
+        if req.scoring:
+            first = max(start, req.score_from)  # rows of positions first..start+n-1
+            if first < start + n:
+                end = len(plan.tokens)
+                plan.score_rows.extend(range(end - (start + n - first), end))
+                plan.scored.append((req, start + n - first))
+        elif start + n == len(req.prompt):
             plan.sample_rows.append(len(plan.tokens) - 1)
             plan.sampled.append(req)
         plan.stepped.append((req, n))
@@ -103,8 +233,10 @@ class Scheduler:
         block_size: int,
         max_batch_size: int,
         load_lock: threading.Lock,
+        eos_token_ids: Collection[int] = (),
     ) -> None:
         self.allocator = allocator
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.block_size = block_size
         self.max_batch_size = max_batch_size
         self.load_lock = load_lock
@@ -191,6 +323,26 @@ class Scheduler:
     def loading(self) -> list[Request]:
         """The running requests whose prefix load is in flight."""
         return [r for r in self.running.values() if r.loading is not None]
+
+    def postprocess(
+        self, plan: StepPlan, tokens: Mapping[int, int]
+    ) -> list[tuple[Request, int | None, str | None]]:
+        """After a step: each sampled request takes its token (``tokens`` by request id; one
+        that failed has none), and this decides who ends. Returns ``(request, token, finish
+        reason)`` per sampled request, and ``(request, None, "scored")`` for each scoring
+        request whose rows are all computed (it ends without a token)."""
+        done: list[tuple[Request, int | None, str | None]] = []
+        for req in plan.sampled:
+            tok = tokens.get(req.rid)
+            if tok is None or req.cancelled or req.rid not in self.running:
+                continue
+            req.output.append(tok)
+            reason = finish_reason(tok, len(req.output), req.params, self.eos_token_ids)
+            done.append((req, tok, reason))
+        for req, _ in plan.scored:
+            if not req.prefilling and not req.cancelled and req.rid in self.running:
+                done.append((req, None, "scored"))
+        return done
 
     def finish(self, req: Request) -> bool:
         """Take ``req`` out of the running set and free its blocks; whether it was running."""

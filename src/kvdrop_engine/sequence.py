@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 
 from kvdrop_engine.capture import WindowCapture
-from kvdrop_engine.connector import KVConnector, PrefixPlan
 from kvdrop_engine.errors import InvalidRequestError
 from kvdrop_engine.sampling import SamplingParams, make_generator
 from kvdrop_engine.tokenizer import IncrementalDetokenizer
@@ -57,26 +56,39 @@ class Request:
     query_parts: list[Tensor] = field(default_factory=list)
     window: WindowCapture | None = None
     cancelled: bool = False
-    loading: Future[PrefixPlan] | None = None  # the prefix load in flight (not stepped yet)
+    #: The prefix load in flight (a :class:`~kvdrop_engine.scheduler.PrefixPlan` to come).
+    loading: Future[Any] | None = None
     load_deadline: float = float("inf")  # set when the load starts (not while it is queued)
     load_state: LoadState = LoadState.QUEUED
     #: Stores started for this request; the caller waits for them before its next token.
     stores: list[Future[Any]] = field(default_factory=list)
+    #: A scoring request (teacher-forced log-probs, no sampling) keeps the log-softmax rows of
+    #: positions ``score_from..`` of its prompt; -1 for a request that generates.
+    score_from: int = -1
+    score_parts: list[Tensor] = field(default_factory=list)
 
     @property
     def prefilling(self) -> bool:
         """Whether prompt tokens are still to be computed."""
         return self.num_computed < len(self.prompt)
 
-    def follow(self, plan: PrefixPlan, conn: KVConnector | None = None) -> None:
-        """Take admission's decision: ``plan.num_loaded`` tokens are in the blocks already."""
-        self.num_computed = plan.num_loaded
-        self.store_upto = plan.store_upto
-        self.capture_queries = plan.capture_queries
-        self.query_offset = plan.query_offset
-        if plan.capture_window and conn is not None:
-            queries = conn.queries
-            self.window = WindowCapture(len(self.prompt), queries.window, queries.stride)
+    @property
+    def scoring(self) -> bool:
+        """Whether this request scores its prompt's tail instead of generating."""
+        return self.score_from >= 0
+
+    @property
+    def lookup_tokens(self) -> list[int]:
+        """The tokens whose cached prefix admission may load: a scoring request computes every
+        row it scores, so only its prefix up to ``score_from`` is looked up."""
+        return self.prompt if not self.scoring else self.prompt[: self.score_from + 1]
+
+    def take_chunk_queries(self) -> Tensor | None:
+        """The prompt's captured chunk queries ``[1, L, T, Hq*d]`` (full mode), handed over once."""
+        parts, self.query_parts = self.query_parts, []
+        if not self.capture_queries or not parts:
+            return None
+        return torch.cat(parts, dim=1).unsqueeze(0)
 
     def capture_offsets(self, n: int) -> list[int] | None:
         """Offsets of the next ``n`` computed tokens whose queries this step must capture."""
