@@ -100,14 +100,15 @@ class LeaseTable:
             self._quarantines.by_owner.get(owner, ())
         )
 
-    def check_room(self, owner: str) -> None:
-        """``TooManyLeases`` when ``owner`` holds its most leases and quarantines."""
-        held = self.held_by(owner)
+    def check_room(self, owner: str, extra: int = 0) -> None:
+        """``TooManyLeases`` when ``owner`` holds its most leases and quarantines (plus
+        ``extra`` the caller counts, such as slots still verified because of it)."""
+        held = self.held_by(owner) + extra
         if owner != self._exempt and held >= self.max_per_owner:
             raise TooManyLeases(
-                f"this client holds {held} leases and quarantined reservations, the most one "
-                f"client may hold (--max-client-leases {self.max_per_owner}); release, commit "
-                "or abort some first"
+                f"this client holds {held} leases and quarantined or suspect reservations, the "
+                f"most one client may hold (--max-client-leases {self.max_per_owner}); release, "
+                "commit or abort some first"
             )
 
     def add(self, lease: Lease) -> str:

@@ -324,8 +324,11 @@ class ChunkStore:
 
     def _check_room(self, owner: str) -> None:
         """``too_many_leases`` before any work when ``owner`` holds its most leases."""
+        # Suspect slots count too: a writer that keeps letting reservations lapse cannot grow
+        # the set every allocation is checked against.
+        suspect = sum(1 for o, _ in self._suspect.values() if o == owner) if self._suspect else 0
         try:
-            self._book.check_room(owner)
+            self._book.check_room(owner, suspect)
         except TooManyLeases as exc:
             raise StoreError("too_many_leases", str(exc)) from None
 

@@ -362,3 +362,23 @@ def test_slots_reused_after_quarantine_are_verified() -> None:
 def store_lid_of(store: ChunkStore, owner: str) -> str:
     """The id of ``owner``'s one expired reservation (remembered for its owner)."""
     return next(lid for lid, (o, _) in store._book._expired.items() if o == owner)
+
+
+def test_suspect_slots_count_against_their_writers_cap() -> None:
+    """A writer that keeps letting reservations lapse (each one's slots then verified) cannot
+    grow what every allocation is checked against: they count as its leases."""
+    clock, pool = Clock(), bytearray(8 * ALIGN)
+    crc = lambda off, n: zlib.crc32(pool[off : off + n])  # noqa: E731
+    store = ChunkStore(0, 8 * ALIGN, clock=clock, quarantine_s=1, checksum=crc, max_client_leases=2)
+    for name in ("a", "b"):
+        store.reserve(keys(name), ALIGN, 1, owner="w")
+        clock.now += 1.5
+        store.lookup([])  # expired: quarantined
+        clock.now += 1.5
+        store.lookup([])  # quarantine over: suspect
+    assert store.snapshot()["suspect_reservations"] == 2
+    with pytest.raises(StoreError, match="holds 2 leases and quarantined or suspect"):
+        store.reserve(keys("c"), ALIGN, 1, owner="w")
+    assert store.owner_gone("w") == 0  # nothing live, but its suspects are cleared
+    assert store.snapshot()["suspect_reservations"] == 0
+    assert store.reserve(keys("c"), ALIGN, 1, owner="w")[0] is not None
