@@ -224,10 +224,7 @@ class Server(RequestOps):
                     if gone is not None:
                         self._peer_gone(gone)
                 if frontend in events:
-                    parts = frontend.recv_multipart(copy=False)
-                    if len(parts) > 1:
-                        fd_peer[parts[1].get(zmq.SRCFD)] = parts[0].bytes
-                    backend.send_multipart(parts, copy=False)
+                    _forward(frontend, backend, fd_peer)
                 if backend in events:
                     frontend.send_multipart(backend.recv_multipart(copy=False), copy=False)
         finally:
@@ -399,6 +396,15 @@ class Server(RequestOps):
             **counts,
             "uptime_s": round(time.monotonic() - self._started, 3),
         }
+
+
+def _forward(frontend: zmq.Socket, backend: zmq.Socket, fd_peer: dict[int, bytes]) -> None:
+    """Pass one request to the workers, noting which connection (fd) it came on. A function,
+    so that nothing keeps the request's frames once they are handed on."""
+    parts = frontend.recv_multipart(copy=False)
+    if len(parts) > 1:
+        fd_peer[parts[1].get(zmq.SRCFD)] = parts[0].bytes
+    backend.send_multipart(parts, copy=False)
 
 
 def _bind_error(flag: str, host: str, port: int, exc: Exception) -> str:
