@@ -26,6 +26,7 @@ from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.paged import to_host
+from kvdrop_engine.penalties import edit_logits
 from kvdrop_engine.reconstruct import ReconstructionPrompt, ScoresJob, reconstruction_scores
 from kvdrop_engine.runner import ModelRunner
 from kvdrop_engine.sampling import (
@@ -350,7 +351,9 @@ class Engine:
         plan = plan_step(batch, self.max_prefill_tokens)
         try:
             out = self.runner.forward(plan)
-            picked = pick_tokens(out.logits, out.greedy)
+            hist = [(r.params, r.prompt, r.output) for r in plan.sampled]
+            logits = edit_logits(out.logits, hist, self.eos_token_ids)
+            picked = pick_tokens(logits, out.greedy if logits is out.logits else None)
         except Exception as exc:
             if len(batch) == 1:
                 self._fail(batch[0], exc)
@@ -377,17 +380,19 @@ class Engine:
                 st.decode_kv_tokens += sum(s.start + 1 for s in plan.seqs)
         for i, req in enumerate(plan.sampled):
             if not req.cancelled and req.rid in self._sched.running:
-                self._next_token(req, out.logits[i], picked[i])
+                self._next_token(req, out.logits[i], picked[i], logits[i])
 
-    def _next_token(self, req: Request, row: Tensor, argmax: int | None) -> None:
-        """Sample, store and emit one request's token; any failure fails only this request."""
+    def _next_token(self, req: Request, row: Tensor, argmax: int | None, edited: Tensor) -> None:
+        """Sample (from the ``edited`` logits: penalties, bias), store and emit one request's
+        token with its logprobs from the raw ``row`` (vLLM's default); any failure fails only
+        this request."""
         try:
             if argmax is None:
                 raise EngineError(
                     "the model's logits for this request are not finite (NaN or inf: corrupt "
                     "cached KV or weights?); the request is stopped, others go on"
                 )
-            tok = argmax if req.params.greedy else sample_row(row, req.params, req.generator)
+            tok = argmax if req.params.greedy else sample_row(edited, req.params, req.generator)
             logprobs = None
             if req.params.logprobs is not None:
                 logprobs = token_logprobs(row[None], [tok], [req.params.logprobs])[0]

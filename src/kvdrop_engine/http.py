@@ -22,6 +22,8 @@ Only standard-library networking; nothing here imports torch.
 
 from __future__ import annotations
 
+import hmac
+import importlib.metadata
 import json
 import logging
 import select
@@ -53,10 +55,15 @@ from kvdrop_engine.responses import (
     error_body,
     models_body,
 )
+from kvdrop_engine.sampling import PromptScores
 from kvdrop_engine.tokenizer import TextTokenizer
 from kvdrop_sdk.events import PostCompletion, TokenEvent
 
-__all__ = ["MAX_BODY_BYTES", "ROUTES", "CompletionHTTPServer"]
+__all__ = ["MAX_BODY_BYTES", "ROUTES", "CompletionHTTPServer", "ScorePrompt"]
+
+#: ``(prompt, top, cache_salt) -> scores``: the log-probability, rank and ``top`` alternatives of
+#: each prompt token after the first (``prompt_logprobs``; the CLI builds it from the model).
+ScorePrompt = Callable[[list[int], int, str], PromptScores]
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +76,13 @@ _DISCONNECTS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, T
 #: The generating POST routes and what each takes.
 _POST_ROUTES: dict[str, Route] = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
 _TOKEN_ROUTES = ("/tokenize", "/detokenize")
+#: Routes answered without the API key (probes and scrapes, as vLLM leaves them open).
+_OPEN_ROUTES = frozenset({"/health", "/ping", "/version", "/metrics"})
 
 #: What the server answers, for its start-up line and its 404s.
 ROUTES = (
     "POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize, "
-    "GET /v1/models, GET /health, GET /metrics"
+    "GET /v1/models, GET /health, GET /metrics, GET /version, GET|POST /ping"
 )
 
 
@@ -131,6 +140,8 @@ class CompletionHTTPServer:
         gauges: EngineGauges | None = None,
         read_timeout: float = 30.0,
         max_prompt_chars: int | None = None,
+        score_prompt: ScorePrompt | None = None,
+        api_key: str | None = None,
     ) -> None:
         if not model_name:
             raise ValueError("model_name must be a non-empty string")
@@ -152,7 +163,11 @@ class CompletionHTTPServer:
         self.health = health
         self.stats = stats
         self.gauges = gauges
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(model_name, gauges)
+        self.score_prompt = score_prompt
+        if api_key is not None and not api_key:
+            raise ValueError("api_key must be a non-empty string (or None: no key)")
+        self.api_key = api_key
         self.settings = Settings(
             model_name=model_name,
             tokenizer=tokenizer,
@@ -229,7 +244,7 @@ class CompletionHTTPServer:
 
     def metrics_text(self) -> str:
         """Body of ``GET /metrics``."""
-        return self.metrics.render(self.model_name, None if self.gauges is None else self.gauges())
+        return self.metrics.render()
 
     def token_payload(self, path: str, body: Any) -> dict[str, Any]:
         """Body of ``POST /tokenize`` or ``POST /detokenize`` (vLLM's shapes)."""
@@ -238,13 +253,42 @@ class CompletionHTTPServer:
             ids = parse_detokenize_request(body, self.settings)
             assert tokenizer is not None
             return {"prompt": tokenizer.decode(ids)}
-        ids = parse_tokenize_request(body, self.settings)
+        ids, with_strs = parse_tokenize_request(body, self.settings)
+        strs = None
+        if with_strs and tokenizer is not None:
+            strs = [tokenizer.decode([t]) for t in ids]
         return {
             "count": len(ids),
             "max_model_len": self.max_model_len,
             "tokens": ids,
-            "token_strs": None,
+            "token_strs": strs,
         }
+
+    def authorized(self, header: str | None) -> bool:
+        """Whether a request's ``Authorization`` header carries this server's key (always
+        true without one); compared in constant time."""
+        if self.api_key is None:
+            return True
+        scheme, _, token = (header or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        )
+
+    def scores_for(self, req: CompletionRequest) -> list[PromptScores] | None:
+        """Each prompt's scored tokens when the request asks for prompt logprobs (or echoes
+        with logprobs); ``BadRequestError`` when this server cannot score prompts."""
+        top = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:
+            top = max(top or 0, req.logprobs)
+        if top is None:
+            return None
+        if self.score_prompt is None:
+            raise BadRequestError(
+                "this server cannot score prompts ('prompt_logprobs', or 'echo' with "
+                "'logprobs'); leave them out",
+                param="prompt_logprobs" if req.prompt_logprobs is not None else "echo",
+            )
+        return [self.score_prompt(p, top, req.cache_salt) for p in req.prompts]
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -352,6 +396,15 @@ class _Handler(BaseHTTPRequestHandler):
         except RecursionError:
             raise BadRequestError("the request body is JSON nested too deeply") from None
 
+    def _drain(self) -> None:
+        """Read a sane unwanted body so the connection stays usable; else close it after
+        answering."""
+        length = self.headers.get("Content-Length") or "0"
+        if length.isdigit() and int(length) <= MAX_BODY_BYTES:
+            self.rfile.read(int(length))
+        else:
+            self.close_connection = True
+
     def _client_gone(self) -> bool:
         """Whether the client closed its side (checked without blocking or consuming data)."""
         try:
@@ -366,10 +419,23 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ---- routes --------------------------------------------------------------------------
 
+    def _refused(self, app: CompletionHTTPServer, path: str) -> bool:
+        """Answer 401 (and True) when the server has an API key this request lacks; the probes
+        (``/health``, ``/ping``, ``/version``, ``/metrics``) stay open, as in vLLM."""
+        if path in _OPEN_ROUTES or app.authorized(self.headers.get("Authorization")):
+            return False
+        self.close_connection = True
+        self._send_error(401, "a valid API key is required: send 'Authorization: Bearer KEY'")
+        return True
+
     def do_GET(self) -> None:
         app = self.server.app
         path = self.path.split("?", 1)[0].rstrip("/")
-        if path == "/health":
+        if self._refused(app, path):
+            return
+        if path in ("/ping", "/version"):
+            self._send_json(200, {"version": _version()} if path == "/version" else {})
+        elif path == "/health":
             healthy = app.health is None or app.health()
             if healthy and not app.closing:
                 self._send_json(200, {"status": "ok"})
@@ -394,13 +460,14 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         app = self.server.app
         path = self.path.split("?", 1)[0].rstrip("/")
+        if self._refused(app, path):
+            return
+        if path == "/ping":
+            self._drain()
+            self._send_json(200, {})
+            return
         if path not in _POST_ROUTES and path not in _TOKEN_ROUTES:
-            # Drain a sane body so the connection stays usable; otherwise close it after refusing.
-            length = self.headers.get("Content-Length") or "0"
-            if length.isdigit() and int(length) <= MAX_BODY_BYTES:
-                self.rfile.read(int(length))
-            else:
-                self.close_connection = True
+            self._drain()
             status = 405 if path in ("/health", "/v1/models", "/metrics") else 404
             self._send_error(status, f"no POST route {path or '/'}; this server answers {ROUTES}")
             return
@@ -410,6 +477,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send_json(200, app.token_payload(path, body))
                 return
             req = parse_request(body, _POST_ROUTES[path], app.settings)
+            scored = app.scores_for(req)
         except BadRequestError as exc:
             self.close_connection = exc.status in (408, 411, 413)
             self._send_error(exc.status, str(exc), exc.param)
@@ -417,21 +485,22 @@ class _Handler(BaseHTTPRequestHandler):
         if app.closing:
             self._send_error(503, "the server is shutting down")
             return
-        self._complete(app, req)
+        self._complete(app, req, scored)
 
     # ---- completions ---------------------------------------------------------------------
 
-    def _complete(self, app: CompletionHTTPServer, req: CompletionRequest) -> None:
-        """Call the engine (once per choice); answer 400/500 if it fails before its first token,
-        else stream or collect; account the request in ``/metrics``."""
+    def _complete(
+        self, app: CompletionHTTPServer, req: CompletionRequest, scored: list[PromptScores] | None
+    ) -> None:
+        """Call the engine (once per choice of each prompt); answer 400/500 if it fails before
+        its first token, else stream or collect; account the request in ``/metrics``."""
         started = time.monotonic()
         build = self._builder(app, req)
+        build.scored = scored
         opened: list[Iterator[TokenEvent]] = []
         try:
-            for i in range(req.n):
-                events = app.post_completion(
-                    req.prompt_token_ids, req.choice_params(i), req.cache_salt
-                )
+            for i in range(req.num_choices):
+                events = app.post_completion(req.prompt_of(i), req.choice_params(i), req.cache_salt)
                 opened.append(iter(events))
             streams = ChoiceStreams(opened)
             pairs = iter(streams)
@@ -458,7 +527,7 @@ class _Handler(BaseHTTPRequestHandler):
             )
         finally:
             streams.close()
-            self._tokens = (len(req.prompt_token_ids), build.count)
+            self._tokens = (sum(len(p) for p in req.prompts), build.count)
             app.metrics.finished(finish, *self._tokens, time.monotonic() - started)
 
     def _builder(self, app: CompletionHTTPServer, req: CompletionRequest) -> CompletionBuilder:
@@ -545,6 +614,14 @@ class _Handler(BaseHTTPRequestHandler):
             return "error"
         self._send_json(200, build.body())
         return build.finish or "stop"
+
+
+def _version() -> str:
+    """The installed kvdrop's version (vLLM's ``/version`` shape)."""
+    try:
+        return importlib.metadata.version("kvdrop")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _close_all(streams: list[Iterator[TokenEvent]]) -> None:
