@@ -32,7 +32,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kvdrop_engine.completions import (
@@ -58,6 +57,13 @@ from kvdrop_engine.responses import (
 from kvdrop_engine.sampling import PromptScores
 from kvdrop_engine.tokenizer import TextTokenizer
 from kvdrop_sdk.events import PostCompletion, TokenEvent
+from kvdrop_sdk.http_limits import (
+    HTTPLimitError,
+    HTTPLimits,
+    LimitedHandler,
+    LimitedHTTPServer,
+    log_field,
+)
 
 __all__ = ["MAX_BODY_BYTES", "ROUTES", "CompletionHTTPServer", "ScorePrompt"]
 
@@ -67,8 +73,9 @@ ScorePrompt = Callable[[list[int], int, str], PromptScores]
 
 logger = logging.getLogger(__name__)
 
-#: Largest request body accepted (a 100K-token prompt as JSON ids is about 0.7 MB).
-MAX_BODY_BYTES = 32 * 1024 * 1024
+#: Largest request body accepted by default (a 100K-token prompt as JSON ids is about 0.7 MB;
+#: ``limits=HTTPLimits(max_body_bytes=...)``, ``--max-request-bytes``, changes it).
+MAX_BODY_BYTES = HTTPLimits().max_body_bytes
 #: Seconds between checks that a non-streaming request's client is still connected.
 _GONE_CHECK_S = 0.02
 _DISCONNECTS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
@@ -86,11 +93,9 @@ ROUTES = (
 )
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
-    # Many clients connect at once (a batch of 30 streams); the stdlib's backlog of 5 drops some.
-    request_queue_size = 256
+class _Server(LimitedHTTPServer):
+    """The shared limits' server (connections bounded) with a link to its app."""
+
     app: CompletionHTTPServer
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -139,6 +144,7 @@ class CompletionHTTPServer:
         stats: Callable[[], dict[str, Any]] | None = None,
         gauges: EngineGauges | None = None,
         read_timeout: float = 30.0,
+        limits: HTTPLimits | None = None,
         max_prompt_chars: int | None = None,
         score_prompt: ScorePrompt | None = None,
         api_key: str | None = None,
@@ -147,9 +153,10 @@ class CompletionHTTPServer:
             raise ValueError("model_name must be a non-empty string")
         if detokenize and tokenizer is None:
             raise ValueError("detokenize=True needs a tokenizer")
-        if not read_timeout > 0:
-            raise ValueError(f"read_timeout must be > 0 seconds, got {read_timeout!r}")
-        self.read_timeout = float(read_timeout)
+        if limits is None:
+            limits = HTTPLimits(request_timeout_s=read_timeout, idle_timeout_s=read_timeout)
+        self.limits = limits
+        self.read_timeout = limits.request_timeout_s
         self.max_prompt_chars = (
             max_prompt_chars_for(max_model_len) if max_prompt_chars is None else max_prompt_chars
         )
@@ -179,7 +186,7 @@ class CompletionHTTPServer:
         self.created = int(time.time())
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
-        self._httpd = _Server((host, port), _Handler)
+        self._httpd = _Server((host, port), _Handler, limits)
         self._httpd.app = self
 
     @property
@@ -291,17 +298,18 @@ class CompletionHTTPServer:
         return [self.score_prompt(p, top, req.cache_salt) for p in req.prompts]
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(LimitedHandler):
+    """One connection: the shared limits (body size before reading, JSON cost before parsing,
+    a deadline for the whole request, escaped log fields) and the OpenAI routes."""
+
     server: _Server
     protocol_version = "HTTP/1.1"
     server_version = "kvdrop-engine"
 
     # ---- plumbing ------------------------------------------------------------------------
 
-    def setup(self) -> None:
-        # Reads and writes time out: an idle or half-sent request does not hold its thread.
-        self.timeout = self.server.app.read_timeout
-        super().setup()
+    def limit_error_body(self, status: int, message: str) -> dict[str, Any]:
+        return error_body(message, status)
 
     def handle_one_request(self) -> None:
         # A client closing its keep-alive connection between requests (what a pooled HTTP client
@@ -331,18 +339,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _log_request(self) -> None:
         """The request's one log line: client, method, path, status, tokens, seconds."""
+        cap = self.server.limits.max_log_chars
         logger.info(
             '%s "%s %s" %s prompt_tokens=%d completion_tokens=%d %.3f s',
             self.address_string(),
-            self.command or "-",
-            self.path.split("?", 1)[0],
+            log_field(self.command or "-", cap),
+            log_field(self.path.split("?", 1)[0], cap),
             self._status or "-",
             *self._tokens,
             time.monotonic() - self._started,
         )
-
-    def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("%s %s", self.address_string(), format % args)
 
     def _send_json(self, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode()
@@ -364,45 +370,18 @@ class _Handler(BaseHTTPRequestHandler):
         self._write_chunk(f"data: {text}\n\n".encode())
 
     def _read_json(self) -> Any:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            raise BadRequestError(
-                "chunked request bodies are not supported; send Content-Length", status=411
-            )
-        length_header = self.headers.get("Content-Length")
-        if length_header is None:
-            raise BadRequestError(
-                "a JSON body with a Content-Length header is required", status=411
-            )
+        """The body as JSON within the shared limits (size, cost, nesting, deadline)."""
         try:
-            length = int(length_header)
-        except ValueError:
-            raise BadRequestError(f"bad Content-Length {length_header!r}") from None
-        if length < 0 or length > MAX_BODY_BYTES:
-            raise BadRequestError(
-                f"request body of {length} bytes is over the limit of {MAX_BODY_BYTES}", status=413
-            )
-        try:
-            raw = self.rfile.read(length)
-        except TimeoutError:
-            raise BadRequestError(
-                f"the request body did not arrive within {self.timeout:g} s", status=408
-            ) from None
-        if len(raw) < length:
-            raise ConnectionResetError("the client closed the connection before its body")
-        try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BadRequestError(f"the request body is not valid JSON: {exc}") from None
-        except RecursionError:
-            raise BadRequestError("the request body is JSON nested too deeply") from None
+            return self.read_json()
+        except HTTPLimitError as exc:
+            raise BadRequestError(str(exc), status=exc.status) from None
 
     def _drain(self) -> None:
-        """Read a sane unwanted body so the connection stays usable; else close it after
-        answering."""
-        length = self.headers.get("Content-Length") or "0"
-        if length.isdigit() and int(length) <= MAX_BODY_BYTES:
-            self.rfile.read(int(length))
-        else:
+        """Read an unwanted body (its size was checked with the headers) so the connection
+        stays usable; close it if the body does not come."""
+        try:
+            self.read_body()
+        except (HTTPLimitError, ConnectionError):
             self.close_connection = True
 
     def _client_gone(self) -> bool:
@@ -479,7 +458,7 @@ class _Handler(BaseHTTPRequestHandler):
             req = parse_request(body, _POST_ROUTES[path], app.settings)
             scored = app.scores_for(req)
         except BadRequestError as exc:
-            self.close_connection = exc.status in (408, 411, 413)
+            self.close_connection = exc.status in (408, 411, 413) or self.close_connection
             self._send_error(exc.status, str(exc), exc.param)
             return
         if app.closing:
