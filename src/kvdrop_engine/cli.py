@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvdrop_engine.errors import EngineSetupError
+from kvdrop_sdk.http_limits import HTTPLimits
 from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
 
 __all__ = ["add_arguments", "run"]
@@ -51,6 +53,39 @@ def _http_arguments(parser: argparse.ArgumentParser) -> None:
         "--return-tokens-as-token-ids",
         action="store_true",
         help='logprobs tokens read "token_id:N" (as vLLM\'s flag; needed by make_post_completion)',
+    )
+    net.add_argument(
+        "--api-key",
+        default=os.environ.get("KVDROP_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /version "
+        "and /metrics (401 without it; default: $KVDROP_API_KEY, else none)",
+    )
+    net.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + max_tokens a request may ask for (default: the model's context)",
+    )
+    limits = HTTPLimits()
+    net.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=limits.max_body_bytes,
+        help="largest request body; larger is 413 before it is read "
+        f"(default {limits.max_body_bytes})",
+    )
+    net.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=limits.request_timeout_s,
+        help="seconds a request's line, headers and body have to arrive, counted from its first "
+        f"byte (default {limits.request_timeout_s:g})",
+    )
+    net.add_argument(
+        "--max-connections",
+        type=int,
+        default=limits.max_connections,
+        help=f"connections served at once; more get 503 (default {limits.max_connections})",
     )
 
 
@@ -180,6 +215,15 @@ def _check_args(args: argparse.Namespace) -> None:
     _positive("--query-window", args.query_window)
     if args.query_stride < 0:
         raise EngineSetupError(f"--query-stride must be >= 0, got {args.query_stride}")
+    if args.max_model_len is not None:
+        _positive("--max-model-len", args.max_model_len)
+    if args.api_key is not None and not args.api_key.strip():
+        raise EngineSetupError("--api-key must not be empty")
+    try:
+        _limits_of(args)
+    except ValueError as exc:
+        flag = str(exc).split(" ", 1)[0].removeprefix("HTTPLimits.").replace("_", "-")
+        raise EngineSetupError(f"--{flag}: {exc}") from None
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise EngineSetupError("--served-model-name must not be empty")
     if args.model is not None and not Path(args.model).exists():
@@ -198,6 +242,42 @@ def query_capture_of(args: argparse.Namespace) -> QueryCapture:
     demands the server's transfer_query."""
     mode = QueryNeed.FULL if args.query_capture == "full" else QueryNeed.NONE
     return QueryCapture(mode, args.query_window, args.query_stride)
+
+
+def _limits_of(args: argparse.Namespace) -> HTTPLimits:
+    """The HTTP server's limits from the flags (the shared module checks them)."""
+    return HTTPLimits(
+        max_body_bytes=args.max_request_bytes,
+        request_timeout_s=args.request_timeout_s,
+        max_connections=args.max_connections,
+    )
+
+
+def _max_model_len(args: argparse.Namespace, cfg: Any) -> int:
+    """``--max-model-len``, at most the model's context (its position embeddings)."""
+    if args.max_model_len is None:
+        return int(cfg.max_position_embeddings)
+    if args.max_model_len > cfg.max_position_embeddings:
+        raise EngineSetupError(
+            f"--max-model-len {args.max_model_len} is over the model's context of "
+            f"{cfg.max_position_embeddings} tokens"
+        )
+    return int(args.max_model_len)
+
+
+def prompt_scorer(model: Any) -> Any:
+    """``(prompt, top, salt) -> PromptScores`` for ``prompt_logprobs`` and ``echo``: the
+    model's teacher-forced log-probabilities of each prompt token after the first."""
+    from kvdrop_engine.logprobs import continuation_logprobs
+    from kvdrop_engine.sampling import prompt_scores
+
+    def score(prompt: list[int], top: int, cache_salt: str) -> Any:
+        if len(prompt) < 2:
+            return []
+        logp = continuation_logprobs(model, [(prompt[:1], prompt[1:])])[0]
+        return prompt_scores(logp, prompt[1:], top)
+
+    return score
 
 
 def _fail(message: str) -> int:
@@ -235,6 +315,7 @@ def _build(args: argparse.Namespace, connect: ConnectorFactory) -> tuple[Any, An
 
     try:
         model, tokenizer, name = _load(args)
+        max_model_len = _max_model_len(args, model.config)
     except (EngineSetupError, OSError, ValueError, ImportError, RuntimeError) as exc:
         # Missing files, bad checkpoints, missing extras, an unavailable --device.
         raise EngineSetupError(str(exc)) from None
@@ -266,9 +347,12 @@ def _build(args: argparse.Namespace, connect: ConnectorFactory) -> tuple[Any, An
             port=args.port,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             vocab_size=cfg.vocab_size,
-            max_model_len=cfg.max_position_embeddings,
+            max_model_len=max_model_len,
             stats=lambda: engine.stats().to_dict(),
             gauges=lambda: engine_load(engine),
+            limits=_limits_of(args),
+            score_prompt=prompt_scorer(model),
+            api_key=args.api_key,
         )
     except OSError as exc:
         if connector is not None:

@@ -1,23 +1,19 @@
 """An OpenAI-compatible HTTP server around any ``PostCompletion`` callable: the transport only.
 
-Serves ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or server-sent events, one
-event per token; ``n`` choices), vLLM's ``POST /tokenize`` and ``POST /detokenize``,
-``GET /metrics`` (Prometheus text, :mod:`kvdrop_engine.metrics`), ``GET /v1/models``,
-``GET /health`` and optionally ``GET /stats`` with the stdlib's threading HTTP server: every
-request runs in its own thread, so concurrent requests reach the engine together and it can batch
-them. What a request may contain is :mod:`kvdrop_engine.completions`, what a response holds
-:mod:`kvdrop_engine.responses`; with ``return_tokens_as_token_ids`` (as vLLM's
-``--return-tokens-as-token-ids``) the logprobs tokens carry the token ids, which is how
-``kvdrop_sdk.adapters.openai.make_post_completion`` learns them. Every request is logged in one
-line (method, path, status, prompt and completion tokens, seconds); a client that goes away is
-one line too (its request is cancelled), never a traceback.
+Serves ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or server-sent events;
+``n`` choices, batched prompts), vLLM's ``POST /tokenize`` and ``/detokenize``, ``GET /metrics``
+(:mod:`kvdrop_engine.metrics`), ``GET /v1/models``, ``/health``, ``/ping``, ``/version`` and
+optionally ``/stats``, one thread per request so the engine batches concurrent ones. What a
+request may hold is :mod:`kvdrop_engine.completions`, a response :mod:`kvdrop_engine.responses`;
+with ``return_tokens_as_token_ids`` logprobs tokens carry ids (what
+``kvdrop_sdk.adapters.openai.make_post_completion`` reads). With ``api_key`` every route but
+the probes needs ``Authorization: Bearer KEY``.
 
-Hostile or unlucky clients cost little: bodies over ``MAX_BODY_BYTES``, text prompts over the
-character limit (refused before tokenizing) and deeply nested JSON get a 4xx answer; connections
-idle or half-sent for ``read_timeout`` seconds are closed; a client that disconnects cancels its
-request (streaming or not) and is logged in one line, without a traceback.
-
-Only standard-library networking; nothing here imports torch.
+What one client may cost is :mod:`kvdrop_sdk.http_limits`' rule, shared with the cache server:
+the body size checked before reading (413), the JSON's containers, values and depth before
+parsing, one deadline for the whole request, a bound on open connections, log fields escaped and
+capped. Every request is one log line; a client that goes away cancels its request and is one
+line too, never a traceback. Only standard-library networking; nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -123,9 +119,10 @@ class CompletionHTTPServer:
     as JSON at ``GET /stats`` (the reference engine's counters); ``gauges`` adds the engine's
     queues, KV blocks and cache counters to ``GET /metrics``. With a tokenizer the server
     detokenizes itself unless ``detokenize=False`` (``skip_special_tokens`` and ``stop`` strings
-    need it). ``read_timeout`` closes
-    connections idle or half-sent for that long; ``max_prompt_chars`` bounds text prompts before
-    tokenizing (default: ``max_model_len`` x 16, or 2 Mi characters without ``max_model_len``).
+    need it). ``limits`` are the shared HTTP limits (default: ``read_timeout`` as the request
+    deadline and idle timeout); ``max_prompt_chars`` bounds text prompts before tokenizing
+    (default ``max_model_len`` x 16); ``score_prompt`` serves ``prompt_logprobs`` and ``echo``
+    with logprobs; ``api_key`` requires ``Authorization: Bearer KEY``.
     """
 
     def __init__(
@@ -413,7 +410,9 @@ class _Handler(LimitedHandler):
         if self._refused(app, path):
             return
         if path in ("/ping", "/version"):
-            self._send_json(200, {"version": _version()} if path == "/version" else {})
+            self._send_json(
+                200, {"version": importlib.metadata.version("kvdrop")} if path == "/version" else {}
+            )
         elif path == "/health":
             healthy = app.health is None or app.health()
             if healthy and not app.closing:
@@ -593,14 +592,6 @@ class _Handler(LimitedHandler):
             return "error"
         self._send_json(200, build.body())
         return build.finish or "stop"
-
-
-def _version() -> str:
-    """The installed kvdrop's version (vLLM's ``/version`` shape)."""
-    try:
-        return importlib.metadata.version("kvdrop")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _close_all(streams: list[Iterator[TokenEvent]]) -> None:
