@@ -353,7 +353,8 @@ class Engine:
             out = self.runner.forward(plan)
             hist = [(r.params, r.prompt, r.output) for r in plan.sampled]
             logits = edit_logits(out.logits, hist, self.eos_token_ids)
-            picked = pick_tokens(logits, out.greedy if logits is out.logits else None)
+            edited = logits is not out.logits
+            picked = pick_tokens(logits, None if edited else out.greedy, raw=out.logits)
         except Exception as exc:
             if len(batch) == 1:
                 self._fail(batch[0], exc)

@@ -483,6 +483,7 @@ class _Handler(LimitedHandler):
             streams = ChoiceStreams(opened)
             pairs = iter(streams)
             first = next(pairs, None)
+            first_token_s = time.monotonic() - started
         except (ValueError, TypeError) as exc:
             _close_all(opened)
             self._send_error(400, f"the engine rejected the request: {exc}")
@@ -506,7 +507,8 @@ class _Handler(LimitedHandler):
         finally:
             streams.close()
             self._tokens = (sum(len(p) for p in req.prompts), build.count)
-            app.metrics.finished(finish, *self._tokens, time.monotonic() - started)
+            elapsed = time.monotonic() - started
+            app.metrics.finished(finish, *self._tokens, elapsed, first_token_s)
 
     def _builder(self, app: CompletionHTTPServer, req: CompletionRequest) -> CompletionBuilder:
         kind = ChatCompletionBuilder if req.chat else CompletionBuilder

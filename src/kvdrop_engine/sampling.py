@@ -324,10 +324,13 @@ def sample(
     ]
 
 
-def pick_tokens(logits: Tensor, greedy: Tensor | None = None) -> list[int | None]:
+def pick_tokens(
+    logits: Tensor, greedy: Tensor | None = None, *, raw: Tensor | None = None
+) -> list[int | None]:
     """Each row's argmax (``greedy [R]`` when the caller has it on the device), or None for a
-    row whose logits are not all finite; one host sync for both."""
-    finite = torch.isfinite(logits).all(dim=-1)
+    row whose model logits (``raw``, before bans set some to -inf; default ``logits``) are not
+    all finite; one host sync for both."""
+    finite = torch.isfinite(logits if raw is None else raw).all(dim=-1)
     picked = logits.argmax(dim=-1) if greedy is None else greedy
     rows = torch.where(finite, picked, torch.full_like(picked, -1)).tolist()
     return [None if t < 0 else int(t) for t in rows]
