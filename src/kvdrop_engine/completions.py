@@ -148,6 +148,8 @@ class CompletionRequest:
     echo: bool = False
     prompt_logprobs: int | None = None
     min_tokens: int = 0
+    #: Each prompt's text as sent (None for token ids): what ``echo`` repeats.
+    prompt_texts: tuple[str | None, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -501,6 +503,11 @@ def _echo_options(body: dict[str, Any], route: Route) -> tuple[bool, int | None]
     return echo, top
 
 
+def _texts_of(prompt: Any) -> tuple[str | None, ...]:
+    batch = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+    return tuple(p if isinstance(p, str) else None for p in (prompt if batch else [prompt]))
+
+
 def parse_request(body: Any, route: Route, settings: Settings) -> CompletionRequest:
     """Validate a decoded JSON body of ``route``; raise ``BadRequestError``.
 
@@ -546,6 +553,7 @@ def parse_request(body: Any, route: Route, settings: Settings) -> CompletionRequ
         skip_special_tokens=skip_special is not False,
         include_stop_str=bool(include_stop),
         prompts=tuple(prompts),
+        prompt_texts=_texts_of(body.get("prompt")),
         echo=echo,
         prompt_logprobs=prompt_logprobs,
         min_tokens=params.min_tokens,

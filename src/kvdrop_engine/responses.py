@@ -200,7 +200,9 @@ class CompletionBuilder:
         ]
         if req.echo and self.tokenizer is not None:
             for choice in self.choices:
-                choice.prefix = self.tokenizer.decode(req.prompt_of(choice.index))
+                text = req.prompt_texts[choice.index // req.n] if req.prompt_texts else None
+                prompt = req.prompt_of(choice.index)
+                choice.prefix = self.tokenizer.decode(prompt) if text is None else text
 
     def _token_name(self, token_id: int) -> str:
         if self.request.tokens_as_token_ids:
