@@ -174,7 +174,8 @@ def _check_args(args: argparse.Namespace) -> None:
     try:
         _limits_of(args)
     except ValueError as exc:
-        flag = str(exc).split(" ", 1)[0].removeprefix("HTTPLimits.").replace("_", "-")
+        field = str(exc).split(" ", 1)[0].removeprefix("HTTPLimits.")
+        flag = {"max_body_bytes": "max_request_bytes"}.get(field, field).replace("_", "-")
         raise EngineSetupError(f"--{flag}: {exc}") from None
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise EngineSetupError("--served-model-name must not be empty")

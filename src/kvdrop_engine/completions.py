@@ -1,14 +1,11 @@
 """The OpenAI ``/v1/completions`` and ``/v1/chat/completions`` requests (and vLLM's
 ``/tokenize`` and ``/detokenize``), validated apart from any transport.
 
-One parser serves both routes (:func:`parse_request`): a :class:`Route` says what differs (the
-fields allowed, how the prompt is made, the ``max_tokens`` default, the logprobs fields), and
-everything else (sampling, stops, ``n``, salt, streaming) is read once. Every part of a request
-is bounded before the expensive step that would read it: text prompts by characters before
-tokenizing, a chat's messages, roles and content parts by count and size before templating,
-``stop`` and ``stop_token_ids`` by count. Bad input raises :class:`BadRequestError` with the HTTP
-status and the offending field. The responses are :mod:`kvdrop_engine.responses`;
-:mod:`kvdrop_engine.http` serves both.
+One parser serves both routes (:func:`parse_request`); a :class:`Route` says what differs. The
+sampling values go to ``SamplingParams``, their one validator, under the engine's names. Every
+part of a request is bounded before the step that would read it: text by characters before
+tokenizing, a chat's messages and parts before templating, ``stop`` and ``stop_token_ids`` by
+count. Bad input raises :class:`BadRequestError` with the HTTP status and the field.
 """
 
 from __future__ import annotations
@@ -80,7 +77,7 @@ DEFAULT_CHAT_MAX_TOKENS = 512
 MAX_CHAT_MESSAGES = 4096
 #: Longest ``role`` and ``name`` of a message (roles are words: system, user, assistant, tool).
 MAX_ROLE_CHARS = 64
-#: Most choices per request (``n``), and most prompts of a batched completions request.
+#: Most choices per request (``n``), and most choices of a batched request (prompts x ``n``).
 MAX_N = 16
 MAX_PROMPTS = 64
 
@@ -243,9 +240,11 @@ def _completion_prompts(body: dict[str, Any], settings: Settings) -> list[list[i
     prompt = body["prompt"]
     if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
         return [_one_prompt(prompt, settings)]
-    if len(prompt) > MAX_PROMPTS:
+    n = body.get("n") or 1  # checked already; choices in all are bounded (a thread each)
+    if len(prompt) * n > MAX_PROMPTS:
         raise BadRequestError(
-            f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request",
+            f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS // n} per request "
+            f"with n={n}",
             param="prompt",
         )
     chars = sum(len(p) for p in prompt if isinstance(p, str))
