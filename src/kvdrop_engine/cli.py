@@ -212,17 +212,18 @@ def _max_model_len(args: argparse.Namespace, cfg: Any) -> int:
     return int(args.max_model_len)
 
 
-def prompt_scorer(model: Any) -> Any:
+def prompt_scorer(engine: Any) -> Any:
     """``(prompt, top, salt) -> PromptScores`` for ``prompt_logprobs`` and ``echo``: the
-    model's teacher-forced log-probabilities of each prompt token after the first."""
+    model's teacher-forced log-probabilities of each prompt token after the first, as a scoring
+    request through the engine (batched with the others, its cached prefix loaded)."""
     from kvdrop_engine.logprobs import continuation_logprobs
     from kvdrop_engine.sampling import prompt_scores
 
     def score(prompt: list[int], top: int, cache_salt: str) -> Any:
         if len(prompt) < 2:
             return []
-        logp = continuation_logprobs(model, [(prompt[:1], prompt[1:])])[0]
-        return prompt_scores(logp, prompt[1:], top)
+        logp = continuation_logprobs(engine, [(prompt[:1], prompt[1:])], cache_salt=cache_salt)
+        return prompt_scores(logp[0], prompt[1:], top)
 
     return score
 
@@ -316,7 +317,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
             stats=lambda: engine.stats().to_dict(),
             gauges=lambda: engine_load(engine),
             limits=_limits_of(args),
-            score_prompt=prompt_scorer(model),
+            score_prompt=prompt_scorer(engine),
             api_key=args.api_key,
         )
     except OSError as exc:

@@ -19,9 +19,8 @@ import torch
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.http import CompletionHTTPServer
 from kvdrop_engine.loading import preset_config
-from kvdrop_engine.logprobs import continuation_logprobs
 from kvdrop_engine.metrics import engine_load
-from kvdrop_engine.model import Transformer
+from kvdrop_engine.model import DenseAttention, Transformer
 from kvdrop_engine.tokenizer import JSONTokenizer
 
 openai = pytest.importorskip("openai")
@@ -61,23 +60,26 @@ def model() -> Transformer:
 
 
 @pytest.fixture(scope="module")
-def server(model: Transformer, tokenizer: JSONTokenizer) -> Iterator[CompletionHTTPServer]:
+def server(engine: Engine, tokenizer: JSONTokenizer) -> Iterator[CompletionHTTPServer]:
     from kvdrop_engine.cli import prompt_scorer
 
-    with (
-        Engine(model, tokenizer=tokenizer) as engine,
-        CompletionHTTPServer(
-            engine.post_completion,
-            model_name="tiny",
-            tokenizer=tokenizer,
-            vocab_size=258,
-            max_model_len=1024,
-            gauges=lambda: engine_load(engine),
-            score_prompt=prompt_scorer(model),
-            port=0,
-        ) as srv,
-    ):
+    with CompletionHTTPServer(
+        engine.post_completion,
+        model_name="tiny",
+        tokenizer=tokenizer,
+        vocab_size=258,
+        max_model_len=1024,
+        gauges=lambda: engine_load(engine),
+        score_prompt=prompt_scorer(engine),
+        port=0,
+    ) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def engine(model: Transformer, tokenizer: JSONTokenizer) -> Iterator[Engine]:
+    with Engine(model, tokenizer=tokenizer) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +163,11 @@ def test_prompt_logprobs_are_the_models_teacher_forced_values(
     reply = _complete(client, max_tokens=1, extra_body={"prompt_logprobs": 2})
     scored = reply.choices[0].model_extra["prompt_logprobs"]
     assert len(scored) == len(ids) and scored[0] is None
-    want = continuation_logprobs(model, [(ids[:1], ids[1:])])[0]
+    with torch.inference_mode():  # the model's own dense forward over the whole prompt
+        attn = DenseAttention(model.config, capacity=len(ids))
+        rows = torch.arange(len(ids) - 1)
+        logits = model(torch.tensor(ids), torch.arange(len(ids)), attn, logits_rows=rows)
+    want = torch.log_softmax(logits.float(), dim=-1)
     for i, entry in enumerate(scored[1:]):
         mine = entry[str(ids[i + 1])]
         assert mine["logprob"] == pytest.approx(float(want[i, ids[i + 1]]), abs=1e-4)
