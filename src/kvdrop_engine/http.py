@@ -79,7 +79,7 @@ _DISCONNECTS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, T
 #: The generating POST routes and what each takes.
 _POST_ROUTES: dict[str, Route] = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
 _TOKEN_ROUTES = ("/tokenize", "/detokenize")
-#: Routes answered without the API key (probes and scrapes, as vLLM leaves them open).
+#: Routes answered without the API key (probes and scrapes, open in vLLM too).
 _OPEN_ROUTES = frozenset({"/health", "/ping", "/version", "/metrics"})
 
 #: What the server answers, for its start-up line and its 404s.
@@ -507,8 +507,7 @@ class _Handler(LimitedHandler):
         finally:
             streams.close()
             self._tokens = (sum(len(p) for p in req.prompts), build.count)
-            elapsed = time.monotonic() - started
-            app.metrics.finished(finish, *self._tokens, elapsed, first_token_s)
+            app.metrics.finished(finish, *self._tokens, time.monotonic() - started, first_token_s)
 
     def _builder(self, app: CompletionHTTPServer, req: CompletionRequest) -> CompletionBuilder:
         kind = ChatCompletionBuilder if req.chat else CompletionBuilder
