@@ -284,14 +284,24 @@ class CompletionBuilder:
         self, piece: Piece | None = None, *, finish: str | None = None, index: int = 0
     ) -> dict[str, Any]:
         """One streamed chunk of choice ``index``: ``piece``'s text and logprobs, or an empty
-        one ending with ``finish`` (an engine that stopped without a reason)."""
-        choice = {
+        one ending with ``finish`` (an engine that stopped without a reason). A choice's first
+        chunk carries what concerns its prompt, as vLLM's: ``prompt_logprobs``, and with
+        ``echo`` the prompt's logprobs before the token's."""
+        logprobs = None if piece is None else self._logprobs([piece])
+        pieces = self.choices[index].pieces
+        first = piece is not None and bool(pieces) and pieces[0] is piece
+        choice: dict[str, Any] = {
             "index": index,
             "text": "" if piece is None else piece.text,
-            "logprobs": None if piece is None else self._logprobs([piece]),
+            "logprobs": logprobs,
             "finish_reason": finish if piece is None else piece.finish,
             "stop_reason": None if piece is None else piece.stop_reason,
         }
+        if first and logprobs is not None and self.request.echo and self.scored is not None:
+            echoed = self._echo_logprobs(self.choices[index])
+            choice["logprobs"] = {k: echoed[k] + logprobs[k] for k in logprobs}
+        if first and self.request.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(index)
         return {**self._head("text_completion"), "choices": [choice]}
 
     def usage(self) -> dict[str, int]:

@@ -173,6 +173,9 @@ def test_prompt_logprobs_are_the_models_teacher_forced_values(
         assert mine["logprob"] == pytest.approx(float(want[i, ids[i + 1]]), abs=1e-4)
         assert mine["rank"] == int((want[i] > want[i, ids[i + 1]]).sum()) + 1
         assert 1 <= len(entry) <= 3
+    stream = _complete(client, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 2})
+    chunks = [c.choices[0].model_extra.get("prompt_logprobs") for c in stream if c.choices]
+    assert chunks[0] == scored and chunks[1:] == [None] * (len(chunks) - 1)
     echo = _complete(client, echo=True, logprobs=1, max_tokens=2)
     lp = echo.choices[0].logprobs
     assert lp.token_logprobs[0] is None and len(lp.tokens) == len(ids) + 2
