@@ -26,6 +26,7 @@ from kvdrop_engine.connectors.base import KVConnector
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
+from kvdrop_engine.penalties import edit_logits
 from kvdrop_engine.reconstruct import ReconstructionPrompt
 from kvdrop_engine.runner import Forward, ModelRunner
 from kvdrop_engine.sampling import (
@@ -377,7 +378,10 @@ class Engine:
             return
         try:
             out = self.runner.forward(plan)
-            picked = pick_tokens(out.logits, out.greedy)
+            hist = [(r.params, r.prompt, r.output) for r in plan.sampled]
+            edited = edit_logits(out.logits, hist, self.eos_token_ids)
+            same = edited is out.logits  # nothing to edit: the graph's argmax stands
+            picked = pick_tokens(edited, out.greedy if same else None, raw=out.logits)
         except Exception as exc:
             if len(batch) == 1:
                 self._fail(batch[0], exc)
@@ -388,7 +392,7 @@ class Engine:
             return
         self._advance(plan, out)
         self._count(plan, out, started)
-        sampled = self._sample(plan, out, picked)
+        sampled = self._sample(plan, out, picked, edited)
         with self._cv:
             ended = self._sched.postprocess(plan, {rid: tok for rid, (tok, _) in sampled.items()})
         for req, tok, reason in ended:
@@ -423,9 +427,11 @@ class Engine:
                 st.decode_kv_tokens += sum(s.start + 1 for s in plan.seqs)
 
     def _sample(
-        self, plan: StepPlan, out: Forward, picked: list[int | None]
+        self, plan: StepPlan, out: Forward, picked: list[int | None], edited: Tensor
     ) -> dict[int, tuple[int, TokenLogprobs | None]]:
-        """Each sampled request's token (and log-probs); a failure fails only its request."""
+        """Each sampled request's token, drawn from the ``edited`` logits (bias, bans,
+        penalties), and its log-probs from the model's raw ones (vLLM's default); a failure
+        fails only its request."""
         sampled: dict[int, tuple[int, TokenLogprobs | None]] = {}
         for i, req in enumerate(plan.sampled):
             if req.cancelled or req.rid not in self._sched.running:
@@ -437,7 +443,8 @@ class Engine:
                         "the model's logits for this request are not finite (NaN or inf: "
                         "corrupt cached KV or weights?); the request is stopped, others go on"
                     )
-                tok = argmax if req.params.greedy else sample_row(row, req.params, req.generator)
+                gen = req.generator
+                tok = argmax if req.params.greedy else sample_row(edited[i], req.params, gen)
                 logprobs = None
                 if req.params.logprobs is not None:
                     logprobs = token_logprobs(row[None], [tok], [req.params.logprobs])[0]

@@ -32,6 +32,8 @@ import torch
 from torch import Tensor
 
 from kvdrop_engine.model import Transformer, causal_attention
+from kvdrop_engine.tokenizer import ChatTurns
+from kvdrop_sdk.validate import check_fields
 
 __all__ = [
     "REPEAT_CONTINUE",
@@ -74,12 +76,7 @@ class ReconstructionPrompt:
                 raise ValueError(f"ReconstructionPrompt.{name} must be a tuple of token ids >= 0")
         if not self.first:
             raise ValueError("ReconstructionPrompt.first must not be empty")
-        for name, low in (("chunk_tokens", 1), ("overlap", 0), ("n_sink", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(
-                    f"ReconstructionPrompt.{name} must be an int >= {low}, got {value!r}"
-                )
+        check_fields(self, ints={"chunk_tokens": 1, "overlap": 0, "n_sink": 0})
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, **options: Any) -> ReconstructionPrompt:
@@ -93,12 +90,9 @@ class ReconstructionPrompt:
                 return tuple(int(t) for t in tokenizer.encode(text))
 
         suffix = encode("\n")
-        render = getattr(tokenizer, "render_chat", None)
-        if callable(render) and getattr(tokenizer, "chat_template", None):
-            marker = "\x00KVDROP\x00"
-            _, sep, after = render([{"role": "user", "content": marker}]).partition(marker)
-            if sep and after:
-                suffix = encode(after)
+        turn = tokenizer.user_turn() if isinstance(tokenizer, ChatTurns) else None
+        if turn is not None and turn[1]:
+            suffix = tuple(turn[1])
         return cls(encode(REPEAT_FIRST), encode(REPEAT_CONTINUE), suffix, **options)
 
     @classmethod

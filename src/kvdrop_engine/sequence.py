@@ -22,7 +22,7 @@ from kvdrop_engine.reconstruct import ReconstructionPass
 from kvdrop_engine.sampling import SamplingParams, make_generator
 from kvdrop_engine.tokenizer import IncrementalDetokenizer
 from kvdrop_sdk.events import TokenEvent
-from kvdrop_sdk.protocol import MAX_SALT_CHARS
+from kvdrop_sdk.protocol import check_salt
 from kvdrop_sdk.validate import token_ids
 
 __all__ = ["LoadState", "Request", "TokenStream", "new_request", "raise_failure"]
@@ -159,11 +159,11 @@ def new_request(
         raise InvalidRequestError(str(exc)) from None
     if not prompt:
         raise InvalidRequestError("prompt_token_ids is empty; expected at least one token")
-    if not isinstance(cache_salt, str) or len(cache_salt) > MAX_SALT_CHARS:
-        got = f"{len(cache_salt)} characters" if isinstance(cache_salt, str) else cache_salt
-        raise InvalidRequestError(
-            f"cache_salt must be a str of at most {MAX_SALT_CHARS} characters, got {got!r}"
-        )
+    try:
+        check_salt(cache_salt)
+        params.check_vocab(vocab_size)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(str(exc)) from None
     return Request(rid, prompt, params, cache_salt, queue.Queue(), make_generator(params), detok)
 
 

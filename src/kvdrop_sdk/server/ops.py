@@ -24,7 +24,7 @@ import zmq
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.hashing import TOKEN_BYTES, chunk_keys, root_hash
 from kvdrop_sdk.layout import CacheLayout, dtype_name
-from kvdrop_sdk.protocol import MAX_SALT_CHARS, ProtocolError
+from kvdrop_sdk.protocol import ProtocolError, check_salt
 from kvdrop_sdk.server.config import ServerConfig
 from kvdrop_sdk.server.pool import Pool, PoolSpaceError
 from kvdrop_sdk.server.store import INTERNAL_OWNER, ChunkStore, StoreError
@@ -63,14 +63,10 @@ def _field(header: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> 
 
 
 def _salt(header: dict[str, Any]) -> str:
-    salt = header.get("salt", "")
-    if not isinstance(salt, str) or len(salt) > MAX_SALT_CHARS:
-        shown = f"{len(salt)} characters" if isinstance(salt, str) else repr(salt)
-        raise ProtocolError(
-            "bad_field",
-            f"field 'salt' must be a str of at most {MAX_SALT_CHARS} characters, got {shown}",
-        )
-    return salt
+    try:
+        return check_salt(header.get("salt", ""), "field 'salt'")
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError("bad_field", str(exc)) from None
 
 
 def _chunk_range(header: dict[str, Any], num_keys: int) -> tuple[int, int]:
