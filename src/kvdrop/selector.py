@@ -226,6 +226,9 @@ class Selection:
 
     Edit-context fields given by name (``Selection(..., positions=p)``, or
     ``dataclasses.replace(selection, head_dim=4)``) replace the inputs' context fields.
+    ``rope`` is the RoPE parameters the cached keys carry and ``positions`` ``[T]`` each cached
+    row's RoPE position (scorers that read pre-RoPE keys or queries undo the rotation with them,
+    e.g. ``leverage``).
     """
 
     selector: Selector
