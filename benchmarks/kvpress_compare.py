@@ -239,7 +239,7 @@ def score_identity(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kvdrop-results", type=Path, help="a kvdrop eval --results file, same grid")
     p.add_argument("--presses", nargs="+", default=list(PRESSES), choices=list(PRESSES))
@@ -264,7 +264,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="compare scores pair by pair on identical tensors instead of answers",
     )
     p.add_argument("--tokens", type=int, default=512, help="--scores: prompt length")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

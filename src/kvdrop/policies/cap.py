@@ -4,17 +4,13 @@ a relevance-weighted capacity matrix (https://arxiv.org/abs/2604.25975; kvpress'
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kvdrop.attention import heads_f32
-from kvdrop.errors import PolicyInputError
 from kvdrop.factories import ScorerFactory
-from kvdrop.inputs import EditInputs
 from kvdrop.params import param
 from kvdrop.policies._common import (
     LAYER_AGG,
@@ -24,12 +20,12 @@ from kvdrop.policies._common import (
     query_head_dim,
     reduce,
 )
-from kvdrop.policy import QueryNeed, Scorer, ScorerPolicy
-from kvdrop.rope import rope_from_layout
+from kvdrop.policies._prerope import prerope
+from kvdrop.policy import QueryNeed, Scorer
 from kvdrop.selector import Selection
 from kvdrop_rope import RopeConfig, apply_rope
 
-__all__ = ["CapPolicy", "CapScorer", "cap", "capacity_scores"]
+__all__ = ["CapScorer", "cap", "capacity_scores"]
 
 
 def capacity_scores(
@@ -59,7 +55,8 @@ class CapScorer(Scorer):
 
     Per layer: the anchor is the mean of the query rows after the ``n_sink`` sinks, each taken
     back to its pre-RoPE form and rotated by the mean RoPE rotation of the next
-    ``n_future_positions`` positions (with no RoPE parameters known, the rows as saved); then
+    ``n_future_positions`` positions (the model's RoPE, ``Selection.rope``; with none known, the
+    rows as saved); then
     :func:`capacity_scores` over the cached tokens after the sinks, averaged over each GQA
     group. Sinks score above every other token (the selector keeps them anyway). Combined over
     KV heads (``head_agg``) and layers (``layer_agg``). The reference reads every prompt
@@ -90,22 +87,27 @@ class CapScorer(Scorer):
     )
     head_agg: str = head_agg_param("mean", "how the KV heads of a layer combine")
     layer_agg: str = param("mean", "how layers combine", choices=LAYER_AGG)
-    rope: RopeConfig | None = field(default=None, repr=False, compare=False)
 
     def check(self, kv: torch.Tensor, query: torch.Tensor | None) -> None:
         assert self.head_dim is not None
         check_query_shapes("cap", kv, query, self.head_dim)
 
-    def anchor(self, rows: torch.Tensor, positions: torch.Tensor, total: int) -> torch.Tensor:
-        """``[Hq, d]`` historical-query anchor of one layer's ``[R, Dq]`` query rows."""
+    def anchor(
+        self,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        total: int,
+        rope: RopeConfig | None,
+    ) -> torch.Tensor:
+        """``[Hq, d]`` historical-query anchor of one layer's ``[R, Dq]`` query rows at
+        ``positions`` (``total``: the prompt's length; ``rope``: None leaves the rows as saved)."""
         assert self.head_dim is not None
-        q = rows.to(torch.float32).view(rows.shape[0], -1, self.head_dim)  # [R, Hq, d]
-        if self.rope is None:
-            return q.mean(dim=0)
-        pre = apply_rope(q, positions.to(q.device), self.rope, inverse=True).mean(dim=0)
-        future = torch.arange(total, total + self.n_future_positions, device=q.device)
+        pre = prerope(rows, positions, rope, self.head_dim).mean(dim=1)  # [Hq, d]
+        if rope is None or rope.head_dim != self.head_dim:
+            return pre
+        future = torch.arange(total, total + self.n_future_positions, device=rows.device)
         spread = pre.expand(self.n_future_positions, *pre.shape)
-        return apply_rope(spread, future, self.rope).mean(dim=0)
+        return apply_rope(spread, future, rope).mean(dim=0)
 
     def head_scores(
         self, kv: torch.Tensor, query: torch.Tensor, selection: Selection
@@ -126,6 +128,7 @@ class CapScorer(Scorer):
                 query[0, layer].index_select(0, rows.to(query.device)),
                 qpos[rows],
                 selection.total_tokens,
+                selection.rope,
             )
             scores = capacity_scores(anchor, keys, values, self.tau, self.epsilon)
             grouped = group_heads(scores, keys.shape[0], "mean")
@@ -141,32 +144,7 @@ class CapScorer(Scorer):
         return reduce(reduce(per_head, 1, self.head_agg), 0, self.layer_agg)
 
 
-class CapPolicy(ScorerPolicy):
-    """The cap scorer with the request's RoPE parameters (explicit ``rerotate=`` ones first,
-    then the edit context's), which its anchor needs."""
-
-    def _scorer_for(self, inputs: EditInputs) -> Scorer:
-        scorer = super()._scorer_for(inputs)
-        if not isinstance(scorer, CapScorer) or scorer.rope is not None:
-            return scorer
-        rope = self.rope or rope_from_layout(inputs.rope, policy=self.name)
-        if rope is None:
-            return scorer
-        if rope.head_dim != scorer.head_dim:
-            raise PolicyInputError(
-                f"{self.name}: the RoPE parameters are for head_dim={rope.head_dim} but the "
-                f"scorer splits heads of {scorer.head_dim}; pass head_dim={rope.head_dim}"
-            )
-        return dataclasses.replace(scorer, rope=rope)
-
-
-class _CapFactory(ScorerFactory):
-    def __call__(self, **params: Any) -> CapPolicy:
-        built = super().__call__(**params)
-        return CapPolicy(built.name, built.scorer, built.selector)
-
-
-cap = _CapFactory(
+cap = ScorerFactory(
     "cap",
     CapScorer,
     "CAPKV: query relevance times value leverage in a relevance-weighted capacity matrix",

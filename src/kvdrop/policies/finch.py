@@ -70,13 +70,13 @@ class FinchScorer(Scorer):
 
     The question is the prompt after the last ``delimiter`` token in the cached tokens (the
     policy sets the observation window to it and keeps it); with no ``delimiter`` (the default),
-    none cached or nothing after it, the uncached tail is the question (the last token when
-    there is no tail) (engines cache the context; the question
-    follows). Per layer and query head, each question row's causal softmax attention over the
-    cached keys before the question, times the row's position (the reference's normalisation
-    by the keys it could see), averaged over the rows; averaged over each GQA group; no pooling;
-    combined over KV heads (``head_agg``) and layers (``layer_agg``). As SnapKV, a row's
-    attention is its true one when the engine recorded its log-normaliser.
+    none cached or nothing after it, the uncached tail is the question, as engines cache the
+    context and the question follows (with no tail: the last token). Per layer and query
+    head, each question row's causal softmax attention over the cached keys before the
+    question, times the row's position (the reference's normalisation by the keys it could
+    see), averaged over the rows; averaged over each GQA group; no pooling; combined over KV
+    heads (``head_agg``) and layers (``layer_agg``). As SnapKV, a row's attention is its true
+    one when the engine recorded its log-normaliser.
     """
 
     queries = QueryNeed.WINDOW

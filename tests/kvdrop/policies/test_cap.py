@@ -8,8 +8,10 @@ import torch
 
 import kvdrop
 from kvdrop.policies.cap import CapScorer, capacity_scores
+from kvdrop.selector import Selector
 from kvdrop_rope import RopeConfig, apply_rope
 from kvdrop_sdk import CacheKind
+from kvdrop_sdk.edit import EditContext
 
 
 def test_a_value_direction_no_other_token_covers_scores_highest() -> None:
@@ -35,7 +37,7 @@ def test_anchor_is_the_mean_pre_rope_query_under_the_mean_future_rotation() -> N
     pre = torch.randn(6, 2, 4, generator=torch.Generator().manual_seed(0))  # [R, Hq, d]
     positions = torch.arange(4, 10)
     post = apply_rope(pre, positions, rope).reshape(6, 8)
-    scorer = CapScorer(head_dim=4, n_future_positions=3, rope=rope)
+    scorer = CapScorer(head_dim=4, n_future_positions=3)
     # The reference's matrix form: R(j) = cos I + sin rotate_half, averaged over j = T..T+2.
     half = torch.zeros(4, 4)
     half[2:, :2], half[:2, 2:] = torch.eye(2), -torch.eye(2)
@@ -43,17 +45,23 @@ def test_anchor_is_the_mean_pre_rope_query_under_the_mean_future_rotation() -> N
     cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
     mean_rot = (cos[:, :, None] * torch.eye(4) + sin[:, :, None] * half).mean(0)
     expected = (pre @ mean_rot.T).mean(0)
-    torch.testing.assert_close(scorer.anchor(post, positions, 10), expected)
+    torch.testing.assert_close(scorer.anchor(post, positions, 10, rope), expected)
+    torch.testing.assert_close(scorer.anchor(post, positions, 10, None), post.view(6, 2, 4).mean(0))
 
 
-def test_sinks_are_kept_and_the_policy_reads_the_rope_of_the_context() -> None:
+def test_sinks_are_kept_and_the_context_rope_reaches_the_anchor() -> None:
     kv = torch.randn(2, 1, 12, 4, generator=torch.Generator().manual_seed(1))
     query = torch.randn(1, 1, 12, 4, generator=torch.Generator().manual_seed(2))
+    tensors, tokens = {CacheKind.KV: kv, CacheKind.QUERY: query}, list(range(12))
     fn = kvdrop.get("cap", head_dim=4, keep_tokens=6, chunk_size=1, rerotate=False)
-    _, kept = fn({CacheKind.KV: kv, CacheKind.QUERY: query}, list(range(12)))
+    _, kept = fn(tensors, tokens)
     assert kept[:4] == [0, 1, 2, 3] and len(kept) == 6
     rope = RopeConfig(head_dim=4, theta=100.0)
-    scorer = fn._scorer_for(  # the layout's RoPE reaches the scorer
-        kvdrop.inputs.EditInputs(kv, query, None, 12, torch.arange(12), rope=rope.to_json())
+    context = EditContext.of(12, rope=rope.to_json(), query_positions=torch.arange(12))
+    with_rope = fn.select_indices(tensors, tokens, context=context)[1]
+    selection = Selector(keep_tokens=6, chunk_size=1, n_sink=4).selection(
+        12, query_positions=torch.arange(12), rope=rope
     )
-    assert isinstance(scorer, CapScorer) and scorer.rope == rope
+    scores = CapScorer(head_dim=4).score(kv, query, selection)
+    expected = Selector(keep_tokens=6, chunk_size=1, n_sink=4).select(scores)
+    assert with_rope.tolist() == expected.tolist()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 import kvdrop
-from kvdrop.policies.finch import position_weighted_mass
+from kvdrop.policies.finch import FinchScorer, position_weighted_mass
+from kvdrop.selector import Selector
 from kvdrop_sdk import CacheKind
 from kvdrop_sdk.edit import EditContext
 
@@ -45,3 +46,12 @@ def test_without_a_delimiter_the_uncached_tail_is_the_question() -> None:
     ctx = EditContext.of(4, prompt_tokens=6, query_positions=torch.arange(6))
     _, kept = fn(cached, tokens[:4], context=ctx)
     assert kept == [12]
+
+
+def test_the_question_rows_normalise_over_their_own_keys_too() -> None:
+    # One question row at position 2 sees keys 0..2 uniformly (1/3 each), counted twice: the
+    # context keys 0 and 1 score 2/3 (normalised over the context alone they would score 1).
+    scorer = FinchScorer(head_dim=2)
+    selection = Selector(keep_tokens=2, chunk_size=1, window=1).selection(3)
+    scores = scorer.head_scores(torch.zeros(2, 1, 3, 2), torch.zeros(1, 1, 3, 2), selection)
+    torch.testing.assert_close(scores, torch.full((1, 1, 2), 2 / 3))
