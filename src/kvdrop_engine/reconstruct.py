@@ -42,6 +42,7 @@ __all__ = [
     "ReconstructionAttention",
     "ReconstructionPrompt",
     "ScoresJob",
+    "chunk_scores",
     "reconstruction_scores",
 ]
 
@@ -152,14 +153,23 @@ class ReconstructionAttention:
         k_all = torch.cat([kc, k.to(kc.dtype)]).transpose(0, 1)  # [Hkv, S+M, d]
         v_all = torch.cat([vc, v.to(vc.dtype)]).transpose(0, 1)
         out = causal_attention(q, k_all, v_all, cached)
-        sink = min(self.n_sink, self.start)
-        scored = torch.cat(
-            [k_all[:, :sink], k_all[:, self.start : self.end], k_all[:, cached:]], dim=1
-        )
-        self.scores[layer, :, self.start : self.end] = _max_probs(
-            q, scored, sink, self.end - self.start
+        self.scores[layer, :, self.start : self.end] = chunk_scores(
+            q, k_all, self.start, self.end, self.n_sink
         )
         return out
+
+
+def chunk_scores(q: Tensor, keys: Tensor, start: int, end: int, n_sink: int) -> Tensor:
+    """KVzip's scoring rule for one chunk, ``[Hkv, end - start]``: ``q [M, Hq, d]`` are the
+    chunk's post-RoPE reconstruction queries, ``keys [Hkv, S + M, d]`` the ``S`` cached keys
+    then the chunk's own ``M``; each cached token ``start..end-1`` gets the max softmax
+    probability any query (and GQA head) pays it over the first ``n_sink`` cached tokens, the
+    chunk's cached tokens and the queries' own (causal). Shared by the engine and the
+    transformers integration, so both score alike."""
+    cached = keys.shape[1] - q.shape[0]
+    sink = min(n_sink, start)
+    scored = torch.cat([keys[:, :sink], keys[:, start:end], keys[:, cached:]], dim=1)
+    return _max_probs(q, scored, sink, end - start)
 
 
 def _max_probs(q: Tensor, keys: Tensor, sink: int, width: int) -> Tensor:
