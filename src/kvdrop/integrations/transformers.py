@@ -44,12 +44,14 @@ __all__ = ["Compressed", "KVDropPress", "hf_reconstruction_prompt"]
 class Compressed:
     """A prompt after compression: the smaller ``cache`` (k entries), the ids to hand
     ``generate`` (the kept prompt ids, then the tail that was not prefilled), and the kept
-    indices into the prefilled prompt."""
+    indices into the prefilled prompt; ``token_scores`` ``[L, Hkv, T]`` are KVzip's
+    reconstruction scores when the policy read them."""
 
     cache: Any
     input_ids: torch.Tensor
     kept: list[int]
     prefilled: int
+    token_scores: torch.Tensor | None = None
 
 
 def _config_dict(model: Any) -> dict[str, Any]:
@@ -150,7 +152,7 @@ class KVDropPress:
             raise ValueError(f"the prompt ({total} tokens) must be longer than tail={self.tail}")
         config = _config_dict(model)
         rope = RopeConfig.from_hf_config(config)
-        cache = _empty_cache(model)
+        cache = _empty_cache(model, prefill, self.policy.token_scores)
         tokens = input_ids[0, :prefill].tolist()
         capture = _QueryCapture(model, rope, int(config["num_attention_heads"]))
         try:
@@ -176,14 +178,14 @@ class KVDropPress:
         )
         selected, index = self.policy.select_indices(tensors, tokens, context=context)
         kept_kv, _ = self.policy.keep(selected, tokens, index, context=context)
-        smaller = _empty_cache(model)
+        smaller = _empty_cache(model, len(index))
         heads = kv.shape[3] // rope.head_dim
         for layer in range(kv.shape[1]):
             keys, values = (_heads(kept_kv[i, layer], heads) for i in (0, 1))
             smaller.update(keys, values, layer)
         kept = index.tolist()
         ids = torch.cat([input_ids[:, :prefill][:, kept], input_ids[:, prefill:]], dim=1)
-        return Compressed(smaller, ids, kept, prefill)
+        return Compressed(smaller, ids, kept, prefill, scores)
 
     def generate(self, model: Any, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """``model.generate`` from the compressed cache; returns the prompt followed by the new
@@ -267,9 +269,7 @@ class _HFTokenizer:
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         return str(
-            self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
+            self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         )
 
 
@@ -277,7 +277,7 @@ def _reconstruction_scores(
     model: Any, cache: Any, context: list[int], prompt: Any, capture: _QueryCapture
 ) -> torch.Tensor:
     """KVzip's scores ``[L, Hkv, N]`` of the ``N`` cached tokens: each chunk's reconstruction
-    input is teacher-forced after the cache (which is cropped back after each chunk) and scored
+    input is teacher-forced after the cache (set back to the prefix after each chunk) and scored
     by the engine's rule (:func:`kvdrop_engine.reconstruct.chunk_scores`)."""
     from kvdrop_engine.reconstruct import chunk_scores
 
@@ -287,6 +287,7 @@ def _reconstruction_scores(
     device = cache.layers[0].keys.device
     scores = torch.zeros(layers, cache.layers[0].keys.shape[1], len(context), device=device)
     extra = {"logits_to_keep": 1} if "logits_to_keep" in _forward_params(model) else {}
+    saved = [(layer.keys, layer.values) for layer in cache.layers]
     for start, end in prompt.chunks(len(context)):
         ids = prompt.input_ids(context, start, end)
         capture.offset = cached
@@ -300,7 +301,8 @@ def _reconstruction_scores(
             q = capture.rows[layer].view(len(ids), heads, -1)
             keys = cache.layers[layer].keys[0]  # [Hkv, S + M, d]
             scores[layer, :, start:end] = chunk_scores(q, keys, start, end, prompt.n_sink)
-        cache.crop(cached)
+        for layer, (keys, values) in zip(cache.layers, saved, strict=True):
+            layer.keys, layer.values = keys, values  # the prefix again (update concatenated)
     capture.offset = 0
     scores[:, :, : prompt.n_sink] = 1.0
     return scores
@@ -316,21 +318,35 @@ def _forward_params(model: Any) -> Any:
     return inspect.signature(model.forward).parameters
 
 
-def _empty_cache(model: Any) -> Any:
-    """A ``DynamicCache`` for the model; refuses (one line) caches whose layers are not all
-    plain full-attention layers (sliding windows as in Mistral or Gemma, mixed layer types):
-    one kept-token list for every layer needs every layer to hold every token."""
+def _empty_cache(model: Any, tokens: int, extra: bool = False) -> Any:
+    """A ``DynamicCache`` for the model that will hold ``tokens`` tokens. Sliding-window layers
+    (Mistral, Gemma, Qwen's mixed layers) are fine while those tokens fit their window (each
+    layer then holds every token, so one kept list suits all); anything else is refused in one
+    line, as is a pass that runs past the window (``extra``: KVzip's reconstruction)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    kinds = {type(layer).__name__ for layer in cache.layers}
-    window = getattr(model.config, "sliding_window", None)
-    if kinds - {"DynamicLayer"} or (window and not cache.layers):
-        raise PolicyInputError(
-            f"KVDropPress supports full-attention caches only; this model's cache has "
-            f"{', '.join(sorted(kinds)) or 'lazily built'} layers (sliding_window={window}): "
-            "sliding or mixed layers keep different tokens per layer"
-        )
+    for index, layer in enumerate(cache.layers):
+        kind = type(layer).__name__
+        if kind == "DynamicLayer":
+            continue
+        if kind != "DynamicSlidingWindowLayer":
+            raise PolicyInputError(
+                f"KVDropPress: layer {index} is a {kind}; only dense full-attention and "
+                "sliding-window caches (DynamicCache) are supported"
+            )
+        window = layer.sliding_window
+        if tokens >= window:
+            raise PolicyInputError(
+                f"KVDropPress: layer {index} has a sliding window of {window} tokens and the "
+                f"prompt prefills {tokens}: the window drops tokens, so no one kept list holds "
+                "for every layer (use prompts shorter than the window)"
+            )
+        if extra:
+            raise PolicyInputError(
+                f"KVDropPress: layer {index} has a sliding window of {window} tokens; KVzip's "
+                "reconstruction pass runs past it (use a full-attention model for kvzip)"
+            )
     return cache
 
 
