@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvdrop import QueryNeed, Scorer, ScorerFactory, Selection, param
+from kvdrop import MissingTokenScoresError, QueryNeed, Scorer, ScorerFactory, Selection, param
 from kvdrop.testing import check_policy, explicit_cases
 
 
@@ -66,7 +66,8 @@ class EditsTokenScores(Scorer):
         self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection
     ) -> torch.Tensor:
         scores = selection.token_scores
-        assert scores is not None
+        if scores is None:
+            raise MissingTokenScoresError("edits-input")
         scores.sub_(0.5)  # centred in place: the caller's tensor
         return scores.mean(dim=(0, 1))[: kv.shape[2]].clone()
 
