@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**info.to_dict(), "source": source(args.name)}, indent=2))
         return 0
     print(f"{info.name}: {plain_text(info.summary)}")
-    print(f"needs query tensors: {'yes' if info.needs_query else 'no'}")
+    print(f"needs query tensors: {'yes' if info.needs.reads_queries else 'no'}")
     print(f"source: {source(args.name)}")
     if info.details:
         print(f"\n{plain_text(info.details)}")

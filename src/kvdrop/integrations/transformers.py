@@ -35,7 +35,7 @@ from kvdrop.spec import describe, get
 from kvdrop_rope import RopeConfig, apply_rope
 from kvdrop_sdk import CacheKind
 from kvdrop_sdk.edit import EditContext
-from kvdrop_sdk.query_capture import QueryNeed
+from kvdrop_sdk.query_capture import needs_of
 
 __all__ = ["Compressed", "KVDropPress", "hf_reconstruction_prompt"]
 
@@ -132,9 +132,10 @@ class KVDropPress:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a name or a kvdrop.Policy, got {type(policy)}")
         self.policy, self.tail, self.rerotate = policy, tail, rerotate
+        self.needs = needs_of(policy)
         if reconstruction is None and tokenizer is not None:
             reconstruction = hf_reconstruction_prompt(tokenizer)
-        if policy.token_scores and reconstruction is None:
+        if self.needs.token_scores and reconstruction is None:
             raise ValueError(
                 f"{policy.name} reads KVzip's reconstruction scores, computed here with the model "
                 "from a prompt in its tokens: pass KVDropPress(..., tokenizer=<the model's "
@@ -152,7 +153,7 @@ class KVDropPress:
             raise ValueError(f"the prompt ({total} tokens) must be longer than tail={self.tail}")
         config = _config_dict(model)
         rope = RopeConfig.from_hf_config(config)
-        cache = _empty_cache(model, prefill, self.policy.token_scores)
+        cache = _empty_cache(model, prefill, self.needs.token_scores)
         tokens = input_ids[0, :prefill].tolist()
         capture = _QueryCapture(model, rope, int(config["num_attention_heads"]))
         try:
@@ -161,13 +162,13 @@ class KVDropPress:
                 kv = _cache_tensor(cache)
                 tensors = {CacheKind.KV: kv, CacheKind.QUERY: capture.tensor(kv.shape[1])}
                 scores = None
-                if self.policy.token_scores:
+                if self.needs.token_scores:
                     scores = _reconstruction_scores(
                         model, cache, tokens, self.reconstruction, capture
                     )
         finally:
             capture.close()
-        if self.policy.queries is QueryNeed.NONE:
+        if not self.needs.reads_queries:
             del tensors[CacheKind.QUERY]
         context = EditContext(
             positions=torch.arange(prefill),
