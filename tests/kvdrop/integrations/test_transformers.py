@@ -277,3 +277,21 @@ def test_presses_refuse_to_nest_and_restore_what_they_patched(
     with press(hf_model):
         pass
     assert "generate" not in vars(hf_model)
+
+
+@pytest.mark.parametrize("name", kvdrop.available())
+def test_every_registered_policy_runs_in_transformers(
+    name: str, hf_model: Any, prompt: list[int]
+) -> None:
+    """What docs/transformers.md says: every registered policy (built-ins, combinators, the
+    installed plugins) compresses a transformers cache at its example parameters."""
+    info = kvdrop.describe(name)
+    params = dict(info.example)
+    if "head_dim" in {p.name for p in info.params}:
+        params["head_dim"] = hf_model.config.head_dim
+    press = KVDropPress(name, reconstruction=_prompt(), **params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kvdrop.PolicyWarning)  # RoPE known, chunk 1: no warning
+        done = press.compress(hf_model, torch.tensor([prompt[:120]]))
+    assert 0 < len(done.kept) < done.prefilled
+    assert done.cache.get_seq_length() == len(done.kept)
