@@ -4,13 +4,17 @@ checkout needed): ``kvdrop.testing.check_policy("my-policy")``.
 :func:`check_policy` runs four checks on one policy, given by its registered name or by its
 factory (a :class:`kvdrop.PolicyFactory`, registered or not):
 
-- :func:`check_invariants`: hypothesis draws inputs from the documented domain (below) and
-  parameters from their declared domains, with ``derandomize=True`` (the same examples on every
-  run and machine); the output must have the input's L, D, dtype and device, keep
-  ``expected_count`` tokens in order, be the input's rows bit for bit, leave the inputs unchanged,
-  be deterministic, and accept another SDK's cache-kind enum by value. A query policy that takes
-  a query window (``QueryNeed.WINDOW``) is also called the way the engine calls it: the
-  last rows of a longer prompt with their positions (:func:`check_window_path`).
+- :func:`check_invariants`: first :func:`check_parameter_values` (explicit examples: every
+  dtype, the budget's extremes, and every value of every declared parameter's domain, bounds
+  included), then hypothesis draws inputs from the documented domain (below) and parameters
+  from their declared domains, with ``derandomize=True`` (the same examples on every run and
+  machine); the policy must not raise on these finite inputs (non-finite scores are refused by
+  the selector), the output must have the input's L, D, dtype and device, keep
+  ``expected_count`` tokens in order, be the input's rows bit for bit, leave the inputs (KV,
+  queries and token scores) bit for bit unchanged, be deterministic, and accept another SDK's
+  cache-kind enum by value. Every failure names the example's parameters and shape. A query
+  policy that takes a query window (``QueryNeed.WINDOW``) is also called the way the engine
+  calls it: the last rows of a longer prompt with their positions (:func:`check_window_path`).
 - :func:`check_invalid_parameters`: bad ``keep_ratio``/``chunk_size``/unknown parameters raise
   ``PolicyParamError`` naming the parameter.
 - :func:`check_wrong_shapes`: wrongly shaped inputs raise ``PolicyInputError`` (and
