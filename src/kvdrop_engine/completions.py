@@ -56,7 +56,7 @@ _SHARED_FIELDS = frozenset(
         "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop",
         "stop_token_ids", "stream", "stream_options", "logprobs", "n", "best_of", "user",
         "presence_penalty", "frequency_penalty", "cache_salt", "return_tokens_as_token_ids",
-        "skip_special_tokens", "include_stop_str_in_output",
+        "skip_special_tokens", "include_stop_str_in_output", "kvdrop",
     }
 )  # fmt: skip
 _COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt", "echo"}
@@ -451,6 +451,18 @@ def _sampling(body: dict[str, Any], max_tokens: int, settings: Settings) -> dict
     return params
 
 
+def _kvdrop_override(value: Any) -> Any:
+    """The ``"kvdrop"`` field as the engine takes it (its shape checked here, the policy by the
+    engine): 400 naming the field when it is malformed."""
+    from kvdrop_engine.drop import parse_override
+
+    try:
+        parsed = parse_override(value)
+    except ValueError as exc:
+        raise BadRequestError(str(exc), param="kvdrop") from None
+    return None if parsed is None else dict(value)
+
+
 def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
     """``stream`` and ``stream_options.include_usage``."""
     stream = bool(get_bool(body, "stream"))
@@ -497,6 +509,8 @@ def parse_request(body: Any, route: Route, settings: Settings) -> CompletionRequ
             param=name,
         )
     params = _sampling(body, max_tokens, settings)
+    if "kvdrop" in body:  # null (no cut) or {"policy", "keep_ratio"}: kvdrop_engine.drop
+        params["kvdrop"] = _kvdrop_override(body["kvdrop"])
     if logprobs is not None:
         params["logprobs"] = logprobs  # the engine computes the values
     return CompletionRequest(

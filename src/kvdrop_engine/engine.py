@@ -17,7 +17,7 @@ import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
@@ -49,6 +49,9 @@ from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
 from kvdrop_engine.transfer import Transfers, check_seconds
 from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.validate import positive_int
+
+if TYPE_CHECKING:
+    from kvdrop_engine.drop import PromptDropper
 
 __all__ = ["DEFAULT_BUDGET_TOKENS", "Engine", "EngineStats", "StepPlan", "plan_step"]
 
@@ -100,6 +103,7 @@ class Engine:
         store_timeout_s: float = 30.0,
         connector_backoff_s: float = 30.0,
         reconstruction: ReconstructionPrompt | None = None,
+        dropper: PromptDropper | None = None,
     ) -> None:
         cfg: ModelConfig = model.config
         try:
@@ -119,6 +123,9 @@ class Engine:
         #: scored by the pass when it ends, the scores stored beside its query window (the
         #: ``kvzip`` policy reads them; :mod:`kvdrop_engine.reconstruct`).
         self.reconstruction = reconstruction
+        #: Cuts each prompt's cache after its prefill (``kvdrop engine --policy``; a request's
+        #: ``"kvdrop"`` sampling key overrides it): :mod:`kvdrop_engine.drop`.
+        self.dropper = dropper
         self.runner = ModelRunner(
             model,
             cfg,
@@ -245,6 +252,10 @@ class Engine:
         cancels the request and frees its blocks. Starts the engine if needed.
         """
         detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
+        override: tuple[Any, ...] = ()  # the request's "kvdrop" key, when it sent one
+        if isinstance(sampling_params, Mapping) and "kvdrop" in sampling_params:
+            sampling_params = dict(sampling_params)
+            override = (sampling_params.pop("kvdrop"),)
         req = new_request(
             next(self._ids),
             prompt_token_ids,
@@ -253,6 +264,7 @@ class Engine:
             vocab_size=self.config.vocab_size,
             detok=detok,
         )
+        self._choose_cut(req, override)
         self._sched.check_fits(req)
         if req.params.reconstruct and (self.reconstruction is None or self._transfers is None):
             raise InvalidRequestError(
@@ -267,6 +279,24 @@ class Engine:
         return self._events(req)
 
     __call__ = post_completion
+
+    def _choose_cut(self, req: Request, override: tuple[Any, ...]) -> None:
+        """The dropper's cut for ``req`` (``override``: the request's ``"kvdrop"`` value, if it
+        sent one) and the query rows its policy reads, captured during the prefill."""
+        if self.dropper is None:
+            if override and override[0] is not None:
+                raise InvalidRequestError(
+                    "'kvdrop' asks for dropping, but this engine was built without a dropper "
+                    "(kvdrop engine --policy, or Engine(dropper=PromptDropper(...)))"
+                )
+            return
+        req.cut = self.dropper.choose(len(req.prompt), *override)
+        if override or self.dropper.default is not None:
+            req.kept_prompt = len(req.prompt)  # reported as kept; the cut lowers it
+        if req.params.max_tokens == 1:
+            req.cut = None  # one token: nothing would decode from the cut cache
+        elif req.cut is not None:
+            req.window = self.dropper.window(req.cut, len(req.prompt))
 
     def generate(
         self,
@@ -393,9 +423,24 @@ class Engine:
                 logprobs = token_logprobs(row[None], [tok], [req.params.logprobs])[0]
             if not req.output and req.store_upto and self._transfers is not None:
                 self._transfers.submit(req, self._transfers.prompt_job(req))
+            if not req.output and req.cut is not None:
+                self._cut(req)
             self._emit(req, tok, logprobs)
         except Exception as exc:
             self._fail(req, exc)
+
+    def _cut(self, req: Request) -> None:
+        """(loop, after prefill) Cut the prompt's cache by its policy (:mod:`kvdrop_engine.drop`);
+        the first event reports the kept prompt tokens."""
+        assert self.dropper is not None
+        done = self.dropper.cut(self.cache, req, req.cut, req.params.max_tokens)
+        req.kept_prompt = done.num_kept
+        with self._cv:
+            st = self._stats
+            st.prompt_cuts += 1
+            st.prompt_tokens_kept += done.num_kept
+            st.prompt_tokens_dropped += done.num_prompt - done.num_kept
+            st.cut_seconds += done.seconds
 
     def _emit(self, req: Request, tok: int, logprobs: TokenLogprobs | None = None) -> None:
         req.output.append(tok)
@@ -407,7 +452,9 @@ class Engine:
             if req.params.reconstruct:
                 self._transfers.submit(req, self._reconstruct(req))
         lp, top = (None, ()) if logprobs is None else logprobs
-        req.out.put(TokenEvent(tok, text, reason, logprob=lp, top_logprobs=top))
+        kept, req.kept_prompt = req.kept_prompt, None  # on the first event only
+        event = TokenEvent(tok, text, reason, logprob=lp, top_logprobs=top, kept_prompt_tokens=kept)
+        req.out.put(event)
         if reason is not None:
             with self._cv:
                 self._sched.finish(req)

@@ -96,6 +96,8 @@ class Choice:
         self._offset = 0
         self.pieces: list[Piece] = []
         self.text = ""
+        #: Prompt tokens the engine's cache kept after its drop policy's cut (None: no cut).
+        self.kept_prompt_tokens: int | None = None
 
     @property
     def count(self) -> int:
@@ -111,6 +113,8 @@ class Choice:
         """Account one generated token. Its finish reason is the engine's, "stop" when a stop
         string appeared, or "length" once ``max_tokens`` tokens arrived."""
         req = self.request
+        if event.kept_prompt_tokens is not None:
+            self.kept_prompt_tokens = event.kept_prompt_tokens
         finish = event.finish_reason
         if finish is None and self.count + 1 >= req.max_tokens:
             finish = "length"
@@ -239,13 +243,18 @@ class CompletionBuilder:
         return {**self._head("text_completion"), "choices": [choice]}
 
     def usage(self) -> dict[str, int]:
-        """Prompt, completion (all choices) and total token counts."""
+        """Prompt, completion (all choices) and total token counts; ``kept_prompt_tokens`` (the
+        first choice's prompt tokens its cache kept) when the engine drops while serving."""
         n_prompt = len(self.request.prompt_token_ids)
-        return {
+        usage = {
             "prompt_tokens": n_prompt,
             "completion_tokens": self.count,
             "total_tokens": n_prompt + self.count,
         }
+        kept = self.choices[0].kept_prompt_tokens
+        if kept is not None:
+            usage["kept_prompt_tokens"] = kept
+        return usage
 
     def usage_chunk(self) -> dict[str, Any]:
         """The last streamed chunk of ``stream_options.include_usage``: no choices, the usage."""

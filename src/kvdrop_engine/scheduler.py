@@ -115,9 +115,13 @@ class Scheduler:
         """Blocks a request reserves: room for the prompt and every generated token but the last."""
         return blocks_needed(num_prompt_tokens + max_tokens - 1, self.block_size)
 
+    def blocks_of(self, req: Request) -> int:
+        """Blocks ``req`` reserves on admission (:attr:`Request.peak_tokens`)."""
+        return blocks_needed(req.peak_tokens, self.block_size)
+
     def check_fits(self, req: Request) -> None:
         """``RequestTooLargeError`` when ``req`` needs more blocks than the whole budget."""
-        need = self.blocks_for(len(req.prompt), req.params.max_tokens)
+        need = self.blocks_of(req)
         total = self.allocator.num_blocks
         if need > total:
             raise RequestTooLargeError(
@@ -129,7 +133,7 @@ class Scheduler:
 
     def _head_fits(self) -> bool:
         head = self.waiting[0]
-        return self.blocks_for(len(head.prompt), head.params.max_tokens) <= self.allocator.num_free
+        return self.blocks_of(head) <= self.allocator.num_free
 
     def admit(self) -> list[Request]:
         """Move waiting requests to running, in order, while the head's blocks are free."""
@@ -138,9 +142,7 @@ class Scheduler:
             if not self._head_fits():
                 break  # FIFO: the head waits for blocks; later requests do not overtake it
             req = self.waiting.popleft()
-            req.blocks = self.allocator.allocate(
-                self.blocks_for(len(req.prompt), req.params.max_tokens)
-            )
+            req.blocks = self.allocator.allocate(self.blocks_of(req))
             self.running[req.rid] = req
             admitted.append(req)
         return admitted
