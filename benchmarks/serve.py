@@ -8,9 +8,10 @@ or as a Poisson process of that rate. Prints, side by side: TTFT (median, p99), 
 p99), end-to-end latency, output tokens/s over the whole run and the ratio of each to the run
 without a policy, plus what the engine saw (peak running requests, prompt tokens kept).
 
-The KV budget defaults to one that holds every request at once after the cut (its peak: the
-whole prompt while it prefills, then the kept part plus its generated tokens), so the budget,
-not compute, is what limits the run without a policy, as in ``kvdrop demo``.
+The KV budget defaults to one that holds every request at once after the cut (the kept part
+plus its generated tokens), plus room for the longest prompt's prefill beyond that (a request
+holds its whole prompt until it is cut), so the budget, not compute, is what limits the run
+without a policy, as in ``kvdrop demo``.
 
     python benchmarks/serve.py --model-preset tiny                       # seconds
     python benchmarks/serve.py                                           # SmolLM2 shape, demo size
@@ -81,14 +82,16 @@ def make_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
 
 
 def default_budget(lengths: list[int], args: argparse.Namespace) -> int:
-    """Tokens that hold every request at once after the cut (whole blocks of each one's peak)."""
+    """Tokens that hold every request at once after the cut, plus room for the longest prompt's
+    prefill beyond its cut size (a request holds its whole prompt until its cut)."""
     bs, m = args.block_size, args.max_tokens
 
     def blocks(tokens: int) -> int:
         return -(-tokens // bs)
 
-    cut = [blocks(max(n, math.ceil(args.keep_ratio * n) + m - 1)) for n in lengths]
-    return max(sum(cut), max(blocks(n + m - 1) for n in lengths)) * bs
+    cut = [blocks(math.ceil(args.keep_ratio * n) + m - 1) for n in lengths]
+    extra = max(max(0, blocks(n) - c) for n, c in zip(lengths, cut))
+    return max(sum(cut) + extra, max(blocks(n + m - 1) for n in lengths)) * bs
 
 
 @dataclass
@@ -161,7 +164,10 @@ class Result:
 
 
 def stream_one(url: str, prompt: list[int], max_tokens: int, out: Result) -> None:
-    """One streamed completion; TTFT is the first chunk that carries a choice."""
+    """One streamed completion. TTFT is when the response's headers arrive: the server sends
+    them once the request's first token exists (a server without a tokenizer sends no text
+    chunks before the last one, so the headers are the first-token signal there); the end is
+    the last chunk."""
     host, port = url.removeprefix("http://").rstrip("/").split(":")
     body = {
         "prompt": prompt,
@@ -174,10 +180,10 @@ def stream_one(url: str, prompt: list[int], max_tokens: int, out: Result) -> Non
     conn = http.client.HTTPConnection(host, int(port), timeout=3600)
     try:
         out.sent = time.perf_counter()
-        conn.request(
-            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
-        )
+        headers = {"Content-Type": "application/json"}
+        conn.request("POST", "/v1/completions", json.dumps(body), headers)
         resp = conn.getresponse()
+        out.first = time.perf_counter()
         if resp.status != 200:
             out.error = f"HTTP {resp.status}: {resp.read()[:200]!r}"
             return
@@ -185,14 +191,12 @@ def stream_one(url: str, prompt: list[int], max_tokens: int, out: Result) -> Non
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and not out.first:
-                out.first = time.perf_counter()
-            usage = chunk.get("usage")
+            usage = json.loads(line[6:]).get("usage")
             if usage:
                 out.output_tokens = usage["completion_tokens"]
                 out.kept_prompt_tokens = usage.get("kept_prompt_tokens")
-        out.end = time.perf_counter()
+            else:
+                out.end = time.perf_counter()  # the last chunk with a choice
     except OSError as exc:
         out.error = repr(exc)
     finally:
@@ -234,7 +238,7 @@ def pct(values: list[float], q: float) -> float:
 def summarise(
     name: str, results: list[Result], wall: float, stats: dict[str, Any]
 ) -> dict[str, Any]:
-    ok = [r for r in results if not r.error and r.first]
+    ok = [r for r in results if not r.error and r.end]
     ttft = [1e3 * (r.first - r.sent) for r in ok]
     tpot = [1e3 * (r.end - r.first) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     e2e = [r.end - r.sent for r in ok]
