@@ -53,8 +53,12 @@ def dense_cut_reference(model: Transformer, prompt: list[int], spec: str, steps:
         k = len(tokens)
         small = DenseAttention(cfg)
         shape = (k, cfg.num_kv_heads, cfg.head_dim)
-        small._k = [kept[0, i].reshape(shape).transpose(0, 1).clone() for i in range(cfg.num_layers)]
-        small._v = [kept[1, i].reshape(shape).transpose(0, 1).clone() for i in range(cfg.num_layers)]
+        small._k = [
+            kept[0, i].reshape(shape).transpose(0, 1).clone() for i in range(cfg.num_layers)
+        ]
+        small._v = [
+            kept[1, i].reshape(shape).transpose(0, 1).clone() for i in range(cfg.num_layers)
+        ]
         small.length, small._capacity = k, k
         out = [int(logits[-1].argmax())]
         for step in range(steps - 1):
@@ -73,7 +77,11 @@ def test_cut_equals_the_policy_on_a_dense_cache(model: Transformer) -> None:
         stats = engine.stats()
     assert [e.token_id for e in events] == dense_cut_reference(model, prompt, "knorm", 8)
     assert events[0].kept_prompt_tokens == 100 and events[1].kept_prompt_tokens is None
-    assert (stats.prompt_cuts, stats.prompt_tokens_kept, stats.prompt_tokens_dropped) == (1, 100, 100)
+    assert (stats.prompt_cuts, stats.prompt_tokens_kept, stats.prompt_tokens_dropped) == (
+        1,
+        100,
+        100,
+    )
 
 
 def test_kept_keys_sit_at_contiguous_positions(model: Transformer) -> None:
