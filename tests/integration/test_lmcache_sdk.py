@@ -43,7 +43,7 @@ class Setup:
 
 @pytest.fixture(scope="module")
 def setup(lmcache_server: Any) -> Iterator[Setup]:
-    from kvdrop_engine.lmcache_connector import LMCacheConnector, connect_sdk
+    from kvdrop_engine.connectors.lmcache import LMCacheConnector, connect_sdk
 
     model = Transformer.random(preset_config("tiny"), seed=5)
     model_name = f"lmc-sdk-{uuid.uuid4().hex[:8]}"
@@ -82,7 +82,9 @@ def test_policy_inside_lmcache_sdk_batch(case: str, setup: Setup) -> None:
         with pytest.raises(kvdrop.MissingTokenScoresError, match="LMCache server has no store"):
             policy({"kv": kv}, list(range(4 * CHUNK)))
         return
-    needs_query = kvdrop.describe("snapkv" if case == "snapkv+rerotate" else case).needs_query
+    needs_query = kvdrop.describe(
+        "snapkv" if case == "snapkv+rerotate" else case
+    ).needs.reads_queries
     seen: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
 
     def edit(tensors: Any, tokens: Any) -> tuple[torch.Tensor, Any]:

@@ -14,6 +14,7 @@ them (or, without one, to the connection).
 
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import logging
@@ -79,6 +80,7 @@ class Server(RequestOps):
         self._started = time.monotonic()
         self._requests = 0
         self._errors = 0
+        self._calls: collections.Counter[str] = collections.Counter()  # "op/kind" -> answered
         self._count_lock = threading.Lock()
         self._tls = threading.local()
 
@@ -137,8 +139,8 @@ class Server(RequestOps):
             backend.setsockopt(zmq.LINGER, 0)
             backend.bind(_BACKEND)
             try:
-                handler = handler_for(self, cfg.http_timeout_s)
-                self._http = HTTPServer((cfg.host, cfg.http_port), handler)
+                handler = handler_for(self)
+                self._http = HTTPServer((cfg.host, cfg.http_port), handler, cfg.http_limits)
             except OSError as exc:
                 raise ServerStartError(
                     _bind_error("--http-port", cfg.host, cfg.http_port, exc)
@@ -283,6 +285,8 @@ class Server(RequestOps):
             handler = HANDLERS.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise ProtocolError("unknown_op", f"unknown op {op!r}; expected one of {OPS}")
+            with self._count_lock:
+                self._calls[f"{op}/{header.get('kind', '')}"] += 1
             fields, frames = handler(self, header, list(parts[1:]))
             reply = {"v": PROTOCOL_VERSION, "rid": rid, "ok": True, **fields}
             reply["instance"] = self.instance
@@ -318,6 +322,8 @@ class Server(RequestOps):
             "eviction_policy": cfg.eviction_policy.upper(),
             "workers": cfg.workers,
             "max_message_bytes": cfg.max_message_bytes,
+            "max_request_bytes": cfg.max_request_bytes,
+            "http_max_connections": cfg.http_max_connections,
             "protocol_version": PROTOCOL_VERSION,
         }
 
@@ -325,7 +331,11 @@ class Server(RequestOps):
         """What ``GET /status`` returns."""
         assert self.store is not None
         with self._count_lock:
-            counts = {"requests": self._requests, "errors": self._errors}
+            counts = {
+                "requests": self._requests,
+                "errors": self._errors,
+                "calls": dict(self._calls),
+            }
         return {
             "layouts": self.store.layouts(),
             **self.store.snapshot(),

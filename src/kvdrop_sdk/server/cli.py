@@ -81,7 +81,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--http-timeout-s",
         type=float,
         default=30.0,
-        help="drop an HTTP connection idle or half-sent for this long (default 30)",
+        help="an HTTP request (line, headers and body) must arrive within this many seconds of "
+        "its first byte, and an idle connection is closed after this long (default 30)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=1 << 20,
+        help="largest HTTP request body; larger is answered 413 before it is read "
+        "(default 1 MiB: the endpoint takes no bodies)",
+    )
+    parser.add_argument(
+        "--http-max-connections",
+        type=int,
+        default=64,
+        help="HTTP connections served at once; more are answered 503 (default 64)",
     )
     parser.add_argument(
         "--parent-pid",
@@ -124,6 +138,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         http_timeout_s=args.http_timeout_s,
         parent_pid=args.parent_pid,
         quarantine_s=args.quarantine_s,
+        max_request_bytes=args.max_request_bytes,
+        http_max_connections=args.http_max_connections,
     )
 
 

@@ -6,6 +6,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from kvdrop_sdk.http_limits import HTTPLimits
 from kvdrop_sdk.validate import is_int
 
 __all__ = ["FEATURES", "GIB", "ServerConfig"]
@@ -44,6 +45,8 @@ class ServerConfig:
     http_timeout_s: float = 30.0
     parent_pid: int | None = None
     quarantine_s: float = 600.0
+    max_request_bytes: int = 1 << 20
+    http_max_connections: int = 64
 
     def __post_init__(self) -> None:
         self.enable = tuple(dict.fromkeys(self.enable))
@@ -71,6 +74,14 @@ class ServerConfig:
             )
         if not is_int(self.workers) or not 1 <= self.workers <= 256:
             raise ValueError(f"--workers must be an int in 1..256, got {self.workers}")
+        if not is_int(self.max_request_bytes) or not 1 <= self.max_request_bytes <= 1 << 30:
+            raise ValueError(
+                f"--max-request-bytes must be an int in 1..{1 << 30}, got {self.max_request_bytes}"
+            )
+        if not is_int(self.http_max_connections) or not 1 <= self.http_max_connections <= 4096:
+            raise ValueError(
+                f"--http-max-connections must be an int in 1..4096, got {self.http_max_connections}"
+            )
         if self.parent_pid is not None and (not is_int(self.parent_pid) or self.parent_pid < 1):
             raise ValueError(f"--parent-pid must be a process id, got {self.parent_pid}")
 
@@ -96,6 +107,17 @@ class ServerConfig:
         """Largest request accepted, all frames together (and so the largest single frame): the
         pool or 64 MiB, whichever is larger, plus 16 MiB for token ids and headers."""
         return max(self.pool_bytes, 64 << 20) + (16 << 20)
+
+    @property
+    def http_limits(self) -> HTTPLimits:
+        """What one HTTP client may cost: ``--max-request-bytes`` bodies, ``--http-timeout-s``
+        for a whole request and for an idle connection, ``--http-max-connections`` at once."""
+        return HTTPLimits(
+            max_body_bytes=self.max_request_bytes,
+            request_timeout_s=self.http_timeout_s,
+            idle_timeout_s=self.http_timeout_s,
+            max_connections=self.http_max_connections,
+        )
 
     @property
     def transfer_query(self) -> bool:

@@ -2,21 +2,25 @@
 
 Read-only and unauthenticated, like the ZMQ port: ``/status`` lists every registered model and
 its layout to any client that can reach the port (see docs/reliability.md, trust boundary).
-Idle or half-sent requests are dropped after ``http_timeout_s``.
+What one client may cost (body size, whole-request deadline, open connections, log fields) is
+:mod:`kvdrop_sdk.http_limits`, shared with the engine's OpenAI server.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import sys
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
+
+from kvdrop_sdk.http_limits import LimitedHandler, LimitedHTTPServer, log_field
 
 __all__ = ["HTTPServer", "JsonRoutes", "handler_for"]
 
 log = logging.getLogger("kvdrop_sdk.server")
+
+#: The cache server's HTTP server: the shared limits, nothing of its own.
+HTTPServer = LimitedHTTPServer
 
 
 class JsonRoutes(Protocol):
@@ -31,26 +35,11 @@ class JsonRoutes(Protocol):
         ...
 
 
-class HTTPServer(ThreadingHTTPServer):
-    """A threading HTTP server whose client disconnects are one log line."""
-
-    daemon_threads = True
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that left or stalled is one log line; anything else keeps its traceback."""
-        exc = sys.exc_info()[1]
-        if isinstance(exc, (ConnectionError, TimeoutError)):
-            log.info("http client %s disconnected: %s", client_address, type(exc).__name__)
-        else:
-            log.exception("http request from %s failed", client_address)
-
-
-def handler_for(server: JsonRoutes, timeout_s: float) -> type[BaseHTTPRequestHandler]:
+def handler_for(server: JsonRoutes) -> type[LimitedHandler]:
     """An HTTP handler class bound to ``server`` (GET /config, /status, /health)."""
 
-    class Handler(BaseHTTPRequestHandler):
-        # Idle or half-sent requests are dropped after this long instead of holding a thread.
-        timeout = timeout_s
+    class Handler(LimitedHandler):
+        access_log = log
 
         def do_GET(self) -> None:
             """Answer /config, /status or /health as JSON; 404 with the known paths otherwise."""
@@ -62,7 +51,9 @@ def handler_for(server: JsonRoutes, timeout_s: float) -> type[BaseHTTPRequestHan
             }
             route = routes.get(path)
             if route is None:
-                self._send(404, {"error": f"unknown path {self.path!r}", "paths": sorted(routes)})
+                self._send(
+                    404, {"error": f"unknown path {log_field(path)!r}", "paths": sorted(routes)}
+                )
             else:
                 self._send(200, route())
 
@@ -74,9 +65,5 @@ def handler_for(server: JsonRoutes, timeout_s: float) -> type[BaseHTTPRequestHan
             self.send_header("Content-Length", str(len(raw)))
             self.end_headers()
             self.wfile.write(raw)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            """Route access logs to the server logger at DEBUG (no stderr noise)."""
-            log.debug("http: " + format, *args)
 
     return Handler
