@@ -281,6 +281,7 @@ def bench(
         server.stop()
     row = summarise(name, results, wall, stats)
     log(f"{name}: {row['output_tok_s']:.1f} output tok/s in {wall:.1f} s, {row['ok']} ok")
+    log(f"{name}: {json.dumps(row, default=str)}")  # kept if a later run is cut short
     return row
 
 

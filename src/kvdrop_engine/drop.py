@@ -12,7 +12,7 @@ asks it three things and owns nothing else about dropping:
    a dropped request reserves fewer blocks and more requests share the same KV budget;
 3. after the prefill (before the first token is handed out), :meth:`PromptDropper.cut`: the
    prompt's K/V are gathered from the request's blocks on their device, the policy picks the
-   tokens to keep (with the captured queries and their log-normalisers), the kept keys are
+   tokens to keep (with the captured queries), the kept keys are
    re-rotated to positions ``0..k-1`` (as every kvdrop edit does, so decoding continues at
    position ``k``), the kept rows are written back to the request's first blocks and the blocks
    it no longer needs are freed. No cache server is involved; with one attached, the whole prompt
@@ -35,7 +35,7 @@ import torch
 from kvdrop.errors import PolicyNotFoundError
 from kvdrop.policy import Policy
 from kvdrop.spec import describe, get
-from kvdrop_engine.capture import WindowCapture, log_normalisers
+from kvdrop_engine.capture import WindowCapture
 from kvdrop_engine.errors import EngineSetupError, InvalidRequestError
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.paged import BlockAllocator, PagedKVCache, blocks_needed
@@ -269,19 +269,15 @@ class PromptDropper:
         with torch.inference_mode():
             kv = cache.read(req.blocks, n)  # [2, L, n, Hkv*d] on the cache's device
             tensors: dict[Any, torch.Tensor] = {CacheKind.KV: kv}
-            qpos = lse = None
+            qpos = None
             rows = None if req.window is None else req.window.rows()
             if cut.policy.queries is not QueryNeed.NONE and rows is not None:
                 qpos, queries = rows
-                lse = log_normalisers(
-                    queries,
-                    qpos,
-                    lambda layer: cache.keys(req.blocks, layer, n),
-                    self.config.head_dim**-0.5,
-                )[None]
                 layers, r = queries.shape[0], queries.shape[1]
                 tensors[CacheKind.QUERY] = queries.reshape(1, layers, r, -1)
-            context = self._context(n, qpos, lse, str(kv.device))
+            # No log-normalisers: every key a captured row attended to is in ``kv`` (the whole
+            # prompt, no uncached tail), so a softmax over the cached keys is the true one.
+            context = self._context(n, qpos, None, str(kv.device))
             kept_kv, kept_tokens = cut.policy(tensors, req.prompt[:n], context=context)
             k = len(kept_tokens)
             if k < n:
