@@ -4,18 +4,22 @@ per-request overrides, the threshold, and the errors of bad policies and overrid
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 
 import kvdrop
+from kvdrop_engine.connectors.base import KVConnector
 from kvdrop_engine.drop import PromptDropper, parse_override
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.errors import EngineSetupError, InvalidRequestError
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.metrics import engine_load
-from kvdrop_engine.model import DenseAttention, Transformer
+from kvdrop_engine.model import DenseAttention, ModelConfig, Transformer
 from kvdrop_sdk import CacheKind
 from kvdrop_sdk.edit import EditContext
+from kvdrop_sdk.query_capture import QueryCapture
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -201,3 +205,49 @@ def test_gauges_report_kept_and_dropped(model: Transformer) -> None:
         engine.generate(prompt_of(200), {"max_tokens": 2, **GREEDY})
         load = engine_load(engine)
     assert (load.prompt_tokens_kept, load.prompt_tokens_dropped) == (50, 150)
+
+
+class DictConnector(KVConnector):
+    """Whole chunks of 16 in a dict (the connector of docs/engine.md)."""
+
+    def __init__(self) -> None:
+        super().__init__(QueryCapture())
+        self.chunks: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def bind(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        self.chunk_size = 16
+
+    def load(self, tokens: Sequence[int], cache_salt: str = "") -> torch.Tensor | None:
+        for n in range(len(tokens) // 16 * 16, 0, -16):
+            if (kv := self.chunks.get(tuple(tokens[:n]))) is not None:
+                return kv
+        return None
+
+    def store(
+        self,
+        kv: torch.Tensor,
+        queries: torch.Tensor | None,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+        *,
+        query_offset: int = 0,
+    ) -> int:
+        n = len(tokens) // 16 * 16
+        self.chunks[tuple(tokens[:n])] = kv[:, :, :n].clone()
+        return 0
+
+
+def test_with_a_connector_the_whole_prompt_is_stored_before_the_cut(model: Transformer) -> None:
+    """A cache server still gets the whole prompt (its chunks are stored before the cut), and a
+    second request for the same prompt loads them and is cut the same way."""
+    prompt = prompt_of(200)
+    conn = DictConnector()
+    dropper = PromptDropper(model.config, "knorm", keep_ratio=0.5)
+    with Engine(model, num_blocks=64, connector=conn, dropper=dropper) as engine:
+        first = list(engine.post_completion(prompt, {"max_tokens": 6, **GREEDY}))
+        again = list(engine.post_completion(prompt, {"max_tokens": 6, **GREEDY}))
+        stats = engine.stats()
+    assert list(conn.chunks) == [tuple(prompt[:192])]
+    assert stats.tokens_loaded == 192 and stats.prompt_cuts == 2
+    assert [e.token_id for e in first] == [e.token_id for e in again]
+    assert first[0].kept_prompt_tokens == again[0].kept_prompt_tokens == 100
