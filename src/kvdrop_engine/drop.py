@@ -32,9 +32,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvdrop.errors import PolicyNotFoundError
-from kvdrop.policy import Policy
-from kvdrop.spec import describe, get
 from kvdrop_engine.capture import WindowCapture
 from kvdrop_engine.errors import EngineSetupError, InvalidRequestError
 from kvdrop_engine.model import ModelConfig
@@ -44,6 +41,7 @@ from kvdrop_sdk.edit import EditContext
 from kvdrop_sdk.query_capture import DEFAULT_QUERY_STRIDE, DEFAULT_QUERY_WINDOW, QueryNeed
 
 if TYPE_CHECKING:
+    from kvdrop.policy import Policy
     from kvdrop_engine.sequence import Request
 
 __all__ = [
@@ -55,6 +53,7 @@ __all__ = [
     "PromptCut",
     "PromptDropper",
     "parse_override",
+    "prepare_cut",
 ]
 
 #: ``--keep-ratio`` when it is not given.
@@ -171,6 +170,9 @@ class PromptDropper:
     def _build(self, spec: str, keep_ratio: float) -> PromptCut:
         key = (spec, keep_ratio)
         if key not in self._built:
+            from kvdrop.errors import PolicyNotFoundError  # the policy library, on first use
+            from kvdrop.spec import describe, get
+
             try:
                 names = {p.name for p in describe(spec).params}
                 params: dict[str, Any] = {"keep_ratio": keep_ratio}
@@ -288,6 +290,26 @@ class PromptDropper:
         req.window = None  # its rows sit at the old positions
         req.store_upto = 0  # stored (with a connector) before the cut
         return CutResult(n, k, time.perf_counter() - started)
+
+
+def prepare_cut(dropper: PromptDropper | None, req: Request, override: tuple[Any, ...]) -> None:
+    """(at submission) ``req``'s cut and the query rows its policy reads, to be captured during
+    the prefill. ``override`` holds the request's ``"kvdrop"`` value when it sent one; asking for
+    a cut from an engine without a dropper is an ``InvalidRequestError``."""
+    if dropper is None:
+        if override and override[0] is not None:
+            raise InvalidRequestError(
+                "'kvdrop' asks for dropping, but this engine was built without a dropper "
+                "(kvdrop engine --policy, or Engine(dropper=PromptDropper(...)))"
+            )
+        return
+    req.cut = dropper.choose(len(req.prompt), *override)
+    if override or dropper.default is not None:
+        req.kept_prompt = len(req.prompt)  # reported as kept; the cut lowers it
+    if req.params.max_tokens == 1:
+        req.cut = None  # one token: nothing would decode from the cut cache
+    elif req.cut is not None:
+        req.window = dropper.window(req.cut, len(req.prompt))
 
 
 def _resize(allocator: BlockAllocator, req: Request, need: int) -> None:

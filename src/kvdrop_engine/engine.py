@@ -17,12 +17,13 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor, nn
 
 from kvdrop_engine.connectors.base import KVConnector
+from kvdrop_engine.drop import PromptDropper, prepare_cut
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
@@ -49,9 +50,6 @@ from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
 from kvdrop_engine.transfer import ScoresJob, StoreJob, Transfers, WindowJob, check_seconds
 from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.validate import positive_int
-
-if TYPE_CHECKING:
-    from kvdrop_engine.drop import PromptDropper
 
 __all__ = ["DEFAULT_BUDGET_TOKENS", "Engine", "EngineStats", "StepPlan", "plan_step"]
 
@@ -273,7 +271,7 @@ class Engine:
             vocab_size=self.config.vocab_size,
             detok=detok,
         )
-        self._choose_cut(req, override)
+        prepare_cut(self.dropper, req, override)
         if req.params.reconstruct and (self.reconstruction is None or self._transfers is None):
             raise InvalidRequestError(
                 "reconstruct=true needs an engine built with reconstruction=ReconstructionPrompt"
@@ -323,24 +321,6 @@ class Engine:
             self._sched.waiting.append(req)
             self._stats.peak_waiting = max(self._stats.peak_waiting, len(self._sched.waiting))
             self._cv.notify_all()
-
-    def _choose_cut(self, req: Request, override: tuple[Any, ...]) -> None:
-        """The dropper's cut for ``req`` (``override``: the request's ``"kvdrop"`` value, if it
-        sent one) and the query rows its policy reads, captured during the prefill."""
-        if self.dropper is None:
-            if override and override[0] is not None:
-                raise InvalidRequestError(
-                    "'kvdrop' asks for dropping, but this engine was built without a dropper "
-                    "(kvdrop engine --policy, or Engine(dropper=PromptDropper(...)))"
-                )
-            return
-        req.cut = self.dropper.choose(len(req.prompt), *override)
-        if override or self.dropper.default is not None:
-            req.kept_prompt = len(req.prompt)  # reported as kept; the cut lowers it
-        if req.params.max_tokens == 1:
-            req.cut = None  # one token: nothing would decode from the cut cache
-        elif req.cut is not None:
-            req.window = self.dropper.window(req.cut, len(req.prompt))
 
     def generate(
         self,
