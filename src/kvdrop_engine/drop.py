@@ -61,8 +61,10 @@ DEFAULT_KEEP_RATIO = 0.5
 #: Prompts shorter than this are left whole: a short cache is cheap, and a policy's observation
 #: window (SnapKV's 64 queries) would cover most of it.
 DEFAULT_MIN_PROMPT_TOKENS = 128
-#: Tokens of the random prompt :meth:`PromptDropper.check` runs the policy on at start.
+#: Tokens of the random prompt :meth:`PromptDropper.check` runs a new policy on.
 _CHECK_TOKENS = 160
+#: Built (spec, keep ratio) pairs kept for reuse.
+_MAX_BUILT = 64
 
 
 class _Unset:
@@ -138,8 +140,10 @@ class PromptDropper:
 
     ``spec`` is a registered name or spec string (plugins included), built with ``keep_ratio``
     and the paged cache's lack of a chunk constraint (``chunk_size=1`` where the policy takes
-    one). Policies are built once per (spec, keep ratio). ``spec=None`` serves without a default
-    cut; requests may still ask for one.
+    one), and checked once on a random prompt of the model's layout (:meth:`check`), so a policy
+    that cannot run on the model fails at start, or a request's override with a clear
+    ``InvalidRequestError`` before its prefill. ``spec=None`` serves without a default cut;
+    requests may still ask for one.
     """
 
     def __init__(
@@ -163,7 +167,6 @@ class PromptDropper:
         if spec is not None:
             try:
                 self.default = self._build(spec, self.keep_ratio)
-                self.check(self.default)
             except InvalidRequestError as exc:
                 raise EngineSetupError(f"--policy {spec}: {exc}") from None
 
@@ -186,7 +189,11 @@ class PromptDropper:
                     f"policy {spec!r} reads the engine's reconstruction scores (KVzip), which the "
                     "engine does not compute while serving; pick another policy"
                 )
-            self._built[key] = PromptCut(spec, keep_ratio, policy)
+            cut = PromptCut(spec, keep_ratio, policy)
+            self.check(cut)
+            if len(self._built) >= _MAX_BUILT:  # requests choose the keys: keep the cache small
+                self._built.pop(next(iter(self._built)))
+            self._built[key] = cut
         return self._built[key]
 
     def check(self, cut: PromptCut) -> None:
@@ -230,10 +237,7 @@ class PromptDropper:
                     "'kvdrop' gives no policy and the engine has no --policy; send "
                     '{"policy": "snapkv", "keep_ratio": 0.5}'
                 )
-            ratio = parsed.keep_ratio
-            if ratio is None:
-                same = self.default is not None and self.default.spec == spec
-                ratio = self.default.keep_ratio if same else self.keep_ratio  # type: ignore[union-attr]
+            ratio = self.keep_ratio if parsed.keep_ratio is None else parsed.keep_ratio
             cut = self._build(spec, ratio)
         if cut is None or num_prompt < self.min_prompt_tokens:
             return None

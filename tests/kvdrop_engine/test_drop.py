@@ -163,6 +163,7 @@ def test_overrides_and_threshold(model: Transformer) -> None:
         ({"ratio": 0.5}, "unknown key(s) ['ratio']"),
         ({"policy": "no-such-policy"}, "no-such-policy"),
         ({"policy": "snapkv", "keep_ratio": 0.5, "window": 8}, "unknown key(s) ['window']"),
+        ({"policy": "snapkv(head_dim=12)"}, "cannot run on this model"),
     ],
 )
 def test_bad_overrides_are_refused(model: Transformer, value: object, fragment: str) -> None:
