@@ -123,10 +123,21 @@ def _label(text: str) -> str:
     return line.split("{", 1)[1].split("}", 1)[0]
 
 
-def test_engine_cli_refuses_an_unknown_policy(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["engine", "--random-preset", "tiny", "--policy", "no-such-policy"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("kvdrop engine: error: --policy no-such-policy") and "\n" not in err
+@pytest.mark.parametrize(
+    ("flags", "fragment"),
+    [
+        (["--policy", "no-such-policy"], "--policy no-such-policy: policy 'no-such-policy'"),
+        (["--policy", "kvzip"], "--policy kvzip: policy 'kvzip' reads the engine's reconstruction"),
+        (["--keep-ratio", "0"], "--keep-ratio must be in (0, 1], got 0.0"),
+        (["--min-drop-tokens", "0"], "--min-drop-tokens must be a positive integer"),
+    ],
+)
+def test_engine_cli_refuses_bad_drop_flags(
+    flags: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["engine", "--random-preset", "tiny", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("kvdrop engine: error: ") and fragment in err, err
 
 
 PASSKEY = (
