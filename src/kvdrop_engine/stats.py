@@ -44,6 +44,12 @@ class EngineStats:
     decode_kv_tokens: int = 0
     graph_capture_seconds: float = 0.0
     prefix_load_seconds: float = 0.0
+    #: Prompts cut after prefill (``--policy`` or a request's ``"kvdrop"``), their tokens kept
+    #: and dropped, and the cuts' wall time on the loop thread (:mod:`kvdrop_engine.drop`).
+    prompt_cuts: int = 0
+    prompt_tokens_kept: int = 0
+    prompt_tokens_dropped: int = 0
+    cut_seconds: float = 0.0
     connector_fallbacks: int = 0  # loads that failed, timed out or were skipped: recomputed
     store_failures: int = 0  # stores that failed, timed out or were skipped
 
