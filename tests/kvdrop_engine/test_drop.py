@@ -97,9 +97,9 @@ def test_kept_keys_sit_at_contiguous_positions(model: Transformer) -> None:
     req = None
     original = engine.dropper.cut  # type: ignore[union-attr]
 
-    def spy(cache, r, cut, max_tokens):  # type: ignore[no-untyped-def]
+    def spy(cache, r, cut):  # type: ignore[no-untyped-def]
         nonlocal req
-        done = original(cache, r, cut, max_tokens)
+        done = original(cache, r, cut)
         req = (list(r.prompt), cache.keys(r.blocks, 0, r.num_computed).clone())
         return done
 
