@@ -190,7 +190,10 @@ def server_gb(cfg: ModelConfig, dtype: torch.dtype, prompts: list[list[int]], ar
     evicts least recently used chunks, and each run needs only its own)."""
     item = torch.empty((), dtype=dtype).element_size()
     per_token = 2 * cfg.num_layers * cfg.kv_dim * item
-    if any(kvdrop.describe(p).needs_query for p in args.policy) and args.query_capture == "full":
+    if (
+        any(kvdrop.describe(p).needs.reads_queries for p in args.policy)
+        and args.query_capture == "full"
+    ):
         per_token += cfg.num_layers * cfg.q_dim * item  # windows live beside the pool
     runs = 1 if args.share_prefill else 2
     total = sum(len(p) + 1 + args.max_tokens for p in prompts) * per_token
@@ -412,7 +415,7 @@ def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
     device = torch.device(args.device)
     prompts = make_prompts(args, cfg.vocab_size)
     policies = {name: build_policy(name, cfg, args) for name in args.policy}
-    needs_q = {name: kvdrop.describe(name).needs_query for name in args.policy}
+    needs_q = {name: kvdrop.describe(name).needs.reads_queries for name in args.policy}
     # Policies reading the reconstruction pass's scores (kvzip) run with the query context too.
     scores = {name: bool(policies[name].token_scores) for name in args.policy}
 

@@ -142,13 +142,13 @@ def bench_policy(
     num_tokens = kv.shape[2]
     tokens = list(range(num_tokens))
     full = bool(args.full_queries)
-    tensors, context = edit_inputs(info.needs_query, kv, query, args, full)
+    tensors, context = edit_inputs(info.needs.reads_queries, kv, query, args, full)
     try:
         seconds, (_, kept) = timed(
             lambda: fn(tensors, tokens, context=context), args.repeats, args.device
         )
     except PolicyInputError:
-        if full or not info.needs_query:
+        if full or not info.needs.reads_queries:
             raise
         # A scorer that reads every cached token's query (e.g. the example plugin's
         # last-queries) refuses a window: it gets the full queries, and the row says so.
@@ -171,13 +171,13 @@ def bench_policy(
         torch.cuda.synchronize()
         gpu_peak_mb = (torch.cuda.max_memory_allocated() - before) / 2**20
     input_bytes = kv.numel() * kv.element_size()
-    if info.needs_query:
+    if info.needs.reads_queries:
         q_in = tensors[CacheKind.QUERY]
         input_bytes += q_in.numel() * q_in.element_size()
     return {
         "policy": name,
         "T": num_tokens,
-        "queries": ("full" if full else "window") if info.needs_query else "-",
+        "queries": ("full" if full else "window") if info.needs.reads_queries else "-",
         "kept": len(kept),
         "seconds": seconds,
         "ms_per_1k_tokens": 1000 * seconds / (num_tokens / 1000),

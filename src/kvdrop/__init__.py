@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from kvdrop.registry import PluginWarning, available, register
     from kvdrop.selector import Selection, Selector
     from kvdrop.spec import describe, get
-    from kvdrop_sdk.query_capture import QueryNeed
+    from kvdrop_sdk.query_capture import Needs, QueryNeed, needs_of
 
 _LAZY = {
     "Budget": "kvdrop.combinators",
@@ -50,7 +50,9 @@ _LAZY = {
     "Policy": "kvdrop.policy",
     "PolicyFactory": "kvdrop.factories",
     "PolicyInfo": "kvdrop.factories",
+    "Needs": "kvdrop_sdk.query_capture",
     "QueryNeed": "kvdrop_sdk.query_capture",
+    "needs_of": "kvdrop_sdk.query_capture",
     "Scorer": "kvdrop.policy",
     "ScorerFactory": "kvdrop.factories",
     "ScorerPolicy": "kvdrop.policy",
@@ -69,6 +71,7 @@ __all__ = [
     "Compose",
     "MissingQueryError",
     "MissingTokenScoresError",
+    "Needs",
     "Param",
     "PluginWarning",
     "Policy",
@@ -89,6 +92,7 @@ __all__ = [
     "available",
     "describe",
     "get",
+    "needs_of",
     "param",
     "register",
 ]

@@ -22,7 +22,7 @@ from kvdrop.function_policy import as_policy
 from kvdrop.params import Param, params_of_dataclass, validate_params
 from kvdrop.policy import Policy, Scorer, ScorerPolicy
 from kvdrop.selector import SELECTOR_PARAMS, Selector
-from kvdrop_sdk.query_capture import DeclaresQueries, QueryNeed
+from kvdrop_sdk.query_capture import Needs, QueryNeed, needs_of
 
 __all__ = [
     "FunctionFactory",
@@ -38,8 +38,8 @@ __all__ = [
 class PolicyInfo:
     """What ``kvdrop describe`` shows: summary, which queries are read, every parameter.
 
-    ``queries`` is that of the policy built from ``example`` (the defaults, for most);
-    ``needs_query`` (what ``kvdrop describe`` prints) is derived from it.
+    ``queries`` and ``token_scores`` are those of the policy built from ``example`` (the
+    defaults, for most); :attr:`needs` puts them together.
     """
 
     name: str
@@ -50,20 +50,21 @@ class PolicyInfo:
     #: Parameters a minimal working instance needs beyond the defaults (e.g. the inner policies of
     #: a composition); docs and the property tests over every registered policy use them.
     example: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    token_scores: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "queries", QueryNeed(self.queries))
 
     @property
-    def needs_query(self) -> bool:
-        """Whether the policy reads any prefill query."""
-        return self.queries is not QueryNeed.NONE
+    def needs(self) -> Needs:
+        """What the policy reads beside the KV."""
+        return Needs(self.queries, self.token_scores)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "summary": self.summary,
-            "needs_query": self.needs_query,
+            "needs_query": self.needs.reads_queries,
             "details": self.details,
             "params": [p.describe() for p in self.params],
             "example": dict(self.example),
@@ -134,7 +135,13 @@ class ScorerFactory(PolicyFactory):
         self.params: tuple[Param, ...] = (*exposed, *scorer_params)
         doc = inspect.cleandoc(scorer_cls.__doc__ or "")
         self.info = PolicyInfo(
-            name, summary, scorer_cls.queries, self.params, doc, dict(example or {})
+            name,
+            summary,
+            scorer_cls.queries,
+            self.params,
+            doc,
+            dict(example or {}),
+            scorer_cls.token_scores,
         )
 
     def __call__(self, **params: Any) -> ScorerPolicy:
@@ -157,7 +164,8 @@ class FunctionFactory(PolicyFactory):
     """A plain callable ``factory(**params) -> edit function`` registered as a policy.
 
     ``kvdrop describe`` reads its signature and docstring (or its ``info``, a PolicyInfo; its
-    ``queries`` (a QueryNeed) and ``example`` attributes where set). Parameter names are
+    ``queries``, ``token_scores`` and ``example`` attributes where set: a factory that declares
+    nothing builds functions that read upstream's full queries). Parameter names are
     checked before
     the call (an unknown or missing one raises PolicyParamError, unless it takes ``**kwargs``);
     what it returns is adapted to a :class:`Policy`.
@@ -200,7 +208,8 @@ class FunctionFactory(PolicyFactory):
                 f"{self.name}: missing parameter(s) {', '.join(map(repr, missing))}; expected "
                 "values for them (`kvdrop describe` lists every parameter)"
             )
-        return as_policy(self.fn(**params), self.name, self.info.queries)
+        built = self.fn(**params)
+        return as_policy(built, self.name, needs_of(built, default=self.info.needs))
 
 
 def as_factory(name: str, obj: Any) -> PolicyFactory:
@@ -232,7 +241,8 @@ def info_of(name: str, factory: Callable[..., Any]) -> PolicyInfo:
         example=dict(getattr(factory, "example", {}) or {}),
         name=name,
         summary=doc.splitlines()[0] if doc else "",
-        queries=factory.queries if isinstance(factory, DeclaresQueries) else QueryNeed.NONE,
+        queries=needs_of(factory).queries,
+        token_scores=needs_of(factory).token_scores,
         params=tuple(params),
         details=doc,
     )

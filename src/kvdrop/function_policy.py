@@ -1,8 +1,9 @@
 """The adapter of a plain edit function ``fn(tensors, tokens) -> (kv, tokens)`` to :class:`Policy`.
 
 Plugins may register plain functions; :func:`as_policy` wraps them so combinators and the SDK
-see one protocol. What the function reads of the queries comes from its declaration: its own
-``queries`` (a :class:`~kvdrop_sdk.query_capture.QueryNeed`) when it has one, else the factory's.
+see one protocol. What the function reads comes from its declaration
+(:func:`~kvdrop_sdk.query_capture.needs_of`: a function that declares nothing reads the full
+queries, as upstream's do), unless its factory declares it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kvdrop.errors import PolicyInputError, PolicyWarning
 from kvdrop.inputs import edit_inputs
 from kvdrop.policy import Policy, warn_no_rope
 from kvdrop_sdk.edit import EditContext, ModifyFnType, takes_edit_context
-from kvdrop_sdk.query_capture import DeclaresQueries, QueryNeed
+from kvdrop_sdk.query_capture import Needs, QueryNeed, needs_of
 
 __all__ = ["FunctionPolicy", "as_policy"]
 
@@ -32,10 +33,10 @@ class FunctionPolicy(Policy):
     rows are not input rows (e.g. it changed values) is returned as it is, with a warning.
     """
 
-    def __init__(self, name: str, fn: ModifyFnType, queries: QueryNeed = QueryNeed.NONE) -> None:
+    def __init__(self, name: str, fn: ModifyFnType, needs: Needs | None = None) -> None:
         self.name = name
         self.fn = fn
-        self._queries = fn.queries if isinstance(fn, DeclaresQueries) else QueryNeed(queries)
+        self._needs = needs_of(fn) if needs is None else needs
         self._takes_context = takes_edit_context(fn)
 
     def __repr__(self) -> str:
@@ -43,7 +44,11 @@ class FunctionPolicy(Policy):
 
     @property
     def queries(self) -> QueryNeed:
-        return self._queries
+        return self._needs.queries
+
+    @property
+    def token_scores(self) -> bool:
+        return self._needs.token_scores
 
     def _call_fn(
         self,
@@ -81,8 +86,9 @@ class FunctionPolicy(Policy):
         *,
         context: EditContext | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Only the KV is read here; the function reads what it declared on its own.
         kv = edit_inputs(
-            tensors, tokens, policy=self.name, queries=self.queries, context=context
+            tensors, tokens, policy=self.name, queries=QueryNeed.NONE, context=context
         ).kv
         out, kept = self._call_fn(tensors, tokens, context)
         return kv, self._match(kv, tokens, out, kept)
@@ -120,10 +126,11 @@ class FunctionPolicy(Policy):
         return self.keep(kv, tokens, index, context=context, positions=positions)
 
 
-def as_policy(fn: Policy | ModifyFnType, name: str, queries: QueryNeed = QueryNeed.NONE) -> Policy:
-    """``fn`` itself if it is a :class:`Policy`, else a :class:`FunctionPolicy` around it."""
+def as_policy(fn: Policy | ModifyFnType, name: str, needs: Needs | None = None) -> Policy:
+    """``fn`` itself if it is a :class:`Policy`, else a :class:`FunctionPolicy` around it
+    (reading ``needs``, default the function's own :func:`needs_of`)."""
     if isinstance(fn, Policy):
         return fn
     if not callable(fn):
         raise TypeError(f"{name}: expected an edit function fn(tensors, tokens); got {fn!r}")
-    return FunctionPolicy(name, fn, queries)
+    return FunctionPolicy(name, fn, needs)

@@ -125,25 +125,14 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def queries(self) -> QueryNeed:
         """Which prefill queries (``tensors[CacheKind.QUERY]``) the policy reads: none, a window
-        of rows at any positions, or every cached token's (``QueryCapture.for_policies`` reads
-        it)."""
-
-    @property
-    def needs_query(self) -> bool:
-        """Whether the policy reads any query (derived from :attr:`queries`)."""
-        return self.queries is not QueryNeed.NONE
-
-    @property
-    def needs_full_queries(self) -> bool:
-        """Whether it reads every cached token's query (derived from :attr:`queries`; kept for
-        callers not yet on ``QueryCapture.for_policies``)."""
-        return self.queries is QueryNeed.FULL
+        of rows at any positions, or every cached token's (read through
+        :func:`~kvdrop_sdk.query_capture.needs_of`)."""
 
     @property
     def token_scores(self) -> bool:
         """Whether it reads per-token scores the engine computes with the model
         (``EditContext.token_scores``: KVzip's reconstruction pass), so the engine must run it
-        (``QueryCapture.for_policies`` reads it)."""
+        (read through :func:`~kvdrop_sdk.query_capture.needs_of`)."""
         return False
 
     @abc.abstractmethod

@@ -36,6 +36,7 @@ from kvdrop.factories import PolicyFactory, PolicyInfo
 from kvdrop.params import Param, validate_params
 from kvdrop.policy import Policy, QueryNeed
 from kvdrop.selector import SELECTOR_PARAMS
+from kvdrop_sdk.query_capture import needs_of
 
 __all__ = [
     "SpecFactory",
@@ -208,7 +209,7 @@ class SpecFactory(PolicyFactory):
 
     One term (``"snapkv(window=32)"``) is that policy with bound parameters; several are their
     :class:`~kvdrop.combinators.Compose`. Built once with the defaults on creation, so a bad
-    spec fails now, and ``info.queries`` is the built policy's.
+    spec fails now, and ``info.needs`` is the built policy's.
     """
 
     def __init__(self, spec: str) -> None:
@@ -228,7 +229,10 @@ class SpecFactory(PolicyFactory):
             self._single = None
             info = _compose_info(spec, self.terms)
         self.info = info
-        self.info = dataclasses.replace(info, queries=self().queries)
+        needs = needs_of(self())
+        self.info = dataclasses.replace(
+            info, queries=needs.queries, token_scores=needs.token_scores
+        )
 
     def __call__(self, **params: Any) -> Policy:
         if self._single is not None:

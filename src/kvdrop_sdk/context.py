@@ -34,6 +34,7 @@ from kvdrop_sdk.errors import (
 from kvdrop_sdk.hashing import TOKEN_BYTES, encode_tokens
 from kvdrop_sdk.layout import CacheLayout, dtype_name
 from kvdrop_sdk.protocol import MAX_SALT_CHARS, RpcClient, RpcError, server_hint
+from kvdrop_sdk.query_capture import UPSTREAM_CAPTURE, QueryCapture
 from kvdrop_sdk.transport.contiguous import MODES, ContiguousTransferWrapper
 from kvdrop_sdk.validate import is_number, tensor_problem
 
@@ -57,6 +58,7 @@ class Context:
         *,
         layout: CacheLayout | None = None,
         transport: str = "auto",
+        capture: QueryCapture | None = None,
     ) -> None:
         if isinstance(url, enum.Enum):
             raise SDKError(
@@ -83,6 +85,11 @@ class Context:
             raise SDKError(f"transport {transport!r} is unknown; expected one of {MODES}")
         if layout is not None and not isinstance(layout, CacheLayout):
             raise SDKError(f"layout must be a CacheLayout, got {type(layout).__name__}")
+        if capture is not None and not isinstance(capture, QueryCapture):
+            raise SDKError(f"capture must be a QueryCapture, got {type(capture).__name__}")
+        #: What the engine stores of the queries (a QUERY context's reads follow it); not told:
+        #: upstream's full queries in chunks.
+        self.capture = UPSTREAM_CAPTURE if capture is None else capture
         self.url = url
         self.http_url = http_url.rstrip("/")
         self.model_name = model_name
@@ -393,11 +400,15 @@ def connect(
     *,
     layout: CacheLayout | None = None,
     transport: str = "auto",
+    capture: QueryCapture | None = None,
 ) -> Context:
     """Open a context for ``kind`` and register its caches (reads the layout from the server).
 
     ``layout=`` registers the layout first (offline use without an engine); ``transport`` is
     "auto" (shared memory when the server offers it and it can be mapped), "shm" or "socket".
+    ``capture`` (a QUERY context's) is what the engine stores of the queries
+    (:class:`~kvdrop_sdk.query_capture.QueryCapture`): a request stream then reads chunk queries
+    only when it stores them (default: upstream's full queries).
     An unknown ``kind`` raises ``CacheKindError`` (an ``SDKError`` and, as upstream, a
     ``ValueError``).
     """
@@ -405,7 +416,16 @@ def connect(
         kind = CacheKind.parse(kind)
     except ValueError as exc:
         raise CacheKindError(str(exc)) from None
-    ctx = Context(url, http_url, model_name, kind, timeout, layout=layout, transport=transport)
+    ctx = Context(
+        url,
+        http_url,
+        model_name,
+        kind,
+        timeout,
+        layout=layout,
+        transport=transport,
+        capture=capture,
+    )
     try:
         ctx.register_caches()
     except BaseException:

@@ -29,7 +29,6 @@ import torch
 
 from kvdrop_sdk.cache_kind import CacheKind, KindMap, kind_value
 from kvdrop_sdk.errors import EditTimeoutError, RequestStreamError
-from kvdrop_sdk.query_capture import DeclaresQueries, QueryNeed
 from kvdrop_sdk.validate import is_int, token_ids
 
 __all__ = [
@@ -45,7 +44,6 @@ __all__ = [
     "edit_salt",
     "get_tensor",
     "merge_queries",
-    "reads_queries",
     "takes_edit_context",
     "warn_plain_window",
 ]
@@ -195,12 +193,6 @@ def get_tensor(tensors: Mapping[Any, torch.Tensor], kind: CacheKind) -> torch.Te
         if kind_value(key) == kind.value:
             return value
     return None
-
-
-def reads_queries(fn: Any) -> bool:
-    """Whether ``fn`` reads query tensors: its declared ``queries`` (every kvdrop policy), else
-    True (a plain function may, as upstream's do)."""
-    return not (isinstance(fn, DeclaresQueries) and QueryNeed(fn.queries) is QueryNeed.NONE)
 
 
 @dataclass(frozen=True)

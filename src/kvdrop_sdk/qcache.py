@@ -10,6 +10,7 @@ from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context
 from kvdrop_sdk.context import connect as _connect
 from kvdrop_sdk.layout import CacheLayout
+from kvdrop_sdk.query_capture import QueryCapture
 
 __all__ = ["connect"]
 
@@ -22,8 +23,17 @@ def connect(
     *,
     layout: CacheLayout | None = None,
     transport: str = "auto",
+    capture: QueryCapture | None = None,
 ) -> Context:
-    """Same as ``kvdrop_sdk.connect(CacheKind.QUERY, ...)``."""
+    """Same as ``kvdrop_sdk.connect(CacheKind.QUERY, ...)``; ``capture`` is what the engine
+    stores of the queries (a stream reads only what it stores)."""
     return _connect(
-        CacheKind.QUERY, url, http_url, model_name, timeout, layout=layout, transport=transport
+        CacheKind.QUERY,
+        url,
+        http_url,
+        model_name,
+        timeout,
+        layout=layout,
+        transport=transport,
+        capture=capture,
     )

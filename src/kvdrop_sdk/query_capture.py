@@ -1,14 +1,20 @@
-"""Which queries an engine captures for the policies that will edit its caches: one owner.
+"""What an edit reads beside the KV, and what the engine captures for it: one owner.
 
-A policy declares what it reads with one attribute, ``queries`` (a :class:`QueryNeed`):
+An edit function declares what it reads with two attributes:
 
-* ``QueryNeed.NONE``: keys and values only;
-* ``QueryNeed.WINDOW``: query rows at any positions (the lean window: the last ``window``
-  positions of the whole sequence plus every ``stride``-th one, with log-normalisers);
-* ``QueryNeed.FULL``: the query of every cached token, in whole chunks (upstream's layout).
+* ``queries`` (a :class:`QueryNeed`): ``NONE`` (keys and values only), ``WINDOW`` (query rows at
+  any positions: the lean window, the last ``window`` positions of the whole sequence plus every
+  ``stride``-th one, with log-normalisers) or ``FULL`` (the query of every cached token, in whole
+  chunks: upstream's layout);
+* ``token_scores`` (a bool): per-token scores the engine computes with the model after prefill
+  (KVzip's reconstruction pass, ``EditContext.token_scores``).
 
-:meth:`QueryCapture.for_policies` derives the engine's capture from the policies once; demo,
-eval, benchmarks and ``kvdrop engine`` all call it, and connectors are built with the result.
+:func:`needs_of` reads both into one frozen :class:`Needs`, with one default for a function that
+declares nothing (upstream's: every query, no scores); it is the only place that tests the
+declarations. :meth:`QueryCapture.for_policies` derives the engine's capture from the needs of
+every policy it will serve; demo, eval, benchmarks and the engine's command call it, connectors
+take the result unchanged, and the SDK's query context carries it, so a request stream reads
+chunk queries only when the engine stores them (``capture.full``).
 """
 
 from __future__ import annotations
@@ -16,21 +22,27 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 __all__ = [
+    "CAPTURE_CHOICES",
     "DEFAULT_QUERY_STRIDE",
     "DEFAULT_QUERY_WINDOW",
-    "DeclaresQueries",
-    "DeclaresTokenScores",
+    "UPSTREAM_CAPTURE",
+    "UPSTREAM_NEEDS",
+    "Needs",
     "QueryCapture",
     "QueryNeed",
+    "needs_of",
 ]
 
 #: Default W: at least the largest observation window of a built-in policy (SnapKV's 64).
 DEFAULT_QUERY_WINDOW = 64
 #: Default S of the strided sample (H2O's queries): ``T / 64`` rows over a ``T``-token sequence.
 DEFAULT_QUERY_STRIDE = 64
+#: What a user may ask of :meth:`QueryCapture.for_policies` (``--query-capture``): ``auto`` and
+#: ``window`` are the least capture that serves the policies; ``full`` stores every query.
+CAPTURE_CHOICES = ("auto", "window", "full")
 
 
 class QueryNeed(str, enum.Enum):
@@ -49,20 +61,58 @@ _RANK = {QueryNeed.NONE: 0, QueryNeed.WINDOW: 1, QueryNeed.FULL: 2}
 
 
 @runtime_checkable
-class DeclaresQueries(Protocol):
-    """A policy (or any edit function) that says which queries it reads."""
-
+class _DeclaresQueries(Protocol):
     @property
     def queries(self) -> QueryNeed: ...
 
 
 @runtime_checkable
-class DeclaresTokenScores(Protocol):
-    """A policy that says whether it reads per-token scores the engine computes with the model
-    (``EditContext.token_scores``: KVzip's reconstruction pass after prefill)."""
-
+class _DeclaresTokenScores(Protocol):
     @property
     def token_scores(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What one edit function reads beside the KV: which ``queries``, and whether the engine's
+    ``token_scores``. Combine with ``|`` (the widest of both)."""
+
+    queries: QueryNeed = QueryNeed.FULL
+    token_scores: bool = False
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "queries", QueryNeed(self.queries))
+        except ValueError:
+            modes = [m.value for m in QueryNeed]
+            raise ValueError(f"queries must be one of {modes}, got {self.queries!r}") from None
+        if not isinstance(self.token_scores, bool):
+            raise ValueError(f"token_scores must be a bool, got {self.token_scores!r}")
+
+    @property
+    def reads_queries(self) -> bool:
+        """Whether any query row is read."""
+        return self.queries is not QueryNeed.NONE
+
+    def __or__(self, other: Needs) -> Needs:
+        wider = max(self.queries, other.queries, key=lambda q: q.rank)
+        return Needs(wider, self.token_scores or other.token_scores)
+
+
+#: The needs of a function that declares nothing: upstream's edit functions read the full
+#: queries (when the engine stores them) and know no token scores.
+UPSTREAM_NEEDS = Needs(QueryNeed.FULL, False)
+#: Keys and values only (the start of a union).
+NO_NEEDS = Needs(QueryNeed.NONE, False)
+
+
+def needs_of(fn: object, default: Needs = UPSTREAM_NEEDS) -> Needs:
+    """What ``fn`` reads: its declared ``queries`` and ``token_scores``, each defaulting to
+    ``default``'s (upstream's; a plugin factory's declaration for the functions it builds).
+    The one reader of those declarations."""
+    queries = fn.queries if isinstance(fn, _DeclaresQueries) else default.queries
+    scores = fn.token_scores if isinstance(fn, _DeclaresTokenScores) else default.token_scores
+    return Needs(QueryNeed(queries), bool(scores))
 
 
 @dataclass(frozen=True)
@@ -107,25 +157,36 @@ class QueryCapture:
         """Whether every prompt query is stored in chunks."""
         return self.mode is QueryNeed.FULL
 
+    def serves(self, needs: Needs) -> Needs:
+        """What of ``needs`` this capture hands an edit: the queries it reads (none when none
+        are captured; a window reader reads the chunk queries of a full capture too) and the
+        scores when they are computed."""
+        queries = needs.queries if self.enabled else QueryNeed.NONE
+        return Needs(queries, needs.token_scores and self.scores)
+
     @classmethod
     def for_policies(
         cls,
         policies: Iterable[object],
+        mode: Literal["auto", "window", "full"] = "auto",
         *,
-        floor: QueryNeed | str = QueryNeed.NONE,
         window: int = DEFAULT_QUERY_WINDOW,
         stride: int = DEFAULT_QUERY_STRIDE,
     ) -> QueryCapture:
-        """The least capture that serves every policy: the widest ``queries`` they declare, at
-        least ``floor`` (``"full"`` where a user asked for it). An object that declares nothing
-        (a plain edit function) is served the full queries, the upstream layout it was written
-        for. ``scores`` is on when a policy declares ``token_scores``."""
-        need = QueryNeed(floor)
-        policies = list(policies)
-        scores = any(isinstance(p, DeclaresTokenScores) and p.token_scores for p in policies)
+        """The final capture for ``policies`` (their :func:`needs_of`): none when none reads
+        queries, else the lean window, or every query when one needs them all or ``mode`` is
+        ``"full"``; ``scores`` when one reads token scores. ``"auto"`` and ``"window"`` are the
+        least capture that serves them all."""
+        if mode not in CAPTURE_CHOICES:
+            raise ValueError(f"query capture must be one of {CAPTURE_CHOICES}, got {mode!r}")
+        needs = NO_NEEDS
         for policy in policies:
-            declared = policy.queries if isinstance(policy, DeclaresQueries) else QueryNeed.FULL
-            declared = QueryNeed(declared)
-            if declared.rank > need.rank:
-                need = declared
-        return cls(need, window, stride, scores)
+            needs = needs | needs_of(policy)
+        queries = needs.queries
+        if queries is not QueryNeed.NONE and mode == "full":
+            queries = QueryNeed.FULL
+        return cls(queries, window, stride, needs.token_scores)
+
+
+#: What a query context assumes when not told: upstream's every prompt query in chunks.
+UPSTREAM_CAPTURE = QueryCapture(QueryNeed.FULL)

@@ -82,13 +82,13 @@ from kvdrop_sdk.edit import (
     check_edit_tokens,
     edit_salt,
     merge_queries,
-    reads_queries,
     takes_edit_context,
     warn_plain_window,
 )
 from kvdrop_sdk.errors import RequestStreamError, SDKError
 from kvdrop_sdk.events import PostCompletion, TokenEvent
 from kvdrop_sdk.foreign import Closeable, StreamContext, as_token_event
+from kvdrop_sdk.query_capture import needs_of
 from kvdrop_sdk.stream_contexts import StreamContexts
 from kvdrop_sdk.validate import is_int, token_ids
 from kvdrop_sdk.window import retrieve_window, scores_for
@@ -467,9 +467,10 @@ class RequestStream:
                 )
             tensors, cached = got
             with_context = takes_edit_context(fn)
+            needs = needs_of(fn)
             queries = None
             q_ctx = self._cache.by_kind.get(CacheKind.QUERY)
-            if q_ctx is not None and reads_queries(fn):
+            if q_ctx is not None and needs.reads_queries:
                 queries = self._queries(q_ctx, current, cached, with_context)
                 if queries.query is not None:
                     tensors[CacheKind.QUERY] = queries.query
@@ -481,8 +482,9 @@ class RequestStream:
             context = None
             if with_context:
                 context = self._edit_context(kv_ctx, cached, len(current), queries, device)
-                q_ctx = self._cache.by_kind.get(CacheKind.QUERY)
-                scores = scores_for(fn, q_ctx, current, self.active_cache_salt)
+                scores = None
+                if needs.token_scores:
+                    scores = scores_for(q_ctx, current, self.active_cache_salt)
                 if scores is not None:
                     context = dataclasses.replace(context, token_scores=scores)
             sid = self._request_stream_id
@@ -512,13 +514,15 @@ class RequestStream:
         self, q_ctx: StreamContext, tokens: list[int], cached: int, with_context: bool
     ) -> EditQueries:
         """The queries for an edit of the first ``cached`` tokens (see the module docstring):
-        chunk queries and/or the engine's window of the call that produced ``tokens`` (kvdrop
-        servers only), merged by :func:`~kvdrop_sdk.edit.merge_queries`."""
+        chunk queries (only where the engine stores them: ``capture.full``) and/or the engine's
+        window of the call that produced ``tokens`` (kvdrop servers only), merged by
+        :func:`~kvdrop_sdk.edit.merge_queries`."""
         salt = self.active_cache_salt
-        dense = q_ctx.retrieve(tokens, salt)
+        capture = self._cache.query_capture()
+        dense = q_ctx.retrieve(tokens, salt) if capture.full else None
         has_dense = dense is not None and dense.shape[2] > 0
         window = None
-        if isinstance(q_ctx, Context) and (with_context or not has_dense):
+        if capture.enabled and isinstance(q_ctx, Context) and (with_context or not has_dense):
             found = retrieve_window(q_ctx, tokens, salt)
             if found is not None:
                 window = (found.queries, found.positions, found.lse)

@@ -18,6 +18,7 @@ from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context
 from kvdrop_sdk.errors import RequestStreamError
 from kvdrop_sdk.foreign import ForeignContext, StreamContext, wrap_contexts
+from kvdrop_sdk.query_capture import UPSTREAM_CAPTURE, QueryCapture
 
 __all__ = ["Retrieved", "StreamContexts"]
 
@@ -48,6 +49,12 @@ class StreamContexts:
                 f"stream {self.stream_id} has no {kind.value!r} context (has: {have}); pass one "
                 "to create_request"
             ) from None
+
+    def query_capture(self) -> QueryCapture:
+        """What the engine stores of the queries, as the query context was told (another SDK's
+        context: upstream's full queries in chunks)."""
+        ctx = self.by_kind.get(CacheKind.QUERY)
+        return ctx.capture if isinstance(ctx, Context) else UPSTREAM_CAPTURE
 
     def chunk_size(self) -> int:
         """The KV context's chunk size (else any context's; 0 without contexts)."""

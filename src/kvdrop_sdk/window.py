@@ -37,7 +37,6 @@ from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.hashing import decode_tokens, encode_tokens
 from kvdrop_sdk.layout import dtype_name
 from kvdrop_sdk.protocol import RpcError
-from kvdrop_sdk.query_capture import DeclaresTokenScores
 from kvdrop_sdk.transport.buffers import tensor_buffer
 
 __all__ = [
@@ -268,13 +267,9 @@ def retrieve_scores(
     return TokenScores(torch.frombuffer(buf, dtype=torch.float32).view(shape))
 
 
-def scores_for(
-    fn: object, q_ctx: object, tokens: Sequence[int], cache_salt: str
-) -> torch.Tensor | None:
-    """The engine's scores ``[L, H, N]`` of the call over ``tokens`` for an edit function that
-    declares ``token_scores`` (read through a kvdrop query context), else None."""
-    if not (isinstance(fn, DeclaresTokenScores) and fn.token_scores):
-        return None
+def scores_for(q_ctx: object, tokens: Sequence[int], cache_salt: str) -> torch.Tensor | None:
+    """The engine's scores ``[L, H, N]`` of the call over ``tokens`` (read through a kvdrop query
+    context), else None. Callers ask only for edit functions whose needs include them."""
     if not isinstance(q_ctx, Context):
         return None  # no query context, or an LMCache one: the policy says what is missing
     found = retrieve_scores(q_ctx, tokens, cache_salt)

@@ -82,7 +82,9 @@ def test_policy_inside_lmcache_sdk_batch(case: str, setup: Setup) -> None:
         with pytest.raises(kvdrop.MissingTokenScoresError, match="LMCache server has no store"):
             policy({"kv": kv}, list(range(4 * CHUNK)))
         return
-    needs_query = kvdrop.describe("snapkv" if case == "snapkv+rerotate" else case).needs_query
+    needs_query = kvdrop.describe(
+        "snapkv" if case == "snapkv+rerotate" else case
+    ).needs.reads_queries
     seen: dict[tuple[int, ...], tuple[torch.Tensor, list[int]]] = {}
 
     def edit(tensors: Any, tokens: Any) -> tuple[torch.Tensor, Any]:

@@ -160,7 +160,8 @@ def test_a_plain_function_plugin_gets_its_parameters_checked(plain: str) -> None
     with pytest.raises(kvdrop.PolicyParamError, match=r"missing parameter.*'keep_tokens'"):
         kvdrop.get(plain)
     fn = kvdrop.get(plain, keep_tokens=3)
-    assert isinstance(fn, FunctionPolicy) and not fn.needs_query
+    # It declares nothing: it is served upstream's full queries (and reads what it wants).
+    assert isinstance(fn, FunctionPolicy) and kvdrop.needs_of(fn) == kvdrop.Needs(QueryNeed.FULL)
     kv = torch.randn(2, 1, 8, 4)
     out, kept = fn({CacheKind.KV: kv}, list(range(10, 18)))
     assert kept == [10, 11, 12] and torch.equal(out, kv[:, :, :3])
@@ -185,19 +186,25 @@ def test_alignment_that_keeps_far_less_than_asked_is_reported_once() -> None:
     assert len(kept) == 256
 
 
-def test_needs_full_queries_says_whether_a_query_window_is_enough() -> None:
+def test_needs_say_whether_a_query_window_is_enough() -> None:
     """Built-in query scorers read the lean window; a QueryNeed.FULL scorer, or a function that
     declares it, needs every cached token's query; wrappers answer for what they hold."""
-    assert not kvdrop.get("snapkv", keep_ratio=0.5).needs_full_queries
-    assert not kvdrop.get("h2o", keep_ratio=0.5).needs_full_queries
-    assert not kvdrop.get("knorm", keep_ratio=0.5).needs_full_queries
-    assert not kvdrop.get("chunk(policy=snapkv)").needs_full_queries
-    fn = FunctionPolicy("fn", lambda t, k: (t, k), QueryNeed.FULL)
-    assert fn.needs_full_queries and fn.queries is QueryNeed.FULL
+    assert kvdrop.needs_of(kvdrop.get("snapkv", keep_ratio=0.5)).queries is not QueryNeed.FULL
+    assert kvdrop.needs_of(kvdrop.get("h2o", keep_ratio=0.5)).queries is not QueryNeed.FULL
+    assert kvdrop.needs_of(kvdrop.get("knorm", keep_ratio=0.5)).queries is not QueryNeed.FULL
+    assert kvdrop.needs_of(kvdrop.get("chunk(policy=snapkv)")).queries is not QueryNeed.FULL
+    fn = FunctionPolicy("fn", lambda t, k: (t, k), kvdrop.Needs(QueryNeed.FULL))
+    assert kvdrop.needs_of(fn).queries is QueryNeed.FULL and fn.queries is QueryNeed.FULL
     assert kvdrop.get("snapkv").queries is QueryNeed.WINDOW
     assert kvdrop.get("streaming+snapkv").queries is QueryNeed.WINDOW
     assert kvdrop.get("knorm").queries is QueryNeed.NONE
     if "last-queries" in kvdrop.available():  # the example plugin
-        assert kvdrop.get("last-queries", keep_ratio=0.5).needs_full_queries
-        assert kvdrop.get("streaming+last-queries", keep_ratio=0.5).needs_full_queries
-        assert not kvdrop.get("streaming+snapkv", keep_ratio=0.5).needs_full_queries
+        assert kvdrop.needs_of(kvdrop.get("last-queries", keep_ratio=0.5)).queries is QueryNeed.FULL
+        assert (
+            kvdrop.needs_of(kvdrop.get("streaming+last-queries", keep_ratio=0.5)).queries
+            is QueryNeed.FULL
+        )
+        assert (
+            kvdrop.needs_of(kvdrop.get("streaming+snapkv", keep_ratio=0.5)).queries
+            is not QueryNeed.FULL
+        )

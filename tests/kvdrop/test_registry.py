@@ -155,7 +155,7 @@ def test_describe_documents_every_parameter() -> None:
     assert names[:3] == ["keep_ratio", "keep_tokens", "chunk_size"]
     for p in info.params:
         assert p.help, f"{p.name} has no help"
-    assert info.needs_query is False
+    assert info.needs.reads_queries is False
     assert "n_sink" not in [p.name for p in kvdrop.describe("chunk-halving").params]
 
 

@@ -111,9 +111,9 @@ def test_only_scorer_policies_can_be_composed(plain_policy: str) -> None:
 
 
 def test_query_needs_follow_the_parts() -> None:
-    assert kvdrop.describe("streaming+snapkv").needs_query
-    assert not kvdrop.describe("streaming+knorm").needs_query
-    assert kvdrop.describe("chunk(policy=tova)").needs_query
+    assert kvdrop.describe("streaming+snapkv").needs.reads_queries
+    assert not kvdrop.describe("streaming+knorm").needs.reads_queries
+    assert kvdrop.describe("chunk(policy=tova)").needs.reads_queries
     fn = kvdrop.get("streaming+snapkv", keep_tokens=8, chunk_size=8, head_dim=8)
     with pytest.raises(kvdrop.MissingQueryError, match="--enable transfer_query"):
         fn({CacheKind.KV: torch.randn(2, 1, 32, 16)}, list(range(32)))
@@ -154,4 +154,7 @@ def test_json_list_values_reach_the_factory(list_policy: list[Any]) -> None:
 def test_nested_specs_build(capsys: pytest.CaptureFixture[str]) -> None:
     fn = kvdrop.get("budget(policy=chunk(policy=snapkv), tiers='*:0.5')", head_dim=8)
     assert isinstance(fn, kvdrop.Budget) and isinstance(fn.policy, kvdrop.Chunk)
-    assert fn.needs_query and kvdrop.describe("budget(policy=streaming+snapkv)").needs_query
+    assert (
+        kvdrop.needs_of(fn).reads_queries
+        and kvdrop.describe("budget(policy=streaming+snapkv)").needs.reads_queries
+    )

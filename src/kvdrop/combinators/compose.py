@@ -13,6 +13,7 @@ from kvdrop.inputs import edit_inputs
 from kvdrop.policy import QueryNeed, ScorerPolicy, SelectorPolicy
 from kvdrop.selector import Selector
 from kvdrop_sdk.edit import EditContext
+from kvdrop_sdk.query_capture import needs_of
 
 __all__ = ["Compose"]
 
@@ -127,7 +128,9 @@ class Compose(SelectorPolicy):
         for part, quota in zip(self.parts, quotas):
             if quota == 0:
                 continue
-            order = part.ranking(kv, query if part.needs_query else None, quota, inputs=inputs)
+            order = part.ranking(
+                kv, query if needs_of(part).reads_queries else None, quota, inputs=inputs
+            )
             picked = order[~chosen[order]][:quota]
             chosen[picked] = True
         return kv, chosen.nonzero().squeeze(1)

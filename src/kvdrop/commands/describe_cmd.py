@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**info.to_dict(), "source": source(args.name)}, indent=2))
         return 0
     print(f"{info.name}: {info.summary}")
-    print(f"needs query tensors: {'yes' if info.needs_query else 'no'}")
+    print(f"needs query tensors: {'yes' if info.needs.reads_queries else 'no'}")
     print(f"source: {source(args.name)}")
     if info.details:
         print(f"\n{info.details}")

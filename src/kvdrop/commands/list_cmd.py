@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append(
             {
                 "name": name,
-                "needs_query": info.needs_query,
+                "needs_query": info.needs.reads_queries,
                 "summary": info.summary,
                 "source": source(name),
             }

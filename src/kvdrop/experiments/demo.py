@@ -74,7 +74,8 @@ def load(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[Any, Any
 def _policy(args: argparse.Namespace, params: dict[str, Any], cfg: Any, log: Any) -> Any:
     """The policy as a user builds it, and the query capture it needs; checked on the layout."""
     import kvdrop
-    from kvdrop.experiments.harness import check_policies, query_capture
+    from kvdrop.experiments.harness import check_policies
+    from kvdrop_sdk.query_capture import QueryCapture
 
     lmcache = args.cache_server == "lmcache"
     if lmcache and "head_dim" in {p.name for p in kvdrop.describe(args.policy).params}:
@@ -83,7 +84,7 @@ def _policy(args: argparse.Namespace, params: dict[str, Any], cfg: Any, log: Any
     # user's kvdrop.get("snapkv", keep_ratio=0.5) gets it; lmcache.sdk contexts carry neither.
     rerotate: Any = (cfg.rope if lmcache else True) if not args.no_rerotate else False
     modify_fn = kvdrop.get(args.policy, rerotate=rerotate, **params)
-    capture = query_capture([modify_fn], "full" if lmcache else args.query_capture)
+    capture = QueryCapture.for_policies([modify_fn], "full" if lmcache else args.query_capture)
     if capture.full and args.query_capture == "window" and not lmcache:
         # A scorer that reads every cached token's query (a plugin without sparse_queries)
         # cannot work from a window: capture them all rather than fail in modify.
@@ -194,8 +195,6 @@ def _runs(args: argparse.Namespace, s: _Setup, log: Any) -> tuple[Any, Any, dict
                 modify_fn=fn,
                 cache_salt=f"{name}-{run_id}",
                 progress=progress,
-                # The dropped run's prefill scores its prompts for kvzip (token_scores).
-                reconstruct=fn is not None and s.capture.scores,
             )
             for name, fn in (("baseline", None), ("dropped", s.modify_fn))
         ]

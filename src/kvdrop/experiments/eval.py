@@ -52,7 +52,6 @@ from kvdrop.experiments.results import (
     wilson,
 )
 from kvdrop.experiments.tasks import DEFAULT_TASKS, SETTINGS, TASKS, Sample, make_samples
-from kvdrop_sdk.query_capture import QueryNeed
 
 __all__ = [
     "FULL",
@@ -226,8 +225,8 @@ def _is_combinator(info: Any) -> bool:
 
 def build_policies(
     config: EvalConfig, head_dim: int, rope: Any
-) -> tuple[dict[str, dict[float, Any]], dict[str, bool], dict[str, str]]:
-    """``{name: {ratio: policy}}``, ``{name: needs_query}`` and the registered policies left out
+) -> tuple[dict[str, dict[float, Any]], dict[str, str]]:
+    """``{name: {ratio: policy}}`` and the registered policies left out
     of a default grid (name -> why): combinators without a ``PolicyInfo.example`` (they are
     measured as spec strings, e.g. ``chunk(policy=snapkv)``) and any that fail to build. A policy
     named in ``config.policies`` that fails raises."""
@@ -236,7 +235,6 @@ def build_policies(
     explicit = config.policies is not None
     names = list(config.policies) if config.policies is not None else kvdrop.available()
     built: dict[str, dict[float, Any]] = {}
-    needs_query: dict[str, bool] = {}
     skipped: dict[str, str] = {}
     rerotate = rope if config.rerotate else None
     for name in names:
@@ -251,12 +249,11 @@ def build_policies(
                 )
                 for r in config.keep_ratios
             }
-            needs_query[name] = info.queries is not QueryNeed.NONE
         except (ValueError, KeyError, TypeError, kvdrop.PolicyConflictError) as exc:
             if explicit:
                 raise
             skipped[name] = f"{type(exc).__name__}: {exc}"
-    return built, needs_query, skipped
+    return built, skipped
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,7 +346,6 @@ def _measure(
     config: EvalConfig,
     loaded: tuple[Any, Any, str],
     policies: dict[str, dict[float, Any]],
-    needs_query: dict[str, bool],
     grid: _Grid,
     progress: Callable[[int, int, str], None] | None,
 ) -> Measurement:
@@ -360,7 +356,7 @@ def _measure(
     finished = 0
     if progress is not None:
         progress(0, total, "eval")
-    with Measurement(config, model, tokenizer, model_name, policies, needs_query) as measure:
+    with Measurement(config, model, tokenizer, model_name, policies) as measure:
         for number, (length, batch) in enumerate(plan):
             for new in measure.batch(length, number, batch, grid.todo(length, batch)):
                 grid.add(new)
@@ -394,7 +390,7 @@ def run_eval(
         torch.set_num_threads(config.threads)
     loaded = _load(config, log)
     cfg = loaded[0].config
-    policies, needs_query, skipped = build_policies(config, cfg.head_dim, cfg.rope)
+    policies, skipped = build_policies(config, cfg.head_dim, cfg.rope)
     if not policies:
         raise EvalError("no policy could be built; name some with --policies")
     _check_layout(config, cfg, policies, skipped)
@@ -411,7 +407,7 @@ def run_eval(
     request_log = logging.getLogger("kvdrop_sdk.request")
     request_log.addFilter(repeats)
     try:
-        measure = _measure(config, loaded, policies, needs_query, grid, progress)
+        measure = _measure(config, loaded, policies, grid, progress)
     finally:
         request_log.removeFilter(repeats)
     cells = {
@@ -465,12 +461,13 @@ def _check_layout(
     """Every built policy, run once on the model's layout before any prefill: one named in
     ``config.policies`` that cannot edit this model raises EvalError; one of the default grid is
     left out (in ``skipped``, with why)."""
-    from kvdrop.experiments.harness import HarnessError, check_policies, query_capture
+    from kvdrop.experiments.harness import HarnessError, check_policies
+    from kvdrop_sdk.query_capture import QueryCapture
 
     for name in list(policies):
         fns = {f"{name} (keep {r})": fn for r, fn in policies[name].items()}
         try:
-            check_policies(fns, cfg, query_capture(fns.values()), config.chunk_size)
+            check_policies(fns, cfg, QueryCapture.for_policies(fns.values()), config.chunk_size)
         except HarnessError as exc:
             if config.policies is not None:
                 raise EvalError(str(exc)) from None

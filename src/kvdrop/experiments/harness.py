@@ -2,8 +2,8 @@
 
 ``kvdrop demo``, ``kvdrop eval`` and ``kvdrop engine`` build their wiring here and nowhere else:
 
-* :func:`query_capture` decides which queries the engine captures, through
-  :meth:`kvdrop_sdk.query_capture.QueryCapture.for_policies` (the one owner of that decision);
+* which queries the engine captures is :meth:`kvdrop_sdk.query_capture.QueryCapture.for_policies`
+  (the one owner of that decision); callers build it and hand it to :func:`open_harness`;
 * :func:`connect` builds the engine's connector, only through
   :func:`kvdrop_engine.connector.make_connector`;
 * :func:`cache_server` starts (and owns) a cache server, or uses a running one;
@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdrop_sdk.query_capture import DeclaresQueries, DeclaresTokenScores, QueryCapture, QueryNeed
+from kvdrop_sdk.query_capture import QueryCapture, needs_of
 
 __all__ = [
     "Harness",
@@ -33,7 +33,6 @@ __all__ = [
     "kv_bytes_per_token",
     "open_harness",
     "query_bytes_per_token",
-    "query_capture",
     "reconstruction_prompt",
 ]
 
@@ -42,24 +41,6 @@ CONNECTOR_KINDS = ("kvdrop", "lmcache")
 
 class HarnessError(ValueError):
     """The flags, the policies or the machine cannot run the experiment; says what to change."""
-
-
-def _declared_need(policy: object) -> QueryNeed:
-    """What ``policy`` reads of the queries: its ``queries`` declaration; an edit function that
-    declares nothing is served every query (the upstream layout it was written for)."""
-    if isinstance(policy, DeclaresQueries):
-        return QueryNeed(policy.queries)
-    return QueryNeed.FULL
-
-
-def query_capture(policies: Iterable[object], prefer: str = "window") -> QueryCapture:
-    """The engine's capture for ``policies``: none when none reads queries, else the lean window,
-    or every query when a policy needs them all or ``prefer`` is ``"full"``."""
-    declared = list(policies)
-    capture = QueryCapture.for_policies(declared)
-    if capture.enabled and prefer == "full":
-        capture = QueryCapture.for_policies(declared, floor=QueryNeed.FULL)
-    return capture
 
 
 def kv_bytes_per_token(cfg: Any, itemsize: int) -> int:
@@ -138,9 +119,13 @@ def cache_server(
         server.stop()
 
 
-def _contexts(kind: str, url: str, http_url: str, model_name: str, queries: bool) -> list[Any]:
-    """The SDK contexts of an edit: KV, plus QUERY when ``queries`` (``lmcache.sdk``'s for an
-    LMCache server: they speak its protocol, under kvdrop's batch)."""
+def _contexts(
+    kind: str, url: str, http_url: str, model_name: str, capture: QueryCapture
+) -> list[Any]:
+    """The SDK contexts of an edit: KV, plus QUERY when the engine uses the query store, told
+    what it captures (``lmcache.sdk``'s for an LMCache server: they speak its protocol, under
+    kvdrop's batch)."""
+    queries = capture.uses_query_context
     if kind == "lmcache":
         from kvdrop_engine.lmcache_connector import connect_sdk
 
@@ -149,7 +134,7 @@ def _contexts(kind: str, url: str, http_url: str, model_name: str, queries: bool
 
     contexts = [kvcache.connect(url, http_url, model_name)]
     if queries:
-        contexts.append(qcache.connect(url, http_url, model_name))
+        contexts.append(qcache.connect(url, http_url, model_name, capture=capture))
     return contexts
 
 
@@ -216,7 +201,7 @@ def open_harness(
                 reconstruction=reconstruction_prompt(model, tokenizer) if capture.scores else None,
             ).start()
             stack.callback(engine.stop)
-            contexts = _contexts(kind, url_, http_url_, model_name, capture.uses_query_context)
+            contexts = _contexts(kind, url_, http_url_, model_name, capture)
             for ctx in contexts:
                 stack.callback(ctx.close)
             harness = Harness(engine, connector, contexts, url_, http_url_, status)
@@ -264,7 +249,8 @@ def check_policies(
     scores = torch.rand(cfg.num_layers, cfg.num_kv_heads, num_tokens, generator=gen)
     for name, fn in policies.items():
         tensors = {CacheKind.KV: kv}
-        if _declared_need(fn) is not QueryNeed.NONE and capture.enabled:
+        served = capture.serves(needs_of(fn))
+        if served.reads_queries:
             tensors[CacheKind.QUERY] = query
         context = EditContext(
             positions=torch.arange(num_tokens),
@@ -272,9 +258,7 @@ def check_policies(
             prompt_tokens=num_tokens,
             head_dim=cfg.head_dim,
             chunk_size=chunk_size,
-            token_scores=scores
-            if isinstance(fn, DeclaresTokenScores) and fn.token_scores
-            else None,
+            token_scores=scores if needs_of(fn).token_scores else None,
         )
         try:
             with warnings.catch_warnings():

@@ -4,6 +4,8 @@ fidelity against the full-KV continuation."""
 
 from __future__ import annotations
 
+import functools
+import operator
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
@@ -11,6 +13,7 @@ from typing import Any
 
 from kvdrop.experiments.results import FULL, EvalError
 from kvdrop.experiments.tasks import Sample
+from kvdrop_sdk.query_capture import NO_NEEDS
 
 __all__ = ["Measurement"]
 
@@ -28,28 +31,32 @@ class Measurement:
         tokenizer: Any,
         model_name: str,
         policies: dict[str, dict[float, Any]],
-        needs_query: dict[str, bool],
     ) -> None:
-        from kvdrop.experiments.harness import query_capture
+        from kvdrop_sdk.query_capture import QueryCapture, needs_of
 
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name
+        # What each policy reads (its needs, over every keep ratio): queries, and the engine's
+        # reconstruction scores (kvzip: its prefill runs the pass, the scores travel through
+        # the query context).
+        self.needs = {
+            name: functools.reduce(operator.or_, map(needs_of, by.values()), NO_NEEDS)
+            for name, by in policies.items()
+        }
         # Query policies run first: the server's LRU keeps the prompts' queries only while runs
         # read them, and the edits of later runs may push them out (a lookup does not refresh).
-        self.policies = dict(sorted(policies.items(), key=lambda kv: not needs_query[kv[0]]))
-        self.needs_query = needs_query
+        self.policies = dict(
+            sorted(policies.items(), key=lambda kv: not self.needs[kv[0]].reads_queries)
+        )
         # The lean query window, unless a policy reads every cached token's query (a plugin
-        # scorer without sparse_queries): then the engine captures them all for every policy
+        # scorer declaring QueryNeed.FULL): then the engine captures them all for every policy
         # (window-reading scorers then read the chunk queries of the cached part and the
         # window's rows of the rest).
-        self.capture = query_capture(fn for by in policies.values() for fn in by.values())
-        # Policies that read the engine's reconstruction scores (kvzip): their prefill runs the
-        # pass, and the scores travel through the query context.
-        self.scores = {
-            name: any(fn.token_scores for fn in by.values()) for name, by in policies.items()
-        }
+        self.capture = QueryCapture.for_policies(
+            fn for by in policies.values() for fn in by.values()
+        )
         self.any_query = self.capture.uses_query_context
         self.server_status: dict[str, Any] | None = None
         eos = tuple(model.config.eos_token_ids or ())
@@ -140,7 +147,8 @@ class Measurement:
         # batch, under its salt): later runs of policies that read them skip the pass.
         scored: set[tuple[str, int, str]] = set()
         for policy, by_ratio in self.policies.items():
-            uses_q = self.needs_query[policy] or self.scores[policy]
+            needs = self.needs[policy]
+            uses_q = needs.reads_queries or needs.token_scores
             ctxs = [self.kv_ctx] + ([self.q_ctx] if uses_q else [])
             for ratio, fn in by_ratio.items():
                 items = list(todo[(policy, ratio)])
@@ -148,7 +156,7 @@ class Measurement:
                     yield []
                     continue
                 keys = {(s.task, s.index, setting) for s, setting in items}
-                reconstruct = self.scores[policy] and not keys <= scored
+                reconstruct = needs.token_scores and not keys <= scored
                 run = self._run(policy, items, salt, fn, ctxs, reconstruct)
                 if reconstruct:
                     scored |= keys

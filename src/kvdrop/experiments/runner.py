@@ -20,6 +20,7 @@ from kvdrop_sdk.batch import BatchedStream, ProgressCallback
 from kvdrop_sdk.context import Context
 from kvdrop_sdk.edit import ModifyFnType
 from kvdrop_sdk.metrics import Metrics
+from kvdrop_sdk.query_capture import needs_of
 from kvdrop_sdk.request import RequestStream, create_request
 
 __all__ = [
@@ -122,7 +123,7 @@ def run_pipeline(
     modify_timeout: float = 600.0,
     modify_concurrency: int | None = None,
     fresh_decode: bool = False,
-    reconstruct: bool = False,
+    reconstruct: bool | None = None,
     suffixes: Sequence[Sequence[int]] | None = None,
 ) -> RunResult:
     """Prefill, optionally modify, then decode ``prompts`` through ``engine``'s post_completion.
@@ -135,7 +136,8 @@ def run_pipeline(
     output token comes from the edited cache; ``suffixes`` (one token list per prompt, e.g. a
     question asked after compression) are appended to that prompt and imply ``fresh_decode``.
     ``reconstruct`` asks the engine to score each prompt with KVzip's reconstruction pass in the
-    prefill (for policies that declare ``token_scores``, e.g. ``kvzip``).
+    prefill; by default it follows ``modify_fn``'s needs (``token_scores``, e.g. ``kvzip``), and
+    False skips it where the server holds the scores already.
     """
     if suffixes is not None and len(suffixes) != len(prompts):
         raise ValueError(f"{len(suffixes)} suffixes for {len(prompts)} prompts; give one each")
@@ -148,6 +150,8 @@ def run_pipeline(
         stream = create_request(contexts, engine.post_completion, p.token_ids, cache_salt)
         batch.add(stream)
         streams.append(stream)
+    if reconstruct is None:
+        reconstruct = modify_fn is not None and needs_of(modify_fn).token_scores
     batch.progress = progress(f"{name}: prefill")
     prefill = batch.prefill({**sampling, "reconstruct": True} if reconstruct else sampling)
     modify = None

@@ -324,7 +324,7 @@ def check_wrong_shapes(ref: PolicyRef) -> None:
     both = {CacheKind.KV: kv, CacheKind.QUERY: query}
     _raises(PolicyInputError, "token ids", lambda: fn(both, tokens[:15]))
     _raises(PolicyInputError, "no KV tensor", lambda: fn({CacheKind.QUERY: query}, tokens))
-    if make.info.needs_query:
+    if make.info.needs.reads_queries:
         _raises(
             MissingQueryError, "--enable transfer_query", lambda: fn({CacheKind.KV: kv}, tokens)
         )

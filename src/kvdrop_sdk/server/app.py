@@ -14,6 +14,7 @@ them (or, without one, to the connection).
 
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import logging
@@ -79,6 +80,7 @@ class Server(RequestOps):
         self._started = time.monotonic()
         self._requests = 0
         self._errors = 0
+        self._calls: collections.Counter[str] = collections.Counter()  # "op/kind" -> answered
         self._count_lock = threading.Lock()
         self._tls = threading.local()
 
@@ -283,6 +285,8 @@ class Server(RequestOps):
             handler = HANDLERS.get(op) if isinstance(op, str) else None
             if handler is None:
                 raise ProtocolError("unknown_op", f"unknown op {op!r}; expected one of {OPS}")
+            with self._count_lock:
+                self._calls[f"{op}/{header.get('kind', '')}"] += 1
             fields, frames = handler(self, header, list(parts[1:]))
             reply = {"v": PROTOCOL_VERSION, "rid": rid, "ok": True, **fields}
             reply["instance"] = self.instance
@@ -327,7 +331,11 @@ class Server(RequestOps):
         """What ``GET /status`` returns."""
         assert self.store is not None
         with self._count_lock:
-            counts = {"requests": self._requests, "errors": self._errors}
+            counts = {
+                "requests": self._requests,
+                "errors": self._errors,
+                "calls": dict(self._calls),
+            }
         return {
             "layouts": self.store.layouts(),
             **self.store.snapshot(),

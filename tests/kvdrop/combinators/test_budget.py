@@ -65,7 +65,7 @@ def test_budget_rejects_tiers_and_rule_together() -> None:
 def test_budget_takes_a_built_policy(inputs: Callable[..., dict[Any, torch.Tensor]]) -> None:
     union = kvdrop.get("streaming+knorm", chunk_size=8)
     fn = Budget(union, tiers="32:1.0,*:16")
-    assert fn.name == "budget(streaming+knorm)" and not fn.needs_query
+    assert fn.name == "budget(streaming+knorm)" and not kvdrop.needs_of(fn).reads_queries
     assert len(fn(inputs(32), list(range(32)))[1]) == 32
     assert len(fn(inputs(96), list(range(96)))[1]) == 16
     h2o = Budget(kvdrop.get("h2o", head_dim=8, chunk_size=8, recent_ratio=0.5), rule=lambda t: 16)

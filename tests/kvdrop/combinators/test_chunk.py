@@ -30,7 +30,11 @@ def test_chunk_variant_is_the_chunked_scorer(
 def test_chunk_takes_a_built_scorer_policy(inputs: Callable[..., dict[Any, torch.Tensor]]) -> None:
     tensors = inputs(64, seed=2)
     fn = Chunk(kvdrop.get("knorm", keep_tokens=32, chunk_size=8))
-    assert fn.selector.chunked and fn.name == "chunk(policy=knorm)" and not fn.needs_query
+    assert (
+        fn.selector.chunked
+        and fn.name == "chunk(policy=knorm)"
+        and not kvdrop.needs_of(fn).reads_queries
+    )
     ref = kvdrop.get("knorm", keep_tokens=32, chunk_size=8, chunked=True)
     assert fn(tensors, list(range(64)))[1] == ref(tensors, list(range(64)))[1]
     halving = kvdrop.get("chunk-halving", chunk_size=8)  # already chunk-level: unchanged

@@ -67,7 +67,7 @@ def test_built_policies_compose_like_the_spec(
         Chunk(kvdrop.get("snapkv", head_dim=8, window=4, chunk_size=8)),
     ]
     union = Compose(parts, weights=[1, 2], keep_tokens=48)
-    assert union.name == "streaming+chunk(policy=snapkv)" and union.needs_query
+    assert union.name == "streaming+chunk(policy=snapkv)" and kvdrop.needs_of(union).reads_queries
     spec = kvdrop.get(
         "streaming(n_sink=2)+chunk(policy=snapkv, window=4)",
         weights=[1, 2],

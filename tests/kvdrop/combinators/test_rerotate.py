@@ -253,7 +253,11 @@ def test_compositions_can_be_rerotated(inputs: Callable[..., dict[Any, torch.Ten
 def test_rerotate_needs_queries_exactly_when_its_policy_does(spec: str, needs_query: bool) -> None:
     fn = kvdrop.get(spec, head_dim=8, rerotate=RopeConfig(8))
     assert isinstance(fn, Rerotate)
-    assert fn.needs_query is needs_query is kvdrop.describe(spec).needs_query
+    assert (
+        kvdrop.needs_of(fn).reads_queries
+        is needs_query
+        is kvdrop.describe(spec).needs.reads_queries
+    )
     if needs_query:
         with pytest.raises(kvdrop.MissingQueryError):
             fn({CacheKind.KV: torch.randn(2, 1, 600, 16)}, list(range(600)))

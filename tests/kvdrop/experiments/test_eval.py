@@ -130,14 +130,15 @@ def test_default_policies_are_every_registered_one_but_bare_combinators() -> Non
     from kvdrop_rope import RopeConfig
 
     rope = RopeConfig(head_dim=64, theta=10000.0)
-    built, needs_query, skipped = build_policies(EvalConfig(keep_ratios=(0.5,)), 64, rope)
+    built, skipped = build_policies(EvalConfig(keep_ratios=(0.5,)), 64, rope)
     registered = set(kvdrop.available())
     assert set(built) | set(skipped) == registered
     assert {"snapkv", "random", "knorm"} <= set(built)
     assert {"compose", "chunk", "budget"} <= set(skipped)
     plugin = {"last-queries", "value-norm"} & registered  # the example plugin, when installed
     assert plugin <= set(built)
-    assert needs_query["snapkv"] and not needs_query["knorm"]
+    assert kvdrop.needs_of(built["snapkv"][0.5]).reads_queries
+    assert not kvdrop.needs_of(built["knorm"][0.5]).reads_queries
     # Named ones are built as asked, spec strings included; a bad one raises.
     built, _, skipped = build_policies(
         EvalConfig(policies=("chunk(policy=snapkv)",), keep_ratios=(0.5,)), 64, rope

@@ -1,35 +1,15 @@
-"""The experiment harness: which queries the engine captures, the layout check that runs before
-any prefill, and the demo failing in one line on a policy that cannot edit the model."""
+"""The experiment harness: the layout check that runs before any prefill, and the demo failing in
+one line on a policy that cannot edit the model (the capture: tests/kvdrop_sdk/
+test_query_capture.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 import kvdrop
-from kvdrop.experiments.harness import HarnessError, check_policies, query_capture
+from kvdrop.experiments.harness import HarnessError, check_policies
 from kvdrop_engine.loading import preset_config
 from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
-
-
-@pytest.mark.parametrize(
-    ("policy", "prefer", "mode"),
-    [
-        ("knorm", "window", QueryNeed.NONE),
-        ("knorm", "full", QueryNeed.NONE),  # no query policy: nothing captured either way
-        ("snapkv", "window", QueryNeed.WINDOW),
-        ("snapkv", "full", QueryNeed.FULL),
-        ("last-queries", "window", QueryNeed.FULL),  # reads every cached token's query
-    ],
-)
-def test_query_capture_follows_the_policies(policy: str, prefer: str, mode: QueryNeed) -> None:
-    fn = kvdrop.get(policy, keep_ratio=0.5)
-    assert query_capture([fn], prefer).mode is mode
-
-
-def test_query_capture_takes_the_widest_need() -> None:
-    fns = [kvdrop.get(p, keep_ratio=0.5) for p in ("rkv", "snapkv", "h2o")]
-    assert query_capture(fns).mode is QueryNeed.WINDOW
-    assert query_capture([]).mode is QueryNeed.NONE
 
 
 def test_check_policies_refuses_a_head_dim_that_does_not_divide_the_layout() -> None:

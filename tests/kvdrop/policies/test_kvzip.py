@@ -60,7 +60,9 @@ def test_tokens_past_the_scored_ones_are_kept_and_layers_must_match() -> None:
 
 
 def test_declares_its_need_and_compositions_forward_it() -> None:
-    assert kvdrop.get("kvzip").token_scores and not kvdrop.get("kvzip").needs_query
+    assert (
+        kvdrop.get("kvzip").token_scores and not kvdrop.needs_of(kvdrop.get("kvzip")).reads_queries
+    )
     assert kvdrop.get("streaming+kvzip").token_scores
     assert not kvdrop.get("snapkv").token_scores
     capture = QueryCapture.for_policies([kvdrop.get("knorm"), kvdrop.get("kvzip")])

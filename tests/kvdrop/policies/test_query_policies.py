@@ -235,7 +235,7 @@ class OtherKind(enum.Enum):
 
 @pytest.mark.parametrize("name", ["snapkv", "h2o", "tova", "rkv"])
 def test_needs_query_and_says_how_to_get_it(name: str) -> None:
-    assert kvdrop.describe(name).needs_query
+    assert kvdrop.describe(name).needs.reads_queries
     fn = kvdrop.get(name, head_dim=4, keep_tokens=4, chunk_size=4)
     kv, q = make_inputs(0, 16, 1, 1, 1, 4)
     with pytest.raises(kvdrop.MissingQueryError, match="--enable transfer_query") as err:

@@ -1,0 +1,79 @@
+"""The one owner of "what does this edit read": ``needs_of`` (one default, upstream's) and the
+engine capture ``QueryCapture.for_policies`` derives from the needs of every policy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import kvdrop
+from kvdrop_sdk.query_capture import (
+    UPSTREAM_NEEDS,
+    Needs,
+    QueryCapture,
+    QueryNeed,
+    needs_of,
+)
+
+
+def plain(tensors: Any, tokens: Any) -> Any:
+    return tensors, tokens
+
+
+class Declares:
+    """An edit function declaring both needs on its class."""
+
+    queries = QueryNeed.WINDOW
+    token_scores = True
+
+    def __call__(self, tensors: Any, tokens: Any) -> Any:
+        return tensors, tokens
+
+
+def test_a_function_that_declares_nothing_gets_upstreams_full_queries() -> None:
+    assert needs_of(plain) == UPSTREAM_NEEDS == Needs(QueryNeed.FULL, False)
+    assert needs_of(Declares()) == Needs(QueryNeed.WINDOW, True)
+    assert needs_of(plain, default=Needs(QueryNeed.NONE)) == Needs(QueryNeed.NONE)
+    assert needs_of(kvdrop.get("knorm")) == Needs(QueryNeed.NONE)
+    assert needs_of(kvdrop.get("kvzip")) == Needs(QueryNeed.NONE, True)
+
+
+def test_needs_combine_to_the_widest_and_refuse_bad_values() -> None:
+    assert Needs(QueryNeed.NONE, True) | Needs(QueryNeed.WINDOW) == Needs(QueryNeed.WINDOW, True)
+    assert Needs("window") == Needs(QueryNeed.WINDOW)
+    with pytest.raises(ValueError, match="queries must be one of"):
+        Needs("some")
+    with pytest.raises(ValueError, match="token_scores must be a bool"):
+        Needs(QueryNeed.NONE, 1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("policy", "mode", "expected"),
+    [
+        ("knorm", "auto", QueryNeed.NONE),
+        ("knorm", "full", QueryNeed.NONE),  # no query policy: nothing captured either way
+        ("snapkv", "auto", QueryNeed.WINDOW),
+        ("snapkv", "window", QueryNeed.WINDOW),
+        ("snapkv", "full", QueryNeed.FULL),
+        ("last-queries", "window", QueryNeed.FULL),  # reads every cached token's query
+    ],
+)
+def test_capture_follows_the_policies(policy: str, mode: Any, expected: QueryNeed) -> None:
+    if policy not in kvdrop.available():
+        pytest.skip("the example plugin is not installed")
+    fn = kvdrop.get(policy, keep_ratio=0.5)
+    assert QueryCapture.for_policies([fn], mode).mode is expected
+
+
+def test_capture_takes_the_widest_need_and_says_what_it_serves() -> None:
+    fns = [kvdrop.get(p, keep_ratio=0.5) for p in ("rkv", "snapkv", "h2o")]
+    assert QueryCapture.for_policies(fns).mode is QueryNeed.WINDOW
+    assert QueryCapture.for_policies([]) == QueryCapture()
+    assert QueryCapture.for_policies([plain]).mode is QueryNeed.FULL
+    capture = QueryCapture.for_policies([kvdrop.get("knorm"), kvdrop.get("kvzip")])
+    assert capture.mode is QueryNeed.NONE and capture.scores and capture.uses_query_context
+    assert capture.serves(Needs(QueryNeed.WINDOW, True)) == Needs(QueryNeed.NONE, True)
+    assert QueryCapture(QueryNeed.FULL).serves(UPSTREAM_NEEDS) == UPSTREAM_NEEDS
+    with pytest.raises(ValueError, match=r"query capture must be one of \('auto'"):
+        QueryCapture.for_policies([], "none")  # type: ignore[arg-type]
