@@ -50,8 +50,10 @@ __all__ = [
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_CONTINUE = "\n\nRepeat the part of the previous context exactly, starting with"
 
-#: Bound of one float32 score tile (query rows are blocked under it).
+#: Bound of one float32 logit tile (query rows are blocked under it): on the host, and on a GPU,
+#: where a whole 2K-token chunk's logits (about 1 GB at 32 heads over 4K keys) take few launches.
 SCORE_TILE_BYTES = 64 << 20
+SCORE_TILE_BYTES_CUDA = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -162,30 +164,42 @@ class ReconstructionAttention:
         return out
 
 
+def _logits(qh: Tensor, kt: Tensor) -> Tensor:
+    """``qh [H, R, d] @ kt [H, d, K]`` in float32. On CUDA, half-precision operands go to the
+    matrix units with float32 accumulation and output (``out_dtype``): the same products as
+    upcasting first, since the cache's values are exact in either type, at the tensor-core rate."""
+    if qh.device.type == "cuda" and qh.dtype in (torch.bfloat16, torch.float16):
+        return torch.bmm(qh, kt.to(qh.dtype), out_dtype=torch.float32)
+    return torch.bmm(qh.to(torch.float32), kt.to(torch.float32))
+
+
 def _max_probs(q: Tensor, keys: Tensor, sink: int, width: int) -> Tensor:
     """``[Hkv, width]``: per KV head, the max over query rows and the GQA group of the softmax
     probability (over all of ``keys``, the last ``M`` of which are the rows' own, causal) of keys
-    ``sink .. sink+width-1``. Float32; rows blocked under :data:`SCORE_TILE_BYTES`."""
+    ``sink .. sink+width-1``. Float32 logits; rows blocked under the device's tile bound. The
+    softmax is never written: ``max_rows exp(l - lse) = exp(max_rows (l - lse))``."""
     m, hq, d = q.shape
     hkv, total = keys.shape[0], keys.shape[1]
     group = hq // hkv
-    kt = keys.to(torch.float32).transpose(1, 2)  # [Hkv, d, K]
+    kt = keys.transpose(1, 2)  # [Hkv, d, K]
     own = total - m
-    best = torch.zeros(hkv, width, dtype=torch.float32, device=q.device)
-    step = max(1, SCORE_TILE_BYTES // (4 * hq * total))
+    best = torch.full((hkv, width), -torch.inf, dtype=torch.float32, device=q.device)
+    tile = SCORE_TILE_BYTES_CUDA if q.device.type == "cuda" else SCORE_TILE_BYTES
+    step = max(1, tile // (4 * hq * total))
     scale = 1.0 / math.sqrt(d)
     cols = torch.arange(total, device=q.device)
     for i in range(0, m, step):
-        rows = q[i : i + step].to(torch.float32) * scale  # [r, Hq, d]
+        rows = q[i : i + step]  # [r, Hq, d]
         r = rows.shape[0]
-        qh = rows.view(r, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, r * group, d)
-        logits = torch.matmul(qh, kt).view(hkv, r, group, total)
+        qh = rows.reshape(r, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, r * group, d)
+        logits = _logits(qh, kt).mul_(scale).view(hkv, r, group, total)
         # Row j of the chunk sees its own tokens 0..j only.
         hidden = cols[None, :] > (own + torch.arange(i, i + r, device=q.device))[:, None]
         logits.masked_fill_(hidden[None, :, None, :], -torch.inf)
-        probs = torch.softmax(logits, dim=-1)[..., sink : sink + width]
-        best = torch.maximum(best, probs.amax(dim=(1, 2)))
-    return best
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        part = (logits[..., sink : sink + width] - lse).amax(dim=(1, 2))
+        best = torch.maximum(best, part)
+    return best.exp_()
 
 
 @torch.inference_mode()
