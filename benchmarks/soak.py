@@ -500,7 +500,7 @@ def soak_hostile(args: argparse.Namespace) -> list[Row]:
 
 # -- engine ----------------------------------------------------------------------------------------
 def soak_engine(args: argparse.Namespace) -> list[Row]:
-    from kvdrop_engine.connector import ServerConnector
+    from kvdrop_engine.connectors.kvdrop import ServerConnector
     from kvdrop_engine.engine import Engine
     from kvdrop_engine.http import CompletionHTTPServer
     from kvdrop_engine.loading import preset_config

@@ -392,7 +392,7 @@ def _shm_exhaustion() -> Row:
 
 
 def _engine_hostile_http() -> Row:
-    from kvdrop_engine.connector import ServerConnector
+    from kvdrop_engine.connectors.kvdrop import ServerConnector
     from kvdrop_engine.engine import Engine
     from kvdrop_engine.http import CompletionHTTPServer
     from kvdrop_engine.loading import preset_config

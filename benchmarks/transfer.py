@@ -171,7 +171,7 @@ def _against_lmcache(
     """The same tensor through lmcache.sdk on a real LMCache server; rows kvdrop vs LMCache."""
     import lmcache.sdk as lmc_sdk
 
-    from kvdrop_engine.lmcache_connector import LMCacheConnector
+    from kvdrop_engine.connectors.lmcache import LMCacheConnector
     from kvdrop_engine.testing import spawn_lmcache_server
 
     nbytes = src.numel() * src.element_size()

@@ -53,5 +53,5 @@ def test_only_the_lmcache_backend_imports_lmcache() -> None:
         **_package_imports("kvdrop_rope"),
     }
     assert {f for f, names in files.items() if "lmcache" in names} == {
-        "kvdrop_engine/lmcache_connector.py"
+        "kvdrop_engine/connectors/lmcache.py"
     }

@@ -4,10 +4,11 @@ Loads a model (a ``.gguf`` file, a local HF folder, the installed SmolLM2 GGUF b
 random weights from a preset), starts the continuous-batching engine with a KV budget, optionally
 connects it to a cache server (a kvdrop server, or a real LMCache server with ``--cache-server
 lmcache``), and serves ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and
-``/health`` until SIGINT/SIGTERM. The command is :mod:`kvdrop.commands.engine_cmd`, which gives
-:func:`run` the experiment harness's connector factory. User errors (bad flags, a missing or
-unreadable model, a busy port) are one line on stderr and exit code 2. Heavy imports (torch, the
-model) happen inside ``run``; the model is loaded by :func:`kvdrop_engine.loading.load_model`.
+``/health`` until SIGINT/SIGTERM. The connector comes from the one factory
+(:func:`kvdrop_engine.connectors.factory.make_connector`), as for the demo and eval. User errors
+(bad flags, a missing or unreadable model, a busy port) are one line on stderr and exit code 2.
+Heavy imports (torch, the model) happen inside ``run``; the model is loaded by
+:func:`kvdrop_engine.loading.load_model`.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvdrop_engine.connectors.factory import CONNECTOR_KINDS
 from kvdrop_engine.errors import EngineSetupError
 from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
 
@@ -105,7 +106,7 @@ def _connector_arguments(parser: argparse.ArgumentParser) -> None:
     kv = parser.add_argument_group("cache server connector (optional)")
     kv.add_argument(
         "--cache-server",
-        choices=("kvdrop", "lmcache"),
+        choices=CONNECTOR_KINDS,
         default="kvdrop",
         help="kind of server at --url: kvdrop (default) or lmcache (a real `lmcache server` "
         "with --supported-transfer-mode auto; pip install 'kvdrop[lmcache]')",
@@ -186,12 +187,6 @@ def _check_args(args: argparse.Namespace) -> None:
         raise EngineSetupError(f"--model {args.model}: no such file or folder")
 
 
-#: Builds the engine's connector from the flags and the served model name (None: no cache
-#: server). ``kvdrop engine`` (:mod:`kvdrop.commands.engine_cmd`) passes the experiment
-#: harness's, so the engine, the demo and eval build connectors in one place.
-ConnectorFactory = Callable[[argparse.Namespace, str], Any]
-
-
 def query_capture_of(args: argparse.Namespace) -> QueryCapture:
     """The capture the flags ask for. The lean window follows the server (queries only where it
     runs with transfer_query), as ``make_connector`` does for a capture of mode "none"; ``full``
@@ -227,7 +222,28 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, str]:
     return model, tokenizer, name
 
 
-def _build(args: argparse.Namespace, connect: ConnectorFactory) -> tuple[Any, Any, Any]:
+def connector_of(args: argparse.Namespace, name: str) -> Any:
+    """The connector of ``--cache-server`` at ``--url`` for the served model ``name`` (None
+    without ``--url``); ``EngineSetupError`` for a bad address or a missing LMCache install."""
+    from kvdrop_engine.connectors.factory import make_connector
+
+    if args.kvdrop_url is None:
+        return None
+    options = {"store_decoded": args.store_decoded_kv} if args.cache_server == "kvdrop" else {}
+    try:
+        return make_connector(
+            args.cache_server,
+            args.kvdrop_url,
+            args.kvdrop_http_url,
+            name,
+            queries=query_capture_of(args),
+            **options,
+        )
+    except ValueError as exc:
+        raise EngineSetupError(str(exc)) from None
+
+
+def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """Connector, engine and HTTP server (not started); EngineSetupError on a user error."""
     from kvdrop_engine.engine import Engine
     from kvdrop_engine.http import CompletionHTTPServer
@@ -238,10 +254,7 @@ def _build(args: argparse.Namespace, connect: ConnectorFactory) -> tuple[Any, An
     except (EngineSetupError, OSError, ValueError, ImportError, RuntimeError) as exc:
         # Missing files, bad checkpoints, missing extras, an unavailable --device.
         raise EngineSetupError(str(exc)) from None
-    try:
-        connector = connect(args, name)
-    except ValueError as exc:
-        raise EngineSetupError(str(exc)) from None
+    connector = connector_of(args, name)
     try:
         engine = Engine(
             model,
@@ -277,9 +290,9 @@ def _build(args: argparse.Namespace, connect: ConnectorFactory) -> tuple[Any, An
     return connector, engine, server
 
 
-def run(args: argparse.Namespace, connect: ConnectorFactory) -> int:
-    """Start the engine (its connector from ``connect``) and the HTTP server; block until
-    SIGINT/SIGTERM; stop both cleanly."""
+def run(args: argparse.Namespace) -> int:
+    """Start the engine (with its connector, when ``--url`` is given) and the HTTP server; block
+    until SIGINT/SIGTERM; stop both cleanly."""
     try:
         _check_args(args)
     except EngineSetupError as exc:
@@ -288,7 +301,7 @@ def run(args: argparse.Namespace, connect: ConnectorFactory) -> int:
     logging.basicConfig(level=logging.WARNING, format="kvdrop engine: %(message)s")
     logging.getLogger("kvdrop_engine").setLevel(logging.INFO)
     try:
-        connector, engine, server = _build(args, connect)
+        connector, engine, server = _build(args)
     except EngineSetupError as exc:
         return _fail(str(exc))
     return _serve(args, connector, engine, server)

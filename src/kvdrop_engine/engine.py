@@ -21,12 +21,12 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from kvdrop_engine.connector import KVConnector
+from kvdrop_engine.connectors.base import KVConnector
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.paged import to_host
-from kvdrop_engine.reconstruct import ReconstructionPrompt, ScoresJob, reconstruction_scores
+from kvdrop_engine.reconstruct import ReconstructionPrompt, reconstruction_scores
 from kvdrop_engine.runner import ModelRunner
 from kvdrop_engine.sampling import (
     SamplingParams,
@@ -46,7 +46,7 @@ from kvdrop_engine.scheduler import (
 from kvdrop_engine.sequence import Request, new_request
 from kvdrop_engine.stats import EngineStats
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
-from kvdrop_engine.transfer import Transfers, check_seconds
+from kvdrop_engine.transfer import ScoresJob, Transfers, check_seconds
 from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.validate import positive_int
 

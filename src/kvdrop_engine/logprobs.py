@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from kvdrop_engine.connector import KVConnector
+from kvdrop_engine.connectors.base import KVConnector
 from kvdrop_engine.errors import InvalidRequestError
 from kvdrop_engine.model import causal_attention
 from kvdrop_sdk.validate import positive_int, token_ids

@@ -31,17 +31,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvdrop_engine.connector_base import KVConnector
-from kvdrop_engine.errors import EngineError
 from kvdrop_engine.model import Transformer, causal_attention
-from kvdrop_sdk.window import TokenScores
 
 __all__ = [
     "REPEAT_CONTINUE",
     "REPEAT_FIRST",
     "ReconstructionAttention",
     "ReconstructionPrompt",
-    "ScoresJob",
     "reconstruction_scores",
 ]
 
@@ -240,29 +236,3 @@ def reconstruction_scores(
         model(tokens, positions, attn, logits_rows=torch.tensor([len(ids) - 1]))
     scores[:, :, : prompt.n_sink] = 1.0
     return scores
-
-
-@dataclass
-class ScoresJob:
-    """A finished request's reconstruction scores ``[L, Hkv, N]`` to push to the server from the
-    caller's thread (before its last token is handed over), keyed like its query window by
-    ``tokens`` (prompt + every generated token)."""
-
-    scores: Tensor
-    tokens: list[int]
-    cache_salt: str
-
-    def run(self, conn: KVConnector) -> int:
-        """Store it; returns the bytes sent. ``EngineError`` when the store fails."""
-        if not conn.stores_scores:
-            raise EngineError(
-                "the engine's connector cannot store reconstruction scores (kvzip): use a kvdrop "
-                "server (kvdrop_engine.connector.ServerConnector with transfer_query); LMCache "
-                "servers have no store for them"
-            )
-        scores = self.scores.to(device="cpu", dtype=torch.float32)
-        try:
-            conn.store_scores(self.tokens, TokenScores(scores), self.cache_salt)
-        except Exception as exc:
-            raise EngineError(f"storing the reconstruction scores failed: {exc}") from exc
-        return scores.numel() * 4

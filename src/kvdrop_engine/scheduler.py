@@ -1,4 +1,8 @@
-"""Admission and step planning: who runs, and what one step computes.
+"""Admission and step planning: who runs, what a prompt loads and stores, what one step computes.
+
+On admission :func:`plan_prefix` decides what a request loads from the cache server and what it
+stores after prefill (:func:`plan_recompute` when the server cannot be asked), for the engine's
+query capture; :func:`follow` applies that decision to the request.
 
 Admission reserves blocks for the whole request (prompt + ``max_tokens``) up front, so a running
 request never waits for memory and nothing is ever preempted; a request that waits for blocks
@@ -16,12 +20,27 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvdrop_engine.errors import RequestTooLargeError
+from torch import Tensor
+
+from kvdrop_engine.capture import WindowCapture
+from kvdrop_engine.connectors.base import KVConnector
+from kvdrop_engine.errors import EngineError, RequestTooLargeError
 from kvdrop_engine.paged import BlockAllocator, SeqStep, blocks_needed
 from kvdrop_engine.sequence import LoadState, Request
+from kvdrop_sdk.query_capture import QueryCapture
 from kvdrop_sdk.validate import positive_int
 
-__all__ = ["DEFAULT_BUDGET_TOKENS", "Scheduler", "StepPlan", "budget_blocks", "plan_step"]
+__all__ = [
+    "DEFAULT_BUDGET_TOKENS",
+    "PrefixPlan",
+    "Scheduler",
+    "StepPlan",
+    "budget_blocks",
+    "follow",
+    "plan_prefix",
+    "plan_recompute",
+    "plan_step",
+]
 
 #: The engine's KV budget when it is given neither ``num_blocks`` nor ``kv_budget_tokens``.
 DEFAULT_BUDGET_TOKENS = 65536
@@ -39,6 +58,91 @@ def budget_blocks(num_blocks: int | None, kv_budget_tokens: int | None, block_si
         num_blocks = budget // block_size
     positive_int(num_blocks, "num_blocks")
     return num_blocks
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """What admission does with a prompt: copy ``kv`` (its first ``num_loaded`` tokens, or None)
+    into the request's blocks; after prefill store the first ``store_upto`` prompt tokens (0 =
+    nothing new to store), with chunk queries captured from token ``query_offset`` on when
+    ``capture_queries`` (full mode); keep a query window when ``capture_window``."""
+
+    kv: Tensor | None
+    num_loaded: int
+    store_upto: int = 0
+    capture_queries: bool = False
+    query_offset: int = 0
+    capture_window: bool = False
+
+
+def plan_prefix(
+    conn: KVConnector, capture: QueryCapture, prompt: list[int], cache_salt: str
+) -> PrefixPlan:
+    """Look up ``prompt``'s cached prefix and decide what to load and store, for the engine's
+    query ``capture``; ``EngineError`` when the server cannot be asked."""
+    try:
+        kv = conn.load(prompt, cache_salt)
+    except Exception as exc:
+        raise EngineError(f"loading the cached prefix from the server failed: {exc}") from exc
+    cached = 0 if kv is None else int(kv.shape[2])
+    # At least the last prompt token is computed: its logits pick the first output token.
+    n = min(cached, len(prompt) - 1)
+    loaded = kv[:, :, :n] if kv is not None and n > 0 else None
+    aligned = len(prompt) // conn.chunk_size * conn.chunk_size
+    window, full = _query_modes(conn, capture)
+    if aligned <= cached:
+        return PrefixPlan(loaded, n, capture_window=window)
+    # Chunk queries (full mode) are captured for the computed tokens; a loaded prefix (shared
+    # with an earlier prompt) must have its queries cached too, or the query cache would hold a
+    # hole. After a modify the kept tokens have none: their prompt stores KV only.
+    if not conn.transfer_query or not full:
+        return PrefixPlan(loaded, n, store_upto=aligned, capture_window=window)
+    try:
+        q_cached = conn.lookup_queries(prompt, cache_salt) if n else 0
+    except Exception as exc:
+        raise EngineError(f"query lookup in the server failed: {exc}") from exc
+    capture = n == 0 or q_cached >= n
+    return PrefixPlan(
+        loaded,
+        n,
+        store_upto=aligned,
+        capture_queries=capture,
+        query_offset=n,
+        capture_window=window,
+    )
+
+
+def plan_recompute(conn: KVConnector, capture: QueryCapture, prompt: list[int]) -> PrefixPlan:
+    """Admission's plan when the server cannot be asked (down, slow, failing): compute the whole
+    prompt, then store its whole chunks (with queries when the connector stores them)."""
+    aligned = len(prompt) // conn.chunk_size * conn.chunk_size
+    window, full = _query_modes(conn, capture)
+    return PrefixPlan(
+        None,
+        0,
+        store_upto=aligned,
+        capture_queries=bool(conn.transfer_query) and full and aligned > 0,
+        capture_window=window,
+    )
+
+
+def _query_modes(conn: KVConnector, capture: QueryCapture) -> tuple[bool, bool]:
+    """(keep a query window, store every prompt query in chunks) for ``capture`` on ``conn``."""
+    # Windows need a connector that can store them (kvdrop's); others (an LMCache server's) are
+    # built for the full queries in chunks, the upstream layout.
+    window = conn.transfer_query and conn.stores_windows
+    return window, capture.full
+
+
+def follow(req: Request, plan: PrefixPlan, capture: QueryCapture | None) -> None:
+    """Make ``req`` take admission's decision: ``plan.num_loaded`` tokens are in its blocks
+    already; it keeps a query window of ``capture``'s sizes when the plan says so."""
+    req.num_computed = plan.num_loaded
+    req.store_upto = plan.store_upto
+    req.capture_queries = plan.capture_queries
+    req.query_offset = plan.query_offset
+    if plan.capture_window and capture is not None:
+        req.window = WindowCapture(len(req.prompt), capture.window, capture.stride)
 
 
 @dataclass

@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 
 from kvdrop_engine.capture import WindowCapture
-from kvdrop_engine.connector import KVConnector, PrefixPlan
 from kvdrop_engine.errors import InvalidRequestError
 from kvdrop_engine.sampling import SamplingParams, make_generator
 from kvdrop_engine.tokenizer import IncrementalDetokenizer
@@ -57,7 +56,8 @@ class Request:
     query_parts: list[Tensor] = field(default_factory=list)
     window: WindowCapture | None = None
     cancelled: bool = False
-    loading: Future[PrefixPlan] | None = None  # the prefix load in flight (not stepped yet)
+    #: The prefix load in flight (a :class:`~kvdrop_engine.scheduler.PrefixPlan` to come).
+    loading: Future[Any] | None = None
     load_deadline: float = float("inf")  # set when the load starts (not while it is queued)
     load_state: LoadState = LoadState.QUEUED
     #: Stores started for this request; the caller waits for them before its next token.
@@ -67,16 +67,6 @@ class Request:
     def prefilling(self) -> bool:
         """Whether prompt tokens are still to be computed."""
         return self.num_computed < len(self.prompt)
-
-    def follow(self, plan: PrefixPlan, conn: KVConnector | None = None) -> None:
-        """Take admission's decision: ``plan.num_loaded`` tokens are in the blocks already."""
-        self.num_computed = plan.num_loaded
-        self.store_upto = plan.store_upto
-        self.capture_queries = plan.capture_queries
-        self.query_offset = plan.query_offset
-        if plan.capture_window and conn is not None:
-            queries = conn.queries
-            self.window = WindowCapture(len(self.prompt), queries.window, queries.stride)
 
     def capture_offsets(self, n: int) -> list[int] | None:
         """Offsets of the next ``n`` computed tokens whose queries this step must capture."""

@@ -1,7 +1,7 @@
 """Test tooling for the LMCache backend: run a real ``lmcache server`` on free local ports.
 
 Tests, benchmarks and the demo start one with :func:`spawn_lmcache_server`; the shipped
-connector (:mod:`kvdrop_engine.lmcache_connector`) does not need it.
+connector (:mod:`kvdrop_engine.connectors.lmcache`) does not need it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import requests
 
-from kvdrop_engine.lmcache_connector import require_lmcache
+from kvdrop_engine.connectors.lmcache import require_lmcache
 from kvdrop_sdk.errors import SDKError
 
 __all__ = ["LMCacheServer", "spawn_lmcache_server"]

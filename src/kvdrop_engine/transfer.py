@@ -22,27 +22,31 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from kvdrop_engine.capture import log_normalisers
-from kvdrop_engine.connector import (
-    KVConnector,
-    PrefixPlan,
-    StoreJob,
-    WindowJob,
-    plan_prefix,
-    plan_recompute,
-)
+from kvdrop_engine.connectors.base import KVConnector
 from kvdrop_engine.errors import EngineError
 from kvdrop_engine.paged import PagedKVCache, to_device, to_host_all
-from kvdrop_engine.reconstruct import ScoresJob
+from kvdrop_engine.scheduler import PrefixPlan, follow, plan_prefix, plan_recompute
 from kvdrop_engine.sequence import LoadState, Request
 from kvdrop_engine.stats import EngineStats
 from kvdrop_sdk.errors import PartialStoreError, SDKError, ServerUnavailableError
+from kvdrop_sdk.window import QueryWindow, TokenScores
 
-__all__ = ["STORE_THREADS", "Transfers", "check_seconds", "refused"]
+__all__ = [
+    "STORE_THREADS",
+    "ScoresJob",
+    "StoreJob",
+    "Transfers",
+    "WindowJob",
+    "check_seconds",
+    "refused",
+]
 
 #: Threads that run stores (each caller waits for its own, up to ``store_timeout_s``).
 STORE_THREADS = 4
@@ -70,6 +74,85 @@ def refused(exc: BaseException) -> bool:
     return found
 
 
+@dataclass
+class StoreJob:
+    """A prompt's KV (and queries) to push to the server, from the caller's thread."""
+
+    kv: Tensor
+    queries: Tensor | None
+    tokens: list[int]
+    cache_salt: str
+    query_offset: int = 0
+
+    def run(self, conn: KVConnector) -> int:
+        """Store it; returns the query tokens stored. ``EngineError`` when the store fails (the
+        prompt is then not in the server, which the caller must hear about)."""
+        try:
+            stored = conn.store(
+                self.kv, self.queries, self.tokens, self.cache_salt, query_offset=self.query_offset
+            )
+        except Exception as exc:
+            raise EngineError(
+                f"storing the prompt's KV in the kvdrop server failed: {exc}"
+            ) from exc
+        return int(stored or 0)
+
+
+@dataclass
+class WindowJob:
+    """A finished request's query window to push to the server, from the caller's thread (before
+    its last token is handed over, so a caller that saw the end finds the window):
+    ``positions`` ``[R]``, ``queries`` ``[L, R, Hq, d]`` and log-normalisers ``lse``
+    ``[L, R, Hq]`` (on the model's device), for the call over ``tokens``."""
+
+    positions: Tensor
+    queries: Tensor
+    lse: Tensor
+    tokens: list[int]
+    cache_salt: str
+
+    def run(self, conn: KVConnector) -> tuple[int, int]:
+        """Store it; returns ``(rows, bytes)`` sent."""
+        q = self.queries
+        queries = q.reshape(q.shape[0], q.shape[1], -1).unsqueeze(0).to("cpu")
+        lse = self.lse.unsqueeze(0).to(device="cpu", dtype=torch.float32)
+        positions = self.positions
+        try:
+            conn.store_window(self.tokens, QueryWindow(queries, positions, lse), self.cache_salt)
+        except Exception as exc:
+            raise EngineError(
+                f"storing the request's query window in the kvdrop server failed: {exc}"
+            ) from exc
+        nbytes = queries.numel() * queries.element_size() + lse.numel() * lse.element_size()
+        return int(positions.numel()), nbytes
+
+
+@dataclass
+class ScoresJob:
+    """A finished request's reconstruction scores ``[L, Hkv, N]`` to push to the server from the
+    caller's thread (before its last token is handed over), keyed like its query window by
+    ``tokens`` (prompt + every generated token)."""
+
+    scores: Tensor
+    tokens: list[int]
+    cache_salt: str
+
+    def run(self, conn: KVConnector) -> int:
+        """Store it; returns the bytes sent. ``EngineError`` when the store fails."""
+        if not conn.stores_scores:
+            raise EngineError(
+                "the engine's connector cannot store reconstruction scores (kvzip): use a kvdrop "
+                "server (kvdrop_engine.connectors.kvdrop.ServerConnector with transfer_query); "
+                "LMCache servers have no store for them"
+            )
+        scores = self.scores.to(device="cpu", dtype=torch.float32)
+        try:
+            conn.store_scores(self.tokens, TokenScores(scores), self.cache_salt)
+        except Exception as exc:
+            raise EngineError(f"storing the reconstruction scores failed: {exc}") from exc
+        return scores.numel() * 4
+
+
 class Transfers:
     """The loads and stores of one engine over ``connector`` (see the module docstring).
 
@@ -94,6 +177,8 @@ class Transfers:
         lock: threading.Condition,
     ) -> None:
         self.connector = connector
+        #: The engine's query capture (what the policies read), passed to every plan.
+        self.capture = connector.queries
         self.cache = cache
         self.load_concurrency = load_concurrency
         self.load_timeout_s = load_timeout_s
@@ -180,7 +265,7 @@ class Transfers:
         self._wake()  # the loop now has a deadline to wait for
         started = time.perf_counter()
         try:
-            plan = plan_prefix(self.connector, req.prompt, req.cache_salt)
+            plan = plan_prefix(self.connector, self.capture, req.prompt, req.cache_salt)
             if self.copy_on_loop:
                 return self._staged(plan)
             with self.load_lock:
@@ -254,13 +339,13 @@ class Transfers:
                 self.io_failed("load failed:", f"{type(exc).__name__}: {exc}", exc)
                 self.recompute(req)
                 continue
-            req.follow(plan, self.connector)
+            follow(req, plan, self.capture)
             with self._counters() as st:
                 st.tokens_loaded += plan.num_loaded
 
     def recompute(self, req: Request) -> None:
         """The request computes its whole prompt (the server could not be asked)."""
-        req.follow(plan_recompute(self.connector, req.prompt), self.connector)
+        follow(req, plan_recompute(self.connector, self.capture, req.prompt), self.capture)
         with self._counters() as st:
             st.connector_fallbacks += 1
 

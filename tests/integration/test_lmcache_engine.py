@@ -37,7 +37,7 @@ def name() -> str:
 
 @pytest.fixture
 def connector(lmcache_server: Any) -> Iterator[Any]:
-    from kvdrop_engine.lmcache_connector import LMCacheConnector
+    from kvdrop_engine.connectors.lmcache import LMCacheConnector
 
     conn = LMCacheConnector(lmcache_server.url, lmcache_server.http_url, name())
     yield conn
@@ -47,7 +47,7 @@ def connector(lmcache_server: Any) -> Iterator[Any]:
 def test_prefill_stores_kv_and_queries_the_sdk_reads_back(
     lmcache_server: Any, model: Transformer, connector: Any
 ) -> None:
-    from kvdrop_engine.lmcache_connector import connect_sdk
+    from kvdrop_engine.connectors.lmcache import connect_sdk
 
     p = prompt(2 * CHUNK + 40, seed=1)
     with Engine(model, num_blocks=128, connector=connector) as eng:
@@ -78,7 +78,7 @@ def test_prefill_stores_kv_and_queries_the_sdk_reads_back(
 
 
 def test_store_and_load_are_bit_exact_across_windows(lmcache_server: Any) -> None:
-    from kvdrop_engine.lmcache_connector import LMCacheConnector, connect_sdk
+    from kvdrop_engine.connectors.lmcache import LMCacheConnector, connect_sdk
 
     cfg = preset_config("tiny")
     # A staging area of one chunk: every 4-chunk transfer runs in 4 windows.
@@ -114,7 +114,7 @@ def test_store_and_load_are_bit_exact_across_windows(lmcache_server: Any) -> Non
 
 
 def test_no_transfer_query_means_kv_only(lmcache_server: Any, model: Transformer) -> None:
-    from kvdrop_engine.lmcache_connector import LMCacheConnector
+    from kvdrop_engine.connectors.lmcache import LMCacheConnector
 
     conn = LMCacheConnector(
         lmcache_server.url, lmcache_server.http_url, name(), transfer_query=False
@@ -128,7 +128,7 @@ def test_no_transfer_query_means_kv_only(lmcache_server: Any, model: Transformer
 
 def test_the_two_servers_are_told_apart(lmcache_server: Any) -> None:
     import kvdrop_sdk
-    from kvdrop_engine.lmcache_connector import LMCacheConnector
+    from kvdrop_engine.connectors.lmcache import LMCacheConnector
 
     # kvdrop_sdk pointed at an LMCache server says what it is and what to use instead.
     with pytest.raises(SDKError, match=r"is an LMCache server.*lmcache\.sdk\.kvcache\.connect"):

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import kvdrop_sdk
-from kvdrop_engine.connector import ServerConnector
+from kvdrop_engine.connectors.kvdrop import ServerConnector
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer
@@ -184,7 +184,7 @@ def test_the_same_example_gives_the_same_results_on_lmcache(
 ) -> None:
     import lmcache.sdk
 
-    from kvdrop_engine.lmcache_connector import LMCacheConnector
+    from kvdrop_engine.connectors.lmcache import LMCacheConnector
 
     name = f"doc-{uuid.uuid4().hex[:8]}"
     conn = LMCacheConnector(lmcache_server.url, lmcache_server.http_url, name)

@@ -23,7 +23,7 @@ import kvdrop
 from kvdrop.cli import main
 from kvdrop.experiments.prompts import random_prompts
 from kvdrop.experiments.runner import RunResult, kept_count, run_pipeline
-from kvdrop_engine.connector import ServerConnector
+from kvdrop_engine.connectors.kvdrop import ServerConnector
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer
@@ -38,7 +38,7 @@ SAMPLING = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
 def run_both(policy_name: str, lmcache_server: Any) -> tuple[RunResult, RunResult]:
     """The same dropped run (same model, prompts, policy) on the LMCache server and on a kvdrop
     server: ``(on_lmcache, on_kvdrop)``."""
-    from kvdrop_engine.lmcache_connector import LMCacheConnector, connect_sdk
+    from kvdrop_engine.connectors.lmcache import LMCacheConnector, connect_sdk
 
     model = Transformer.random(preset_config("tiny"), seed=11)
     cfg = model.config

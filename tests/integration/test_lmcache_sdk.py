@@ -43,7 +43,7 @@ class Setup:
 
 @pytest.fixture(scope="module")
 def setup(lmcache_server: Any) -> Iterator[Setup]:
-    from kvdrop_engine.lmcache_connector import LMCacheConnector, connect_sdk
+    from kvdrop_engine.connectors.lmcache import LMCacheConnector, connect_sdk
 
     model = Transformer.random(preset_config("tiny"), seed=5)
     model_name = f"lmc-sdk-{uuid.uuid4().hex[:8]}"

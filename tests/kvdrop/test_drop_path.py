@@ -21,7 +21,7 @@ import torch
 
 import kvdrop
 from kvdrop.rope import rerotate_keys
-from kvdrop_engine.connector import ServerConnector
+from kvdrop_engine.connectors.kvdrop import ServerConnector
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer

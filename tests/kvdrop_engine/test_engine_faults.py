@@ -17,7 +17,8 @@ import pytest
 import requests
 import torch
 
-from kvdrop_engine.connector import KVConnector, ServerConnector
+from kvdrop_engine.connectors.base import KVConnector
+from kvdrop_engine.connectors.kvdrop import ServerConnector
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.http import CompletionHTTPServer
 from kvdrop_engine.loading import preset_config

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from kvdrop_engine.connector import ServerConnector
+from kvdrop_engine.connectors.kvdrop import ServerConnector
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.errors import EngineError
 from kvdrop_engine.loading import preset_config

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvdrop_engine.connector import ServerConnector
+from kvdrop_engine.connectors.kvdrop import ServerConnector
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.loading import preset_config

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvdrop_engine.connector import ServerConnector
+from kvdrop_engine.connectors.kvdrop import ServerConnector
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.errors import InvalidRequestError
 from kvdrop_engine.loading import preset_config

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvdrop.commands.args import finite_positive
+from kvdrop_engine.connectors.factory import CONNECTOR_KINDS
 
 __all__ = ["add_arguments", "run"]
 
@@ -76,7 +77,7 @@ def _cache_arguments(parser: argparse.ArgumentParser) -> None:
     cache = parser.add_argument_group("cache server")
     cache.add_argument(
         "--cache-server",
-        choices=("kvdrop", "lmcache"),
+        choices=CONNECTOR_KINDS,
         default="kvdrop",
         help="kvdrop (default; started in this process unless --url is given) or lmcache (a real "
         "`lmcache server`: pip install 'kvdrop[lmcache]', see docs/lmcache.md)",
@@ -144,8 +145,8 @@ def run(args: argparse.Namespace) -> int:
         print("kvdrop demo: error: give --url and --http-url together", file=sys.stderr)
         return 2
     if args.cache_server == "lmcache":
+        from kvdrop_engine.connectors.lmcache import require_lmcache
         from kvdrop_engine.errors import EngineSetupError
-        from kvdrop_engine.lmcache_connector import require_lmcache
 
         try:
             require_lmcache()

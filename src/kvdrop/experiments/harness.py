@@ -5,7 +5,7 @@
 * which queries the engine captures is :meth:`kvdrop_sdk.query_capture.QueryCapture.for_policies`
   (the one owner of that decision); callers build it and hand it to :func:`open_harness`;
 * :func:`connect` builds the engine's connector, only through
-  :func:`kvdrop_engine.connector.make_connector`;
+  :func:`kvdrop_engine.connectors.factory.make_connector`;
 * :func:`cache_server` starts (and owns) a cache server, or uses a running one;
 * :func:`open_harness` puts server, connector, engine and contexts together and closes them in
   reverse order;
@@ -36,8 +36,6 @@ __all__ = [
     "reconstruction_prompt",
 ]
 
-CONNECTOR_KINDS = ("kvdrop", "lmcache")
-
 
 class HarnessError(ValueError):
     """The flags, the policies or the machine cannot run the experiment; says what to change."""
@@ -58,7 +56,7 @@ def connect(
 ) -> Any:
     """The engine's connector (only through ``make_connector``); a bad address or a missing
     LMCache install is a :class:`HarnessError`."""
-    from kvdrop_engine.connector import make_connector
+    from kvdrop_engine.connectors.factory import make_connector
     from kvdrop_engine.errors import EngineSetupError
 
     try:
@@ -127,7 +125,7 @@ def _contexts(
     kvdrop's batch)."""
     queries = capture.uses_query_context
     if kind == "lmcache":
-        from kvdrop_engine.lmcache_connector import connect_sdk
+        from kvdrop_engine.connectors.lmcache import connect_sdk
 
         return connect_sdk(url, http_url, model_name, query=queries)
     from kvdrop_sdk import kvcache, qcache

@@ -1,5 +1,5 @@
 """Connects the reference engine to a real LMCache server (``lmcache server``): the second backend
-next to :class:`~kvdrop_engine.connector.ServerConnector`.
+next to :class:`~kvdrop_engine.connectors.kvdrop.ServerConnector`.
 
 It speaks to the server the way vLLM's LMCache connector does, through LMCache's own engine-side
 adapters (optional dependency ``lmcache``; see docs/lmcache.md for the CPU install):
@@ -36,7 +36,7 @@ import requests
 import torch
 from torch import Tensor
 
-from kvdrop_engine.connector_base import KVConnector
+from kvdrop_engine.connectors.base import KVConnector
 from kvdrop_engine.errors import EngineSetupError
 from kvdrop_engine.model import ModelConfig
 from kvdrop_sdk.cache_kind import CacheKind

@@ -1,10 +1,10 @@
-"""Connects the reference engine to a kvdrop server: load cached prefixes, store prompts.
+"""The engine's connector to a kvdrop server: load cached prefixes, store prompts and windows.
 
-:class:`KVConnector` (:mod:`~kvdrop_engine.connector_base`) is what the engine needs from a
-connector; :class:`ServerConnector` is the one that talks to a kvdrop server through
-``kvdrop_sdk`` contexts; :func:`make_connector` builds either kind by name. :func:`plan_prefix`
-(on admission: what to load, what to store after prefill), :class:`StoreJob` and
-:class:`WindowJob` (run on a store thread) are the engine's uses of it.
+:class:`ServerConnector` talks to a kvdrop server through ``kvdrop_sdk`` contexts; it is one
+:class:`~kvdrop_engine.connectors.base.KVConnector` (the contract the engine uses), built by name
+by :func:`~kvdrop_engine.connectors.factory.make_connector`. What admission loads and stores is
+the scheduler's decision (:func:`kvdrop_engine.scheduler.plan_prefix`); the jobs that ship
+results are :mod:`kvdrop_engine.transfer`'s.
 
 The engine calls ``bind`` once with its model config and dtype; the connector then registers the
 model's KV layout ``[2, L, T, Hkv*d]`` with the model's RoPE parameters (so edit functions can
@@ -32,16 +32,14 @@ through one connector.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import requests
 import torch
 from torch import Tensor
 
-from kvdrop_engine.connector_base import KVConnector
-from kvdrop_engine.errors import EngineError
+from kvdrop_engine.connectors.base import KVConnector
 from kvdrop_engine.model import ModelConfig
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
@@ -55,153 +53,10 @@ from kvdrop_sdk.query_capture import (
 )
 from kvdrop_sdk.window import QueryWindow, TokenScores, store_scores, store_window
 
-__all__ = [
-    "DEFAULT_QUERY_STRIDE",
-    "DEFAULT_QUERY_WINDOW",
-    "QUERY_CAPTURE_MODES",
-    "EngineConnector",
-    "KVConnector",
-    "PrefixPlan",
-    "ServerConnector",
-    "StoreJob",
-    "WindowJob",
-    "make_connector",
-    "plan_prefix",
-    "plan_recompute",
-    "server_has_transfer_query",
-]
+__all__ = ["QUERY_CAPTURE_MODES", "ServerConnector", "server_has_transfer_query"]
 
 #: Query capture modes: "window" (lean: last W + strided rows) or "full" (every prompt row).
 QUERY_CAPTURE_MODES = ("window", "full")
-
-
-#: The old name of the contract (a Protocol before it became :class:`KVConnector`).
-EngineConnector = KVConnector
-
-
-@dataclass(frozen=True)
-class PrefixPlan:
-    """What admission does with a prompt: copy ``kv`` (its first ``num_loaded`` tokens, or None)
-    into the request's blocks; after prefill store the first ``store_upto`` prompt tokens (0 =
-    nothing new to store), with chunk queries captured from token ``query_offset`` on when
-    ``capture_queries`` (full mode); keep a query window when ``capture_window``."""
-
-    kv: Tensor | None
-    num_loaded: int
-    store_upto: int = 0
-    capture_queries: bool = False
-    query_offset: int = 0
-    capture_window: bool = False
-
-
-def plan_prefix(conn: KVConnector, prompt: list[int], cache_salt: str) -> PrefixPlan:
-    """Look up ``prompt``'s cached prefix and decide what to load and store; ``EngineError`` when
-    the server cannot be asked."""
-    try:
-        kv = conn.load(prompt, cache_salt)
-    except Exception as exc:
-        raise EngineError(f"loading the cached prefix from the server failed: {exc}") from exc
-    cached = 0 if kv is None else int(kv.shape[2])
-    # At least the last prompt token is computed: its logits pick the first output token.
-    n = min(cached, len(prompt) - 1)
-    loaded = kv[:, :, :n] if kv is not None and n > 0 else None
-    aligned = len(prompt) // conn.chunk_size * conn.chunk_size
-    window, full = _query_modes(conn)
-    if aligned <= cached:
-        return PrefixPlan(loaded, n, capture_window=window)
-    # Chunk queries (full mode) are captured for the computed tokens; a loaded prefix (shared
-    # with an earlier prompt) must have its queries cached too, or the query cache would hold a
-    # hole. After a modify the kept tokens have none: their prompt stores KV only.
-    if not conn.transfer_query or not full:
-        return PrefixPlan(loaded, n, store_upto=aligned, capture_window=window)
-    try:
-        q_cached = conn.lookup_queries(prompt, cache_salt) if n else 0
-    except Exception as exc:
-        raise EngineError(f"query lookup in the server failed: {exc}") from exc
-    capture = n == 0 or q_cached >= n
-    return PrefixPlan(
-        loaded,
-        n,
-        store_upto=aligned,
-        capture_queries=capture,
-        query_offset=n,
-        capture_window=window,
-    )
-
-
-def plan_recompute(conn: KVConnector, prompt: list[int]) -> PrefixPlan:
-    """Admission's plan when the server cannot be asked (down, slow, failing): compute the whole
-    prompt, then store its whole chunks (with queries when the connector stores them)."""
-    aligned = len(prompt) // conn.chunk_size * conn.chunk_size
-    window, full = _query_modes(conn)
-    return PrefixPlan(
-        None,
-        0,
-        store_upto=aligned,
-        capture_queries=bool(conn.transfer_query) and full and aligned > 0,
-        capture_window=window,
-    )
-
-
-def _query_modes(conn: KVConnector) -> tuple[bool, bool]:
-    """(keep a query window, store every prompt query in chunks) for ``conn``."""
-    # Windows need a connector that can store them (kvdrop's); others (an LMCache server's) are
-    # built for the full queries in chunks, the upstream layout.
-    window = conn.transfer_query and conn.stores_windows
-    return window, conn.queries.full
-
-
-@dataclass
-class StoreJob:
-    """A prompt's KV (and queries) to push to the server, from the caller's thread."""
-
-    kv: Tensor
-    queries: Tensor | None
-    tokens: list[int]
-    cache_salt: str
-    query_offset: int = 0
-
-    def run(self, conn: KVConnector) -> int:
-        """Store it; returns the query tokens stored. ``EngineError`` when the store fails (the
-        prompt is then not in the server, which the caller must hear about)."""
-        try:
-            stored = conn.store(
-                self.kv, self.queries, self.tokens, self.cache_salt, query_offset=self.query_offset
-            )
-        except Exception as exc:
-            raise EngineError(
-                f"storing the prompt's KV in the kvdrop server failed: {exc}"
-            ) from exc
-        return int(stored or 0)
-
-
-@dataclass
-class WindowJob:
-    """A finished request's query window to push to the server, from the caller's thread (before
-    its last token is handed over, so a caller that saw the end finds the window):
-    ``positions`` ``[R]``, ``queries`` ``[L, R, Hq, d]`` and log-normalisers ``lse``
-    ``[L, R, Hq]`` (on the model's device), for the call over ``tokens``."""
-
-    positions: Tensor
-    queries: Tensor
-    lse: Tensor
-    tokens: list[int]
-    cache_salt: str
-
-    def run(self, conn: KVConnector) -> tuple[int, int]:
-        """Store it; returns ``(rows, bytes)`` sent."""
-        q = self.queries
-        queries = q.reshape(q.shape[0], q.shape[1], -1).unsqueeze(0).to("cpu")
-        lse = self.lse.unsqueeze(0).to(device="cpu", dtype=torch.float32)
-        positions = self.positions
-        try:
-            conn.store_window(self.tokens, QueryWindow(queries, positions, lse), self.cache_salt)
-        except Exception as exc:
-            raise EngineError(
-                f"storing the request's query window in the kvdrop server failed: {exc}"
-            ) from exc
-        nbytes = queries.numel() * queries.element_size() + lse.numel() * lse.element_size()
-        return int(positions.numel()), nbytes
 
 
 def server_has_transfer_query(http_url: str, timeout: float = 10.0) -> bool:
@@ -419,58 +274,3 @@ class ServerConnector(KVConnector):
             if ctx is not None:
                 ctx.close()
         self._kv_ctx = self._q_ctx = None
-
-
-def _kvdrop_connector(
-    url: str, http_url: str, model_name: str, queries: QueryCapture, **options: Any
-) -> KVConnector:
-    return ServerConnector(
-        url,
-        http_url,
-        model_name,
-        queries=queries,
-        transfer_query=queries.uses_query_context or None,
-        **options,
-    )
-
-
-def _lmcache_connector(
-    url: str, http_url: str, model_name: str, queries: QueryCapture, **options: Any
-) -> KVConnector:
-    from kvdrop_engine.lmcache_connector import LMCacheConnector, require_lmcache
-
-    require_lmcache()
-    return LMCacheConnector(
-        url,
-        http_url,
-        model_name,
-        queries=queries,
-        transfer_query=queries.enabled or None,
-        **options,
-    )
-
-
-#: The connector kinds :func:`make_connector` builds, by name (vLLM's ``KVConnectorFactory``).
-_BUILDERS: dict[str, Callable[..., KVConnector]] = {
-    "kvdrop": _kvdrop_connector,
-    "lmcache": _lmcache_connector,
-}
-CONNECTOR_KINDS = tuple(_BUILDERS)
-
-
-def make_connector(
-    kind: str,
-    url: str,
-    http_url: str,
-    model_name: str,
-    *,
-    queries: QueryCapture | None = None,
-    **options: Any,
-) -> KVConnector:
-    """The engine's connector of ``kind`` ("kvdrop": a kvdrop server, "lmcache": an LMCache
-    server), capturing ``queries`` (:meth:`QueryCapture.for_policies`; none when omitted).
-    ``options`` are the connector's own keyword arguments."""
-    build = _BUILDERS.get(kind)
-    if build is None:
-        raise ValueError(f"connector kind must be one of {CONNECTOR_KINDS}, got {kind!r}")
-    return build(url, http_url, model_name, queries or QueryCapture(), **options)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvdrop_engine.connector import ServerConnector
+from kvdrop_engine.connectors.kvdrop import ServerConnector
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import DenseAttention, ModelConfig, Transformer, generate
