@@ -143,7 +143,7 @@ class Engine:
         self.connector = connector
         self._transfers: Transfers | None = None
         if connector is not None:
-            connector.bind(cfg, self.dtype)
+            connector.bind(cfg, self.dtype, device=self.cache.device)
             self._transfers = Transfers(
                 connector,
                 self.cache,

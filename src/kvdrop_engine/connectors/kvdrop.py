@@ -128,12 +128,17 @@ class ServerConnector(KVConnector):
         self.kv_layout: CacheLayout | None = None
         self.query_layout: CacheLayout | None = None
         self._kv_ctx: Any = None
+        self._load_device: torch.device | None = None
         self._q_ctx: Any = None
 
-    def bind(self, config: ModelConfig, dtype: torch.dtype) -> None:
-        """Register the layouts of a model with ``config`` (L, heads, head_dim) in ``dtype``."""
+    def bind(
+        self, config: ModelConfig, dtype: torch.dtype, *, device: torch.device | None = None
+    ) -> None:
+        """Register the layouts of a model with ``config`` (L, heads, head_dim) in ``dtype``;
+        prefixes load straight to a CUDA ``device`` (DMA from the server's shared memory)."""
         if self._kv_ctx is not None:
             raise SDKError("this connector is already bound to an engine; make one per engine")
+        self._load_device = device if device is not None and device.type == "cuda" else None
         self.kv_layout = CacheLayout(
             config.num_layers,
             config.num_kv_heads,
@@ -192,9 +197,14 @@ class ServerConnector(KVConnector):
         return int(self._q_ctx.lookup(list(tokens), cache_salt))
 
     def load(self, tokens: Sequence[int], cache_salt: str = "") -> Tensor | None:
-        """KV ``[2, L, T, Hkv*d]`` (CPU) of the longest cached prefix of ``tokens``, or None."""
+        """KV ``[2, L, T, Hkv*d]`` of the longest cached prefix of ``tokens``, or None: on the
+        engine's GPU when it has one (a side stream made it: ``record_stream`` before use on
+        another), else on the CPU."""
         ctx = self._ctx()
-        kv = ctx.retrieve(list(tokens), cache_salt)
+        try:
+            kv = ctx.retrieve(list(tokens), cache_salt, device=self._load_device)
+        except torch.OutOfMemoryError:  # no room for the prefix on the GPU now: via the host
+            kv = ctx.retrieve(list(tokens), cache_salt)
         if kv is None or kv.shape[2] == 0:
             return None
         assert self.kv_layout is not None
