@@ -15,23 +15,22 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NoReturn
 
+import torch
 from torch import Tensor, nn
 
 from kvdrop_engine.connectors.base import KVConnector
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
-from kvdrop_engine.paged import to_host
-from kvdrop_engine.reconstruct import ReconstructionPrompt, reconstruction_scores
-from kvdrop_engine.runner import ModelRunner
+from kvdrop_engine.reconstruct import ReconstructionPrompt
+from kvdrop_engine.runner import Forward, ModelRunner
 from kvdrop_engine.sampling import (
     SamplingParams,
     TokenLogprobs,
-    finish_reason,
     pick_tokens,
     sample_row,
     token_logprobs,
@@ -41,12 +40,13 @@ from kvdrop_engine.scheduler import (
     Scheduler,
     StepPlan,
     budget_blocks,
+    decoded_store_upto,
     plan_step,
 )
 from kvdrop_engine.sequence import Request, new_request
 from kvdrop_engine.stats import EngineStats
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
-from kvdrop_engine.transfer import ScoresJob, Transfers, check_seconds
+from kvdrop_engine.transfer import ScoresJob, StoreJob, Transfers, WindowJob, check_seconds
 from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.validate import positive_int
 
@@ -66,6 +66,13 @@ def _stop_running_engines() -> None:
     """
     for engine in list(_RUNNING):
         engine.stop()
+
+
+def _raise(item: BaseException) -> NoReturn:
+    """Raise a request's failure as the ``EngineError`` its caller expects."""
+    if isinstance(item, EngineError):
+        raise item
+    raise EngineError(f"request failed: {item!r}") from item
 
 
 class Engine:
@@ -157,7 +164,9 @@ class Engine:
                 lock=self._cv,
             )
         load_lock = threading.Lock() if self._transfers is None else self._transfers.load_lock
-        self._sched = Scheduler(self.cache.allocator, block_size, max_batch_size, load_lock)
+        self._sched = Scheduler(
+            self.cache.allocator, block_size, max_batch_size, load_lock, self.eos_token_ids
+        )
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -253,20 +262,55 @@ class Engine:
             vocab_size=self.config.vocab_size,
             detok=detok,
         )
-        self._sched.check_fits(req)
         if req.params.reconstruct and (self.reconstruction is None or self._transfers is None):
             raise InvalidRequestError(
                 "reconstruct=true needs an engine built with reconstruction=ReconstructionPrompt"
                 "(...) and a connector to store the scores in (kvdrop_engine.reconstruct)"
             )
+        self._submit(req)
+        return self._events(req)
+
+    __call__ = post_completion
+
+    def post_scoring(
+        self, token_ids: Sequence[int], score_from: int, cache_salt: str = ""
+    ) -> Callable[[], Tensor]:
+        """Submit a scoring request: ``token_ids`` teacher-forced through the model (a cached
+        prefix loaded as on any admission, at most up to position ``score_from``), nothing
+        sampled or stored. Returns a function that waits for its float32 log-softmax rows
+        ``[len(token_ids) - score_from, V]`` (row ``i``: the distribution after position
+        ``score_from + i``); :func:`kvdrop_engine.logprobs.continuation_logprobs` uses it."""
+        req = new_request(
+            next(self._ids),
+            token_ids,
+            {"max_tokens": 1, "temperature": 0.0},
+            cache_salt,
+            vocab_size=self.config.vocab_size,
+            detok=None,
+        )
+        if not isinstance(score_from, int) or not 0 <= score_from < len(req.prompt):
+            raise InvalidRequestError(
+                f"score_from must be an int in 0..{len(req.prompt) - 1}, got {score_from!r}"
+            )
+        req.score_from = score_from
+        self._submit(req)
+
+        def result() -> Tensor:
+            item = req.out.get()
+            if isinstance(item, BaseException):
+                _raise(item)
+            return item
+
+        return result
+
+    def _submit(self, req: Request) -> None:
+        """Put a validated request in the waiting line (``RequestTooLargeError`` first)."""
+        self._sched.check_fits(req)
         self.start()
         with self._cv:
             self._sched.waiting.append(req)
             self._stats.peak_waiting = max(self._stats.peak_waiting, len(self._sched.waiting))
             self._cv.notify_all()
-        return self._events(req)
-
-    __call__ = post_completion
 
     def generate(
         self,
@@ -286,9 +330,7 @@ class Engine:
                 item = req.out.get()
                 if isinstance(item, BaseException):
                     finished = True
-                    if isinstance(item, EngineError):
-                        raise item
-                    raise EngineError(f"request failed: {item!r}") from item
+                    _raise(item)
                 if self._transfers is not None:
                     self._transfers.await_stores(req)  # started before this token was queued
                 yield item
@@ -343,9 +385,9 @@ class Engine:
                     self._fail(req, exc)
 
     def _step(self, batch: list[Request]) -> None:
-        """One forward over ``batch``, then each request's token. A forward that raises is
-        retried with each request alone, so its failure reaches only the requests causing it;
-        after the forward every failure is one request's own."""
+        """One step over ``batch``: plan -> run -> sample -> postprocess -> ship. A forward that
+        raises is retried with each request alone, so its failure reaches only the requests
+        causing it; after the forward every failure is one request's own."""
         started = time.perf_counter()
         plan = plan_step(batch, self.max_prefill_tokens)
         try:
@@ -358,13 +400,31 @@ class Engine:
                 for req in batch:
                     self._step([req])
             return
+        self._advance(plan, out)
+        self._count(plan, out, started)
+        sampled = self._sample(plan, out, picked)
+        with self._cv:
+            ended = self._sched.postprocess(plan, {rid: tok for rid, (tok, _) in sampled.items()})
+        for req, tok, reason in ended:
+            self._ship(req, tok, sampled[req.rid][1] if tok is not None else None, reason)
+
+    def _advance(self, plan: StepPlan, out: Forward) -> None:
+        """Each request's computed tokens, captured query rows and scored rows of this step."""
+        row = 0
+        scored = dict((req.rid, k) for req, k in plan.scored)
         for req, n in plan.stepped:
             try:
                 if out.attn is not None and req.rid in out.capture:
                     req.take_queries(out.attn.captured_rows(req.rid), out.capture[req.rid])
+                k = scored.get(req.rid, 0)
+                if k and out.scores is not None:
+                    req.score_parts.append(out.scores[row : row + k])
+                row += k
             except Exception as exc:
                 self._fail(req, exc)
             req.num_computed += n
+
+    def _count(self, plan: StepPlan, out: Forward, started: float) -> None:
         with self._cv:  # counted before the tokens go out: a caller that saw one sees them
             st = self._stats
             st.steps += 1
@@ -375,64 +435,95 @@ class Engine:
                 st.decode_step_seconds += time.perf_counter() - started - out.capture_seconds
                 st.graph_capture_seconds += out.capture_seconds
                 st.decode_kv_tokens += sum(s.start + 1 for s in plan.seqs)
-        for i, req in enumerate(plan.sampled):
-            if not req.cancelled and req.rid in self._sched.running:
-                self._next_token(req, out.logits[i], picked[i])
 
-    def _next_token(self, req: Request, row: Tensor, argmax: int | None) -> None:
-        """Sample, store and emit one request's token; any failure fails only this request."""
+    def _sample(
+        self, plan: StepPlan, out: Forward, picked: list[int | None]
+    ) -> dict[int, tuple[int, TokenLogprobs | None]]:
+        """Each sampled request's token (and log-probs); a failure fails only its request."""
+        sampled: dict[int, tuple[int, TokenLogprobs | None]] = {}
+        for i, req in enumerate(plan.sampled):
+            if req.cancelled or req.rid not in self._sched.running:
+                continue
+            row, argmax = out.logits[i], picked[i]
+            try:
+                if argmax is None:
+                    raise EngineError(
+                        "the model's logits for this request are not finite (NaN or inf: "
+                        "corrupt cached KV or weights?); the request is stopped, others go on"
+                    )
+                tok = argmax if req.params.greedy else sample_row(row, req.params, req.generator)
+                logprobs = None
+                if req.params.logprobs is not None:
+                    logprobs = token_logprobs(row[None], [tok], [req.params.logprobs])[0]
+                sampled[req.rid] = (tok, logprobs)
+            except Exception as exc:
+                self._fail(req, exc)
+        return sampled
+
+    def _ship(
+        self, req: Request, tok: int | None, logprobs: TokenLogprobs | None, reason: str | None
+    ) -> None:
+        """Hand a request's step result over: the stores it starts, then its event (a scoring
+        request: its rows); an ended request's blocks are freed after its last reads."""
         try:
-            if argmax is None:
-                raise EngineError(
-                    "the model's logits for this request are not finite (NaN or inf: corrupt "
-                    "cached KV or weights?); the request is stopped, others go on"
-                )
-            tok = argmax if req.params.greedy else sample_row(row, req.params, req.generator)
-            logprobs = None
-            if req.params.logprobs is not None:
-                logprobs = token_logprobs(row[None], [tok], [req.params.logprobs])[0]
-            if not req.output and req.store_upto and self._transfers is not None:
-                self._transfers.submit(req, self._transfers.prompt_job(req))
-            self._emit(req, tok, logprobs)
+            if tok is None:
+                req.out.put(torch.cat(req.score_parts))
+            else:
+                transfers = self._transfers
+                if len(req.output) == 1 and req.store_upto and transfers is not None:
+                    transfers.submit(req, self._prompt_job(req))
+                text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
+                if reason is not None and transfers is not None and not req.cancelled:
+                    for job in self._finish_jobs(req):
+                        transfers.submit(req, job)
+                lp, top = (None, ()) if logprobs is None else logprobs
+                req.out.put(TokenEvent(tok, text, reason, logprob=lp, top_logprobs=top))
         except Exception as exc:
             self._fail(req, exc)
-
-    def _emit(self, req: Request, tok: int, logprobs: TokenLogprobs | None = None) -> None:
-        req.output.append(tok)
-        reason = finish_reason(tok, len(req.output), req.params, self.eos_token_ids)
-        text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
-        if reason is not None and self._transfers is not None and not req.cancelled:
-            for job in self._transfers.finish_jobs(req, self.config.head_dim**-0.5):
-                self._transfers.submit(req, job)
-            if req.params.reconstruct:
-                self._transfers.submit(req, self._reconstruct(req))
-        lp, top = (None, ()) if logprobs is None else logprobs
-        req.out.put(TokenEvent(tok, text, reason, logprob=lp, top_logprobs=top))
+            return
         if reason is not None:
             with self._cv:
                 self._sched.finish(req)
                 self._stats.requests_finished += 1
 
-    def _reconstruct(self, req: Request) -> ScoresJob:
-        """(loop, before the last token) KVzip's reconstruction pass over the request's prompt,
-        on its own KV (its blocks are still its own); the scores go to the host here."""
+    def _prompt_job(self, req: Request) -> StoreJob:
+        """(after prefill) The prompt's whole chunks of KV (and chunk queries) to store."""
+        kv = self.runner.read_kv(req.blocks, req.store_upto)
+        queries = req.take_chunk_queries()
+        return StoreJob(kv, queries, req.prompt[: req.store_upto], req.cache_salt, req.query_offset)
+
+    def _finish_jobs(self, req: Request) -> list[StoreJob | WindowJob | ScoresJob]:
+        """(before the last token) What a finished request leaves in the server, keyed by prompt
+        + every generated token: the KV of whole chunks its generated tokens completed
+        (``store_decoded``), its query window and its reconstruction scores (kvzip)."""
+        conn = self.connector
+        assert conn is not None
+        jobs: list[StoreJob | WindowJob | ScoresJob] = []
+        sequence = req.prompt + req.output
+        computed = len(sequence) - 1  # the last generated token was never fed back
+        upto = decoded_store_upto(req, conn.chunk_size, conn.store_decoded)
+        if upto:
+            kv = self.runner.read_kv(req.blocks, upto)
+            jobs.append(StoreJob(kv, None, sequence[:upto], req.cache_salt))
+        window, req.window = req.window, None
+        record = None if window is None else self.runner.window_record(req.blocks, computed, window)
+        if record is not None:
+            jobs.append(WindowJob(*record, sequence, req.cache_salt))
+        if req.params.reconstruct:
+            jobs.append(ScoresJob(self._reconstruct(req, computed), sequence, req.cache_salt))
+        return jobs
+
+    def _reconstruct(self, req: Request, computed: int) -> Tensor:
+        """KVzip's reconstruction pass over the request's prompt, on its own KV (its blocks are
+        still its own); the scores on the host."""
         assert self.reconstruction is not None
         started = time.perf_counter()
-        computed = len(req.prompt) + len(req.output) - 1  # the last token was never fed back
-        scores = reconstruction_scores(
-            self.model,
-            req.prompt,
-            computed,
-            lambda layer: self.cache.keys(req.blocks, layer, computed),
-            lambda layer: self.cache.values(req.blocks, layer, computed),
-            self.reconstruction,
-        )
-        scores = to_host(scores)
+        scores = self.runner.reconstruct(req.prompt, req.blocks, computed, self.reconstruction)
         with self._cv:
             self._stats.reconstructions += 1
             self._stats.reconstruction_tokens += len(req.prompt)
             self._stats.reconstruction_seconds += time.perf_counter() - started
-        return ScoresJob(scores, req.prompt + req.output, req.cache_salt)
+        return scores
 
     def _fail(self, req: Request, exc: BaseException) -> None:
         with self._cv:

@@ -1,20 +1,34 @@
-"""One forward of an engine step: the model over a planned batch, on the paged cache.
+"""Every pass over the model and the paged cache: a step's forward and the side passes.
 
 The :class:`ModelRunner` owns the model's device side: the paged KV cache, the fused ops and the
-decode CUDA graphs (:func:`~kvdrop_engine.graphs.accelerate`). A forward changes no request
-state, so the engine can retry a failed one with fewer requests.
+decode CUDA graphs (:func:`~kvdrop_engine.graphs.accelerate`), and every pass that reads them:
+
+* :meth:`ModelRunner.forward` -- one engine step over a planned batch (generating requests'
+  sampled rows, scoring requests' teacher-forced log-probs), through the one paged attention
+  backend (or a decode graph replay);
+* :meth:`ModelRunner.read_kv` -- a request's KV in the server layout, for the stores;
+* :meth:`ModelRunner.window_record` -- a finished request's query window with its attention
+  log-normalisers, read from its own keys;
+* :meth:`ModelRunner.reconstruct` -- KVzip's reconstruction pass over a request's prompt.
+
+A forward changes no request state, so the engine can retry a failed one with fewer requests.
+Results leave the device here (through page-locked memory): the stores run on other threads,
+whose device calls could meet a CUDA graph capture of the loop thread.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from kvdrop_engine.capture import WindowCapture, log_normalisers
 from kvdrop_engine.graphs import DecodeGraphs, accelerate
 from kvdrop_engine.model import ModelConfig
-from kvdrop_engine.paged import PagedAttention, PagedKVCache
+from kvdrop_engine.paged import PagedAttention, PagedKVCache, to_host, to_host_all
+from kvdrop_engine.reconstruct import ReconstructionPrompt, reconstruction_scores
 from kvdrop_engine.scheduler import StepPlan
 
 __all__ = ["Forward", "ModelRunner"]
@@ -23,11 +37,13 @@ __all__ = ["Forward", "ModelRunner"]
 @dataclass
 class Forward:
     """What one forward gives: ``logits [R, V]`` of the sampled rows, their ``greedy`` argmax
-    when a graph computed it, the attention (None for a graph replay) with the ``capture``
-    offsets it kept queries for, and the seconds spent capturing a new graph."""
+    when a graph computed it, ``scores`` (float32 log-softmax rows of the plan's ``score_rows``,
+    on the host), the attention (None for a graph replay) with the ``capture`` offsets it kept
+    queries for, and the seconds spent capturing a new graph."""
 
     logits: Tensor
     greedy: Tensor | None = None
+    scores: Tensor | None = None
     attn: PagedAttention | None = None
     capture: dict[int, list[int]] = field(default_factory=dict)
     capture_seconds: float = 0.0
@@ -51,6 +67,7 @@ class ModelRunner:
         self.device = param.device if param is not None else torch.device("cpu")
         self.dtype = param.dtype if param is not None else torch.float32
         self.model = model
+        self.config = config
         self.cache = PagedKVCache(
             num_layers=config.num_layers,
             num_kv_heads=config.num_kv_heads,
@@ -79,11 +96,63 @@ class ModelRunner:
                 capture[req.rid] = offsets
         attn = PagedAttention(self.cache, plan.seqs, capture_rows=capture)
         dev = self.device
+        rows = plan.sample_rows + plan.score_rows
         with torch.inference_mode():
             logits = self.model(
                 torch.tensor(plan.tokens, dtype=torch.long, device=dev),
                 torch.tensor(plan.positions, dtype=torch.long, device=dev),
                 attn,
-                logits_rows=torch.tensor(plan.sample_rows, dtype=torch.long, device=dev),
+                logits_rows=torch.tensor(rows, dtype=torch.long, device=dev),
             )
-        return Forward(logits, None, attn, capture)
+            scores = None
+            if plan.score_rows:
+                sampled = len(plan.sample_rows)
+                scores = to_host(torch.log_softmax(logits[sampled:].float(), dim=-1))
+                logits = logits[:sampled]
+        return Forward(logits, None, scores, attn, capture)
+
+    def read_kv(self, blocks: Sequence[int], num_tokens: int) -> Tensor:
+        """KV ``[2, L, T, Hkv*d]`` of a request's first ``num_tokens`` tokens, on the host."""
+        return self.cache.read_cpu(blocks, num_tokens)
+
+    def window_record(
+        self, blocks: Sequence[int], num_computed: int, window: WindowCapture
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """A finished request's query window on the host: ``(positions [R], queries [L, R, Hq,
+        d], lse [L, R, Hq])``, the log-normalisers read from the request's own ``num_computed``
+        keys (while its blocks are its own); None when it kept no rows."""
+        rows = window.rows()
+        if rows is None:
+            return None
+        positions, queries = rows
+        cache = self.cache
+        heads = (-1, cache.num_kv_heads, cache.head_dim)
+        with torch.inference_mode():
+            slots = cache.slots(blocks, 0, num_computed)  # once (a host-to-device copy)
+            lse = log_normalisers(
+                queries,
+                positions,
+                lambda layer: cache.k[layer].view(heads)[slots],
+                self.config.head_dim**-0.5,
+            )
+        return to_host_all(positions, queries, lse)  # one sync
+
+    def reconstruct(
+        self,
+        prompt: Sequence[int],
+        blocks: Sequence[int],
+        num_computed: int,
+        reconstruction: ReconstructionPrompt,
+    ) -> Tensor:
+        """KVzip's scores ``[L, Hkv, N]`` (host, float32) of a request's ``N``-token ``prompt``
+        over its own ``num_computed`` cached tokens (:mod:`kvdrop_engine.reconstruct`)."""
+        cache = self.cache
+        scores = reconstruction_scores(
+            self.model,
+            prompt,
+            num_computed,
+            lambda layer: cache.keys(blocks, layer, num_computed),
+            lambda layer: cache.values(blocks, layer, num_computed),
+            reconstruction,
+        )
+        return to_host(scores)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -26,6 +26,7 @@ from kvdrop_engine.capture import WindowCapture
 from kvdrop_engine.connectors.base import KVConnector
 from kvdrop_engine.errors import EngineError, RequestTooLargeError
 from kvdrop_engine.paged import BlockAllocator, SeqStep, blocks_needed
+from kvdrop_engine.sampling import finish_reason
 from kvdrop_engine.sequence import LoadState, Request
 from kvdrop_sdk.query_capture import QueryCapture
 from kvdrop_sdk.validate import positive_int
@@ -36,6 +37,7 @@ __all__ = [
     "Scheduler",
     "StepPlan",
     "budget_blocks",
+    "decoded_store_upto",
     "follow",
     "plan_prefix",
     "plan_recompute",
@@ -136,8 +138,11 @@ def _query_modes(conn: KVConnector, capture: QueryCapture) -> tuple[bool, bool]:
 
 def follow(req: Request, plan: PrefixPlan, capture: QueryCapture | None) -> None:
     """Make ``req`` take admission's decision: ``plan.num_loaded`` tokens are in its blocks
-    already; it keeps a query window of ``capture``'s sizes when the plan says so."""
+    already; it keeps a query window of ``capture``'s sizes when the plan says so. A scoring
+    request only loads: it stores and captures nothing."""
     req.num_computed = plan.num_loaded
+    if req.scoring:
+        return
     req.store_upto = plan.store_upto
     req.capture_queries = plan.capture_queries
     req.query_offset = plan.query_offset
@@ -145,12 +150,25 @@ def follow(req: Request, plan: PrefixPlan, capture: QueryCapture | None) -> None
         req.window = WindowCapture(len(req.prompt), capture.window, capture.stride)
 
 
+def decoded_store_upto(req: Request, chunk_size: int, store_decoded: bool) -> int:
+    """The tokens of a finished request's sequence to store again (``store_decoded``: the whole
+    chunks its generated tokens completed beyond the stored prompt); 0 for none."""
+    if not store_decoded or not chunk_size:
+        return 0
+    computed = len(req.prompt) + len(req.output) - 1  # the last token was never fed back
+    aligned = computed // chunk_size * chunk_size
+    return (
+        aligned if aligned > max(req.store_upto, len(req.prompt) // chunk_size * chunk_size) else 0
+    )
+
+
 @dataclass
 class StepPlan:
     """One engine step: the flat token batch, its attention layout, and which rows are sampled.
 
     ``stepped`` pairs each request with the tokens it computes in this step; ``sampled`` lists the
-    requests whose next token comes from ``sample_rows`` (in order).
+    requests whose next token comes from ``sample_rows`` (in order); ``scored`` pairs each scoring
+    request with how many of ``score_rows`` (in order) are its own.
     """
 
     seqs: list[SeqStep] = field(default_factory=list)
@@ -159,6 +177,8 @@ class StepPlan:
     sample_rows: list[int] = field(default_factory=list)
     sampled: list[Request] = field(default_factory=list)
     stepped: list[tuple[Request, int]] = field(default_factory=list)
+    score_rows: list[int] = field(default_factory=list)
+    scored: list[tuple[Request, int]] = field(default_factory=list)
     num_prefill: int = 0
     num_decode: int = 0
 
@@ -187,7 +207,13 @@ def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
         plan.seqs.append(SeqStep(req.rid, req.blocks, start, n))
         plan.tokens.extend(req.prompt[start : start + n])
         plan.positions.extend(range(start, start + n))
-        if start + n == len(req.prompt):
+        if req.scoring:
+            first = max(start, req.score_from)  # rows of positions first..start+n-1
+            if first < start + n:
+                end = len(plan.tokens)
+                plan.score_rows.extend(range(end - (start + n - first), end))
+                plan.scored.append((req, start + n - first))
+        elif start + n == len(req.prompt):
             plan.sample_rows.append(len(plan.tokens) - 1)
             plan.sampled.append(req)
         plan.stepped.append((req, n))
@@ -207,8 +233,10 @@ class Scheduler:
         block_size: int,
         max_batch_size: int,
         load_lock: threading.Lock,
+        eos_token_ids: Collection[int] = (),
     ) -> None:
         self.allocator = allocator
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.block_size = block_size
         self.max_batch_size = max_batch_size
         self.load_lock = load_lock
@@ -295,6 +323,26 @@ class Scheduler:
     def loading(self) -> list[Request]:
         """The running requests whose prefix load is in flight."""
         return [r for r in self.running.values() if r.loading is not None]
+
+    def postprocess(
+        self, plan: StepPlan, tokens: Mapping[int, int]
+    ) -> list[tuple[Request, int | None, str | None]]:
+        """After a step: each sampled request takes its token (``tokens`` by request id; one
+        that failed has none), and this decides who ends. Returns ``(request, token, finish
+        reason)`` per sampled request, and ``(request, None, "scored")`` for each scoring
+        request whose rows are all computed (it ends without a token)."""
+        done: list[tuple[Request, int | None, str | None]] = []
+        for req in plan.sampled:
+            tok = tokens.get(req.rid)
+            if tok is None or req.cancelled or req.rid not in self.running:
+                continue
+            req.output.append(tok)
+            reason = finish_reason(tok, len(req.output), req.params, self.eos_token_ids)
+            done.append((req, tok, reason))
+        for req, _ in plan.scored:
+            if not req.prefilling and not req.cancelled and req.rid in self.running:
+                done.append((req, None, "scored"))
+        return done
 
     def finish(self, req: Request) -> bool:
         """Take ``req`` out of the running set and free its blocks; whether it was running."""

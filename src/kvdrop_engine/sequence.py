@@ -62,11 +62,33 @@ class Request:
     load_state: LoadState = LoadState.QUEUED
     #: Stores started for this request; the caller waits for them before its next token.
     stores: list[Future[Any]] = field(default_factory=list)
+    #: A scoring request (teacher-forced log-probs, no sampling) keeps the log-softmax rows of
+    #: positions ``score_from..`` of its prompt; -1 for a request that generates.
+    score_from: int = -1
+    score_parts: list[Tensor] = field(default_factory=list)
 
     @property
     def prefilling(self) -> bool:
         """Whether prompt tokens are still to be computed."""
         return self.num_computed < len(self.prompt)
+
+    @property
+    def scoring(self) -> bool:
+        """Whether this request scores its prompt's tail instead of generating."""
+        return self.score_from >= 0
+
+    @property
+    def lookup_tokens(self) -> list[int]:
+        """The tokens whose cached prefix admission may load: a scoring request computes every
+        row it scores, so only its prefix up to ``score_from`` is looked up."""
+        return self.prompt if not self.scoring else self.prompt[: self.score_from + 1]
+
+    def take_chunk_queries(self) -> Tensor | None:
+        """The prompt's captured chunk queries ``[1, L, T, Hq*d]`` (full mode), handed over once."""
+        parts, self.query_parts = self.query_parts, []
+        if not self.capture_queries or not parts:
+            return None
+        return torch.cat(parts, dim=1).unsqueeze(0)
 
     def capture_offsets(self, n: int) -> list[int] | None:
         """Offsets of the next ``n`` computed tokens whose queries this step must capture."""

@@ -10,6 +10,10 @@ it hands over the next token -- so with a healthy server a caller that has seen 
 on the prompt being in the server. After a failure or a timeout the engine leaves the server alone
 for ``backoff_s`` seconds (loads recompute at once, stores are skipped), so a hung or dead server
 costs the first request one timeout, not every request.
+
+The jobs (:class:`StoreJob`, :class:`WindowJob`, :class:`ScoresJob`) only ship results: what
+they carry was decided by the scheduler and computed by the
+:class:`~kvdrop_engine.runner.ModelRunner`, on the host already.
 """
 
 from __future__ import annotations
@@ -28,10 +32,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvdrop_engine.capture import log_normalisers
 from kvdrop_engine.connectors.base import KVConnector
 from kvdrop_engine.errors import EngineError
-from kvdrop_engine.paged import PagedKVCache, to_device, to_host_all
+from kvdrop_engine.paged import PagedKVCache, to_device
 from kvdrop_engine.scheduler import PrefixPlan, follow, plan_prefix, plan_recompute
 from kvdrop_engine.sequence import LoadState, Request
 from kvdrop_engine.stats import EngineStats
@@ -103,7 +106,7 @@ class WindowJob:
     """A finished request's query window to push to the server, from the caller's thread (before
     its last token is handed over, so a caller that saw the end finds the window):
     ``positions`` ``[R]``, ``queries`` ``[L, R, Hq, d]`` and log-normalisers ``lse``
-    ``[L, R, Hq]`` (on the model's device), for the call over ``tokens``."""
+    ``[L, R, Hq]`` (on the host), for the call over ``tokens``."""
 
     positions: Tensor
     queries: Tensor
@@ -265,7 +268,7 @@ class Transfers:
         self._wake()  # the loop now has a deadline to wait for
         started = time.perf_counter()
         try:
-            plan = plan_prefix(self.connector, self.capture, req.prompt, req.cache_salt)
+            plan = plan_prefix(self.connector, self.capture, req.lookup_tokens, req.cache_salt)
             if self.copy_on_loop:
                 return self._staged(plan)
             with self.load_lock:
@@ -397,46 +400,3 @@ class Transfers:
                 if q_stored and job.queries is not None:
                     q = job.queries  # [1, L, T, Dq]
                     st.query_bytes_stored += q_stored * q.shape[1] * q.shape[3] * q.element_size()
-
-    # ----------------------------------------------------------------- jobs
-    def prompt_job(self, req: Request) -> StoreJob:
-        """(loop, after prefill) The prompt's whole chunks of KV (and chunk queries)."""
-        kv = self.cache.read_cpu(req.blocks, req.store_upto)
-        queries = None
-        if req.capture_queries and req.query_parts:
-            queries = torch.cat(req.query_parts, dim=1).unsqueeze(0)
-        req.query_parts = []
-        return StoreJob(kv, queries, req.prompt[: req.store_upto], req.cache_salt, req.query_offset)
-
-    def finish_jobs(self, req: Request, scale: float) -> list[StoreJob | WindowJob]:
-        """(loop, before the last token) What a finished request leaves in the server: the KV of
-        whole chunks its generated tokens completed (``store_decoded``) and its query window,
-        keyed by prompt + every generated token. ``scale`` is the attention's ``d ** -0.5``."""
-        conn = self.connector
-        jobs: list[StoreJob | WindowJob] = []
-        sequence = req.prompt + req.output
-        computed = len(sequence) - 1  # the last generated token was never fed back
-        chunk = conn.chunk_size
-        if conn.store_decoded and chunk:
-            aligned = computed // chunk * chunk
-            if aligned > max(req.store_upto, len(req.prompt) // chunk * chunk):
-                kv = self.cache.read_cpu(req.blocks, aligned)
-                jobs.append(StoreJob(kv, None, sequence[:aligned], req.cache_salt))
-        rows = None if req.window is None else req.window.rows()
-        req.window = None
-        if rows is not None:
-            positions, queries = rows
-            # Log-normalisers from the request's own keys, while its blocks are still its own.
-            with torch.inference_mode():
-                # The slots once (a host-to-device copy), not once per layer.
-                slots = self.cache.slots(req.blocks, 0, computed)
-                cache = self.cache
-                heads = (-1, cache.num_kv_heads, cache.head_dim)
-                lse = log_normalisers(
-                    queries, positions, lambda layer: cache.k[layer].view(heads)[slots], scale
-                )
-            # Copied to the host here (through page-locked memory): the store runs on another
-            # thread, and device calls there could meet a CUDA graph capture of the loop thread.
-            positions, queries, lse = to_host_all(positions, queries, lse)  # one sync
-            jobs.append(WindowJob(positions, queries, lse, sequence, req.cache_salt))
-        return jobs

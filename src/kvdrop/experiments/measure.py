@@ -131,11 +131,7 @@ class Measurement:
             conts = [self._continuation(o) for o in full.outputs]
             t = time.perf_counter()
             logprobs = continuation_logprobs(
-                self.model,
-                list(zip(full.decode_prompts, conts)),
-                connector=self.connector,
-                cache_salt=salt,
-                max_batch_tokens=self.config.batch_tokens,
+                self.engine, list(zip(full.decode_prompts, conts)), cache_salt=salt
             )
             score_s = time.perf_counter() - t
             for (s, _), cont, lp in zip(items, conts, logprobs):
@@ -165,11 +161,9 @@ class Measurement:
                 conts = [cont for cont, _ in refs]
                 t = time.perf_counter()
                 got = continuation_logprobs(
-                    self.model,
+                    self.engine,
                     list(zip(run.decode_prompts, conts)),
-                    connector=self.connector,
                     cache_salt=run.decode_salts,  # each stream's edit is under its own salt
-                    max_batch_tokens=self.config.batch_tokens,
                 )
                 score_s = time.perf_counter() - t
                 fid = []
