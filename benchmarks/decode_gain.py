@@ -263,6 +263,8 @@ def step_floor(row: dict[str, Any], wbytes: int, token_bytes: int, bandwidth: fl
     # run several at once, so the phase saw up to load_concurrency times this).
     loaded_gb = row["loaded_tokens"] * token_bytes / 1e9
     row["load_gb_s"] = loaded_gb / row["prefix_load_s"] if row["prefix_load_s"] else math.nan
+    # Aggregate: the bytes loaded over the decode phase's wall time (loads overlap each other).
+    row["load_gb_s_phase"] = loaded_gb / row["decode_s"] if row["decode_s"] else math.nan
     row["phase_ms_per_step"] = 1e3 * row["decode_s"] / max(1, row["decode_steps"])
     row["step_ms"] = 1e3 * seconds / steps if steps else math.nan
     row["kv_tokens_per_step"] = kv_tokens / steps if steps else math.nan
@@ -342,6 +344,7 @@ def run(
         "decode_kv_tokens": res.engine["decode_kv_tokens"],
         "graph_capture_seconds": res.engine["graph_capture_seconds"],
         "prefix_load_seconds": res.engine["prefix_load_seconds"],
+        "phases": decode_phases(res.engine, float(res.decode["duration"])),
         "outputs": res.outputs,
         # Its prefill only loaded the baseline's KV (--share-prefill): end_to_end charges the
         # baseline's computed prefill instead.
@@ -557,6 +560,26 @@ def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
     return {"setup": setup, "runs": rows, "end_to_end": end_to_end(rows, args.share_prefill)}
 
 
+def decode_phases(engine: dict[str, Any], decode_s: float) -> dict[str, float]:
+    """Where the decode phase's wall time went on the engine's loop thread (its counters over
+    the phase): decode-only steps (graph replays), graph captures, steps that computed prompt
+    tokens (uncached tails, recomputes), starting/applying prefix loads, handing results over
+    (of which finalising query windows), waiting for work (loads in flight), and the rest
+    (sampling, bookkeeping, the phase's own start and end)."""
+    parts = {
+        "decode_steps_s": engine["decode_step_seconds"],
+        "captures_s": engine["graph_capture_seconds"],
+        "prefill_steps_s": engine["prefill_step_seconds"],
+        "load_apply_s": engine["load_apply_seconds"],
+        "ship_s": engine["ship_seconds"] - engine["window_seconds"],
+        "window_s": engine["window_seconds"],
+        "idle_s": engine["idle_seconds"],
+    }
+    parts = {k: float(v) for k, v in parts.items()}
+    parts["other_s"] = decode_s - sum(parts.values())
+    return {"decode_s": decode_s, **parts}
+
+
 def end_to_end(rows: list[dict[str, Any]], share_prefill: bool) -> list[dict[str, Any]]:
     """What a user waits for, per run: prefill + kvzip's pass + modify + decode, and its gain over
     the baseline's total. Every run is charged a prefill of its own prompts: with
@@ -628,6 +651,7 @@ def print_report(report: dict[str, Any]) -> None:
         "phase_over_floor",
         "prefix_load_s",
         "load_gb_s",
+        "load_gb_s_phase",
         "graph_capture_s",
     ]
     print(
@@ -636,6 +660,15 @@ def print_report(report: dict[str, Any]) -> None:
             cols,
             title=f"Decode step vs its floor (bytes per step / {bandwidth / 1e9:.0f} GB/s copy "
             "bandwidth measured in this run)",
+        )
+    )
+    print()
+    phases = [{"run": r["run"], **r["phases"]} for r in rows]
+    print(
+        format_table(
+            phases,
+            list(phases[0]),
+            title="Decode phase on the loop thread (sums to decode_s; load_gb_s above is per load)",
         )
     )
     print()

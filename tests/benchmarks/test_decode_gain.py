@@ -48,3 +48,20 @@ def test_totals_add_up_and_shared_prefill_is_charged(share: bool) -> None:
     assert (e2e[2]["prefill_s"], e2e[2]["reconstruct_s"]) == (20.0, 70.0)
     assert e2e[2]["e2e_gain"] == pytest.approx(44.0 / 102.0)
     assert not math.isnan(e2e[1]["e2e_gain"])
+
+
+def test_decode_phases_sum_to_the_phase() -> None:
+    engine = {
+        "decode_step_seconds": 5.0,
+        "graph_capture_seconds": 0.5,
+        "prefill_step_seconds": 1.0,
+        "load_apply_seconds": 0.25,
+        "ship_seconds": 1.0,
+        "window_seconds": 0.75,
+        "idle_seconds": 2.0,
+    }
+    phases = decode_gain.decode_phases(engine, 10.0)
+    assert phases["ship_s"] == 0.25 and phases["window_s"] == 0.75  # window apart from ship
+    parts = sum(v for k, v in phases.items() if k != "decode_s")
+    assert phases["decode_s"] == 10.0 and parts == pytest.approx(10.0)
+    assert phases["other_s"] == pytest.approx(1.0)
