@@ -64,4 +64,4 @@ def test_decode_phases_sum_to_the_phase() -> None:
     assert phases["ship_s"] == 0.25 and phases["window_s"] == 0.75  # window apart from ship
     parts = sum(v for k, v in phases.items() if k != "decode_s")
     assert phases["decode_s"] == 10.0 and parts == pytest.approx(10.0)
-    assert phases["other_s"] == pytest.approx(1.0)
+    assert phases["other_s"] == pytest.approx(0.25)
