@@ -172,8 +172,47 @@ def _logits(qh: Tensor, kt: Tensor) -> Tensor:
 def _max_probs(q: Tensor, keys: Tensor, sink: int, width: int) -> Tensor:
     """``[Hkv, width]``: per KV head, the max over query rows and the GQA group of the softmax
     probability (over all of ``keys``, the last ``M`` of which are the rows' own, causal) of keys
-    ``sink .. sink+width-1``. Float32 logits; rows blocked under the device's tile bound. The
-    softmax is never written: ``max_rows exp(l - lse) = exp(max_rows (l - lse))``."""
+    ``sink .. sink+width-1``. On a GPU in half precision each row's log-normaliser comes from the
+    flash kernel (never materialising its scores) and only the scored keys' logits are formed;
+    elsewhere float32 tiles. Either way the softmax is never written:
+    ``max_rows exp(l - lse) = exp(max_rows (l - lse))``."""
+    if _flash_lse_ok(q):
+        return _max_probs_flash(q, keys, sink, width)
+    return _max_probs_tiled(q, keys, sink, width)
+
+
+def _flash_lse_ok(q: Tensor) -> bool:
+    """Whether :func:`_max_probs_flash` applies: CUDA, half precision, a flash-sized head."""
+    return (
+        q.device.type == "cuda"
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and (q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
+    )
+
+
+def _max_probs_flash(q: Tensor, keys: Tensor, sink: int, width: int) -> Tensor:
+    """:func:`_max_probs` with the rows' log-normalisers from the flash kernel (bottom-right
+    causal over all ``keys``: row ``j`` sees the cached keys and its own ``0..j``), then the
+    ``[Hkv, M * group, width]`` float32 logits of the scored keys alone, in one matrix product."""
+    m, hq, d = q.shape
+    hkv = keys.shape[0]
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d)
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, M, d]
+    kh = keys.repeat_interleave(group, dim=0).unsqueeze(0).to(q.dtype)  # [1, Hq, K, d]
+    lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        qh, kh, kh, 0.0, True, False, scale=scale
+    )[1]  # [1, Hq, M] float32, natural log of the scaled scores' exp-sum
+    rows = q.reshape(m, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, m * group, d)
+    scored = keys[:, sink : sink + width].transpose(1, 2)  # [Hkv, d, width]
+    logits = _logits(rows, scored).mul_(scale).view(hkv, m, group, width)
+    norm = lse[0].view(hkv, group, m).transpose(1, 2)  # [Hkv, M, group]
+    logits.sub_(norm.unsqueeze(-1))
+    return logits.amax(dim=(1, 2)).exp_()
+
+
+def _max_probs_tiled(q: Tensor, keys: Tensor, sink: int, width: int) -> Tensor:
+    """:func:`_max_probs` in float32 tiles of all logits, rows blocked under the tile bound."""
     m, hq, d = q.shape
     hkv, total = keys.shape[0], keys.shape[1]
     group = hq // hkv
