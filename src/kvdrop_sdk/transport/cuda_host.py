@@ -113,8 +113,10 @@ def slots_to_device(slots: Sequence[torch.Tensor], device: torch.device) -> torc
         out = torch.empty(
             (lead, layers, len(slots) * c, width), dtype=slots[0].dtype, device=device
         )
+        piece = torch.empty(slots[0].shape, dtype=slots[0].dtype, device=device)
         for j, slot in enumerate(slots):
-            out[:, :, j * c : (j + 1) * c].copy_(slot, non_blocking=True)
+            piece.copy_(slot, non_blocking=True)  # one contiguous DMA
+            out[:, :, j * c : (j + 1) * c].copy_(piece)  # in stream order, before the next DMA
     stream.synchronize()
     return out
 
