@@ -144,6 +144,7 @@ class Engine:
         self.connector_backoff_s = float(connector_backoff_s)
         self.eos_token_ids = frozenset(int(t) for t in cfg.eos_token_ids)
         self._stats = EngineStats()
+        self._stats_since = time.perf_counter()  # idle time is counted from here
         self._ids = itertools.count()
         self._cv = threading.Condition()
         self.connector = connector
@@ -157,7 +158,7 @@ class Engine:
 
     def _bind(self, connector: KVConnector) -> Transfers:
         """Bind ``connector`` to the model and build the server I/O over it."""
-        connector.bind(self.config, self.dtype)
+        connector.bind(self.config, self.dtype, device=self.cache.device)
         return Transfers(
             connector,
             self.cache,
@@ -237,6 +238,7 @@ class Engine:
         """Zero the counters (e.g. between the phases of a benchmark)."""
         with self._cv:
             self._stats = EngineStats()
+            self._stats_since = time.perf_counter()
 
     def blocks_for(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """The most blocks a request holds: its prompt and every generated token but the last."""
@@ -341,9 +343,12 @@ class Engine:
         while True:
             with self._cv:
                 io_ok = transfers is None or transfers.io_ok()
+                waited = time.perf_counter()
                 while not self._stopping and not sched.has_work(io_ok):
                     self._cv.wait(sched.wait_s())
                     io_ok = transfers is None or transfers.io_ok()
+                since = max(waited, self._stats_since)
+                self._stats.idle_seconds += max(0.0, time.perf_counter() - since)
                 if self._stopping:
                     return
                 sched.drop_cancelled()
@@ -359,6 +364,7 @@ class Engine:
                 )
                 loading = sched.loading()
             if transfers is not None:
+                applying = time.perf_counter()
                 try:
                     for req in admitted:
                         if not req.preempted:  # a preempted one recomputes what it had
@@ -368,6 +374,8 @@ class Engine:
                     for req in admitted + loading:
                         if req.loading is None or req.loading.done():
                             self._fail(req, exc)
+                with self._cv:
+                    self._stats.load_apply_seconds += time.perf_counter() - applying
             with self._cv:
                 batch = sched.runnable()
             try:
@@ -405,8 +413,11 @@ class Engine:
         sampled = self._sample(plan, out, picked, edited)
         with self._cv:
             ended = self._sched.postprocess(plan, {rid: tok for rid, (tok, _) in sampled.items()})
+        shipping = time.perf_counter()
         for req, tok, reason in ended:
             self._ship(req, tok, sampled[req.rid][1] if tok is not None else None, reason)
+        with self._cv:
+            self._stats.ship_seconds += time.perf_counter() - shipping
 
     def _advance(self, plan: StepPlan, out: Forward) -> None:
         """Each request's computed tokens, captured query rows and scored rows of this step."""
@@ -435,6 +446,8 @@ class Engine:
                 st.decode_step_seconds += time.perf_counter() - started - out.capture_seconds
                 st.graph_capture_seconds += out.capture_seconds
                 st.decode_kv_tokens += sum(s.start + 1 for s in plan.seqs)
+            else:
+                st.prefill_step_seconds += time.perf_counter() - started
 
     def _sample(
         self, plan: StepPlan, out: Forward, picked: list[int | None], edited: Tensor
@@ -537,7 +550,10 @@ class Engine:
             kv = self.runner.read_kv(req.blocks, upto)
             jobs.append(StoreJob(kv, None, sequence[:upto], req.cache_salt))
         window, req.window = req.window, None
+        started = time.perf_counter()
         record = None if window is None else self.runner.window_record(req.blocks, computed, window)
+        with self._cv:
+            self._stats.window_seconds += time.perf_counter() - started
         if record is not None:
             jobs.append(WindowJob(*record, sequence, req.cache_salt))
         return jobs
