@@ -84,6 +84,61 @@ def _measure(
     return store_s, retrieve_s, kept_s
 
 
+def _gpu_rows(ctx: Any, src: torch.Tensor, args: argparse.Namespace, gb: float) -> list[dict]:
+    """The GPU side (``--device cuda``), same tensor: retrieve onto the GPU by DMA from the
+    page-locked shared memory and store from the GPU the same way, against the host path
+    (retrieve, then ``.to(device)``) and the floor (a pinned host buffer's DMA)."""
+    device = torch.device(args.device)
+    tokens = list(range(777_000, 777_000 + args.tokens))
+    if not ctx.store(src, tokens):
+        raise RuntimeError("store wrote nothing")
+    whole = args.tokens // args.chunk_size * args.chunk_size
+    out = ctx.retrieve(tokens, device=device)
+    if out is None or not torch.equal(out.cpu(), src[:, :, :whole]):
+        raise RuntimeError("retrieve(device=cuda) differs from the stored tensor")
+    pinned = src.pin_memory()
+    on_gpu = src.to(device)
+
+    def floor() -> None:
+        on_gpu.copy_(pinned, non_blocking=True)
+        torch.cuda.synchronize(device)
+
+    def host_path() -> None:
+        t = ctx.retrieve(tokens)
+        t.to(device)
+        torch.cuda.synchronize(device)
+
+    fresh: list[int] = []
+
+    def new_tokens(i: int) -> None:
+        start = (2000 + i) * args.tokens
+        fresh[:] = range(start, start + args.tokens)
+
+    floor_s = _median_s(floor, args.repeats)
+    timed = [
+        ("pinned buffer -> GPU (floor)", floor_s),
+        (
+            "retrieve -> GPU (DMA)",
+            _median_s(lambda: ctx.retrieve(tokens, device=device), args.repeats),
+        ),
+        ("retrieve, then .to(GPU)", _median_s(host_path, args.repeats)),
+        (
+            "store from GPU (DMA)",
+            _median_s(lambda: ctx.store(on_gpu, fresh), args.repeats, new_tokens),
+        ),
+    ]
+    return [
+        {
+            "transport": "shm+gpu",
+            "op": op,
+            "median_ms": sec * 1e3,
+            "GB/s": gb / sec,
+            "x copy_": floor_s / sec,
+        }
+        for op, sec in timed
+    ]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Measure everything; returns the report dict (rows + setup)."""
     dtype = DTYPES[args.dtype]
@@ -132,6 +187,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 store_s, retrieve_s, kept_s = _measure(
                     ctx, src, args, base=1000 * n, label=ctx.transfer_ctx.mode
                 )
+                if args.device != "cpu" and ctx.transfer_ctx.mode == "shm":
+                    rows += _gpu_rows(ctx, src, args, gb)
                 for op, sec in (
                     ("store", store_s),
                     ("retrieve", retrieve_s),
@@ -230,6 +287,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["lmcache"],
         default=None,
         help="also move the same tensor through lmcache.sdk on a real LMCache server",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cuda: also retrieve onto and store from the GPU by DMA (rows 'shm+gpu'; x copy_ "
+        "there is the ratio to a pinned buffer's DMA)",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from kvdrop_engine.connectors.base import KVConnector
+from kvdrop_engine.drop import PromptDropper, prepare_cut
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
@@ -101,6 +102,7 @@ class Engine:
         store_timeout_s: float = 30.0,
         connector_backoff_s: float = 30.0,
         reconstruction: ReconstructionPrompt | None = None,
+        dropper: PromptDropper | None = None,
     ) -> None:
         cfg: ModelConfig = model.config
         try:
@@ -120,6 +122,9 @@ class Engine:
         #: scored by the pass when it ends, the scores stored beside its query window (the
         #: ``kvzip`` policy reads them; :mod:`kvdrop_engine.reconstruct`).
         self.reconstruction = reconstruction
+        #: Cuts each prompt's cache after its prefill (``kvdrop engine --policy``; a request's
+        #: ``"kvdrop"`` sampling key overrides it): :mod:`kvdrop_engine.drop`.
+        self.dropper = dropper
         self.runner = ModelRunner(
             model,
             cfg,
@@ -139,6 +144,7 @@ class Engine:
         self.connector_backoff_s = float(connector_backoff_s)
         self.eos_token_ids = frozenset(int(t) for t in cfg.eos_token_ids)
         self._stats = EngineStats()
+        self._stats_since = time.perf_counter()  # idle time is counted from here
         self._ids = itertools.count()
         self._cv = threading.Condition()
         self.connector = connector
@@ -152,7 +158,7 @@ class Engine:
 
     def _bind(self, connector: KVConnector) -> Transfers:
         """Bind ``connector`` to the model and build the server I/O over it."""
-        connector.bind(self.config, self.dtype)
+        connector.bind(self.config, self.dtype, device=self.cache.device)
         return Transfers(
             connector,
             self.cache,
@@ -232,6 +238,7 @@ class Engine:
         """Zero the counters (e.g. between the phases of a benchmark)."""
         with self._cv:
             self._stats = EngineStats()
+            self._stats_since = time.perf_counter()
 
     def blocks_for(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """The most blocks a request holds: its prompt and every generated token but the last."""
@@ -252,6 +259,10 @@ class Engine:
         engine if needed.
         """
         detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
+        override: tuple[Any, ...] = ()  # the request's "kvdrop" key, when it sent one
+        if isinstance(sampling_params, Mapping) and "kvdrop" in sampling_params:
+            sampling_params = dict(sampling_params)
+            override = (sampling_params.pop("kvdrop"),)
         req = new_request(
             next(self._ids),
             prompt_token_ids,
@@ -260,6 +271,7 @@ class Engine:
             vocab_size=self.config.vocab_size,
             detok=detok,
         )
+        prepare_cut(self.dropper, req, override)
         if req.params.reconstruct and (self.reconstruction is None or self._transfers is None):
             raise InvalidRequestError(
                 "reconstruct=true needs an engine built with reconstruction=ReconstructionPrompt"
@@ -331,9 +343,12 @@ class Engine:
         while True:
             with self._cv:
                 io_ok = transfers is None or transfers.io_ok()
+                waited = time.perf_counter()
                 while not self._stopping and not sched.has_work(io_ok):
                     self._cv.wait(sched.wait_s())
                     io_ok = transfers is None or transfers.io_ok()
+                since = max(waited, self._stats_since)
+                self._stats.idle_seconds += max(0.0, time.perf_counter() - since)
                 if self._stopping:
                     return
                 sched.drop_cancelled()
@@ -349,6 +364,7 @@ class Engine:
                 )
                 loading = sched.loading()
             if transfers is not None:
+                applying = time.perf_counter()
                 try:
                     for req in admitted:
                         if not req.preempted:  # a preempted one recomputes what it had
@@ -358,6 +374,8 @@ class Engine:
                     for req in admitted + loading:
                         if req.loading is None or req.loading.done():
                             self._fail(req, exc)
+                with self._cv:
+                    self._stats.load_apply_seconds += time.perf_counter() - applying
             with self._cv:
                 batch = sched.runnable()
             try:
@@ -395,8 +413,11 @@ class Engine:
         sampled = self._sample(plan, out, picked, edited)
         with self._cv:
             ended = self._sched.postprocess(plan, {rid: tok for rid, (tok, _) in sampled.items()})
+        shipping = time.perf_counter()
         for req, tok, reason in ended:
             self._ship(req, tok, sampled[req.rid][1] if tok is not None else None, reason)
+        with self._cv:
+            self._stats.ship_seconds += time.perf_counter() - shipping
 
     def _advance(self, plan: StepPlan, out: Forward) -> None:
         """Each request's computed tokens, captured query rows and scored rows of this step."""
@@ -425,6 +446,8 @@ class Engine:
                 st.decode_step_seconds += time.perf_counter() - started - out.capture_seconds
                 st.graph_capture_seconds += out.capture_seconds
                 st.decode_kv_tokens += sum(s.start + 1 for s in plan.seqs)
+            else:
+                st.prefill_step_seconds += time.perf_counter() - started
 
     def _sample(
         self, plan: StepPlan, out: Forward, picked: list[int | None], edited: Tensor
@@ -465,9 +488,14 @@ class Engine:
                 transfers = self._transfers
                 if len(req.output) == 1 and req.store_upto and transfers is not None:
                     transfers.submit(req, self._prompt_job(req))
+                if len(req.output) == 1 and req.cut is not None and reason is None:
+                    self._cut(req)  # postprocess after prefill: kvdrop_engine.drop
                 text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
                 lp, top = (None, ()) if logprobs is None else logprobs
-                event = TokenEvent(tok, text, reason, logprob=lp, top_logprobs=top)
+                kept, req.kept_prompt = req.kept_prompt, None  # on the first event only
+                event = TokenEvent(
+                    tok, text, reason, logprob=lp, top_logprobs=top, kept_prompt_tokens=kept
+                )
                 if reason is not None and transfers is not None and not req.cancelled:
                     for job in self._finish_jobs(req):
                         transfers.submit(req, job)
@@ -489,6 +517,19 @@ class Engine:
                 self._sched.finish(req)
                 self._stats.requests_finished += 1
 
+    def _cut(self, req: Request) -> None:
+        """(after prefill) Cut the prompt's cache by its policy (:mod:`kvdrop_engine.drop`); the
+        first event reports the kept prompt tokens."""
+        assert self.dropper is not None
+        done = self.dropper.cut(self.cache, req, req.cut)
+        req.kept_prompt = done.num_kept
+        with self._cv:
+            st = self._stats
+            st.prompt_cuts += 1
+            st.prompt_tokens_kept += done.num_kept
+            st.prompt_tokens_dropped += done.num_prompt - done.num_kept
+            st.cut_seconds += done.seconds
+
     def _prompt_job(self, req: Request) -> StoreJob:
         """(after prefill) The prompt's whole chunks of KV (and chunk queries) to store."""
         kv = self.runner.read_kv(req.blocks, req.store_upto)
@@ -509,7 +550,10 @@ class Engine:
             kv = self.runner.read_kv(req.blocks, upto)
             jobs.append(StoreJob(kv, None, sequence[:upto], req.cache_salt))
         window, req.window = req.window, None
+        started = time.perf_counter()
         record = None if window is None else self.runner.window_record(req.blocks, computed, window)
+        with self._cv:
+            self._stats.window_seconds += time.perf_counter() - started
         if record is not None:
             jobs.append(WindowJob(*record, sequence, req.cache_salt))
         return jobs

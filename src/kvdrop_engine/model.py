@@ -26,6 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 __all__ = [
     "AttentionBackend",
@@ -448,6 +449,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     if start == 0 and t == n:
         out = F.scaled_dot_product_attention(
             qh, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+    elif q.device.type == "cuda" and start + n == t:
+        # The rows are the last n of t (a later prefill chunk, KVzip's reconstruction): a
+        # bottom-right causal bias keeps the flash kernel, where an explicit mask would not.
+        out = F.scaled_dot_product_attention(
+            qh, kb, vb, attn_mask=causal_lower_right(n, t), scale=scale, enable_gqa=gqa
         )
     else:
         rows = torch.arange(start, start + n, device=q.device)[:, None]

@@ -165,9 +165,12 @@ class PagedKVCache:
             )
         pos = torch.arange(start, stop)
         table = torch.as_tensor(list(block_table), dtype=torch.long)
-        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(
-            self.device
-        )
+        slots = table[pos // self.block_size] * self.block_size + pos % self.block_size
+        if self.device.type != "cuda":
+            return slots
+        # Through page-locked memory: an asynchronous copy, where a pageable one blocks the
+        # calling thread (the loop) until the device has caught up.
+        return slots.pin_memory().to(self.device, non_blocking=True)
 
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Store ``k``/``v`` ``[N, Hkv, d]`` of one layer at flat ``slots`` ``[N]``."""

@@ -41,6 +41,7 @@ __all__ = [
     "ReconstructionAttention",
     "ReconstructionPass",
     "ReconstructionPrompt",
+    "chunk_scores",
     "reconstruction_scores",
 ]
 
@@ -49,8 +50,10 @@ __all__ = [
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_CONTINUE = "\n\nRepeat the part of the previous context exactly, starting with"
 
-#: Bound of one float32 score tile (query rows are blocked under it).
+#: Bound of one float32 logit tile (query rows are blocked under it): on the host, and on a GPU,
+#: where a whole 2K-token chunk's logits (about 1 GB at 32 heads over 4K keys) take few launches.
 SCORE_TILE_BYTES = 64 << 20
+SCORE_TILE_BYTES_CUDA = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -152,39 +155,104 @@ class ReconstructionAttention:
         k_all = torch.cat([kc, k]).transpose(0, 1)  # [Hkv, S + rows so far, d]
         v_all = torch.cat([vc, v]).transpose(0, 1)
         out = causal_attention(q, k_all, v_all, k_all.shape[1] - q.shape[0])
-        sink = min(self.n_sink, self.start)
-        scored = torch.cat(
-            [k_all[:, :sink], k_all[:, self.start : self.end], k_all[:, cached:]], dim=1
-        )
         region = self.scores[layer, :, self.start : self.end]
-        torch.maximum(region, _max_probs(q, scored, sink, self.end - self.start), out=region)
+        piece = chunk_scores(q, k_all, self.start, self.end, self.n_sink, cached=cached)
+        torch.maximum(region, piece, out=region)
         return out
+
+
+def chunk_scores(
+    q: Tensor, keys: Tensor, start: int, end: int, n_sink: int, cached: int | None = None
+) -> Tensor:
+    """KVzip's scoring rule for one chunk, ``[Hkv, end - start]``: ``q [M, Hq, d]`` are the
+    chunk's post-RoPE reconstruction queries, ``keys [Hkv, S + R, d]`` the ``S = cached``
+    cached keys then the reconstruction's own ``R`` (earlier pieces of the chunk, then the
+    ``M`` rows of ``q``; ``cached`` defaults to ``S + R - M``, one piece); each cached token
+    ``start..end-1`` gets the max softmax probability any query (and GQA head) pays it over the
+    first ``n_sink`` cached tokens, the chunk's cached tokens and the reconstruction's own
+    (causal). Shared by the engine and the transformers integration, so both score alike."""
+    if cached is None:
+        cached = keys.shape[1] - q.shape[0]
+    sink = min(n_sink, start)
+    scored = torch.cat([keys[:, :sink], keys[:, start:end], keys[:, cached:]], dim=1)
+    return _max_probs(q, scored, sink, end - start)
+
+
+def _logits(qh: Tensor, kt: Tensor) -> Tensor:
+    """``qh [H, R, d] @ kt [H, d, K]`` in float32. On CUDA, half-precision operands go to the
+    matrix units with float32 accumulation and output (``out_dtype``): the same products as
+    upcasting first, since the cache's values are exact in either type, at the tensor-core rate."""
+    if qh.device.type == "cuda" and qh.dtype in (torch.bfloat16, torch.float16):
+        return torch.bmm(qh, kt.to(qh.dtype), out_dtype=torch.float32)
+    return torch.bmm(qh.to(torch.float32), kt.to(torch.float32))
 
 
 def _max_probs(q: Tensor, keys: Tensor, sink: int, width: int) -> Tensor:
     """``[Hkv, width]``: per KV head, the max over query rows and the GQA group of the softmax
     probability (over all of ``keys``, the last ``M`` of which are the rows' own, causal) of keys
-    ``sink .. sink+width-1``. Float32; rows blocked under :data:`SCORE_TILE_BYTES`."""
+    ``sink .. sink+width-1``. On a GPU in half precision each row's log-normaliser comes from the
+    flash kernel (never materialising its scores) and only the scored keys' logits are formed;
+    elsewhere float32 tiles. Either way the softmax is never written:
+    ``max_rows exp(l - lse) = exp(max_rows (l - lse))``."""
+    if _flash_lse_ok(q):
+        return _max_probs_flash(q, keys, sink, width)
+    return _max_probs_tiled(q, keys, sink, width)
+
+
+def _flash_lse_ok(q: Tensor) -> bool:
+    """Whether :func:`_max_probs_flash` applies: CUDA, half precision, a flash-sized head."""
+    return (
+        q.device.type == "cuda"
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and (q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
+    )
+
+
+def _max_probs_flash(q: Tensor, keys: Tensor, sink: int, width: int) -> Tensor:
+    """:func:`_max_probs` with the rows' log-normalisers from the flash kernel (bottom-right
+    causal over all ``keys``: row ``j`` sees the cached keys and its own ``0..j``), then the
+    ``[Hkv, M * group, width]`` float32 logits of the scored keys alone, in one matrix product."""
+    m, hq, d = q.shape
+    hkv = keys.shape[0]
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d)
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, M, d]
+    kh = keys.repeat_interleave(group, dim=0).unsqueeze(0).to(q.dtype)  # [1, Hq, K, d]
+    lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        qh, kh, kh, 0.0, True, False, scale=scale
+    )[1]  # [1, Hq, M] float32, natural log of the scaled scores' exp-sum
+    rows = q.reshape(m, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, m * group, d)
+    scored = keys[:, sink : sink + width].transpose(1, 2)  # [Hkv, d, width]
+    logits = _logits(rows, scored).mul_(scale).view(hkv, m, group, width)
+    norm = lse[0].view(hkv, group, m).transpose(1, 2)  # [Hkv, M, group]
+    logits.sub_(norm.unsqueeze(-1))
+    return logits.amax(dim=(1, 2)).exp_()
+
+
+def _max_probs_tiled(q: Tensor, keys: Tensor, sink: int, width: int) -> Tensor:
+    """:func:`_max_probs` in float32 tiles of all logits, rows blocked under the tile bound."""
     m, hq, d = q.shape
     hkv, total = keys.shape[0], keys.shape[1]
     group = hq // hkv
-    kt = keys.to(torch.float32).transpose(1, 2)  # [Hkv, d, K]
+    kt = keys.transpose(1, 2)  # [Hkv, d, K]
     own = total - m
-    best = torch.zeros(hkv, width, dtype=torch.float32, device=q.device)
-    step = max(1, SCORE_TILE_BYTES // (4 * hq * total))
+    best = torch.full((hkv, width), -torch.inf, dtype=torch.float32, device=q.device)
+    tile = SCORE_TILE_BYTES_CUDA if q.device.type == "cuda" else SCORE_TILE_BYTES
+    step = max(1, tile // (4 * hq * total))
     scale = 1.0 / math.sqrt(d)
     cols = torch.arange(total, device=q.device)
     for i in range(0, m, step):
-        rows = q[i : i + step].to(torch.float32) * scale  # [r, Hq, d]
+        rows = q[i : i + step]  # [r, Hq, d]
         r = rows.shape[0]
-        qh = rows.view(r, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, r * group, d)
-        logits = torch.matmul(qh, kt).view(hkv, r, group, total)
+        qh = rows.reshape(r, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, r * group, d)
+        logits = _logits(qh, kt).mul_(scale).view(hkv, r, group, total)
         # Row j of the chunk sees its own tokens 0..j only.
         hidden = cols[None, :] > (own + torch.arange(i, i + r, device=q.device))[:, None]
         logits.masked_fill_(hidden[None, :, None, :], -torch.inf)
-        probs = torch.softmax(logits, dim=-1)[..., sink : sink + width]
-        best = torch.maximum(best, probs.amax(dim=(1, 2)))
-    return best
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        part = (logits[..., sink : sink + width] - lse).amax(dim=(1, 2))
+        best = torch.maximum(best, part)
+    return best.exp_()
 
 
 class ReconstructionPass:

@@ -44,6 +44,22 @@ class EngineStats:
     decode_kv_tokens: int = 0
     graph_capture_seconds: float = 0.0
     prefix_load_seconds: float = 0.0
+    #: Prompts cut after prefill (``--policy`` or a request's ``"kvdrop"``), their tokens kept
+    #: and dropped, and the cuts' wall time on the loop thread (:mod:`kvdrop_engine.drop`).
+    prompt_cuts: int = 0
+    prompt_tokens_kept: int = 0
+    prompt_tokens_dropped: int = 0
+    cut_seconds: float = 0.0
+    #: Where the loop thread's time goes (with ``decode_step_seconds`` and
+    #: ``graph_capture_seconds``): steps that computed prompt tokens, starting and applying prefix
+    #: loads, handing results over (stores started, events; ``window_seconds`` of it finalising
+    #: query windows, ``reconstruction_seconds`` kvzip's pass) and waiting for work (loads
+    #: in flight included).
+    prefill_step_seconds: float = 0.0
+    load_apply_seconds: float = 0.0
+    ship_seconds: float = 0.0
+    window_seconds: float = 0.0
+    idle_seconds: float = 0.0
     connector_fallbacks: int = 0  # loads that failed, timed out or were skipped: recomputed
     store_failures: int = 0  # stores that failed, timed out or were skipped
 

@@ -277,6 +277,8 @@ class Transfers:
                 req.load_state = LoadState.COPY
             if plan.kv is not None:
                 self.cache.load(req.blocks, plan.kv)
+                if plan.kv.is_cuda:  # loaded on the connector's copy stream, read on this one
+                    plan.kv.record_stream(torch.cuda.current_stream(plan.kv.device))
             req.load_state = LoadState.COPIED
             return plan
         finally:

@@ -283,12 +283,16 @@ class Context(StreamContext, CheapLookup, StoresRecords):
         tokens: Sequence[int],
         cache_salt: str = "",
         request_configs: dict[str, object] | None = None,
+        *,
+        device: torch.device | str | None = None,
     ) -> torch.Tensor | None:
         """The cached tensor of the longest chunk-aligned prefix of ``tokens``, or None on a miss.
 
         Shape ``(2, L, T, width)`` for KV, ``(1, L, T, width)`` for QUERY; one contiguous CPU
         tensor owned by the caller. ``request_configs`` (upstream's per-request metadata, not
-        part of the cache key) is accepted and unused.
+        part of the cache key) is accepted and unused. ``device`` (kvdrop's): where the tensor
+        lives instead; a GPU gets it by DMA straight from the server's shared memory (page-locked
+        once; :mod:`kvdrop_sdk.transport.cuda_host`), complete on return.
         """
         self._check_open()
         self._check_request_configs(request_configs)
@@ -298,9 +302,10 @@ class Context(StreamContext, CheapLookup, StoresRecords):
         if whole == 0:
             return None
         fields = self._fields(cache_salt)
+        where = None if device is None else torch.device(device)
         return self._retry(
             lambda: self.transfer_ctx.retrieve(
-                fields, raw[:whole], layout, self.kind, self._lease_s
+                fields, raw[:whole], layout, self.kind, self._lease_s, where
             )
         )
 
@@ -344,8 +349,8 @@ class Context(StreamContext, CheapLookup, StoresRecords):
         if num_tokens < self.chunk_size:
             return False
         kv = kv.detach()
-        if kv.device.type != "cpu":
-            kv = kv.cpu()
+        if kv.device.type not in ("cpu", "cuda"):
+            kv = kv.cpu()  # a CUDA tensor goes to the slots by DMA (transport)
         fields = self._fields(cache_salt)
         stored = self._retry(
             lambda: self.transfer_ctx.store(fields, kv, raw, layout, self.kind, self._lease_s)

@@ -96,7 +96,7 @@ def test_slow_load_falls_back_to_recompute(model: Transformer) -> None:
             super().__init__(QueryCapture())
             self.stored: list[int] = []
 
-        def bind(self, config: Any, dtype: torch.dtype) -> None:
+        def bind(self, config: Any, dtype: torch.dtype, *, device: Any = None) -> None:
             self.chunk_size = CHUNK
 
         def load(self, toks: Sequence[int], salt: str) -> torch.Tensor | None:
@@ -130,7 +130,7 @@ class SleepyConnector(KVConnector):
         self.peak = 0
         self.lock = threading.Lock()
 
-    def bind(self, config: Any, dtype: torch.dtype) -> None:
+    def bind(self, config: Any, dtype: torch.dtype, *, device: Any = None) -> None:
         self.chunk_size = CHUNK
 
     def load(self, toks: Sequence[int], salt: str) -> torch.Tensor | None:

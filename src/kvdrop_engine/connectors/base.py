@@ -62,8 +62,11 @@ class KVConnector(abc.ABC):
         return self.queries.stride
 
     @abc.abstractmethod
-    def bind(self, config: ModelConfig, dtype: torch.dtype) -> None:
-        """Register the model's KV (and query) layout; called once by the engine."""
+    def bind(
+        self, config: ModelConfig, dtype: torch.dtype, *, device: torch.device | None = None
+    ) -> None:
+        """Register the model's KV (and query) layout; called once by the engine. ``device``:
+        where the engine's cache lives (a connector may load prefixes straight there)."""
 
     @abc.abstractmethod
     def load(self, tokens: Sequence[int], cache_salt: str = "") -> Tensor | None:

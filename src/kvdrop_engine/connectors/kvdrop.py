@@ -46,6 +46,7 @@ from kvdrop_sdk.context import connect
 from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.layout import CacheLayout
 from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
+from kvdrop_sdk.transport import cuda_host
 from kvdrop_sdk.window import QueryWindow, TokenScores, store_scores, store_window
 
 __all__ = ["ServerConnector", "server_has_transfer_query"]
@@ -111,12 +112,18 @@ class ServerConnector(KVConnector):
         self.kv_layout: CacheLayout | None = None
         self.query_layout: CacheLayout | None = None
         self._kv_ctx: Any = None
+        self._load_device: torch.device | None = None
         self._q_ctx: Any = None
 
-    def bind(self, config: ModelConfig, dtype: torch.dtype) -> None:
-        """Register the layouts of a model with ``config`` (L, heads, head_dim) in ``dtype``."""
+    def bind(
+        self, config: ModelConfig, dtype: torch.dtype, *, device: torch.device | None = None
+    ) -> None:
+        """Register the layouts of a model with ``config`` (L, heads, head_dim) in ``dtype``;
+        prefixes load straight to a CUDA ``device`` (DMA from the server's shared memory)."""
         if self._kv_ctx is not None:
             raise SDKError("this connector is already bound to an engine; make one per engine")
+        gpu = device is not None and device.type == "cuda" and cuda_host.enabled()
+        self._load_device = device if gpu else None
         self.kv_layout = CacheLayout(
             config.num_layers,
             config.num_kv_heads,
@@ -175,9 +182,14 @@ class ServerConnector(KVConnector):
         return int(self._q_ctx.lookup(list(tokens), cache_salt))
 
     def load(self, tokens: Sequence[int], cache_salt: str = "") -> Tensor | None:
-        """KV ``[2, L, T, Hkv*d]`` (CPU) of the longest cached prefix of ``tokens``, or None."""
+        """KV ``[2, L, T, Hkv*d]`` of the longest cached prefix of ``tokens``, or None: on the
+        engine's GPU when it has one (a side stream made it: ``record_stream`` before use on
+        another), else on the CPU."""
         ctx = self._ctx()
-        kv = ctx.retrieve(list(tokens), cache_salt)
+        try:
+            kv = ctx.retrieve(list(tokens), cache_salt, device=self._load_device)
+        except torch.OutOfMemoryError:  # no room for the prefix on the GPU now: via the host
+            kv = ctx.retrieve(list(tokens), cache_salt)
         if kv is None or kv.shape[2] == 0:
             return None
         assert self.kv_layout is not None

@@ -281,7 +281,9 @@ class LMCacheConnector(KVConnector):
             )
         return chunk, server_q if self._want_query is None else self._want_query
 
-    def bind(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def bind(
+        self, config: ModelConfig, dtype: torch.dtype, *, device: torch.device | None = None
+    ) -> None:
         """Register the model's KV staging area (and query ring) with the LMCache server."""
         if self._worker is not None:
             raise SDKError("this connector is already bound to an engine; make one per engine")

@@ -40,6 +40,7 @@ from kvdrop_sdk.transport.buffers import (
     tensor_buffer,
     tune_malloc,
 )
+from kvdrop_sdk.transport.cuda_host import HostRegistration, device_to_slots, slots_to_device
 from kvdrop_sdk.transport.shm import HEADER_BYTES, belongs_to, shm_path
 from kvdrop_sdk.validate import is_int
 
@@ -103,6 +104,18 @@ class _Mapping:
     pool: torch.Tensor
     instance: str | None
     populated: set[int] = field(default_factory=set)
+    #: Page-locked regions for DMA to and from a GPU (made on the first CUDA transfer).
+    registration: HostRegistration | None = None
+
+    def dma_ready(self, offsets: list[Any], nbytes: int) -> bool:
+        """Whether slots at ``offsets`` can go to or from a GPU by DMA (registering them)."""
+        if self.registration is None:
+            self.registration = HostRegistration(self.pool.data_ptr(), self.pool.numel())
+        return all(self.registration.ensure(int(off), nbytes) for off in offsets)
+
+    def unregister(self) -> None:
+        if self.registration is not None:
+            self.registration.close()
 
 
 class ContiguousTransferWrapper:
@@ -147,6 +160,7 @@ class ContiguousTransferWrapper:
             self.mode = "socket"
             tune_malloc()
         if old is not None and old is not self._mapping:
+            old.unregister()
             log.info("re-mapped the server's shared memory (instance %s)", self.instance)
 
     def _current(self) -> _Mapping:
@@ -228,6 +242,8 @@ class ContiguousTransferWrapper:
     ) -> int:
         """Store the whole chunks of ``kv`` (shape already checked); returns chunks newly stored."""
         c = self.chunk_size
+        if self.mode == "socket" and kv.is_cuda:
+            kv = kv.cpu()
         if self.mode == "socket":
             n = kv.shape[2] // c
             kv = kv.contiguous()
@@ -288,10 +304,18 @@ class ContiguousTransferWrapper:
                 )
 
             chunks = list(zip(reply["chunks"], reply["offsets"]))
-            run_copies(
-                [lambda i=i, off=off: copy_in(i, off) for i, off in chunks],
-                nbytes * len(chunks),
-            )
+            if kv.is_cuda and mapping.dma_ready([off for _, off in chunks], nbytes):
+                slots = [self._slot(mapping, off, nbytes, layout, kind) for _, off in chunks]
+                device_to_slots([kv[:, :, i * c : (i + 1) * c] for i, _ in chunks], slots)
+                if time.monotonic() - started > 0.8 * lease_s:
+                    raise SDKError(f"store took longer than its {lease_s:g} s reservation")
+            else:
+                if kv.is_cuda:
+                    kv = kv.cpu()
+                run_copies(
+                    [lambda i=i, off=off: copy_in(i, off) for i, off in chunks],
+                    nbytes * len(chunks),
+                )
         except BaseException:
             try:
                 self._rpc.call("abort", {"lease": lease})
@@ -309,11 +333,14 @@ class ContiguousTransferWrapper:
         layout: CacheLayout,
         kind: CacheKind,
         lease_s: float,
+        device: torch.device | None = None,
     ) -> torch.Tensor | None:
-        """The longest cached chunk-aligned prefix as one contiguous tensor, or None."""
+        """The longest cached chunk-aligned prefix as one contiguous tensor, or None; on
+        ``device`` when given (a GPU gets the slots by DMA from page-locked shared memory)."""
         c = self.chunk_size
         if self.mode == "socket":
-            return self._socket_retrieve(fields, token_bytes, layout, kind)
+            out = self._socket_retrieve(fields, token_bytes, layout, kind)
+            return out if out is None or device is None else out.to(device)
         mapping = self._current()
         reply, _ = self._rpc.call(
             "pin", {**fields, "lease_s": lease_s, "layout": layout.to_json()}, [token_bytes]
@@ -323,27 +350,25 @@ class ContiguousTransferWrapper:
         if lease is None:
             return None
         offsets = reply["offsets"]
-        out = empty_tensor(layout.shape(kind, len(offsets) * c), layout.dtype, populate=False)
         try:
             nbytes = reply.get("nbytes")
             if nbytes != layout.nbytes(kind, c):
                 raise SDKError(f"server slot size {nbytes} does not match the layout")
-
-            def copy_out(j: int, off: Any) -> None:
-                copy_rows(
-                    out[:, :, j * c : (j + 1) * c], self._slot(mapping, off, nbytes, layout, kind)
+            out = None
+            if device is not None and device.type == "cuda" and mapping.dma_ready(offsets, nbytes):
+                slots = [self._slot(mapping, off, nbytes, layout, kind) for off in offsets]
+                try:
+                    out = slots_to_device(slots, device)
+                except RuntimeError as exc:  # torch's CUDA errors; the host path still works
+                    assert mapping.registration is not None
+                    mapping.registration.give_up(exc)
+            if out is None:
+                out = empty_tensor(
+                    layout.shape(kind, len(offsets) * c), layout.dtype, populate=False
                 )
-
-            if shm_copy_mode() == "torch":
-                for off in offsets:  # bounds checked, pages mapped
-                    self._slot(mapping, off, nbytes, layout, kind)
-                span = c * out.shape[3] * out.element_size()
-                gather_spans(out, mapping.pool, offsets, span)
-            else:
-                run_copies(
-                    [lambda j=j, off=off: copy_out(j, off) for j, off in enumerate(offsets)],
-                    nbytes * len(offsets),
-                )
+                self._copy_out(mapping, out, offsets, nbytes, layout, kind)
+                if device is not None:
+                    out = out.to(device)
         finally:
             try:
                 released, _ = self._rpc.call("release", {"lease": lease})
@@ -358,6 +383,34 @@ class ContiguousTransferWrapper:
             # The pin expired and some chunks were evicted meanwhile: return what is known good.
             out = out[:, :, : valid * c].contiguous()
         return out
+
+    def _copy_out(
+        self,
+        mapping: _Mapping,
+        out: torch.Tensor,
+        offsets: list[Any],
+        nbytes: int,
+        layout: CacheLayout,
+        kind: CacheKind,
+    ) -> None:
+        """Fill host tensor ``out`` from the pinned slots at ``offsets``."""
+        c = self.chunk_size
+
+        def copy_out(j: int, off: Any) -> None:
+            copy_rows(
+                out[:, :, j * c : (j + 1) * c], self._slot(mapping, off, nbytes, layout, kind)
+            )
+
+        if shm_copy_mode() == "torch":
+            for off in offsets:  # bounds checked, pages mapped
+                self._slot(mapping, off, nbytes, layout, kind)
+            span = c * out.shape[3] * out.element_size()
+            gather_spans(out, mapping.pool, offsets, span)
+        else:
+            run_copies(
+                [lambda j=j, off=off: copy_out(j, off) for j, off in enumerate(offsets)],
+                nbytes * len(offsets),
+            )
 
     def _socket_retrieve(
         self, fields: dict[str, Any], token_bytes: bytes, layout: CacheLayout, kind: CacheKind
@@ -437,6 +490,7 @@ class ContiguousTransferWrapper:
         """Unmap the shared pool (tensors already returned are independent copies)."""
         mapping, self._mapping = self._mapping, None
         if mapping is not None:
+            mapping.unregister()
             mapping.pool = torch.empty(0, dtype=torch.uint8)
             try:
                 mapping.mm.close()

@@ -1,0 +1,67 @@
+"""benchmarks/decode_gain.py's end-to-end table: every run charged its own prefill."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import pathlib
+from typing import Any
+
+import pytest
+
+_PATH = pathlib.Path(__file__).parents[2] / "benchmarks" / "decode_gain.py"
+_spec = importlib.util.spec_from_file_location("decode_gain", _PATH)
+assert _spec is not None and _spec.loader is not None
+decode_gain = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(decode_gain)
+
+
+def _row(run: str, prefill: float, decode: float, **kw: Any) -> dict[str, Any]:
+    return {
+        "run": run,
+        "prefill_s": prefill,
+        "reconstruct_s": kw.get("recon"),
+        "modify_s": kw.get("modify"),
+        "decode_s": decode,
+        "gain": kw.get("gain", 1.0),
+        "shared_prefill": kw.get("shared", False),
+    }
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_totals_add_up_and_shared_prefill_is_charged(share: bool) -> None:
+    rows = [
+        _row("baseline", 20.0, 24.0),
+        _row("chunk-halving", 3.0, 11.0, modify=2.0, gain=2.1, shared=share),
+        _row("kvzip", 90.0, 11.0, recon=70.0, modify=1.0, gain=2.2),
+    ]
+    e2e = decode_gain.end_to_end(rows, share_prefill=share)
+    for out, row in zip(e2e, rows, strict=True):
+        parts = out["prefill_s"] + out["reconstruct_s"] + out["modify_s"] + out["decode_s"]
+        assert out["total_s"] == pytest.approx(parts)
+        assert out["decode_gain"] == row["gain"]
+    assert e2e[0]["total_s"] == 44.0 and e2e[0]["e2e_gain"] == 1.0
+    # A run whose prefill only loaded the baseline's KV pays the baseline's prefill, not 3 s.
+    assert e2e[1]["prefill_s"] == (20.0 if share else 3.0)
+    assert e2e[1]["prefill_charged"] == ("baseline's (shared)" if share else "own")
+    # kvzip's pass is reported apart from its prefill and charged once.
+    assert (e2e[2]["prefill_s"], e2e[2]["reconstruct_s"]) == (20.0, 70.0)
+    assert e2e[2]["e2e_gain"] == pytest.approx(44.0 / 102.0)
+    assert not math.isnan(e2e[1]["e2e_gain"])
+
+
+def test_decode_phases_sum_to_the_phase() -> None:
+    engine = {
+        "decode_step_seconds": 5.0,
+        "graph_capture_seconds": 0.5,
+        "prefill_step_seconds": 1.0,
+        "load_apply_seconds": 0.25,
+        "ship_seconds": 1.0,
+        "window_seconds": 0.75,
+        "idle_seconds": 2.0,
+    }
+    phases = decode_gain.decode_phases(engine, 10.0)
+    assert phases["ship_s"] == 0.25 and phases["window_s"] == 0.75  # window apart from ship
+    parts = sum(v for k, v in phases.items() if k != "decode_s")
+    assert phases["decode_s"] == 10.0 and parts == pytest.approx(10.0)
+    assert phases["other_s"] == pytest.approx(0.25)
