@@ -53,6 +53,7 @@ from kvdrop_engine.paged import to_device, to_host
 from kvdrop_engine.reconstruct import ReconstructionPrompt
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
+from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
 from kvdrop_sdk.table import format_table
 from kvdrop_sdk.testing.server import spawn_server
 
@@ -292,7 +293,8 @@ def run(
     ``token_scores``); its loop-thread time is reported next to the prefill's."""
     uses_q = (needs_query or reconstruct) and policy_fn is not None
     kinds = [CacheKind.KV] + ([CacheKind.QUERY] if uses_q else [])
-    ctxs = [connect(k, server.url, server.http_url, model_name) for k in kinds]
+    capture = QueryCapture(QueryNeed(args.query_capture), scores=reconstruct)
+    ctxs = [connect(k, server.url, server.http_url, model_name, capture=capture) for k in kinds]
     greedy = {"temperature": 0.0, "ignore_eos": True, "max_tokens": args.max_tokens}
     log(f"{name}: prefill, {'modify, ' if policy_fn else ''}decode {len(prompts)} prompts")
     try:
@@ -452,7 +454,7 @@ def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
                 server.http_url,
                 model_name,
                 transfer_query=transfer_query,
-                query_capture=args.query_capture,
+                queries=QueryCapture(QueryNeed(args.query_capture)),
             )
             engine = Engine(
                 model,

@@ -15,10 +15,12 @@ from typing import Any
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind
-from kvdrop_sdk.context import Context
+from kvdrop_sdk.capabilities import CheapLookup, StoresRecords
+from kvdrop_sdk.edit import EditQueries, merge_queries, warn_plain_window
 from kvdrop_sdk.errors import RequestStreamError
 from kvdrop_sdk.foreign import ForeignContext, StreamContext, wrap_contexts
-from kvdrop_sdk.query_capture import UPSTREAM_CAPTURE, QueryCapture
+from kvdrop_sdk.query_capture import UPSTREAM_CAPTURE, Needs, QueryCapture
+from kvdrop_sdk.window import retrieve_window
 
 __all__ = ["Retrieved", "StreamContexts"]
 
@@ -54,7 +56,41 @@ class StreamContexts:
         """What the engine stores of the queries, as the query context was told (another SDK's
         context: upstream's full queries in chunks)."""
         ctx = self.by_kind.get(CacheKind.QUERY)
-        return ctx.capture if isinstance(ctx, Context) else UPSTREAM_CAPTURE
+        return ctx.capture if isinstance(ctx, StoresRecords) else UPSTREAM_CAPTURE
+
+    def add_queries(
+        self,
+        tensors: dict[CacheKind, torch.Tensor],
+        tokens: list[int],
+        salt: str,
+        needs: Needs,
+        with_context: bool,
+    ) -> EditQueries | None:
+        """Put the query rows an edit of the cached KV in ``tensors`` gets beside it (the KV cut
+        to the rows they cover); None when the function reads none or there is no query
+        context. Chunk queries are read only where the engine stores them (``capture.full``),
+        the engine's window of the call over ``tokens`` only from a context that stores
+        records; :func:`~kvdrop_sdk.edit.merge_queries` puts them together."""
+        q_ctx = self.by_kind.get(CacheKind.QUERY)
+        if q_ctx is None or not needs.reads_queries:
+            return None
+        capture = self.query_capture()
+        dense = q_ctx.retrieve(tokens, salt) if capture.full else None
+        has_dense = dense is not None and dense.shape[2] > 0
+        window = None
+        if capture.enabled and isinstance(q_ctx, StoresRecords) and (with_context or not has_dense):
+            found = retrieve_window(q_ctx, tokens, salt)
+            if found is not None:
+                window = (found.queries, found.positions, found.lse)
+        if window is not None and not has_dense and not with_context:
+            warn_plain_window(self.stream_id)
+        kv = tensors[CacheKind.KV]
+        queries = merge_queries(dense, window, int(kv.shape[2]), with_context)
+        if queries.query is not None:
+            tensors[CacheKind.QUERY] = queries.query
+        if kv.shape[2] != queries.rows:
+            tensors[CacheKind.KV] = kv[:, :, : queries.rows].contiguous()
+        return queries
 
     def chunk_size(self) -> int:
         """The KV context's chunk size (else any context's; 0 without contexts)."""
@@ -111,7 +147,7 @@ class StreamContexts:
         ``timeout`` runs out."""
         deadline = time.monotonic() + max(timeout, 0.0)
         kv_ctx = self.get(CacheKind.KV)
-        if isinstance(kv_ctx, Context):
+        if isinstance(kv_ctx, CheapLookup):
             while (
                 expected > 0
                 and kv_ctx.lookup(tokens, salt) < expected
@@ -137,7 +173,7 @@ class StreamContexts:
         """
         ctx = self.by_kind[kind]
         stored = bool(ctx.store(tensor, tokens, salt))
-        if stored and not isinstance(ctx, Context):
+        if stored and not isinstance(ctx, CheapLookup):
             self._await_visible(ctx, tokens, timeout, salt)
         return stored
 

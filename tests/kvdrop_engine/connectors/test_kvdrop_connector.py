@@ -17,6 +17,7 @@ from kvdrop_engine.paged import PagedAttention, PagedKVCache, SeqStep, blocks_ne
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context, connect
 from kvdrop_sdk.errors import SDKError
+from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
 from kvdrop_sdk.testing.server import ServerHandle, spawn_server
 from kvdrop_sdk.window import retrieve_window
 
@@ -98,7 +99,9 @@ def test_prefill_stores_whole_chunks_of_kv_and_queries(
     model: Transformer, server: ServerHandle
 ) -> None:
     prompt = tokens(3 * CHUNK + 5, seed=1)
-    conn = ServerConnector(server.url, server.http_url, "store-model", query_capture="full")
+    conn = ServerConnector(
+        server.url, server.http_url, "store-model", queries=QueryCapture(QueryNeed.FULL)
+    )
     with Engine(model, num_blocks=16, connector=conn) as eng:
         first = eng.generate(prompt, {**GREEDY, "max_tokens": 4})
         st = eng.stats()
@@ -222,7 +225,9 @@ def test_shared_prefix_completes_queries_from_the_server(
     shared = tokens(2 * CHUNK, seed=20)
     a = shared + tokens(CHUNK + 3, seed=21)
     b = shared + tokens(2 * CHUNK + 5, seed=22)
-    conn = ServerConnector(server.url, server.http_url, "shared-model", query_capture="full")
+    conn = ServerConnector(
+        server.url, server.http_url, "shared-model", queries=QueryCapture(QueryNeed.FULL)
+    )
     with Engine(model, num_blocks=16, connector=conn) as eng:
         eng.generate(a, {**GREEDY, "max_tokens": 2})
         eng.reset_stats()
@@ -251,7 +256,9 @@ def test_kv_prefix_without_queries_stores_kv_only(model: Transformer, server: Se
     with Engine(model, num_blocks=16, connector=kv_only) as eng:
         eng.generate([*prefix, 7], {**GREEDY, "max_tokens": 1})
     kv_only.close()
-    conn = ServerConnector(server.url, server.http_url, "hole-model", query_capture="full")
+    conn = ServerConnector(
+        server.url, server.http_url, "hole-model", queries=QueryCapture(QueryNeed.FULL)
+    )
     with Engine(model, num_blocks=16, connector=conn) as eng:
         eng.generate(longer, {**GREEDY, "max_tokens": 2})
         st = eng.stats()
@@ -271,7 +278,9 @@ def test_eight_concurrent_requests_store_their_own_kv_and_queries(
     prompts = [
         (common if i % 2 else []) + tokens(CHUNK * (2 + i % 3) + i, seed=100 + i) for i in range(8)
     ]
-    conn = ServerConnector(server.url, server.http_url, "conc-model", query_capture="full")
+    conn = ServerConnector(
+        server.url, server.http_url, "conc-model", queries=QueryCapture(QueryNeed.FULL)
+    )
     # small prefill chunks and a budget for ~5 requests: prefill chunks of different requests
     # share steps with each other and with decodes, and some requests wait for admission.
     eng = Engine(model, num_blocks=24, block_size=CHUNK, max_prefill_tokens=40, connector=conn)
@@ -325,7 +334,7 @@ def test_window_mode_stores_the_last_rows_and_a_strided_sample_only(
     cfg = model.config
     prompt = tokens(5 * CHUNK + 5, seed=30)  # 85 tokens
     conn = ServerConnector(
-        server.url, server.http_url, "window-model", query_window=8, query_stride=32
+        server.url, server.http_url, "window-model", queries=QueryCapture(QueryNeed.WINDOW, 8, 32)
     )
     with Engine(model, num_blocks=16, connector=conn, max_prefill_tokens=40) as eng:
         out = eng.generate(prompt, {**GREEDY, "max_tokens": 4})
