@@ -14,6 +14,13 @@ tensors kvdrop's engine loaded) and prints both columns side by side, with the v
   the question appended. Positions continue from the uncompressed length (kvpress keeps the kept
   keys at their positions; kvdrop re-rotates them to ``0..k-1``).
 
+``--scores`` compares instead the scores themselves, pair by pair, on identical tensors (one
+attention layer of a small random-weight HF Llama; :mod:`kvpress_pairs`): the largest score
+difference before kvdrop's shared aggregation over heads and layers, and the Jaccard index of
+the kept sets where both select one list::
+
+    python benchmarks/kvpress_compare.py --scores --tokens 512 --seed 0 --keep-ratio 0.5
+
 kvpress 0.5.5 needs ``transformers<5.3`` while kvdrop's ``lmcache`` extra needs ``>=5.4``, so it
 lives in its own virtualenv (``pip install -e '.[kvpress]'`` there; docs/quality.md)::
 
@@ -213,7 +220,26 @@ def table(
         yield f"| {name} | " + " | ".join(cells) + " |"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def score_identity(args: argparse.Namespace) -> int:
+    """``--scores``: the pair table of :mod:`kvpress_pairs`, with versions."""
+    import kvpress_pairs
+
+    found = kvpress_pairs.rows(args.tokens, args.seed, args.keep_ratio)
+    if args.json:
+        print(json.dumps({"versions": versions(), "rows": [vars(r) for r in found]}))
+        return 0
+    print(
+        f"score identity on identical tensors: one attention layer of a random-weight HF "
+        f"LlamaForCausalLM (4 query heads, 2 KV heads, head_dim 32, float32), T={args.tokens}, "
+        f"seed {args.seed}, keep {args.keep_ratio}"
+    )
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()))
+    for line in kvpress_pairs.table(found):
+        print(line)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kvdrop-results", type=Path, help="a kvdrop eval --results file, same grid")
     p.add_argument("--presses", nargs="+", default=list(PRESSES), choices=list(PRESSES))
@@ -232,7 +258,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+    p.add_argument(
+        "--scores",
+        action="store_true",
+        help="compare scores pair by pair on identical tensors instead of answers",
+    )
+    p.add_argument("--tokens", type=int, default=512, help="--scores: prompt length")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -244,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.scores:
+        return score_identity(args)
     model, tokenizer, name = load_model(ModelSpec())
     samples = [
         s

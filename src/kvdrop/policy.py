@@ -297,6 +297,12 @@ class ScorerPolicy(SelectorPolicy):
             scorer = dataclasses.replace(scorer, head_dim=head_dim)  # type: ignore[type-var]
         return scorer
 
+    def _rope_of(self, inputs: EditInputs) -> RopeConfig | None:
+        """The RoPE parameters the cached keys carry: explicit ones win over the context's."""
+        if self.rope is not None:
+            return self.rope
+        return rope_from_layout(inputs.rope, policy=self.name)
+
     def _queries_for(
         self, scorer: Scorer, inputs: EditInputs
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -357,6 +363,8 @@ class ScorerPolicy(SelectorPolicy):
                     query_lse=lse,
                     head_dim=inputs.head_dim,
                     token_scores=inputs.token_scores,
+                    rope=self._rope_of(inputs),
+                    positions=inputs.positions,
                 )
                 scores = scorer.score(kv, q, selection)
             else:

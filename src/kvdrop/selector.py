@@ -34,6 +34,7 @@ import torch
 from kvdrop.device import device_ok
 from kvdrop.errors import PolicyParamError
 from kvdrop.params import Param, param, params_of_dataclass
+from kvdrop_rope import RopeConfig
 
 __all__ = ["SELECTOR_PARAMS", "Selection", "Selector"]
 
@@ -136,6 +137,8 @@ class Selector:
         query_lse: torch.Tensor | None = None,
         head_dim: int | None = None,
         token_scores: torch.Tensor | None = None,
+        rope: RopeConfig | None = None,
+        positions: torch.Tensor | None = None,
     ) -> Selection:
         """What this selector keeps of a ``num_tokens`` request (``budget``: this many instead)."""
         if budget is None:
@@ -153,6 +156,8 @@ class Selector:
             query_lse=query_lse,
             head_dim=head_dim,
             token_scores=token_scores,
+            rope=rope,
+            positions=positions,
         )
 
     def ranking(
@@ -213,7 +218,9 @@ class Selection:
     ``query_lse`` ``[1, L, R, Hq]`` the rows' attention log-normalisers over every key they saw
     (NaN where unknown; see ``kvdrop_sdk.edit.EditContext``); ``head_dim`` the layout's, when
     known; ``token_scores`` ``[L, H, S]`` the engine's per-token scores (KVzip's reconstruction
-    pass), when the edit context has them.
+    pass), when the edit context has them; ``rope`` the model's RoPE parameters and
+    ``positions`` ``[T]`` each cached row's RoPE position, when known (scorers that read
+    pre-RoPE keys or queries undo the rotation with them, e.g. ``leverage``).
     """
 
     num_tokens: int
@@ -228,6 +235,8 @@ class Selection:
     query_lse: torch.Tensor | None = field(default=None, compare=False)
     head_dim: int | None = None
     token_scores: torch.Tensor | None = field(default=None, compare=False)
+    rope: RopeConfig | None = field(default=None, compare=False)
+    positions: torch.Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.prompt_tokens is None:

@@ -6,6 +6,9 @@ builds the combinator objects of :mod:`kvdrop.combinators` from them:
 - ``"streaming+snapkv"`` or ``"streaming(n_sink=8)+snapkv(window=32)"``: a union,
   :class:`~kvdrop.combinators.Compose` (registered as ``compose``);
 - ``"chunk(policy=snapkv)"``: :class:`~kvdrop.combinators.Chunk` (registered as ``chunk``);
+- ``"chunkkv(policy=snapkv, chunk_length=20)"``: :class:`~kvdrop.combinators.ChunkKV`
+  (registered as ``chunkkv``); ``"block(policy=keydiff, block_size=128)"``:
+  :class:`~kvdrop.combinators.Block` (registered as ``block``);
 - ``"budget(policy=snapkv, tiers='4096:1.0,*:0.5')"``: :class:`~kvdrop.combinators.Budget`
   (registered as ``budget``); from Python, ``rule=callable(T) -> ratio | tokens``;
 - ``kvdrop.get(name, rerotate=rope)``: :class:`~kvdrop.combinators.Rerotate` around any of them
@@ -27,8 +30,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvdrop import registry
+from kvdrop.combinators.block import DEFAULT_BLOCK_SIZE, Block
 from kvdrop.combinators.budget import Budget
 from kvdrop.combinators.chunk import Chunk
+from kvdrop.combinators.chunkkv import DEFAULT_CHUNK_LENGTH, ChunkKV
 from kvdrop.combinators.compose import Compose
 from kvdrop.combinators.rerotate import Rerotate
 from kvdrop.errors import PolicyParamError
@@ -40,8 +45,10 @@ from kvdrop_sdk.query_capture import needs_of
 
 __all__ = [
     "SpecFactory",
+    "block",
     "budget",
     "chunk",
+    "chunkkv",
     "compose",
     "describe",
     "factory",
@@ -414,6 +421,77 @@ class ChunkFactory(PolicyFactory):
         return Chunk(get(name, **_inner_params(params)))  # type: ignore[arg-type]
 
 
+def _inner_info(name: str, summary: str, own: Param, details: str) -> PolicyInfo:
+    """PolicyInfo of a combinator over one policy given by name (``policy`` + ``own``)."""
+    return PolicyInfo(
+        name,
+        summary,
+        QueryNeed.NONE,  # as its default inner policy (knorm); the inner policy decides
+        (
+            Param("policy", str, "knorm", "the scorer policy it runs"),
+            own,
+            *SELECTOR_PARAMS,
+            _HEAD_DIM,
+        ),
+        details + " Every other parameter goes to the inner policy and is validated by it.",
+        {},
+    )
+
+
+class ChunkKVFactory(PolicyFactory):
+    """``chunkkv``: :class:`~kvdrop.combinators.ChunkKV` of a policy given by name."""
+
+    name = "chunkkv"
+    info = _inner_info(
+        "chunkkv",
+        "ChunkKV: any scorer policy keeping whole small chunks, e.g. 'chunkkv(policy=snapkv)'",
+        Param(
+            "chunk_length",
+            int,
+            DEFAULT_CHUNK_LENGTH,
+            "tokens per chunk; chunks are ranked by the mean of their token scores",
+            "an int >= 1",
+            lambda n: n >= 1,
+        ),
+        "Scores each token by the mean of its chunk of `chunk_length` tokens (ChunkKV, Liu et "
+        "al. 2025), so whole chunks are kept, best first, after the policy's forced tokens; "
+        "the last chunk taken may be cut to the chunk-aligned budget.",
+    )
+
+    def __call__(
+        self, policy: str = "knorm", chunk_length: int = DEFAULT_CHUNK_LENGTH, **params: Any
+    ) -> ChunkKV:
+        name = _policy_name("chunkkv", policy, spec_ok=False)
+        return ChunkKV(get(name, **_inner_params(params)), chunk_length)  # type: ignore[arg-type]
+
+
+class BlockFactory(PolicyFactory):
+    """``block``: :class:`~kvdrop.combinators.Block` of a KV-only policy given by name."""
+
+    name = "block"
+    info = _inner_info(
+        "block",
+        "Block-wise eviction over any KV-only policy, e.g. 'block(policy=keydiff)'",
+        Param(
+            "block_size",
+            int,
+            DEFAULT_BLOCK_SIZE,
+            "tokens that join the kept ones each round",
+            "an int >= 1",
+            lambda n: n >= 1,
+        ),
+        "Keeps the first `budget` tokens, then adds `block_size` tokens at a time and lets the "
+        "policy keep `budget` of them (KeyDiff's block-wise prefill, kvpress's BlockPress); "
+        "KV-only policies only.",
+    )
+
+    def __call__(
+        self, policy: str = "knorm", block_size: int = DEFAULT_BLOCK_SIZE, **params: Any
+    ) -> Block:
+        name = _policy_name("block", policy, spec_ok=False)
+        return Block(get(name, **_inner_params(params)), block_size)  # type: ignore[arg-type]
+
+
 class BudgetFactory(PolicyFactory):
     """``budget``: :class:`~kvdrop.combinators.Budget` of a policy given by name or spec."""
 
@@ -460,4 +538,6 @@ class BudgetFactory(PolicyFactory):
 
 compose = ComposeFactory()
 chunk = ChunkFactory()
+chunkkv = ChunkKVFactory()
+block = BlockFactory()
 budget = BudgetFactory()

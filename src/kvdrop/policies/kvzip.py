@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdrop.attention import pool1d
 from kvdrop.errors import MissingTokenScoresError, PolicyInputError
 from kvdrop.factories import ScorerFactory
 from kvdrop.params import param
-from kvdrop.policies._common import LAYER_AGG, head_agg_param, reduce
+from kvdrop.policies._common import LAYER_AGG, head_agg_param, odd_kernel, reduce
 from kvdrop.policy import Scorer
 from kvdrop.selector import Selection
 
@@ -35,9 +36,11 @@ class KVzipScorer(Scorer):
 
     A cached token's score is the engine's reconstruction score (max attention of the
     reconstruction queries, per layer and KV head), combined over heads (``head_agg``) and layers
-    (``layer_agg``). Tokens past the scored ones (decoded after the pass) score 1, the largest
-    attention there is. Needs ``EditContext.token_scores``: see
-    :class:`~kvdrop.MissingTokenScoresError` for where they come from.
+    (``layer_agg``); with ``kernel`` > 1 each layer's scores are pooled along the tokens first
+    (``pooling``), so a span around a needed token is kept with it. Tokens past the scored ones
+    (decoded after the pass) score 1, the largest attention there is. Needs
+    ``EditContext.token_scores``: see :class:`~kvdrop.MissingTokenScoresError` for where they
+    come from.
     """
 
     needs_selection = True  # reads selection.token_scores
@@ -45,6 +48,8 @@ class KVzipScorer(Scorer):
     reads_values = False
     head_agg: str = head_agg_param("max", "how the KV heads of a layer combine")
     layer_agg: str = param("mean", "how layers combine", choices=LAYER_AGG)
+    kernel: int = odd_kernel(1)
+    pooling: str = param("max", "pooling of token scores (with kernel > 1)", choices=("avg", "max"))
 
     def score(
         self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection
@@ -58,7 +63,7 @@ class KVzipScorer(Scorer):
                 f"kvzip: token scores have {scores.shape[0]} layers but the KV has {num_layers}"
             )
         scores = scores.to(device=kv.device, dtype=torch.float32)[:, :, :num_tokens]
-        per_layer = reduce(scores, 1, self.head_agg)  # [L, S]
+        per_layer = pool1d(reduce(scores, 1, self.head_agg), self.kernel, self.pooling)  # [L, S]
         if per_layer.shape[1] < num_tokens:
             pad = torch.ones(num_layers, num_tokens - per_layer.shape[1], device=kv.device)
             per_layer = torch.cat([per_layer, pad], dim=1)

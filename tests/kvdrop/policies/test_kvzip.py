@@ -107,3 +107,17 @@ def test_reconstruct_needs_an_engine_that_can_run_it() -> None:
     with Engine(model) as engine:
         with pytest.raises(Exception, match="reconstruct=true needs an engine"):
             engine.generate([5, 6, 7], {"max_tokens": 1, "reconstruct": True})
+
+
+def test_kernel_pools_each_layer_so_the_span_around_a_needed_token_is_kept() -> None:
+    scores = torch.zeros(1, 1, 8)
+    scores[0, 0, 4] = 1.0
+    context = EditContext.of(8, token_scores=scores)
+    kept = {}
+    for kernel in (1, 3):
+        fn = kvdrop.get(
+            "kvzip", keep_tokens=3, chunk_size=1, n_sink=0, kernel=kernel, rerotate=False
+        )
+        kept[kernel] = fn.select_indices({CacheKind.KV: _kv(1, 8)}, list(range(8)), context=context)
+    assert kept[1][1].tolist() == [0, 1, 4]  # ties among the zeros: the earlier tokens
+    assert kept[3][1].tolist() == [3, 4, 5]  # max pooling over 3 tokens keeps 4's neighbours

@@ -1,0 +1,101 @@
+"""``non-causal-attn``: attention received inside non-causal chunks (Chari & Van Durme, 2025).
+
+The attention scorer of Compactor ("Compactor: Calibrated Query-Agnostic KV Cache Compression
+with Approximate Leverage Scores", https://arxiv.org/abs/2507.08143), kvpress's
+``NonCausalAttnPress``: the prompt is cut into chunks of ``chunk_length`` tokens; inside each
+chunk every query attends to every key of the chunk (no causal mask), and a key's score is the
+attention it receives summed over the chunk's queries, times its value's norm, pooled over 3
+tokens and z-normalised per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvdrop.attention import heads_f32, pool1d
+from kvdrop.factories import ScorerFactory
+from kvdrop.params import param
+from kvdrop.policies._common import (
+    LAYER_AGG,
+    check_query_shapes,
+    group_heads,
+    head_agg_param,
+    query_head_dim,
+    reduce,
+)
+from kvdrop.policy import QueryNeed, Scorer
+
+__all__ = ["NonCausalAttnScorer", "chunk_column_sums", "non_causal_attn"]
+
+
+def chunk_column_sums(q: torch.Tensor, k: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``[Hq, T]``: per key, the softmax attention summed over the queries of its chunk.
+
+    ``q`` ``[Hq, T, d]`` and ``k`` ``[Hkv, T, d]`` (float32, GQA: ``Hq`` a multiple of ``Hkv``);
+    tokens ``[c*i, c*(i+1))`` form chunk ``i``; logits are ``q.k`` unscaled (as the reference);
+    a partial last chunk attends over its own tokens only.
+    """
+    num_q, num_tokens, _ = q.shape
+    group = num_q // k.shape[0]
+    out = torch.empty(num_q, num_tokens, dtype=torch.float32, device=q.device)
+    for start in range(0, num_tokens, chunk):
+        end = min(start + chunk, num_tokens)
+        keys = k[:, start:end].repeat_interleave(group, dim=0)
+        logits = q[:, start:end] @ keys.transpose(1, 2)  # [Hq, c, c]
+        out[:, start:end] = torch.softmax(logits, dim=-1).sum(dim=1)
+    return out
+
+
+@dataclass(frozen=True)
+class NonCausalAttnScorer(Scorer):
+    """Non-causal chunked attention (Chari & Van Durme, 2025; kvpress ``NonCausalAttnPress``).
+
+    Per layer and query head, :func:`chunk_column_sums` of the cached tokens' queries over
+    their keys; averaged over each GQA group; times ``||v||``; average-pooled over 3 tokens
+    (zero padding counted); z-normalised over the layer's heads and tokens (std >= 1e-6). Then
+    combined over KV heads (``head_agg``) and layers (``layer_agg``). Reads every cached token's
+    query (``QueryNeed.FULL``: the engine's ``--query-capture full``). The reference's defaults;
+    it pads a partial last chunk with keys it does not mask, kvdrop masks them.
+    """
+
+    queries = QueryNeed.FULL
+    head_dim: int | None = query_head_dim()
+    chunk_length: int = param(
+        256,
+        "tokens per non-causal attention chunk",
+        allowed="an int >= 1",
+        check=lambda n: n >= 1,
+    )
+    head_agg: str = head_agg_param("mean", "how the KV heads of a layer combine")
+    layer_agg: str = param("mean", "how layers combine", choices=LAYER_AGG)
+
+    def check(self, kv: torch.Tensor, query: torch.Tensor | None) -> None:
+        assert self.head_dim is not None
+        check_query_shapes("non-causal-attn", kv, query, self.head_dim)
+
+    def head_scores(self, kv: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        """``[L, Hkv, T]`` z-normalised scores, before heads and layers combine."""
+        assert self.head_dim is not None
+        per_layer = []
+        for layer in range(kv.shape[1]):
+            keys = heads_f32(kv[0, layer], self.head_dim)
+            q = heads_f32(query[0, layer], self.head_dim)
+            mass = chunk_column_sums(q, keys, self.chunk_length)
+            grouped = group_heads(mass, keys.shape[0], "mean")
+            scores = pool1d(grouped * heads_f32(kv[1, layer], self.head_dim).norm(dim=-1), 3, "avg")
+            std = scores.std() if scores.numel() > 1 else torch.ones((), device=scores.device)
+            per_layer.append((scores - scores.mean()) / std.clamp_min(1e-6))
+        return torch.stack(per_layer)
+
+    def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
+        assert query is not None
+        return reduce(reduce(self.head_scores(kv, query), 1, self.head_agg), 0, self.layer_agg)
+
+
+non_causal_attn = ScorerFactory(
+    "non-causal-attn",
+    NonCausalAttnScorer,
+    "NonCausalAttn: attention received inside non-causal chunks, times ||v|| (Compactor's scorer)",
+)
