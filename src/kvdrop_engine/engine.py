@@ -84,7 +84,9 @@ class Engine:
     (anything with ``decode``) gives each ``TokenEvent`` its text. On a GPU with Triton, decode
     attention reads the paged cache in place, norms and SwiGLU run fused (``fused_ops``, on a
     model that declares ``FusesOps``) and decode steps replay CUDA graphs (``cuda_graphs``);
-    None means "when available". ``load_concurrency``, ``load_timeout_s``, ``store_timeout_s``
+    None means "when available". The graphs of the batch sizes ``graph_batch_sizes`` (None: every
+    bucket up to ``max_batch_size``; ``()``: none) are captured here, so no step captures one.
+    ``load_concurrency``, ``load_timeout_s``, ``store_timeout_s``
     and ``connector_backoff_s`` bound what a slow or dead cache server costs
     (:mod:`kvdrop_engine.transfer`).
     """
@@ -101,6 +103,7 @@ class Engine:
         max_prefill_tokens: int = 2048,
         connector: KVConnector | None = None,
         cuda_graphs: bool | None = None,
+        graph_batch_sizes: Sequence[int] | None = None,
         fused_ops: bool | None = None,
         load_concurrency: int = 4,
         load_timeout_s: float = 10.0,
@@ -134,6 +137,7 @@ class Engine:
             max_batch_size=max_batch_size,
             fused_ops=fused_ops,
             cuda_graphs=cuda_graphs,
+            graph_batch_sizes=graph_batch_sizes,
         )
         self.device, self.dtype = self.runner.device, self.runner.dtype
         self.cache = self.runner.cache

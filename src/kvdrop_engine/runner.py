@@ -62,6 +62,7 @@ class ModelRunner:
         max_batch_size: int,
         fused_ops: bool | None,
         cuda_graphs: bool | None,
+        graph_batch_sizes: Sequence[int] | None = None,
     ) -> None:
         param = next((p for p in model.parameters() if p.is_floating_point()), None)
         self.device = param.device if param is not None else torch.device("cpu")
@@ -80,6 +81,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = accelerate(
             model, config, self.cache, max_batch_size, fused_ops=fused_ops, cuda_graphs=cuda_graphs
         )
+        if self.graphs is not None:  # before any other thread touches the device
+            self.graphs.precapture(graph_batch_sizes)
 
     def forward(self, plan: StepPlan) -> Forward:
         """Run the model over ``plan``: a graph replay for a decode-only step when graphs are
