@@ -8,13 +8,15 @@ of registrations small and pin only the part of a lazy pool in use; all are unre
 mapping closes.
 
 Where registration is impossible (no CUDA, a driver that refuses it, a locked-memory limit) the
-caller falls back to its host path, and the reason is logged once per mapping.
+caller falls back to its host path, and the reason is logged once per mapping;
+``KVDROP_CUDA_HOST_REGISTER=0`` turns registration off.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+import os
 import threading
 from collections.abc import Callable, Sequence
 
@@ -53,9 +55,11 @@ class HostRegistration:
         self._regions: set[int] = set()
         self._lock = threading.Lock()
         #: Why registration failed (None while it works); set once, then every call says no.
-        self.failed: str | None = (
-            None if torch.cuda.is_available() or register_fn else ("CUDA is not available")
-        )
+        self.failed: str | None = None
+        if os.environ.get("KVDROP_CUDA_HOST_REGISTER", "1") == "0":
+            self.failed = "disabled by KVDROP_CUDA_HOST_REGISTER=0"
+        elif register_fn is None and not torch.cuda.is_available():
+            self.failed = "CUDA is not available"
 
     def ensure(self, offset: int, nbytes: int) -> bool:
         """Page-lock the regions covering ``[offset, offset + nbytes)``; False (and the reason
@@ -113,8 +117,10 @@ def slots_to_device(slots: Sequence[torch.Tensor], device: torch.device) -> torc
         out = torch.empty(
             (lead, layers, len(slots) * c, width), dtype=slots[0].dtype, device=device
         )
+        piece = torch.empty(slots[0].shape, dtype=slots[0].dtype, device=device)
         for j, slot in enumerate(slots):
-            out[:, :, j * c : (j + 1) * c].copy_(slot, non_blocking=True)
+            piece.copy_(slot, non_blocking=True)  # one contiguous DMA
+            out[:, :, j * c : (j + 1) * c].copy_(piece)  # in stream order, before the next DMA
     stream.synchronize()
     return out
 

@@ -90,3 +90,11 @@ def test_retrieve_to_a_device_returns_the_same_bytes(
         out = ctx.retrieve(tokens, device=device)
         assert out is not None and out.device.type == device and out.is_contiguous()
         assert torch.equal(out.cpu().view(torch.int16), data[:, :, :512].view(torch.int16))
+
+
+def test_registration_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVDROP_CUDA_HOST_REGISTER", "0")
+    rec = Recorder()
+    reg = HostRegistration(0, REGION_BYTES, rec.register, rec.unregister)
+    assert not reg.ensure(0, 10) and rec.registered == []
+    assert reg.failed == "disabled by KVDROP_CUDA_HOST_REGISTER=0"
