@@ -27,7 +27,7 @@ from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.reconstruct import ReconstructionPrompt
-from kvdrop_engine.runner import Forward, ModelRunner
+from kvdrop_engine.runner import Forward, ModelRunner, WindowRecord
 from kvdrop_engine.sampling import (
     SamplingParams,
     TokenLogprobs,
@@ -417,9 +417,11 @@ class Engine:
         sampled = self._sample(plan, out, picked)
         with self._cv:
             ended = self._sched.postprocess(plan, {rid: tok for rid, (tok, _) in sampled.items()})
+        windows = self._finished_windows(ended)
         shipping = time.perf_counter()
         for req, tok, reason in ended:
-            self._ship(req, tok, sampled[req.rid][1] if tok is not None else None, reason)
+            lp = sampled[req.rid][1] if tok is not None else None
+            self._ship(req, tok, lp, reason, windows)
         with self._cv:
             self._stats.ship_seconds += time.perf_counter() - shipping
 
@@ -477,8 +479,44 @@ class Engine:
                 self._fail(req, exc)
         return sampled
 
+    def _finished_windows(
+        self, ended: Sequence[tuple[Request, int | None, str | None]]
+    ) -> dict[int, WindowRecord | None]:
+        """The query windows of the requests this step ends (while their blocks are their own),
+        all in one batched call; ``_finish_jobs`` reads them. If the batch fails, each request
+        computes its own in ``_finish_jobs`` (a failure then fails only its request)."""
+        taking = [
+            req
+            for req, tok, reason in ended
+            if tok is not None
+            and reason is not None
+            and req.window is not None
+            and self._transfers is not None
+            and not req.cancelled
+        ]
+        if not taking:
+            return {}
+        started = time.perf_counter()
+        computed = [len(req.prompt) + len(req.output) - 1 for req in taking]
+        jobs = [(req.blocks, n, req.window) for req, n in zip(taking, computed, strict=True)]
+        try:
+            records = self.runner.window_records(jobs)  # type: ignore[arg-type]
+        except Exception:
+            return {}
+        finally:
+            with self._cv:
+                self._stats.window_seconds += time.perf_counter() - started
+        for req in taking:
+            req.window = None
+        return {req.rid: rec for req, rec in zip(taking, records, strict=True)}
+
     def _ship(
-        self, req: Request, tok: int | None, logprobs: TokenLogprobs | None, reason: str | None
+        self,
+        req: Request,
+        tok: int | None,
+        logprobs: TokenLogprobs | None,
+        reason: str | None,
+        windows: Mapping[int, WindowRecord | None] | None = None,
     ) -> None:
         """Hand a request's step result over: the stores it starts, then its event (a scoring
         request: its rows); an ended request's blocks are freed after its last reads."""
@@ -491,7 +529,7 @@ class Engine:
                     transfers.submit(req, self._prompt_job(req))
                 text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
                 if reason is not None and transfers is not None and not req.cancelled:
-                    for job in self._finish_jobs(req):
+                    for job in self._finish_jobs(req, windows or {}):
                         transfers.submit(req, job)
                 lp, top = (None, ()) if logprobs is None else logprobs
                 req.out.put(TokenEvent(tok, text, reason, logprob=lp, top_logprobs=top))
@@ -509,10 +547,13 @@ class Engine:
         queries = req.take_chunk_queries()
         return StoreJob(kv, queries, req.prompt[: req.store_upto], req.cache_salt, req.query_offset)
 
-    def _finish_jobs(self, req: Request) -> list[StoreJob | WindowJob | ScoresJob]:
+    def _finish_jobs(
+        self, req: Request, windows: Mapping[int, WindowRecord | None]
+    ) -> list[StoreJob | WindowJob | ScoresJob]:
         """(before the last token) What a finished request leaves in the server, keyed by prompt
         + every generated token: the KV of whole chunks its generated tokens completed
-        (``store_decoded``), its query window and its reconstruction scores (kvzip)."""
+        (``store_decoded``), its query window (from ``windows`` when the step computed it) and
+        its reconstruction scores (kvzip)."""
         conn = self.connector
         assert conn is not None
         jobs: list[StoreJob | WindowJob | ScoresJob] = []
@@ -523,10 +564,12 @@ class Engine:
             kv = self.runner.read_kv(req.blocks, upto)
             jobs.append(StoreJob(kv, None, sequence[:upto], req.cache_salt))
         window, req.window = req.window, None
-        started = time.perf_counter()
-        record = None if window is None else self.runner.window_record(req.blocks, computed, window)
-        with self._cv:
-            self._stats.window_seconds += time.perf_counter() - started
+        record = windows.get(req.rid)
+        if window is not None:
+            started = time.perf_counter()
+            record = self.runner.window_record(req.blocks, computed, window)
+            with self._cv:
+                self._stats.window_seconds += time.perf_counter() - started
         if record is not None:
             jobs.append(WindowJob(*record, sequence, req.cache_salt))
         if req.params.reconstruct:
