@@ -352,9 +352,17 @@ def run(
     }
 
 
+def log_precapture(engine: Engine) -> None:
+    """How long the engine took to capture its decode graphs at start (outside every phase)."""
+    graphs = engine.graphs
+    if graphs is not None:
+        n, seconds = len(graphs.captured), graphs.precapture_seconds
+        log(f"{n} decode graphs captured at start in {seconds:.1f} s")
+
+
 def warm_up(engine: Engine, args: argparse.Namespace, vocab: int) -> None:
     """One request through the engine before anything is measured: compiles the GPU kernels,
-    picks the matrix-product algorithms, captures a first decode graph."""
+    picks the matrix-product algorithms (the decode graphs were captured at start)."""
     gen = torch.Generator().manual_seed(args.seed + 2)
     n = min(args.max_prefill_tokens + args.chunk_size + 7, max(args.prompt_tokens))
     prompt = torch.randint(3, vocab, (n,), generator=gen).tolist()
@@ -428,19 +436,13 @@ def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
                 num_blocks=num_blocks,
                 block_size=args.block_size,
                 max_batch_size=max(256, args.num_requests),
-                # Every bucket the run can reach, captured here: no step captures a graph.
-                graph_batch_sizes=range(1, args.num_requests + 1),
+                graph_batch_sizes=range(1, args.num_requests + 1),  # no capture mid-run
                 max_prefill_tokens=args.max_prefill_tokens,
                 connector=connector,
                 # Random weights have no tokenizer: fixed prompt ids (the pass costs the same).
                 reconstruction=ReconstructionPrompt.synthetic(cfg.vocab_size),
             )
-            if engine.graphs is not None:
-                graphs = engine.graphs
-                log(
-                    f"{len(graphs.captured)} decode graphs captured at start in "
-                    f"{graphs.precapture_seconds:.1f} s"
-                )
+            log_precapture(engine)
             return connector, engine
 
         # Runs that need no queries share one engine whose connector captures none; with

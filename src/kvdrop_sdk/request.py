@@ -437,17 +437,16 @@ class RequestStream:
         Waits up to ``timeout`` seconds (polling every ``poll_interval``) for the last prompt's
         whole chunks to appear (engines may store asynchronously; a synchronous engine's are
         there at once), then edits whatever is cached. A stream whose tokens or last
-        prompt had no whole chunk is left as it is (``skipped``). ``device`` (default: the host)
-        is where ``fn`` runs, on a stream of its own, with the KV (a GPU gets it by DMA from a
-        kvdrop server, ``stream_contexts.edit_transfer``) and ``EditContext.device`` there; the
-        kept rows are stored from there. ``edit_timeout`` bounds ``fn`` itself
+        prompt had no whole chunk is left as it is (``skipped``). ``device``: where ``fn`` runs
+        (own stream) with the KV, stored back from there (``edit_transfer``; default: the host)
+        and ``EditContext.device``. ``edit_timeout`` bounds ``fn`` itself
         (``EditTimeoutError`` after that many seconds; None: unbounded). Raises
         ``RequestStreamError`` when nothing is cached (e.g. before any generate), ``fn`` fails,
         or its output is invalid; the stream and the server are then unchanged.
         """
         if not callable(fn):
             raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
-        where = edit_device(device)
+        dev = edit_device(device)
         start = time.perf_counter()
         with self._op_lock:
             kv_ctx = self._cache.get(CacheKind.KV)
@@ -457,7 +456,7 @@ class RequestStream:
                 return ModifyResult(0, 0, len(self._suffix), False, 0.0, skipped=True)
             expected = min(self._expected_cached or 0, (len(current) // chunk) * chunk)
             got = self._cache.retrieve_when_cached(
-                current, self.active_cache_salt, expected, timeout, poll_interval, _KV_ONLY, where
+                current, self.active_cache_salt, expected, timeout, poll_interval, _KV_ONLY, dev
             )
             if got is None and self._expected_cached == 0:
                 # The last prompt had no whole chunk: there was never anything to edit.
@@ -492,9 +491,7 @@ class RequestStream:
                 if scores is not None:
                     context = dataclasses.replace(context, token_scores=scores)
             sid = self._request_stream_id
-            new_kv, new_tokens = call_edit(
-                fn, tensors, kept_input, context, sid, edit_timeout, where
-            )
+            new_kv, new_tokens = call_edit(fn, tensors, kept_input, context, sid, edit_timeout, dev)
             edited = tensors[CacheKind.KV]
             reference = (edited.shape[1], edited.shape[3], edited.dtype)
             check_edit_tensor(CacheKind.KV, new_kv, new_tokens, reference, chunk, sid)

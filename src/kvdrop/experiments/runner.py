@@ -130,8 +130,7 @@ def run_pipeline(
     """Prefill, optionally modify, then decode ``prompts`` through ``engine``'s post_completion.
 
     ``modify_concurrency`` bounds the edits running at once (None: the batch's default);
-    ``modify_device`` is where they run (``batch.modify(device=)``: a GPU gets the KV by DMA
-    and stores the kept rows back from it; None: the host).
+    ``modify_device`` is where they run (``batch.modify(device=)``; None: the host).
 
     By default decoding continues each stream after the token its prefill sampled (from the full
     cache, as upstream's batched stream does). ``fresh_decode`` decodes instead from the stream's
