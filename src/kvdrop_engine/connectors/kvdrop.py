@@ -51,6 +51,7 @@ from kvdrop_sdk.query_capture import (
     QueryCapture,
     QueryNeed,
 )
+from kvdrop_sdk.transport import cuda_host
 from kvdrop_sdk.window import QueryWindow, TokenScores, store_scores, store_window
 
 __all__ = ["QUERY_CAPTURE_MODES", "ServerConnector", "server_has_transfer_query"]
@@ -138,7 +139,8 @@ class ServerConnector(KVConnector):
         prefixes load straight to a CUDA ``device`` (DMA from the server's shared memory)."""
         if self._kv_ctx is not None:
             raise SDKError("this connector is already bound to an engine; make one per engine")
-        self._load_device = device if device is not None and device.type == "cuda" else None
+        gpu = device is not None and device.type == "cuda" and cuda_host.enabled()
+        self._load_device = device if gpu else None
         self.kv_layout = CacheLayout(
             config.num_layers,
             config.num_kv_heads,

@@ -348,10 +348,15 @@ class ContiguousTransferWrapper:
             nbytes = reply.get("nbytes")
             if nbytes != layout.nbytes(kind, c):
                 raise SDKError(f"server slot size {nbytes} does not match the layout")
+            out = None
             if device is not None and device.type == "cuda" and mapping.dma_ready(offsets, nbytes):
                 slots = [self._slot(mapping, off, nbytes, layout, kind) for off in offsets]
-                out = slots_to_device(slots, device)
-            else:
+                try:
+                    out = slots_to_device(slots, device)
+                except RuntimeError as exc:  # torch's CUDA errors; the host path still works
+                    assert mapping.registration is not None
+                    mapping.registration.give_up(exc)
+            if out is None:
                 out = empty_tensor(
                     layout.shape(kind, len(offsets) * c), layout.dtype, populate=False
                 )

@@ -8,8 +8,8 @@ of registrations small and pin only the part of a lazy pool in use; all are unre
 mapping closes.
 
 Where registration is impossible (no CUDA, a driver that refuses it, a locked-memory limit) the
-caller falls back to its host path, and the reason is logged once per mapping;
-``KVDROP_CUDA_HOST_REGISTER=0`` turns registration off.
+caller falls back to its host path, and the reason is logged once per mapping. Off unless
+``KVDROP_CUDA_HOST_REGISTER=1`` (see :func:`enabled`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,13 @@ log = logging.getLogger(__name__)
 
 #: Bytes page-locked at a time (the last region of a segment may be shorter).
 REGION_BYTES = 1 << 30
+
+
+def enabled() -> bool:
+    """Whether GPU transfers may page-lock shared memory: ``KVDROP_CUDA_HOST_REGISTER=1``. Off by
+    default: on an H200 the registered copy ran at 55 GB/s alone, but inside the engine's
+    concurrent loads the DMA failed with ``cudaErrorInvalidValue`` (docs/engine/benchmarks.md)."""
+    return os.environ.get("KVDROP_CUDA_HOST_REGISTER", "0") == "1"
 
 
 def _cudart_call(name: str, *args: int) -> int:
@@ -56,8 +63,8 @@ class HostRegistration:
         self._lock = threading.Lock()
         #: Why registration failed (None while it works); set once, then every call says no.
         self.failed: str | None = None
-        if os.environ.get("KVDROP_CUDA_HOST_REGISTER", "1") == "0":
-            self.failed = "disabled by KVDROP_CUDA_HOST_REGISTER=0"
+        if register_fn is None and not enabled():
+            self.failed = "off (KVDROP_CUDA_HOST_REGISTER=1 turns it on)"
         elif register_fn is None and not torch.cuda.is_available():
             self.failed = "CUDA is not available"
 
@@ -84,6 +91,14 @@ class HostRegistration:
                     return False
                 self._regions.add(region)
         return True
+
+    def give_up(self, exc: BaseException) -> None:
+        """A DMA through the registered memory failed: every later transfer takes the host path
+        (logged once)."""
+        with self._lock:
+            if self.failed is None:
+                self.failed = f"a DMA failed: {exc}"
+                log.warning("GPU transfers from shared memory go through the host: %s", self.failed)
 
     def close(self) -> None:
         """Unregister every region (before the mapping is closed)."""

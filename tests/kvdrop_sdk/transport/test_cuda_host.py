@@ -68,7 +68,8 @@ def test_a_refused_registration_is_logged_once_and_every_later_call_says_no(
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only default")
-def test_without_cuda_registration_is_refused_up_front() -> None:
+def test_without_cuda_registration_is_refused_up_front(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVDROP_CUDA_HOST_REGISTER", "1")
     reg = HostRegistration(0, REGION_BYTES)
     assert not reg.ensure(0, 10) and reg.failed == "CUDA is not available"
 
@@ -92,9 +93,24 @@ def test_retrieve_to_a_device_returns_the_same_bytes(
         assert torch.equal(out.cpu().view(torch.int16), data[:, :, :512].view(torch.int16))
 
 
-def test_registration_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVDROP_CUDA_HOST_REGISTER", "0")
+def test_registration_is_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVDROP_CUDA_HOST_REGISTER", raising=False)
+    assert not cuda_host.enabled()
+    reg = HostRegistration(0, REGION_BYTES)
+    assert not reg.ensure(0, 10)
+    assert reg.failed == "off (KVDROP_CUDA_HOST_REGISTER=1 turns it on)"
+    monkeypatch.setenv("KVDROP_CUDA_HOST_REGISTER", "1")
+    assert cuda_host.enabled()
+
+
+def test_a_failed_dma_sends_every_later_transfer_through_the_host(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     rec = Recorder()
-    reg = HostRegistration(0, REGION_BYTES, rec.register, rec.unregister)
-    assert not reg.ensure(0, 10) and rec.registered == []
-    assert reg.failed == "disabled by KVDROP_CUDA_HOST_REGISTER=0"
+    reg = HostRegistration(0, 2 * REGION_BYTES, rec.register, rec.unregister)
+    assert reg.ensure(0, 10)
+    with caplog.at_level(logging.WARNING, logger=cuda_host.__name__):
+        reg.give_up(RuntimeError("CUDA error: invalid argument"))
+        reg.give_up(RuntimeError("again"))
+    assert not reg.ensure(0, 10) and "invalid argument" in (reg.failed or "")
+    assert len([r for r in caplog.records if "through the host" in r.getMessage()]) == 1
