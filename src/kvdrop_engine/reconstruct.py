@@ -32,11 +32,14 @@ import torch
 from torch import Tensor
 
 from kvdrop_engine.model import Transformer, causal_attention
+from kvdrop_engine.tokenizer import ChatTurns
+from kvdrop_sdk.validate import check_fields
 
 __all__ = [
     "REPEAT_CONTINUE",
     "REPEAT_FIRST",
     "ReconstructionAttention",
+    "ReconstructionPass",
     "ReconstructionPrompt",
     "reconstruction_scores",
 ]
@@ -75,12 +78,7 @@ class ReconstructionPrompt:
                 raise ValueError(f"ReconstructionPrompt.{name} must be a tuple of token ids >= 0")
         if not self.first:
             raise ValueError("ReconstructionPrompt.first must not be empty")
-        for name, low in (("chunk_tokens", 1), ("overlap", 0), ("n_sink", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(
-                    f"ReconstructionPrompt.{name} must be an int >= {low}, got {value!r}"
-                )
+        check_fields(self, ints={"chunk_tokens": 1, "overlap": 0, "n_sink": 0})
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, **options: Any) -> ReconstructionPrompt:
@@ -94,12 +92,9 @@ class ReconstructionPrompt:
                 return tuple(int(t) for t in tokenizer.encode(text))
 
         suffix = encode("\n")
-        render = getattr(tokenizer, "render_chat", None)
-        if callable(render) and getattr(tokenizer, "chat_template", None):
-            marker = "\x00KVDROP\x00"
-            _, sep, after = render([{"role": "user", "content": marker}]).partition(marker)
-            if sep and after:
-                suffix = encode(after)
+        turn = tokenizer.user_turn() if isinstance(tokenizer, ChatTurns) else None
+        if turn is not None and turn[1]:
+            suffix = tuple(turn[1])
         return cls(encode(REPEAT_FIRST), encode(REPEAT_CONTINUE), suffix, **options)
 
     @classmethod
@@ -125,9 +120,11 @@ class ReconstructionPrompt:
 
 
 class ReconstructionAttention:
-    """The model's attention backend for one reconstruction chunk: reads the cache (never writes
-    it), attends the chunk's ``M`` tokens over ``S`` cached keys and themselves, and records the
-    chunk's scores of cached tokens ``start..end-1`` into ``scores`` ``[L, Hkv, N]``.
+    """The model's attention backend for one piece of a reconstruction chunk: reads the cache
+    (never writes it), attends the piece's ``M`` tokens over ``S`` cached keys, the chunk's
+    earlier pieces (``own``: per layer the K/V of its rows so far, extended here) and
+    themselves, and records the piece's scores of cached tokens ``start..end-1`` into
+    ``scores`` ``[L, Hkv, N]`` (the max with what earlier pieces recorded).
 
     ``keys(layer)``/``values(layer)`` give the cached ``[S, Hkv, d]`` of a layer."""
 
@@ -139,24 +136,30 @@ class ReconstructionAttention:
         start: int,
         end: int,
         n_sink: int,
+        own: dict[int, tuple[Tensor, Tensor]] | None = None,
     ) -> None:
         self.keys, self.values, self.scores = keys, values, scores
         self.start, self.end, self.n_sink = start, end, n_sink
+        self.own = {} if own is None else own
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Attention output ``[M, Hq, d]``; scores of this layer as a side effect."""
         kc, vc = self.keys(layer), self.values(layer)
         cached = kc.shape[0]
-        k_all = torch.cat([kc, k.to(kc.dtype)]).transpose(0, 1)  # [Hkv, S+M, d]
-        v_all = torch.cat([vc, v.to(vc.dtype)]).transpose(0, 1)
-        out = causal_attention(q, k_all, v_all, cached)
+        k, v = k.to(kc.dtype), v.to(vc.dtype)
+        if layer in self.own:
+            prev_k, prev_v = self.own[layer]
+            k, v = torch.cat([prev_k, k]), torch.cat([prev_v, v])
+        self.own[layer] = (k, v)
+        k_all = torch.cat([kc, k]).transpose(0, 1)  # [Hkv, S + rows so far, d]
+        v_all = torch.cat([vc, v]).transpose(0, 1)
+        out = causal_attention(q, k_all, v_all, k_all.shape[1] - q.shape[0])
         sink = min(self.n_sink, self.start)
         scored = torch.cat(
             [k_all[:, :sink], k_all[:, self.start : self.end], k_all[:, cached:]], dim=1
         )
-        self.scores[layer, :, self.start : self.end] = _max_probs(
-            q, scored, sink, self.end - self.start
-        )
+        region = self.scores[layer, :, self.start : self.end]
+        torch.maximum(region, _max_probs(q, scored, sink, self.end - self.start), out=region)
         return out
 
 
@@ -237,7 +240,79 @@ def _max_probs_tiled(q: Tensor, keys: Tensor, sink: int, width: int) -> Tensor:
     return best.exp_()
 
 
-@torch.inference_mode()
+class ReconstructionPass:
+    """KVzip's pass over the ``N = len(context)`` first cached tokens of a sequence with
+    ``num_computed`` tokens in the cache, run in pieces (:meth:`step`) so that the engine can
+    interleave it with other requests' decode steps under its prefill budget.
+
+    A reconstruction chunk's rows split over several pieces attend to the earlier pieces' keys
+    (kept here), so the scores are those of the whole pass at once. ``keys(layer)`` /
+    ``values(layer)`` return that layer's ``[num_computed, Hkv, d]`` cached KV (post-RoPE
+    keys); :attr:`scores` ``[L, Hkv, N]`` (float32, on the model's device) is final once
+    :attr:`done`. The first ``prompt.n_sink`` tokens score 1 (always worth keeping)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        context: Sequence[int],
+        num_computed: int,
+        keys: Callable[[int], Tensor],
+        values: Callable[[int], Tensor],
+        prompt: ReconstructionPrompt,
+    ) -> None:
+        n = len(context)
+        if not 0 < n <= num_computed:
+            raise ValueError(
+                f"context of {n} tokens must be non-empty and within the {num_computed} cached"
+            )
+        cfg = model.config
+        self.model, self.context, self.prompt = model, list(context), prompt
+        self.num_computed = num_computed
+        self._keys = lambda layer: keys(layer)[:num_computed]
+        self._values = lambda layer: values(layer)[:num_computed]
+        self.scores = torch.zeros(
+            cfg.num_layers, cfg.num_kv_heads, n, dtype=torch.float32, device=model.device
+        )
+        self._chunks = prompt.chunks(n)
+        self._chunk = 0  # the chunk in progress
+        self._row = 0  # its rows computed so far
+        self._own: dict[int, tuple[Tensor, Tensor]] = {}
+        self.total_rows = sum(len(prompt.input_ids(self.context, s, e)) for s, e in self._chunks)
+
+    @property
+    def done(self) -> bool:
+        return self._chunk == len(self._chunks)
+
+    def next_rows(self) -> int:
+        """Rows left in the chunk in progress (the most one :meth:`step` computes)."""
+        if self.done:
+            return 0
+        start, end = self._chunks[self._chunk]
+        return len(self.prompt.input_ids(self.context, start, end)) - self._row
+
+    @torch.inference_mode()
+    def step(self, max_rows: int) -> int:
+        """Compute up to ``max_rows`` (>= 1) rows of the chunk in progress; returns how many."""
+        if self.done:
+            return 0
+        start, end = self._chunks[self._chunk]
+        ids = self.prompt.input_ids(self.context, start, end)
+        piece = ids[self._row : self._row + max(1, max_rows)]
+        attn = ReconstructionAttention(
+            self._keys, self._values, self.scores, start, end, self.prompt.n_sink, self._own
+        )
+        first = self.num_computed + self._row
+        positions = torch.arange(first, first + len(piece), dtype=torch.int64)
+        tokens = torch.tensor(piece, dtype=torch.int64)
+        self.model(tokens, positions, attn, logits_rows=torch.tensor([len(piece) - 1]))
+        self._row += len(piece)
+        if self._row == len(ids):
+            self._chunk, self._row, self._own = self._chunk + 1, 0, {}
+            if self.done:
+                self.scores[:, :, : self.prompt.n_sink] = 1.0
+        return len(piece)
+
+
 def reconstruction_scores(
     model: Transformer,
     context: Sequence[int],
@@ -246,32 +321,8 @@ def reconstruction_scores(
     values: Callable[[int], Tensor],
     prompt: ReconstructionPrompt,
 ) -> Tensor:
-    """KVzip scores ``[L, Hkv, N]`` (float32, on the model's device) of the ``N = len(context)``
-    first cached tokens of a sequence with ``num_computed`` tokens in the cache.
-
-    ``keys(layer)``/``values(layer)`` return that layer's ``[num_computed, Hkv, d]`` cached KV
-    (post-RoPE keys). The first ``prompt.n_sink`` tokens score 1 (always worth keeping)."""
-    cfg = model.config
-    n = len(context)
-    if not 0 < n <= num_computed:
-        raise ValueError(
-            f"context of {n} tokens must be non-empty and within the {num_computed} cached"
-        )
-    scores = torch.zeros(
-        cfg.num_layers, cfg.num_kv_heads, n, dtype=torch.float32, device=model.device
-    )
-
-    def k_of(layer: int) -> Tensor:
-        return keys(layer)[:num_computed]
-
-    def v_of(layer: int) -> Tensor:
-        return values(layer)[:num_computed]
-
-    for start, end in prompt.chunks(n):
-        ids = prompt.input_ids(context, start, end)
-        attn = ReconstructionAttention(k_of, v_of, scores, start, end, prompt.n_sink)
-        tokens = torch.tensor(ids, dtype=torch.int64)
-        positions = torch.arange(num_computed, num_computed + len(ids), dtype=torch.int64)
-        model(tokens, positions, attn, logits_rows=torch.tensor([len(ids) - 1]))
-    scores[:, :, : prompt.n_sink] = 1.0
-    return scores
+    """KVzip scores ``[L, Hkv, N]`` of :class:`ReconstructionPass`, the whole pass at once."""
+    run = ReconstructionPass(model, context, num_computed, keys, values, prompt)
+    while not run.done:
+        run.step(run.next_rows())
+    return run.scores

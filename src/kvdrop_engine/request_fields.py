@@ -4,19 +4,36 @@ OpenAI routes (:mod:`kvdrop_engine.completions`) and their helpers."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
 
 from kvdrop_sdk.validate import is_int, is_number, token_ids
 
+#: Most ``stop`` strings, the longest one, and most ``stop_token_ids`` per request.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
 __all__ = [
+    "CHAT_FIELDS",
+    "COMPLETION_FIELDS",
+    "KVDROP_FIELDS",
+    "MAX_STOP_CHARS",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_TOKEN_IDS",
+    "NEUTRAL_FIELDS",
+    "SAMPLING_FIELDS",
     "BadRequestError",
     "check_body",
+    "check_neutral",
     "get_bool",
     "get_float",
     "get_int",
+    "get_stop_strings",
     "get_str",
+    "get_streaming",
     "get_token_ids",
 ]
 
@@ -92,6 +109,134 @@ def get_token_ids(value: Any, vocab_size: int | None, name: str, max_len: int | 
         return token_ids(value, name, vocab_size=vocab_size)
     except (TypeError, ValueError) as exc:
         raise BadRequestError(str(exc), param=name) from None
+
+
+#: Fields both routes read (others are rejected so that a typo does not pass silently).
+SHARED_FIELDS = frozenset(
+    {
+        "model", "max_tokens", "stop", "stream", "stream_options", "logprobs", "n", "best_of",
+        "user", "skip_special_tokens", "include_stop_str_in_output",
+    }
+)  # fmt: skip
+#: Sampling fields, passed to :class:`~kvdrop_engine.sampling.SamplingParams` (the one validator
+#: of their values) under the same names.
+SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "min_tokens", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "logit_bias", "seed", "ignore_eos",
+    "stop_token_ids",
+)  # fmt: skip
+#: kvdrop's own request fields (a per-request drop policy joins them here).
+KVDROP_FIELDS = frozenset({"cache_salt", "return_tokens_as_token_ids"})
+#: OpenAI/vLLM fields accepted at their neutral values only (null always is): what they would
+#: change is not served here, and a client that sends every field at its default must work.
+NEUTRAL_FIELDS: dict[str, tuple[Any, ...]] = {
+    "suffix": ("",),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "truncate_prompt_tokens": (),
+    "allowed_token_ids": (),
+    "bad_words": ((), []),
+    "spaces_between_special_tokens": (True,),
+    "priority": (0,),
+    "request_id": (),
+    "logits_processors": (),
+    "kv_transfer_params": (),
+    "response_format": ({"type": "text"},),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+    "add_special_tokens": (True,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False),
+    "functions": ([],),
+    "function_call": ("none",),
+    "store": (False,),
+    "metadata": ({},),
+    "service_tier": ("auto", "default"),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+    "continue_final_message": (False,),
+    "documents": (),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "mm_processor_kwargs": ({},),
+}
+COMMON_FIELDS = (
+    SHARED_FIELDS | frozenset(SAMPLING_FIELDS) | KVDROP_FIELDS | frozenset(NEUTRAL_FIELDS)
+)
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "prompt_logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "add_generation_prompt",
+    "echo",
+    "prompt_logprobs",
+}
+
+
+def check_neutral(body: dict[str, Any], n: int) -> None:
+    """Fields accepted only at a neutral value (or, for ``best_of``, equal to ``n``)."""
+    best_of = get_int(body, "best_of", minimum=1)
+    if best_of not in (None, n):
+        raise BadRequestError(f"'best_of' must equal 'n' ({n}), got {best_of}", param="best_of")
+    for name, neutral in NEUTRAL_FIELDS.items():
+        value = body.get(name)
+        if value is not None and not any(value == v and type(value) is type(v) for v in neutral):
+            allowed = ", ".join(json.dumps(v) for v in (None, *neutral))
+            raise BadRequestError(
+                f"'{name}' is not supported by this server; send one of {allowed} or leave it out",
+                param=name,
+            )
+    get_str(body, "user")
+
+
+def get_stop_strings(body: Mapping[str, Any], has_tokenizer: bool) -> tuple[str, ...]:
+    """``stop``: a string or a list of strings (capped); text output needs the tokenizer."""
+    stop = body.get("stop")
+    if stop is None or stop == "":
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise BadRequestError(
+            "'stop' must be a string or a list of non-empty strings", param="stop"
+        )
+    if len(items) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in items):
+        raise BadRequestError(
+            f"'stop' allows at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+            "characters each",
+            param="stop",
+        )
+    if items and not has_tokenizer:
+        raise BadRequestError(
+            "'stop' strings need text output and this server has no tokenizer; use "
+            "'stop_token_ids'",
+            param="stop",
+        )
+    return tuple(dict.fromkeys(items))
+
+
+def get_streaming(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    """``stream`` and ``stream_options.include_usage``."""
+    stream = bool(get_bool(body, "stream"))
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise BadRequestError(
+            "'stream_options' must be an object with only 'include_usage'", param="stream_options"
+        )
+    if not stream:
+        raise BadRequestError(
+            "'stream_options' is only allowed with 'stream': true", param="stream_options"
+        )
+    return stream, bool(get_bool(options, "include_usage"))
 
 
 def check_body(body: Any, known: frozenset[str], model_name: str) -> dict[str, Any]:

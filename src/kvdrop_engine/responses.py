@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvdrop_engine.completions import CompletionRequest
+from kvdrop_engine.sampling import PromptScores
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, SpecialTokens, TextTokenizer
 from kvdrop_sdk.adapters.openai import token_id_text
 from kvdrop_sdk.events import TokenEvent
@@ -93,9 +94,13 @@ class Choice:
         )
         self._hold = max((len(s) for s in request.stop), default=1) - 1
         self._pending = ""
+        #: Where the next token's text starts in the choice's text: counted from the tokens'
+        #: own text, so text held back (a stop string may begin in it) shifts no offset.
         self._offset = 0
         self.pieces: list[Piece] = []
         self.text = ""
+        #: The echoed prompt (``echo``): it begins the text, and the first piece carries it.
+        self.prefix = ""
 
     @property
     def count(self) -> int:
@@ -117,16 +122,17 @@ class Choice:
         stopped_by_token = finish == "stop" and not req.include_stop_str
         delta = self._token_text(event, final=finish is not None, drop=stopped_by_token)
         text, stop = self._release(delta, final=finish is not None)
+        if self.prefix and not self.pieces:
+            text = self.prefix + text
         stop_reason: str | int | None = stop
         if stop is not None:
             finish = "stop"
         elif finish == "stop" and event.token_id in req.sampling_params.get("stop_token_ids", ()):
             stop_reason = event.token_id
         token, top = self._logprob_tokens(event)
-        piece = Piece(
-            text, token, self._offset, finish, event.token_id, event.logprob, top, stop_reason
-        )
-        self._offset += len(text)
+        offset = self._offset + (len(self.prefix) if not self.pieces else 0)
+        piece = Piece(text, token, offset, finish, event.token_id, event.logprob, top, stop_reason)
+        self._offset = offset + len(delta)
         self.text += text
         self.pieces.append(piece)
         return piece
@@ -140,7 +146,7 @@ class Choice:
     def _release(self, delta: str, *, final: bool) -> tuple[str, str | None]:
         """Text safe to send now, and the stop string that ended the choice (if one did)."""
         self._pending += delta
-        stops = self.request.stop
+        stops = self.request.stop if self.count + 1 >= self.request.min_tokens else ()
         hits = [(i, s) for s in stops if (i := self._pending.find(s)) >= 0]
         if hits:
             at, stop = min(hits)
@@ -183,10 +189,60 @@ class CompletionBuilder:
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
+    #: Each prompt's scored tokens (``prompt_logprobs`` or ``echo`` with ``logprobs``), set by
+    #: the server before the first chunk; None where nothing was scored.
+    scored: list[PromptScores] | None = None
+
     def __post_init__(self) -> None:
+        req = self.request
         self.choices = [
-            Choice(self.request, i, self.tokenizer, self.detokenize) for i in range(self.request.n)
+            Choice(req, i, self.tokenizer, self.detokenize) for i in range(req.num_choices)
         ]
+        if req.echo and self.tokenizer is not None:
+            for choice in self.choices:
+                text = req.prompt_texts[choice.index // req.n] if req.prompt_texts else None
+                prompt = req.prompt_of(choice.index)
+                choice.prefix = self.tokenizer.decode(prompt) if text is None else text
+
+    def _token_name(self, token_id: int) -> str:
+        if self.request.tokens_as_token_ids:
+            return token_id_text(token_id)
+        return "" if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def _prompt_logprobs(self, index: int) -> list[dict[str, Any] | None] | None:
+        """vLLM's ``prompt_logprobs`` of choice ``index``'s prompt: None for the first token,
+        then ``{token id: {"logprob", "rank", "decoded_token"}}`` (the prompt's token first)."""
+        if self.scored is None or self.request.prompt_logprobs is None:
+            return None
+        scores = self.scored[index // self.request.n]
+        top = self.request.prompt_logprobs
+        out: list[dict[str, Any] | None] = [None]
+        for token, (logprob, rank), alts in scores:
+            entry = {str(token): _ranked(logprob, rank, self._token_name(token))}
+            for r, (alt, lp) in enumerate(alts[:top], start=1):
+                entry.setdefault(str(alt), _ranked(lp, r, self._token_name(alt)))
+            out.append(entry)
+        return out
+
+    def _echo_logprobs(self, choice: Choice) -> dict[str, Any]:
+        """The echoed prompt's part of completions ``logprobs`` (first token: no logprob)."""
+        prompt = self.request.prompt_of(choice.index)
+        assert self.scored is not None
+        scores = self.scored[choice.index // self.request.n]
+        names = [self._token_name(t) for t in prompt]
+        offsets = [sum(len(x) for x in names[:i]) for i in range(len(names))]
+        top = self.request.logprobs or 0
+        logprobs: list[float | None] = [None] + [lp for _, (lp, _), _ in scores]
+        tops: list[dict[str, float | None] | None] = [None] + [
+            {names[i + 1]: lp, **{self._token_name(a): v for a, v in alts[:top]}}
+            for i, (_, (lp, _), alts) in enumerate(scores)
+        ]
+        return {
+            "text_offset": offsets,
+            "token_logprobs": logprobs,
+            "tokens": names,
+            "top_logprobs": tops,
+        }
 
     @property
     def count(self) -> int:
@@ -228,19 +284,29 @@ class CompletionBuilder:
         self, piece: Piece | None = None, *, finish: str | None = None, index: int = 0
     ) -> dict[str, Any]:
         """One streamed chunk of choice ``index``: ``piece``'s text and logprobs, or an empty
-        one ending with ``finish`` (an engine that stopped without a reason)."""
-        choice = {
+        one ending with ``finish`` (an engine that stopped without a reason). A choice's first
+        chunk carries what concerns its prompt, as vLLM's: ``prompt_logprobs``, and with
+        ``echo`` the prompt's logprobs before the token's."""
+        logprobs = None if piece is None else self._logprobs([piece])
+        pieces = self.choices[index].pieces
+        first = piece is not None and bool(pieces) and pieces[0] is piece
+        choice: dict[str, Any] = {
             "index": index,
             "text": "" if piece is None else piece.text,
-            "logprobs": None if piece is None else self._logprobs([piece]),
+            "logprobs": logprobs,
             "finish_reason": finish if piece is None else piece.finish,
             "stop_reason": None if piece is None else piece.stop_reason,
         }
+        if first and logprobs is not None and self.request.echo and self.scored is not None:
+            echoed = self._echo_logprobs(self.choices[index])
+            choice["logprobs"] = {k: echoed[k] + logprobs[k] for k in logprobs}
+        if first and self.request.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(index)
         return {**self._head("text_completion"), "choices": [choice]}
 
     def usage(self) -> dict[str, int]:
-        """Prompt, completion (all choices) and total token counts."""
-        n_prompt = len(self.request.prompt_token_ids)
+        """Prompt (each prompt once), completion (all choices) and total token counts."""
+        n_prompt = sum(len(p) for p in self.request.prompts)
         return {
             "prompt_tokens": n_prompt,
             "completion_tokens": self.count,
@@ -253,18 +319,29 @@ class CompletionBuilder:
 
     def _choice_body(self, choice: Choice) -> dict[str, Any]:
         last = choice.pieces[-1] if choice.pieces else None
-        return {
+        logprobs = self._logprobs(choice.pieces)
+        if logprobs is not None and self.request.echo and self.scored is not None:
+            echoed = self._echo_logprobs(choice)
+            logprobs = {k: echoed[k] + logprobs[k] for k in logprobs}
+        body = {
             "index": choice.index,
             "text": choice.text,
-            "logprobs": self._logprobs(choice.pieces),
+            "logprobs": logprobs,
             "finish_reason": choice.finish or "stop",
             "stop_reason": None if last is None else last.stop_reason,
         }
+        if self.request.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(choice.index)
+        return body
 
     def body(self) -> dict[str, Any]:
         """The non-streaming response (finish reason "stop" when the engine gave none)."""
         choices = [self._choice_body(c) for c in self.choices]
         return {**self._head("text_completion"), "choices": choices, "usage": self.usage()}
+
+
+def _ranked(logprob: float, rank: int, decoded: str) -> dict[str, Any]:
+    return {"logprob": logprob, "rank": rank, "decoded_token": decoded}
 
 
 def _top_dict(piece: Piece) -> dict[str, float | None]:
@@ -342,6 +419,9 @@ class ChatCompletionBuilder(CompletionBuilder):
 
     def body(self) -> dict[str, Any]:
         """The non-streaming ``chat.completion`` (finish reason "stop" when the engine gave
-        none)."""
+        none; ``prompt_logprobs`` beside the choices, as in vLLM)."""
         choices = [self._choice_body(c) for c in self.choices]
-        return {**self._head("chat.completion"), "choices": choices, "usage": self.usage()}
+        body = {**self._head("chat.completion"), "choices": choices, "usage": self.usage()}
+        if self.request.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(0)
+        return body

@@ -9,7 +9,8 @@ decode CUDA graphs (:func:`~kvdrop_engine.graphs.accelerate`), and every pass th
 * :meth:`ModelRunner.read_kv` -- a request's KV in the server layout, for the stores;
 * :meth:`ModelRunner.window_records` -- the finished requests' query windows, each with its
   attention log-normalisers read from its own keys (one synchronisation for all);
-* :meth:`ModelRunner.reconstruct` -- KVzip's reconstruction pass over a request's prompt.
+* :meth:`ModelRunner.reconstruct_piece` -- a bounded piece of KVzip's reconstruction pass over a
+  request's prompt (:meth:`ModelRunner.reconstruction_pass`).
 
 A forward changes no request state, so the engine can retry a failed one with fewer requests.
 Results leave the device here (through page-locked memory): the stores run on other threads,
@@ -28,7 +29,7 @@ from kvdrop_engine.capture import WindowCapture, log_normalisers
 from kvdrop_engine.graphs import DecodeGraphs, accelerate
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.paged import PagedAttention, PagedKVCache, to_host, to_host_all
-from kvdrop_engine.reconstruct import ReconstructionPrompt, reconstruction_scores
+from kvdrop_engine.reconstruct import ReconstructionPass, ReconstructionPrompt
 from kvdrop_engine.scheduler import StepPlan
 
 __all__ = ["Forward", "ModelRunner", "WindowRecord"]
@@ -161,17 +162,18 @@ class ModelRunner:
             )
         return positions, queries, lse
 
-    def reconstruct(
+    def reconstruction_pass(
         self,
         prompt: Sequence[int],
         blocks: Sequence[int],
         num_computed: int,
         reconstruction: ReconstructionPrompt,
-    ) -> Tensor:
-        """KVzip's scores ``[L, Hkv, N]`` (host, float32) of a request's ``N``-token ``prompt``
-        over its own ``num_computed`` cached tokens (:mod:`kvdrop_engine.reconstruct`)."""
+    ) -> ReconstructionPass:
+        """KVzip's pass over a request's ``N``-token ``prompt``, reading its own
+        ``num_computed`` cached tokens (:mod:`kvdrop_engine.reconstruct`); run it with
+        :meth:`reconstruct_piece` (the request's blocks must stay its own until it is done)."""
         cache = self.cache
-        scores = reconstruction_scores(
+        return ReconstructionPass(
             self.model,
             prompt,
             num_computed,
@@ -179,4 +181,9 @@ class ModelRunner:
             lambda layer: cache.values(blocks, layer, num_computed),
             reconstruction,
         )
-        return to_host(scores)
+
+    def reconstruct_piece(self, run: ReconstructionPass, rows: int) -> Tensor | None:
+        """Compute up to ``rows`` rows of ``run``; its scores ``[L, Hkv, N]`` (host, float32)
+        once it is done, else None."""
+        run.step(rows)
+        return to_host(run.scores) if run.done else None

@@ -8,6 +8,7 @@ engine; :func:`sample` then picks one token per row of a step's logits (greedy r
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -20,14 +21,19 @@ from kvdrop_engine.errors import InvalidRequestError
 from kvdrop_sdk.validate import is_int, is_number
 
 __all__ = [
+    "BOUNDS",
     "GREEDY_BELOW",
     "MAX_LOGPROBS",
     "MIN_TEMPERATURE",
+    "Bound",
+    "PromptScores",
+    "SamplingParamError",
     "SamplingParams",
     "TokenLogprobs",
     "finish_reason",
     "make_generator",
     "pick_tokens",
+    "prompt_scores",
     "sample",
     "sample_row",
     "token_logprobs",
@@ -45,9 +51,112 @@ _TOLERATED_KEYS = frozenset({"stream", "model", "user", "echo", "n"})
 MIN_TEMPERATURE = 1e-2
 #: Most alternatives per token a request may ask for (vLLM's default ``max_logprobs``).
 MAX_LOGPROBS = 20
+#: Largest ``logit_bias`` magnitude (OpenAI's range) and most biased tokens per request.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 #: One token's log-probability and its ``top`` alternatives as ``(token_id, logprob)``.
 TokenLogprobs = tuple[float, tuple[tuple[int, float], ...]]
+#: A prompt's tokens after the first, each as ``(token_id, (logprob, rank), alternatives)``
+#: (rank 1: the most likely token), what vLLM's ``prompt_logprobs`` lists.
+PromptScores = list[tuple[int, tuple[float, int], tuple[tuple[int, float], ...]]]
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One sampling value's rule: its kind (``int``, ``number``, ``bool``, ``ids``: token ids,
+    ``bias``: token id -> number), its range, and whether None is allowed."""
+
+    kind: str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    optional: bool = False
+
+    @property
+    def expected(self) -> str:
+        """What a valid value looks like, in words."""
+        base = {
+            "int": "an int",
+            "number": "a finite number",
+            "bool": "true or false",
+            "ids": "a list of token ids (ints >= 0)",
+            "bias": f"an object of token id -> number in [-{MAX_LOGIT_BIAS:g}, "
+            f"{MAX_LOGIT_BIAS:g}], at most {MAX_LOGIT_BIAS_TOKENS} entries",
+        }[self.kind]
+        low, high = self._shown(self.low), self._shown(self.high)
+        if low is not None and high is not None:
+            base += f" in {'(' if self.low_open else '['}{low}, {high}]"
+        elif low is not None:
+            base += f" {'>' if self.low_open else '>='} {low}"
+        return base + (" or null" if self.optional else "")
+
+    def _shown(self, limit: float | None) -> str | None:
+        if limit is None:
+            return None
+        return str(int(limit)) if self.kind == "int" else f"{limit:g}"
+
+    def accepts(self, value: Any) -> bool:
+        """Whether ``value`` follows this rule."""
+        if value is None:
+            return self.optional
+        if self.kind == "bool":
+            return isinstance(value, bool)
+        if self.kind == "ids":
+            return isinstance(value, tuple) and all(is_int(t) and t >= 0 for t in value)
+        if self.kind == "bias":
+            return (
+                isinstance(value, tuple)
+                and len(value) <= MAX_LOGIT_BIAS_TOKENS
+                and all(_bias_entry(e) for e in value)
+            )
+        ok = is_int(value) if self.kind == "int" else is_number(value) and math.isfinite(value)
+        if not ok:
+            return False
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            return False
+        return self.high is None or value <= self.high
+
+
+def _bias_entry(entry: Any) -> bool:
+    return (
+        isinstance(entry, tuple)
+        and len(entry) == 2
+        and is_int(entry[0])
+        and entry[0] >= 0
+        and is_number(entry[1])
+        and abs(entry[1]) <= MAX_LOGIT_BIAS
+    )
+
+
+#: The one table of sampling rules: every layer (the engine's ``submit``, the OpenAI server)
+#: validates through ``SamplingParams`` and so through this table.
+BOUNDS: dict[str, Bound] = {
+    "max_tokens": Bound("int", 1),
+    "min_tokens": Bound("int", 0),
+    "temperature": Bound("number", 0),
+    "top_p": Bound("number", 0, 1, low_open=True),
+    "top_k": Bound("int", -1),
+    "min_p": Bound("number", 0, 1),
+    "presence_penalty": Bound("number", -2, 2),
+    "frequency_penalty": Bound("number", -2, 2),
+    "repetition_penalty": Bound("number", 0, low_open=True),
+    "logit_bias": Bound("bias"),
+    "seed": Bound("int", -(2**63), 2**64 - 1, optional=True),
+    "ignore_eos": Bound("bool"),
+    "stop_token_ids": Bound("ids"),
+    "logprobs": Bound("int", 0, MAX_LOGPROBS, optional=True),
+    "reconstruct": Bound("bool"),
+}
+
+
+class SamplingParamError(InvalidRequestError):
+    """One sampling value breaks its rule in :data:`BOUNDS`; ``field`` names it."""
+
+    def __init__(self, field_name: str, value: Any) -> None:
+        shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:77]}..."
+        super().__init__(f"'{field_name}' must be {BOUNDS[field_name].expected}, got {shown}")
+        self.field = field_name
 
 
 @dataclass(frozen=True)
@@ -55,12 +164,20 @@ class SamplingParams:
     """How to pick tokens. ``temperature <= GREEDY_BELOW`` (0 included) is greedy; ``top_k <= 0``
     and ``top_p == 1`` are off. ``stop_set`` holds ``stop_token_ids`` for O(1) checks.
     ``logprobs`` (None: none) asks for each sampled token's log-probability and that many top
-    alternatives."""
+    alternatives. The penalties, ``min_p``, ``min_tokens`` and ``logit_bias`` (``(token_id,
+    bias)`` pairs) mean what they mean in vLLM; at their neutral values they cost nothing.
+    Every value follows its rule in :data:`BOUNDS`."""
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
@@ -82,9 +199,21 @@ class SamplingParams:
         """Whether tokens are picked by argmax (temperature 0 or tiny)."""
         return self.temperature <= GREEDY_BELOW
 
+    @property
+    def edits_logits(self) -> bool:
+        """Whether the logits change before sampling (penalties, bias, ``min_tokens``)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
+
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | SamplingParams | None) -> SamplingParams:
-        """Validate an OpenAI/vLLM-style dict; unknown keys and bad values raise with the reason."""
+        """Validate an OpenAI/vLLM-style dict; unknown keys and bad values raise with the reason
+        (:class:`SamplingParamError` naming the field)."""
         if params is None:
             return cls()
         if isinstance(params, SamplingParams):
@@ -102,37 +231,49 @@ class SamplingParams:
         if params.get("n", 1) != 1:
             raise InvalidRequestError("only n=1 is supported")
         kw = {k: params[k] for k in known if k in params and params[k] is not None}
-        if "stop_token_ids" in kw:
+        if isinstance(kw.get("stop_token_ids"), (list, tuple)):
             kw["stop_token_ids"] = tuple(kw["stop_token_ids"])
+        if "logit_bias" in kw:
+            kw["logit_bias"] = _bias_pairs(kw["logit_bias"])
         sp = cls(**kw)
         sp._check()
         return sp
 
     def _check(self) -> None:
-        def bad(name: str, expected: str) -> InvalidRequestError:
-            value = getattr(self, name)
-            return InvalidRequestError(f"sampling parameter {name}={value!r}; expected {expected}")
+        for name, bound in BOUNDS.items():
+            if not bound.accepts(getattr(self, name)):
+                raise SamplingParamError(name, getattr(self, name))
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"'min_tokens' ({self.min_tokens}) must be at most 'max_tokens' ({self.max_tokens})"
+            )
 
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise bad("max_tokens", "an int >= 1")
-        if not isinstance(self.reconstruct, bool):
-            raise bad("reconstruct", "a bool")
-        if not is_number(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "a number >= 0")
-        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise bad("top_p", "a number in (0, 1]")
-        if not is_int(self.top_k):
-            raise bad("top_k", "an int (<= 0 disables)")
-        if self.seed is not None and not is_int(self.seed):
-            raise bad("seed", "an int or None")
-        if not isinstance(self.ignore_eos, bool):
-            raise bad("ignore_eos", "a bool")
-        if not all(is_int(t) for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "a list of ints")
-        if self.logprobs is not None and (
-            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise bad("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse ``logit_bias`` token ids outside ``[0, vocab_size)``."""
+        bad = [t for t, _ in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"'logit_bias' names token id {bad[0]}, outside the vocabulary [0, {vocab_size})"
+            )
+
+
+def _bias_pairs(value: Any) -> Any:
+    """``logit_bias`` as sorted ``(token_id, bias)`` pairs (a mapping's string keys such as
+    OpenAI's ``{"50256": -100}`` read as ints); anything else is returned for the rule to
+    refuse."""
+    if isinstance(value, tuple):
+        return value
+    if not isinstance(value, Mapping):
+        return value
+    pairs = []
+    for key, bias in value.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 19:
+            key = int(key)
+        pairs.append((key, bias))
+    try:
+        return tuple(sorted(pairs))
+    except TypeError:
+        return tuple(pairs)
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -145,8 +286,12 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
 
 
 def sample_row(row: Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from one row of logits with temperature, top-k and top-p (non-greedy)."""
+    """One token from one row of logits with temperature, ``min_p``, top-k and top-p
+    (non-greedy; vLLM's order)."""
     row = row.float().cpu() / params.temperature
+    if params.min_p > 0:
+        probs = torch.softmax(row, dim=-1)
+        row = row.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if 0 < params.top_k < row.numel():
         kth = torch.topk(row, params.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
@@ -179,10 +324,13 @@ def sample(
     ]
 
 
-def pick_tokens(logits: Tensor, greedy: Tensor | None = None) -> list[int | None]:
+def pick_tokens(
+    logits: Tensor, greedy: Tensor | None = None, *, raw: Tensor | None = None
+) -> list[int | None]:
     """Each row's argmax (``greedy [R]`` when the caller has it on the device), or None for a
-    row whose logits are not all finite; one host sync for both."""
-    finite = torch.isfinite(logits).all(dim=-1)
+    row whose model logits (``raw``, before bans set some to -inf; default ``logits``) are not
+    all finite; one host sync for both."""
+    finite = torch.isfinite(logits if raw is None else raw).all(dim=-1)
     picked = logits.argmax(dim=-1) if greedy is None else greedy
     rows = torch.where(finite, picked, torch.full_like(picked, -1)).tolist()
     return [None if t < 0 else int(t) for t in rows]
@@ -219,3 +367,21 @@ def finish_reason(
     if num_generated >= params.max_tokens:
         return "length"
     return None
+
+
+def prompt_scores(logprobs: Tensor, tokens: Sequence[int], top: int) -> PromptScores:
+    """Each of ``tokens`` (a prompt after its first token) with its log-probability, rank and
+    ``top`` alternatives, from ``logprobs [len(tokens), V]`` (row ``i`` predicts ``tokens[i]``):
+    one ``gather``, one comparison and one ``topk`` for the whole prompt."""
+    if len(tokens) != logprobs.shape[0]:
+        raise ValueError(f"{len(tokens)} tokens for {logprobs.shape[0]} rows of logprobs")
+    logp = logprobs.float()
+    index = torch.tensor(list(tokens), dtype=torch.long, device=logp.device)[:, None]
+    chosen = logp.gather(1, index)
+    ranks = ((logp > chosen).sum(dim=-1) + 1).cpu().tolist()
+    top_lp, top_ids = (t.cpu().tolist() for t in torch.topk(logp, top, dim=-1)) if top else ([], [])
+    out: PromptScores = []
+    for i, (tok, lp) in enumerate(zip(tokens, chosen[:, 0].cpu().tolist(), strict=True)):
+        alts = tuple(zip(top_ids[i], top_lp[i], strict=True)) if top else ()
+        out.append((int(tok), (float(lp), int(ranks[i])), alts))
+    return out

@@ -4,10 +4,13 @@ On admission :func:`plan_prefix` decides what a request loads from the cache ser
 stores after prefill (:func:`plan_recompute` when the server cannot be asked), for the engine's
 query capture; :func:`follow` applies that decision to the request.
 
-Admission reserves blocks for the whole request (prompt + ``max_tokens``) up front, so a running
-request never waits for memory and nothing is ever preempted; a request that waits for blocks
-keeps its place in line (FIFO, no starvation). :func:`plan_step` puts every admitted request in
-one step: decodes first (one token each), then prompt chunks up to ``max_prefill_tokens``.
+Admission takes the blocks of a request's prompt; each decode step grows it by the block its
+next token needs (:meth:`Scheduler.grow`), and when the budget runs out the newest running
+request is preempted and later recomputed (vLLM's recompute), so one request whose
+``max_tokens`` is the whole budget does not make every other wait until it ends. A request that
+waits for blocks keeps its place in line (FIFO, no starvation); a preempted one goes first.
+:func:`plan_step` puts every admitted request in one step: decodes first (one token each), then
+prompt chunks up to ``max_prefill_tokens``.
 
 The :class:`Scheduler` is not thread-safe by itself: the engine calls it under its condition.
 """
@@ -168,7 +171,8 @@ class StepPlan:
 
     ``stepped`` pairs each request with the tokens it computes in this step; ``sampled`` lists the
     requests whose next token comes from ``sample_rows`` (in order); ``scored`` pairs each scoring
-    request with how many of ``score_rows`` (in order) are its own.
+    request with how many of ``score_rows`` (in order) are its own; ``pieces`` pairs each
+    request in kvzip's reconstruction pass with the rows of it this step computes.
     """
 
     seqs: list[SeqStep] = field(default_factory=list)
@@ -179,16 +183,18 @@ class StepPlan:
     stepped: list[tuple[Request, int]] = field(default_factory=list)
     score_rows: list[int] = field(default_factory=list)
     scored: list[tuple[Request, int]] = field(default_factory=list)
+    pieces: list[tuple[Request, int]] = field(default_factory=list)
     num_prefill: int = 0
     num_decode: int = 0
 
 
 def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
     """Decodes first (one token each, so they never wait behind prefill chunks), then prompt
-    chunks in batch order until ``max_prefill_tokens`` prompt tokens are planned."""
+    chunks and pieces of reconstruction passes in batch order until ``max_prefill_tokens``
+    tokens are planned (so a long kvzip pass never holds the decodes up)."""
     plan = StepPlan()
     for req in batch:
-        if req.prefilling:
+        if req.prefilling or req.reconstruction is not None:
             continue
         plan.seqs.append(SeqStep(req.rid, req.blocks, req.num_computed, 1))
         plan.tokens.append(req.output[-1])
@@ -199,13 +205,20 @@ def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
         plan.num_decode += 1
     budget = max_prefill_tokens
     for req in batch:
-        if not req.prefilling or budget <= 0:
+        if budget <= 0:
+            break
+        if req.reconstruction is not None:  # a piece of kvzip's pass, under the same budget
+            n = min(req.reconstruction.next_rows(), budget)
+            budget -= n
+            plan.pieces.append((req, n))
             continue
-        start = req.num_computed
-        n = min(len(req.prompt) - start, budget)
+        if not req.prefilling:
+            continue
+        start, known = req.num_computed, req.prefill_tokens
+        n = min(len(known) - start, budget)
         budget -= n
         plan.seqs.append(SeqStep(req.rid, req.blocks, start, n))
-        plan.tokens.extend(req.prompt[start : start + n])
+        plan.tokens.extend(known[start : start + n])
         plan.positions.extend(range(start, start + n))
         if req.scoring:
             first = max(start, req.score_from)  # rows of positions first..start+n-1
@@ -213,7 +226,7 @@ def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
                 end = len(plan.tokens)
                 plan.score_rows.extend(range(end - (start + n - first), end))
                 plan.scored.append((req, start + n - first))
-        elif start + n == len(req.prompt):
+        elif start + n == len(req.prompt) and not req.output:
             plan.sample_rows.append(len(plan.tokens) - 1)
             plan.sampled.append(req)
         plan.stepped.append((req, n))
@@ -244,7 +257,7 @@ class Scheduler:
         self.running: dict[int, Request] = {}
 
     def blocks_for(self, num_prompt_tokens: int, max_tokens: int) -> int:
-        """Blocks a request reserves: room for the prompt and every generated token but the last."""
+        """The most blocks a request holds: its prompt and every generated token but the last."""
         return blocks_needed(num_prompt_tokens + max_tokens - 1, self.block_size)
 
     def check_fits(self, req: Request) -> None:
@@ -259,9 +272,13 @@ class Scheduler:
                 "shorten the prompt, lower max_tokens, or give the engine a larger budget"
             )
 
+    def _admission_blocks(self, req: Request) -> int:
+        """Blocks a request takes on admission: room for what it computes before its first
+        sample (its prompt; after a preemption, everything it had); decodes grow it later."""
+        return blocks_needed(len(req.prefill_tokens), self.block_size)
+
     def _head_fits(self) -> bool:
-        head = self.waiting[0]
-        return self.blocks_for(len(head.prompt), head.params.max_tokens) <= self.allocator.num_free
+        return self._admission_blocks(self.waiting[0]) <= self.allocator.num_free
 
     def admit(self) -> list[Request]:
         """Move waiting requests to running, in order, while the head's blocks are free."""
@@ -270,12 +287,55 @@ class Scheduler:
             if not self._head_fits():
                 break  # FIFO: the head waits for blocks; later requests do not overtake it
             req = self.waiting.popleft()
-            req.blocks = self.allocator.allocate(
-                self.blocks_for(len(req.prompt), req.params.max_tokens)
-            )
+            req.blocks = self.allocator.allocate(self._admission_blocks(req))
             self.running[req.rid] = req
             admitted.append(req)
         return admitted
+
+    def grow(self) -> list[tuple[Request, int]]:
+        """Give each decoding request (oldest first) the block its next token needs; when none
+        is free, preempt the newest running request (vLLM's recompute: its blocks come back, it
+        goes first in the waiting line, and is recomputed when admitted again). Returns the
+        preempted requests with the tokens each had computed. A request whose load or
+        reconstruction pass runs is not preempted (its blocks are being read or written)."""
+        preempted: list[tuple[Request, int]] = []
+        for req in list(self.running.values()):
+            if req.rid not in self.running or not self._decoding(req):
+                continue
+            need = blocks_needed(req.num_computed + 1, self.block_size) - len(req.blocks)
+            while need > self.allocator.num_free:
+                victim = self._victim()
+                preempted.append((victim, victim.num_computed))
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                if need > 0:
+                    req.blocks = req.blocks + self.allocator.allocate(need)
+        return preempted
+
+    @staticmethod
+    def _decoding(req: Request) -> bool:
+        return (
+            not req.cancelled
+            and req.loading is None
+            and req.reconstruction is None
+            and not req.prefilling
+            and bool(req.output)
+        )
+
+    def _victim(self) -> Request:
+        """The newest running request that may be preempted (a decoding one always may)."""
+        for req in reversed(self.running.values()):
+            if req.loading is None and req.reconstruction is None and not req.cancelled:
+                return req
+        raise AssertionError("a decoding request is always preemptible")
+
+    def _preempt(self, req: Request) -> None:
+        self.running.pop(req.rid)
+        self.free(req)
+        req.preempt()
+        self.waiting.appendleft(req)
 
     def drop_cancelled(self) -> None:
         """Free cancelled requests -- except one whose prefix a load thread is copying into its
@@ -287,6 +347,7 @@ class Scheduler:
                     if req.load_state in (LoadState.COPY, LoadState.COPIED):
                         continue
                     req.load_state = LoadState.ABANDONED
+                req.loading.cancel()  # a load still queued never asks the server
             self.free(self.running.pop(rid))
         if any(r.cancelled for r in self.waiting):
             self.waiting = deque(r for r in self.waiting if not r.cancelled)

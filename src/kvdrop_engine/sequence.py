@@ -8,22 +8,24 @@ from __future__ import annotations
 
 import enum
 import queue
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
 
 from kvdrop_engine.capture import WindowCapture
-from kvdrop_engine.errors import InvalidRequestError
+from kvdrop_engine.errors import EngineError, InvalidRequestError
+from kvdrop_engine.reconstruct import ReconstructionPass
 from kvdrop_engine.sampling import SamplingParams, make_generator
 from kvdrop_engine.tokenizer import IncrementalDetokenizer
-from kvdrop_sdk.protocol import MAX_SALT_CHARS
+from kvdrop_sdk.events import TokenEvent
+from kvdrop_sdk.protocol import check_salt
 from kvdrop_sdk.validate import token_ids
 
-__all__ = ["LoadState", "Request", "new_request"]
+__all__ = ["LoadState", "Request", "TokenStream", "new_request", "raise_failure"]
 
 
 class LoadState(enum.Enum):
@@ -66,11 +68,35 @@ class Request:
     #: positions ``score_from..`` of its prompt; -1 for a request that generates.
     score_from: int = -1
     score_parts: list[Tensor] = field(default_factory=list)
+    #: KVzip's pass over the prompt, run in pieces after the last token; that token's event is
+    #: ``held`` until the pass ends (its scores are stored before the caller sees the end).
+    reconstruction: ReconstructionPass | None = None
+    held: TokenEvent | None = None
+
+    #: Preempted (its blocks taken back) and waiting to recompute what it had computed.
+    preempted: bool = False
+
+    @property
+    def prefill_tokens(self) -> list[int]:
+        """The tokens computed as a prefill: the prompt, and after a preemption every generated
+        token but the last too (the last is fed by the next decode step)."""
+        return self.prompt + self.output[:-1]
 
     @property
     def prefilling(self) -> bool:
-        """Whether prompt tokens are still to be computed."""
-        return self.num_computed < len(self.prompt)
+        """Whether prompt tokens (or, after a preemption, generated ones) are to be computed."""
+        return self.num_computed < len(self.prompt) + max(0, len(self.output) - 1)
+
+    def preempt(self) -> None:
+        """Forget what is computed (its blocks are taken back): it is recomputed from token 0,
+        its query capture restarted so that it keeps the same rows (vLLM's recompute)."""
+        self.num_computed, self.preempted = 0, True
+        self.query_parts, self.query_offset, self.score_parts = [], 0, []
+        if self.output:
+            self.capture_queries = False  # the prompt's chunk queries were stored already
+        if self.window is not None:
+            w = self.window
+            self.window = WindowCapture(w.num_prompt, w.window, w.stride)
 
     @property
     def scoring(self) -> bool:
@@ -133,9 +159,75 @@ def new_request(
         raise InvalidRequestError(str(exc)) from None
     if not prompt:
         raise InvalidRequestError("prompt_token_ids is empty; expected at least one token")
-    if not isinstance(cache_salt, str) or len(cache_salt) > MAX_SALT_CHARS:
-        got = f"{len(cache_salt)} characters" if isinstance(cache_salt, str) else cache_salt
-        raise InvalidRequestError(
-            f"cache_salt must be a str of at most {MAX_SALT_CHARS} characters, got {got!r}"
-        )
+    try:
+        check_salt(cache_salt)
+        params.check_vocab(vocab_size)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(str(exc)) from None
     return Request(rid, prompt, params, cache_salt, queue.Queue(), make_generator(params), detok)
+
+
+def raise_failure(item: BaseException) -> NoReturn:
+    """Raise a request's failure as the ``EngineError`` its caller expects."""
+    if isinstance(item, EngineError):
+        raise item
+    raise EngineError(f"request failed: {item!r}") from item
+
+
+#: Put on a request's queue by :meth:`TokenStream.close`: wakes a reader blocked on it.
+_CLOSED = object()
+
+
+class TokenStream(Iterator[TokenEvent]):
+    """A request's ``TokenEvent``s as the engine produces them.
+
+    Closing it -- :meth:`close`, from any thread (also while another thread waits in
+    ``next()``), or dropping the last reference -- cancels the request at once, whether or not a
+    token was read: the loop frees its blocks and abandons its pending load on its next turn (at
+    most the step in flight still computes it). ``wake`` tells the loop; ``before_event`` runs
+    before each event is handed over (the engine waits there for the request's stores).
+    """
+
+    def __init__(
+        self,
+        req: Request,
+        wake: Callable[[], None],
+        before_event: Callable[[Request], None] | None = None,
+    ) -> None:
+        self.req = req
+        self._wake = wake
+        self._before_event = before_event
+        self._ended = False  # the last event was handed over, a failure raised, or closed
+
+    def __iter__(self) -> TokenStream:
+        return self
+
+    def __next__(self) -> TokenEvent:
+        if self._ended:
+            raise StopIteration
+        item = self.req.out.get()
+        if item is _CLOSED:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._ended = True
+            raise_failure(item)
+        if self._before_event is not None:
+            self._before_event(self.req)  # started before this token was queued
+        if item.finish_reason is not None:
+            self._ended = True
+        return item
+
+    def close(self) -> None:
+        """Cancel the request unless it ended (idempotent, thread-safe)."""
+        if self._ended:
+            return
+        self._ended = True
+        self.req.cancelled = True
+        self.req.out.put(_CLOSED)
+        self._wake()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing left to tell
+            pass

@@ -24,6 +24,10 @@ class EngineStats:
     peak_running: int = 0
     peak_blocks_used: int = 0
     peak_waiting: int = 0
+    #: Running requests whose blocks were taken back (the budget ran out) to be recomputed, and
+    #: the tokens they had computed (computed again, counted in ``prefill_tokens_computed``).
+    preemptions: int = 0
+    recomputed_tokens: int = 0
     #: Steps that only decoded (no prompt chunk), their wall time on the loop thread (plan, launch,
     #: wait for the tokens; capturing a new CUDA graph is counted apart, in
     #: ``graph_capture_seconds``) and the cached tokens their attention read.

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
+    "ChatTurns",
     "IncrementalDetokenizer",
     "JSONTokenizer",
     "SpecialTokens",
@@ -24,6 +25,7 @@ __all__ = [
     "TokenDecoder",
     "Tokenizer",
     "TokenizerError",
+    "user_turn",
 ]
 
 # llama.cpp token types (tokenizer.ggml.token_type).
@@ -140,9 +142,36 @@ class JSONTokenizer:
             self.bos_token = _token_text(config.get("bos_token"))
             self.eos_token = _token_text(config.get("eos_token"))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``."""
-        return list(self._tk.encode(text).ids)
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of ``text``: by default as the file's post-processor makes them; with
+        ``add_bos`` False no special token is added, with True the config's BOS leads."""
+        if add_bos is None:
+            return list(self._tk.encode(text).ids)
+        ids = list(self._tk.encode(text, add_special_tokens=False).ids)
+        bos = None if self.bos_token is None else self._tk.token_to_id(self.bos_token)
+        return [bos, *ids] if add_bos and bos is not None else ids
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        """The chat template rendered to text (as transformers renders it)."""
+        return _render_chat(
+            self.chat_template,
+            f"{self.name}: no chat_template in tokenizer_config.json",
+            messages,
+            add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
+
+    def user_turn(self) -> tuple[list[int], list[int]] | None:
+        """Token ids before and after a user message's text in the chat template (the
+        assistant turn opened), or None without a template."""
+        return user_turn(self)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``token_ids`` (special tokens kept unless ``skip_special_tokens``)."""
@@ -156,16 +185,7 @@ class JSONTokenizer:
         **kwargs: Any,
     ) -> list[int]:
         """Token ids of the rendered chat (the template writes BOS itself where it wants one)."""
-        text = _render_chat(
-            self.chat_template,
-            f"{self.name}: no chat_template in tokenizer_config.json",
-            messages,
-            add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            **kwargs,
-        )
-        return list(self._tk.encode(text, add_special_tokens=False).ids)
+        return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs), False)
 
 
 def _config_template(value: Any) -> str | None:
@@ -321,6 +341,42 @@ class Tokenizer:
         return self.encode(
             self.render_chat(messages, add_generation_prompt, **kwargs), add_bos=False
         )
+
+    def user_turn(self) -> tuple[list[int], list[int]] | None:
+        """Token ids before and after a user message's text in the chat template (the
+        assistant turn opened), or None without a template."""
+        return user_turn(self)
+
+
+class _Renders(Protocol):
+    chat_template: str | None
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str: ...
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]: ...
+
+
+@runtime_checkable
+class ChatTurns(Protocol):
+    """A tokenizer that splits its chat template around a user message (both of kvdrop's)."""
+
+    def user_turn(self) -> tuple[list[int], list[int]] | None: ...
+
+
+#: Stands for the user's text while the template is rendered (no template writes it itself).
+_MARKER = "\x00KVDROP\x00"
+
+
+def user_turn(tokenizer: _Renders) -> tuple[list[int], list[int]] | None:
+    """The one split of the chat template around a user message: the ids rendered before its
+    text and after it (the assistant turn opened), or None when there is no template."""
+    if not tokenizer.chat_template:
+        return None
+    text = tokenizer.render_chat([{"role": "user", "content": _MARKER}])
+    before, sep, after = text.partition(_MARKER)
+    if not sep:
+        return None
+    return tokenizer.encode(before, add_bos=False), tokenizer.encode(after, add_bos=False)
 
 
 def _opt_int(value: Any) -> int | None:

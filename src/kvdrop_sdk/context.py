@@ -33,7 +33,7 @@ from kvdrop_sdk.errors import (
 )
 from kvdrop_sdk.hashing import TOKEN_BYTES, encode_tokens
 from kvdrop_sdk.layout import CacheLayout, dtype_name
-from kvdrop_sdk.protocol import MAX_SALT_CHARS, RpcClient, RpcError, server_hint
+from kvdrop_sdk.protocol import RpcClient, RpcError, check_salt, server_hint
 from kvdrop_sdk.query_capture import UPSTREAM_CAPTURE, QueryCapture
 from kvdrop_sdk.transport.contiguous import MODES, ContiguousTransferWrapper
 from kvdrop_sdk.validate import is_number, tensor_problem
@@ -142,13 +142,10 @@ class Context:
         return body
 
     def _fields(self, cache_salt: str = "") -> dict[str, Any]:
-        if not isinstance(cache_salt, str):
-            raise SDKError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
-        if len(cache_salt) > MAX_SALT_CHARS:
-            raise SDKError(
-                f"cache_salt is {len(cache_salt)} characters; at most {MAX_SALT_CHARS} are "
-                "accepted (use a short id or a hash of a longer one)"
-            )
+        try:
+            check_salt(cache_salt)
+        except (TypeError, ValueError) as exc:
+            raise SDKError(str(exc)) from None
         return {"model": self.server_model_name, "kind": self.kind.value, "salt": cache_salt}
 
     def _check_open(self) -> None:

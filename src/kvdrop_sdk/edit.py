@@ -19,7 +19,6 @@ stored).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -30,6 +29,7 @@ import torch
 
 from kvdrop_sdk.cache_kind import CacheKind, KindMap, kind_value
 from kvdrop_sdk.errors import EditTimeoutError, RequestStreamError
+from kvdrop_sdk.protocol import scoped_salt
 from kvdrop_sdk.validate import is_int, token_ids
 
 __all__ = [
@@ -439,18 +439,8 @@ class ModifyResult:
         return (self.kept_tokens + self.suffix_tokens) / total if total else 1.0
 
 
-#: Longest salt LMCache accepts (it also refuses "@", "/", "\\" and NUL in one).
-_MAX_SALT_CHARS = 128
-
-
 def edit_salt(cache_salt: str, request_stream_id: str) -> str:
-    """The salt a stream's edited KV lives under: its own, so no other request can read it.
-
-    Made of characters every server accepts (LMCache refuses "/" and salts over 128 characters):
-    ``f"{cache_salt}.edit.{request_stream_id}"``, with a long ``cache_salt`` replaced by its hash.
-    """
-    salt = f"{cache_salt}.edit.{request_stream_id}"
-    if len(salt) > _MAX_SALT_CHARS:
-        digest = hashlib.sha256(cache_salt.encode()).hexdigest()[:32]
-        salt = f"{digest}.edit.{request_stream_id}"
-    return salt
+    """The salt a stream's edited KV lives under: its own, so no other request can read it
+    (``f"{cache_salt}.edit.{request_stream_id}"``; the rule is
+    :func:`kvdrop_sdk.protocol.scoped_salt`'s)."""
+    return scoped_salt(cache_salt, f"edit.{request_stream_id}")

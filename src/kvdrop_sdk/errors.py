@@ -31,23 +31,26 @@ class BatchedStreamError(SDKError):
 
 
 class PartialStoreError(SDKError):
-    """A store kept only some chunks (the server's pool was full of pinned or reserved chunks).
+    """A store kept only some chunks (the server's pool was full of chunks it may not evict).
 
     ``stored`` chunks are in the server (a prefix of the request), ``dropped`` are not,
     ``duplicates`` were cached already. ``store()`` still returns False when every chunk was
     cached already; it raises this instead of returning True when chunks were dropped.
     """
 
-    def __init__(self, stored: int, dropped: int, duplicates: int = 0) -> None:
+    def __init__(
+        self, stored: int, dropped: int, duplicates: int = 0, reason: str | None = None
+    ) -> None:
         self.stored = stored
         self.dropped = dropped
         self.duplicates = duplicates
         total = stored + dropped + duplicates
         cached = f" ({duplicates} were cached already)" if duplicates else ""
+        # The server says what holds its pool (pinned, being written, quarantined).
+        why = reason or "the server pool is full of pinned or reserved chunks"
         super().__init__(
-            f"stored {stored} of {total} chunk(s){cached}: the server pool is full of pinned or "
-            f"reserved chunks and the last {dropped} were dropped; retry later or start the "
-            "server with a larger --l1-size-gb"
+            f"stored {stored} of {total} chunk(s){cached}: {why}, and the last {dropped} were "
+            "dropped; retry later or start the server with a larger --l1-size-gb"
         )
 
 

@@ -19,7 +19,7 @@ import torch
 
 from kvdrop_rope import ROPE_FIELDS, RopeConfig
 from kvdrop_sdk.cache_kind import CacheKind
-from kvdrop_sdk.validate import is_int
+from kvdrop_sdk.validate import check_fields
 
 __all__ = ["DTYPES", "ROPE_FIELDS", "CacheLayout", "check_rope", "dtype_from_name", "dtype_name"]
 
@@ -103,10 +103,7 @@ class CacheLayout:
     rope: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_heads", "head_dim"):
-            value = getattr(self, name)
-            if not is_int(value) or value <= 0:
-                raise ValueError(f"CacheLayout.{name} must be a positive int, got {value!r}")
+        check_fields(self, ints={"num_layers": 1, "num_heads": 1, "head_dim": 1})
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"CacheLayout.dtype must be a torch.dtype, got {self.dtype!r}")
         dtype_name(self.dtype)

@@ -11,6 +11,7 @@ work too (the server echoes their empty delimiter frame). Nothing is ever unpick
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import re
@@ -33,10 +34,12 @@ __all__ = [
     "ProtocolError",
     "RpcClient",
     "RpcError",
+    "check_salt",
     "decode_header",
     "encode_header",
     "error_reply",
     "peek_rid",
+    "scoped_salt",
     "server_hint",
 ]
 
@@ -45,8 +48,12 @@ PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 64 * 1024
 #: Kernel socket buffer size for both ends (bulk transfers stream better with larger buffers).
 SOCKET_BUFFER_BYTES = 4 << 20
-#: Longest ``cache_salt`` accepted (characters); the SDK refuses longer ones before sending.
+#: Longest ``cache_salt`` accepted (characters), the one limit every layer asks through
+#: :func:`check_salt`: the SDK before sending, the server on receipt, the engine and its OpenAI
+#: server on submit. Salts derived from it (:func:`scoped_salt`) stay short enough for LMCache.
 MAX_SALT_CHARS = 4096
+#: Longest salt LMCache accepts; :func:`scoped_salt` hashes a longer one into this many.
+_LMCACHE_SALT_CHARS = 128
 _RID = re.compile(rb'"rid":(\d{1,18})[,}]')
 
 
@@ -66,6 +73,30 @@ class RpcError(SDKError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+def check_salt(salt: object, what: str = "cache_salt") -> str:
+    """``salt`` if it is a str of at most ``MAX_SALT_CHARS`` characters; else ``TypeError`` or
+    ``ValueError`` naming ``what`` (callers re-raise it as their own error type)."""
+    if not isinstance(salt, str):
+        raise TypeError(f"{what} must be a string, got {type(salt).__name__}")
+    if len(salt) > MAX_SALT_CHARS:
+        raise ValueError(
+            f"{what} is {len(salt)} characters; at most {MAX_SALT_CHARS} are accepted (use a "
+            "short id or a hash of a longer one)"
+        )
+    return salt
+
+
+def scoped_salt(cache_salt: str, scope: str) -> str:
+    """The salt of data private to ``scope`` (e.g. one stream's edited KV):
+    ``f"{cache_salt}.{scope}"``, with ``cache_salt`` replaced by its hash when the result would
+    be longer than LMCache accepts (it also refuses "/", so only the salt's hash is used)."""
+    salt = f"{cache_salt}.{scope}"
+    if len(salt) > _LMCACHE_SALT_CHARS:
+        digest = hashlib.sha256(cache_salt.encode()).hexdigest()[:32]
+        salt = f"{digest}.{scope}"
+    return salt
 
 
 def _error(reply: dict[str, Any]) -> RpcError:

@@ -24,6 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
+from kvdrop_sdk.validate import check_fields
+
 __all__ = [
     "CAPTURE_CHOICES",
     "DEFAULT_QUERY_STRIDE",
@@ -135,12 +137,7 @@ class QueryCapture:
             raise ValueError(
                 f"query capture mode must be one of {modes}, got {self.mode!r}"
             ) from None
-        if not isinstance(self.scores, bool):
-            raise ValueError(f"QueryCapture.scores must be a bool, got {self.scores!r}")
-        for name, low in (("window", 1), ("stride", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"QueryCapture.{name} must be an int >= {low}, got {value!r}")
+        check_fields(self, ints={"window": 1, "stride": 0}, bools=("scores",))
 
     @property
     def enabled(self) -> bool:

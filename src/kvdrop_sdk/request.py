@@ -88,6 +88,7 @@ from kvdrop_sdk.edit import (
 from kvdrop_sdk.errors import RequestStreamError
 from kvdrop_sdk.events import PostCompletion, TokenEvent
 from kvdrop_sdk.foreign import Closeable, StreamContext, as_token_event
+from kvdrop_sdk.protocol import check_salt
 from kvdrop_sdk.query_capture import needs_of
 from kvdrop_sdk.stream_contexts import StreamContexts, edit_device
 from kvdrop_sdk.validate import is_int, token_ids
@@ -167,8 +168,7 @@ class RequestStream:
             raise TypeError(
                 f"post_completion must be callable, got {type(post_completion).__name__}"
             )
-        if not isinstance(cache_salt, str):
-            raise TypeError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+        check_salt(cache_salt)
         prompt = token_ids(prompt_token_ids, "prompt_token_ids")
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")

@@ -7,12 +7,12 @@ with a message that names the value (``what``); callers re-raise them as their o
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["is_int", "is_number", "positive_int", "tensor_problem", "token_ids"]
+__all__ = ["check_fields", "is_int", "is_number", "positive_int", "tensor_problem", "token_ids"]
 
 
 def is_int(value: Any) -> bool:
@@ -42,6 +42,28 @@ def positive_int(value: Any, what: str, *, minimum: int = 1) -> int:
     if not is_int(value) or value < minimum:
         raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
     return int(value)
+
+
+def check_fields(
+    obj: object,
+    *,
+    ints: Mapping[str, int] | None = None,
+    bools: Iterable[str] = (),
+    error: type[Exception] = ValueError,
+) -> None:
+    """The one check of a dataclass's plain fields: each of ``ints`` an int (not a bool) ``>=``
+    its minimum, each of ``bools`` a bool; else ``error`` naming ``Class.field``, what it must
+    be and what it was."""
+    owner = type(obj).__name__
+    for name, low in (ints or {}).items():
+        value = getattr(obj, name)
+        if not is_int(value) or value < low:
+            expected = "a positive int" if low == 1 else f"an int >= {low}"
+            raise error(f"{owner}.{name} must be {expected}, got {value!r}")
+    for name in bools:
+        value = getattr(obj, name)
+        if not isinstance(value, bool):
+            raise error(f"{owner}.{name} must be a bool, got {value!r}")
 
 
 def token_ids(value: Any, what: str, *, vocab_size: int | None = None) -> list[int]:

@@ -223,6 +223,9 @@ def store_scores(
     ctx._check_open()
     layout = ctx.layout
     s = scores.scores
+    bad = int((~torch.isfinite(s)).sum())
+    if bad:
+        raise SDKError(f"token scores must be finite; {bad} of {s.numel()} are NaN or inf")
     if s.shape[0] != layout.num_layers or layout.num_heads % s.shape[1]:
         raise SDKError(
             f"token scores {tuple(s.shape)} do not fit the query layout of "

@@ -158,6 +158,11 @@ def test_engine_subprocess_stops_on_sigint_mid_stream(engine_proc: EngineProcess
         (["--random-preset", "tiny", "--port", "70000"], "--port must be in 0..65535"),
         (["--random-preset", "tiny", "--served-model-name", " "], "must not be empty"),
         (["--random-preset", "tiny", "--device", "nonsense"], "nonsense"),
+        (["--random-preset", "tiny", "--max-model-len", "0"], "--max-model-len must be"),
+        (["--random-preset", "tiny", "--max-model-len", "99999999"], "over the model's context"),
+        (["--random-preset", "tiny", "--api-key", " "], "--api-key must not be empty"),
+        (["--random-preset", "tiny", "--max-request-bytes", "0"], "--max-request-bytes: "),
+        (["--random-preset", "tiny", "--request-timeout-s", "nan"], "request-timeout-s"),
         pytest.param(
             ["--random-preset", "tiny", "--device", "cuda"],
             "CUDA is not available",

@@ -178,12 +178,16 @@ def test_chat_max_tokens_default_is_the_rest_of_the_context() -> None:
             {"messages": [{"role": "assistant", "content": "", "tool_calls": []}]},
             "tool calls are not supported",
         ),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "unknown field(s) 'tools'"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "'tools' is not supported",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "toolz": []}, "unknown field(s)"),
         ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "unknown field(s)"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 0}, "needs 'logprobs'"),
         (
             {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
-            "at most 20",
+            "'top_logprobs' must be an int in [0, 20]",
         ),
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": 0}, "must be true or false"),
         ({"messages": [{"role": "user", "content": "x"}], "n": 17}, "'n' must be at most 16"),

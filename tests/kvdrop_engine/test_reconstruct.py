@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
 
 from kvdrop_engine import reconstruct
+from kvdrop_engine.connectors.kvdrop import ServerConnector
+from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import DenseAttention, Transformer
-from kvdrop_engine.reconstruct import ReconstructionPrompt, reconstruction_scores
+from kvdrop_engine.reconstruct import (
+    ReconstructionPass,
+    ReconstructionPrompt,
+    reconstruction_scores,
+)
+from kvdrop_sdk import kvcache, qcache
+from kvdrop_sdk.testing.server import spawn_server
+from kvdrop_sdk.window import retrieve_scores
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +141,71 @@ def test_tiled_scores_equal_the_plain_rule_and_keep_the_same_tokens(
     for h in range(hkv):
         kept = set(got[h].topk(k).indices.tolist())
         assert len(kept & set(want[h].topk(k).indices.tolist())) / k >= 0.99
+
+
+def test_pieces_of_a_pass_equal_the_whole_pass(model: Transformer) -> None:
+    """A chunk's rows split over pieces (7 rows at a time) give the whole pass's scores."""
+    gen = torch.Generator().manual_seed(1)
+    context = torch.randint(3, 500, (70,), generator=gen).tolist()
+    prompt = ReconstructionPrompt((5, 6, 7), (8, 9), (10,), chunk_tokens=32, overlap=4, n_sink=2)
+    dense = DenseAttention(model.config)
+    model(torch.tensor(context), torch.arange(70), dense)
+    whole = reconstruction_scores(model, context, 70, dense.keys, dense.values, prompt)
+    run = ReconstructionPass(model, context, 70, dense.keys, dense.values, prompt)
+    pieces = []
+    while not run.done:
+        pieces.append(run.step(7))
+    assert max(pieces) == 7 and sum(pieces) == run.total_rows
+    torch.testing.assert_close(run.scores, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_the_engine_runs_the_pass_between_decode_steps(model: Transformer) -> None:
+    """Issue 28 D: a kvzip request's pass runs in pieces under ``max_prefill_tokens``, so a
+    decoding stream gets tokens while it runs; the stored scores are the whole pass's."""
+    cfg = model.config
+    recon = ReconstructionPrompt.synthetic(cfg.vocab_size, chunk_tokens=512)
+    prompt = torch.randint(3, 500, (400,), generator=torch.Generator().manual_seed(2)).tolist()
+    with spawn_server(enable=["transfer_query"], chunk_size=16, l1_size_gb=0.05) as srv:
+        conn = ServerConnector(srv.url, srv.http_url, "pieces")
+        eng = Engine(model, connector=conn, reconstruction=recon, max_prefill_tokens=16)
+        q_ctx = qcache.connect(srv.url, srv.http_url, "pieces")
+        kv_ctx = kvcache.connect(srv.url, srv.http_url, "pieces")
+        with eng:
+            greedy = {"temperature": 0, "ignore_eos": True, "max_tokens": 3000}
+            running = eng.post_completion([5, 6, 7], greedy)
+            next(running)
+            during: list[int] = []
+            stop = threading.Event()
+
+            def read() -> None:
+                for event in running:
+                    st = eng.stats()
+                    if st.reconstruction_seconds > 0 and st.reconstructions == 0:
+                        during.append(event.token_id)  # a piece ran, the pass is not done
+                    if stop.is_set():
+                        return
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            out = eng.generate(prompt, {"temperature": 0, "max_tokens": 1, "reconstruct": True})
+            stop.set()
+            reader.join(30)
+            running.close()
+            assert eng.stats().reconstructions == 1 and len(out) == 1
+            assert len(during) >= 5, during  # about 412 rows in 16-row pieces: ~26 steps
+            found = retrieve_scores(q_ctx, prompt + out, "")
+            kv = kv_ctx.retrieve(prompt, "")
+        q_ctx.close()
+        kv_ctx.close()
+        conn.close()
+    assert found is not None and kv is not None and kv.shape[2] == 400
+    heads = (400, cfg.num_kv_heads, cfg.head_dim)
+    want = reconstruction_scores(
+        model,
+        prompt,
+        400,
+        lambda layer: kv[0, layer].view(heads),
+        lambda layer: kv[1, layer].view(heads),
+        recon,
+    )
+    torch.testing.assert_close(found.scores, want)

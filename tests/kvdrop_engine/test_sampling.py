@@ -67,3 +67,31 @@ def test_token_logprobs_are_log_softmax_of_the_raw_logits() -> None:
     best = torch.topk(logp[2], 3)
     assert [t for t, _ in top] == best.indices.tolist()
     assert [v for _, v in top] == pytest.approx(best.values.tolist())
+
+
+def test_every_sampling_value_is_checked_by_the_one_table() -> None:
+    from kvdrop_engine.sampling import BOUNDS, SamplingParamError
+
+    bad = {
+        "max_tokens": 0, "min_tokens": -1, "temperature": float("nan"), "top_p": 0,
+        "top_k": -2, "min_p": 1.5, "presence_penalty": 2.5, "frequency_penalty": -3,
+        "repetition_penalty": 0, "logit_bias": {"x": 1}, "seed": 2**64, "ignore_eos": 1,
+        "stop_token_ids": [-1], "logprobs": 21, "reconstruct": "yes",
+    }  # fmt: skip
+    assert set(bad) == set(BOUNDS)  # a new field needs a row here and in the table
+    for name, value in bad.items():
+        with pytest.raises(SamplingParamError, match=f"'{name}' must be") as info:
+            SamplingParams.from_dict({name: value})
+        assert info.value.field == name
+    p = SamplingParams.from_dict({"logit_bias": {"5": -100, "2": 1.5}, "min_p": 0.0})
+    assert p.logit_bias == ((2, 1.5), (5, -100)) and p.edits_logits
+    assert not SamplingParams.from_dict({"repetition_penalty": 1.0}).edits_logits
+
+
+def test_min_p_keeps_only_tokens_near_the_top() -> None:
+    from kvdrop_engine.sampling import sample_row
+
+    row = torch.tensor([0.0, 5.0, 4.9, -3.0])
+    p = SamplingParams(min_p=0.5, seed=0)
+    picks = {sample_row(row, p, torch.Generator().manual_seed(s)) for s in range(40)}
+    assert picks == {1, 2}

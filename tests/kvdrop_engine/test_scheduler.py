@@ -35,14 +35,31 @@ def test_plan_step_puts_decodes_first_and_caps_prefill_tokens() -> None:
 
 
 def test_admission_is_fifo_and_the_head_waits_for_its_blocks() -> None:
-    sched = Scheduler(BlockAllocator(4), 16, 8, threading.Lock())
-    big, small = req(0, 30), req(1, 4)  # big needs 3 blocks (30 + 16 - 1 tokens), small 2
-    sched.waiting.extend([big, small])
-    assert sched.admit() == [big] and len(big.blocks) == 3
-    assert sched.admit() == []  # small needs 2 blocks, 1 is free: it waits
+    sched = Scheduler(BlockAllocator(3), 16, 8, threading.Lock())
+    big, small, tiny = req(0, 30), req(1, 20), req(2, 4)  # prompts of 2, 2 and 1 blocks
+    sched.waiting.extend([big, small, tiny])
+    assert sched.admit() == [big] and len(big.blocks) == 2  # its prompt, not its max_tokens
+    assert sched.admit() == []  # small needs 2 blocks, 1 is free: it waits, tiny does not pass
     assert sched.has_work(io_ok=True)  # big is runnable
     sched.finish(big)
-    assert sched.admit() == [small] and sched.allocator.num_free == 2
+    assert sched.admit() == [small, tiny] and sched.allocator.num_free == 0
+
+
+def test_decodes_grow_and_the_newest_request_is_preempted_when_blocks_run_out() -> None:
+    sched = Scheduler(BlockAllocator(4), 16, 8, threading.Lock())
+    old, new = req(0, 16), req(1, 16)
+    sched.waiting.extend([old, new])
+    assert sched.admit() == [old, new]  # one block each
+    for r in (old, new):  # both prefilled, one token out: the next decode writes token 16
+        r.num_computed, r.output = 16, [7]
+    assert sched.grow() == [] and (len(old.blocks), len(new.blocks)) == (2, 2)
+    for r in (old, new):  # 16 tokens later both need a third block; 0 are free
+        r.num_computed, r.output = 32, [7] * 17
+    assert sched.grow() == [(new, 32)]  # the newest gives its blocks back ...
+    assert len(old.blocks) == 3 and list(sched.running) == [0]
+    assert list(sched.waiting) == [new] and new.preempted and new.num_computed == 0
+    assert new.prefilling and new.prefill_tokens == new.prompt + [7] * 16  # ... recomputed
+    assert sched.admit() == []  # it needs 3 blocks for its 32 tokens; 1 is free
 
 
 def test_cancelled_requests_are_dropped_unless_their_prefix_is_being_copied() -> None:

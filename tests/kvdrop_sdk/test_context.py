@@ -196,7 +196,7 @@ def test_shape_and_token_errors(kv_ctx: sdk.Context) -> None:
         kv_ctx.retrieve([-1] * 256)
     with pytest.raises(SDKError, match="token ids"):
         kv_ctx.retrieve(["a"] * 256)  # type: ignore[list-item]
-    with pytest.raises(SDKError, match="cache_salt must be a str"):
+    with pytest.raises(SDKError, match="cache_salt must be a string"):
         kv_ctx.retrieve(tokens_for(256), cache_salt=3)  # type: ignore[arg-type]
     assert kv_ctx.lookup(tokens_for(256)) == 0  # nothing was stored by the failed calls
 

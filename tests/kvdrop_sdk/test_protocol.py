@@ -126,3 +126,17 @@ def test_layout_validation(data: object, message: str) -> None:
 def test_layout_rejects_unsupported_dtype() -> None:
     with pytest.raises(ValueError, match="unsupported dtype"):
         CacheLayout(1, 1, 1, torch.complex64)
+
+
+def test_one_salt_rule_and_short_scoped_salts() -> None:
+    from kvdrop_sdk.protocol import MAX_SALT_CHARS, check_salt, scoped_salt
+
+    assert check_salt("x" * MAX_SALT_CHARS) == "x" * MAX_SALT_CHARS
+    with pytest.raises(ValueError, match=f"at most {MAX_SALT_CHARS}"):
+        check_salt("x" * (MAX_SALT_CHARS + 1))
+    with pytest.raises(TypeError, match="cache_salt must be a string"):
+        check_salt(3)
+    assert scoped_salt("s", "edit.r1") == "s.edit.r1"
+    long = scoped_salt("y" * 4000, "edit.r1")
+    assert len(long) <= 128 and long.endswith(".edit.r1") and "/" not in long
+    assert long == scoped_salt("y" * 4000, "edit.r1") != scoped_salt("z" * 4000, "edit.r1")

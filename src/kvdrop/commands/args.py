@@ -1,11 +1,15 @@
-"""Argument types shared by the ``kvdrop`` subcommands."""
+"""Argument types and option groups shared by the ``kvdrop`` subcommands (the engine's groups,
+``--model``/``--dtype``/... and ``--cache-server``/``--url``/``--query-capture``, are declared
+once in :mod:`kvdrop_engine.options`, which ``kvdrop engine`` uses too)."""
 
 from __future__ import annotations
 
 import argparse
 import math
 
-__all__ = ["finite_positive", "finite_ratio"]
+from kvdrop_engine.options import add_connector_arguments, add_model_arguments
+
+__all__ = ["add_connector_arguments", "add_model_arguments", "finite_positive", "finite_ratio"]
 
 
 def _number(text: str) -> float:

@@ -21,8 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvdrop.commands.args import finite_positive
-from kvdrop_engine.connectors.factory import CONNECTOR_KINDS
+from kvdrop.commands.args import add_connector_arguments, add_model_arguments, finite_positive
 
 __all__ = ["add_arguments", "run"]
 
@@ -48,14 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "to 0..k-1, where the engine reads the kept prefix, with the RoPE parameters the "
         "engine registered)",
     )
-    run_.add_argument(
-        "--query-capture",
-        choices=["window", "full"],
-        default="window",
-        help="queries the engine saves for query policies: the last tokens' and a strided "
-        "sample (window, default) or every prompt token's (full, the upstream layout; always "
-        "with --cache-server lmcache)",
-    )
     run_.add_argument("--num-requests", type=int, default=16, help="prompts in the batch")
     run_.add_argument("--prompt-tokens", type=int, default=512, help="minimum prompt length")
     run_.add_argument("--max-tokens", type=int, default=64, help="tokens decoded per request")
@@ -69,47 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_.add_argument("--seed", type=int, default=0, help="seed of prompts and random weights")
     run_.add_argument("--json", action="store_true", help="print one JSON report on stdout")
     run_.add_argument("--no-progress", action="store_true", help="no progress bars")
-    _cache_arguments(parser)
-    _model_arguments(parser)
-
-
-def _cache_arguments(parser: argparse.ArgumentParser) -> None:
-    cache = parser.add_argument_group("cache server")
-    cache.add_argument(
-        "--cache-server",
-        choices=CONNECTOR_KINDS,
-        default="kvdrop",
-        help="kvdrop (default; started in this process unless --url is given) or lmcache (a real "
-        "`lmcache server`: pip install 'kvdrop[lmcache]', see docs/lmcache.md)",
+    add_connector_arguments(
+        parser,
+        url_help="ZMQ address of a running cache server, e.g. tcp://127.0.0.1:6555 (default: "
+        "start a kvdrop server in this process; an LMCache server needs "
+        "--supported-transfer-mode auto, and --enable transfer_query for query policies)",
     )
-    cache.add_argument(
-        "--url",
-        default=None,
-        help="ZMQ address of a running cache server, e.g. tcp://127.0.0.1:6555 (default: start "
-        "one; an LMCache server needs --supported-transfer-mode auto, and --enable "
-        "transfer_query for query policies)",
-    )
-    cache.add_argument(
-        "--http-url", default=None, help="its HTTP address, e.g. http://127.0.0.1:8080"
-    )
-
-
-def _model_arguments(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--model",
-        default=None,
-        help=".gguf file or HF folder (default: the installed SmolLM2 GGUF)",
-    )
-    model.add_argument(
-        "--random-preset",
-        default=None,
-        metavar="NAME",
-        help="random weights of a preset shape (tiny, smollm2-135m, qwen3-8b)",
-    )
-    model.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    model.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
-    model.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_model_arguments(parser)
 
 
 def _policy_params(args: argparse.Namespace) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvdrop.commands.args import finite_positive
+from kvdrop.commands.args import add_model_arguments, finite_positive
 from kvdrop.experiments.eval import FULL, PRESETS, EvalConfig, EvalError, EvalReport
 from kvdrop.experiments.tasks import SETTINGS, TASKS
 
@@ -118,13 +118,7 @@ def _output_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--plot", metavar="FILE.png", help="accuracy vs keep ratio per policy")
     out.add_argument("--detail", action="store_true", help="print every row, even for big grids")
     out.add_argument("--no-progress", action="store_true", help="no progress bar or log lines")
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--model", default=None, help=".gguf file or HF folder (default: the installed SmolLM2)"
-    )
-    model.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    model.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
-    model.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_model_arguments(parser, random_preset=False)
 
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:

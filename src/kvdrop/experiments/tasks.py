@@ -41,6 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvdrop_engine.tokenizer import ChatTurns
+
 __all__ = ["DEFAULT_TASKS", "SETTINGS", "TASKS", "Sample", "make_samples", "prompt_layout"]
 
 #: Where the question is: compressed with the context, or appended after compression.
@@ -127,13 +129,9 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 def prompt_layout(tokenizer: Any) -> tuple[list[int], list[int]]:
     """Token ids before and after the user message: the chat template's parts, or nothing before
     and ``"\\nAnswer:"`` after for a tokenizer without a template."""
-    render = getattr(tokenizer, "render_chat", None)
-    marker = "\x00KVDROP\x00"
-    if callable(render) and getattr(tokenizer, "chat_template", None):
-        text = render([{"role": "user", "content": marker}])
-        before, sep, after = text.partition(marker)
-        if sep:
-            return _encode(tokenizer, before), _encode(tokenizer, after)
+    turn = tokenizer.user_turn() if isinstance(tokenizer, ChatTurns) else None
+    if turn is not None:
+        return list(turn[0]), list(turn[1])
     return [], _encode(tokenizer, "\nAnswer:")
 
 

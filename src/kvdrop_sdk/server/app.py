@@ -21,10 +21,12 @@ import logging
 import os
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvdrop_sdk.protocol import (
     PROTOCOL_VERSION,
@@ -83,6 +85,10 @@ class Server(RequestOps):
         self._calls: collections.Counter[str] = collections.Counter()  # "op/kind" -> answered
         self._count_lock = threading.Lock()
         self._tls = threading.local()
+        # Which connections each client (lease owner) has open, to notice when all are gone.
+        self._peers_lock = threading.Lock()
+        self._owner_peers: dict[str, set[bytes]] = {}
+        self._peer_owners: dict[bytes, set[str]] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
     @property
@@ -122,6 +128,8 @@ class Server(RequestOps):
                 self.pool.nbytes,
                 quarantine_s=cfg.quarantine_s,
                 holders=self.windows.held,
+                max_client_leases=cfg.max_client_leases,
+                checksum=self._checksum,
             )
             self._zctx = zmq.Context()
             frontend = self._zctx.socket(zmq.ROUTER)
@@ -196,17 +204,32 @@ class Server(RequestOps):
 
     # -- threads -------------------------------------------------------------------------------
     def _route(self, frontend: zmq.Socket, backend: zmq.Socket) -> None:
+        """Forward requests to the workers and replies back; notice closed connections.
+
+        A connection is known by its ROUTER identity (never reused) and, to the monitor, by its
+        file descriptor (reused): each request records fd -> identity, and a ``DISCONNECTED``
+        event for the fd ends that identity. The monitor is drained before each read of the
+        frontend, so a reused fd's old disconnect is seen before the new connection's requests.
+        """
+        monitor = frontend.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        fd_peer: dict[int, bytes] = {}
         poller = zmq.Poller()
-        poller.register(frontend, zmq.POLLIN)
-        poller.register(backend, zmq.POLLIN)
+        for sock in (frontend, backend, monitor):
+            poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(100))
+                while monitor.poll(0):
+                    gone = fd_peer.pop(recv_monitor_message(monitor)["value"], None)
+                    if gone is not None:
+                        self._peer_gone(gone)
                 if frontend in events:
-                    backend.send_multipart(frontend.recv_multipart(copy=False), copy=False)
+                    _forward(frontend, backend, fd_peer)
                 if backend in events:
                     frontend.send_multipart(backend.recv_multipart(copy=False), copy=False)
         finally:
+            frontend.disable_monitor()
+            monitor.close(0)
             frontend.close(0)
             backend.close(0)
 
@@ -255,6 +278,31 @@ class Server(RequestOps):
             if after_send is not None:
                 after_send()
 
+    def _checksum(self, offset: int, nbytes: int) -> int:
+        """CRC-32 of a pool slot (the store checks chunks in slots a stalled writer may reach)."""
+        assert self.pool is not None
+        return zlib.crc32(memoryview(self.pool.buffer)[offset : offset + nbytes])
+
+    def _peer_seen(self, owner: str, peer: bytes) -> None:
+        with self._peers_lock:
+            self._owner_peers.setdefault(owner, set()).add(peer)
+            self._peer_owners.setdefault(peer, set()).add(owner)
+
+    def _peer_gone(self, peer: bytes) -> None:
+        """Connection ``peer`` closed: clients with no connection left are gone (a crashed
+        writer's reservations come back now, not after its lease and quarantine)."""
+        gone = []
+        with self._peers_lock:
+            for owner in self._peer_owners.pop(peer, ()):
+                peers = self._owner_peers.get(owner, set())
+                peers.discard(peer)
+                if not peers:
+                    self._owner_peers.pop(owner, None)
+                    gone.append(owner)
+        for owner in gone:
+            if self.store is not None and self.store.owner_gone(owner):
+                log.info("client %s disconnected: its leases ended", owner[:18])
+
     # -- request handling ----------------------------------------------------------------------
     def handle(self, parts: list[zmq.Frame], peer: bytes = b"") -> list[Any]:
         """Answer one request (header + payload frames) from connection ``peer``; never raises."""
@@ -276,6 +324,8 @@ class Server(RequestOps):
             header = decode_header(parts[0].buffer)
             rid = header.get("rid")
             self._tls.owner = owner_of(header, peer)
+            if peer:
+                self._peer_seen(self._tls.owner, peer)
             if header.get("v") != PROTOCOL_VERSION:
                 raise ProtocolError(
                     "bad_version",
@@ -322,6 +372,9 @@ class Server(RequestOps):
             "eviction_policy": cfg.eviction_policy.upper(),
             "workers": cfg.workers,
             "max_message_bytes": cfg.max_message_bytes,
+            "max_lease_s": cfg.max_lease_s,
+            "quarantine_s": cfg.quarantine_s,
+            "max_client_leases": cfg.max_client_leases,
             "max_request_bytes": cfg.max_request_bytes,
             "http_max_connections": cfg.http_max_connections,
             "protocol_version": PROTOCOL_VERSION,
@@ -343,6 +396,15 @@ class Server(RequestOps):
             **counts,
             "uptime_s": round(time.monotonic() - self._started, 3),
         }
+
+
+def _forward(frontend: zmq.Socket, backend: zmq.Socket, fd_peer: dict[int, bytes]) -> None:
+    """Pass one request to the workers, noting which connection (fd) it came on. A function,
+    so that nothing keeps the request's frames once they are handed on."""
+    parts = frontend.recv_multipart(copy=False)
+    if len(parts) > 1:
+        fd_peer[parts[1].get(zmq.SRCFD)] = parts[0].bytes
+    backend.send_multipart(parts, copy=False)
 
 
 def _bind_error(flag: str, host: str, port: int, exc: Exception) -> str:

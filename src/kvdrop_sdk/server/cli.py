@@ -108,9 +108,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quarantine-s",
         type=float,
         default=600.0,
-        help="keep the slots of an expired shared-memory reservation out of use this long, "
-        "unless its writer ends the reservation first (a stalled writer may still be copying; "
-        "default 600)",
+        help="keep the slots of an expired shared-memory reservation out of use this long "
+        "(>= 1), unless its writer ends the reservation or disconnects first; after it, they are "
+        "reused with a checksum on every chunk stored there, checked on every read (a stalled "
+        "writer may still be copying; default 600)",
+    )
+    parser.add_argument(
+        "--max-client-leases",
+        type=int,
+        default=1024,
+        help="most pins, reservations and quarantined reservations one client may hold at once "
+        "(default 1024; more is refused with too_many_leases)",
     )
     parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -140,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         quarantine_s=args.quarantine_s,
         max_request_bytes=args.max_request_bytes,
         http_max_connections=args.http_max_connections,
+        max_client_leases=args.max_client_leases,
     )
 
 

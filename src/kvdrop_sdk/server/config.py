@@ -22,8 +22,15 @@ _NUMBERS = (
     ("l1_size_gb", 4096 / GIB, float(1 << 20)),
     ("max_lease_s", 0.001, 86400.0),
     ("http_timeout_s", 0.001, 86400.0),
-    ("quarantine_s", 0.0, 86400.0 * 7),
+    ("quarantine_s", 1.0, 86400.0 * 7),
 )
+
+
+#: Why a bound is what it is, appended to its error.
+_WHY = {
+    "quarantine_s": "; it is how long a stalled shared-memory writer's slots stay out of use "
+    "before they are reused under checksums (0 would hand them on while it may still copy)",
+}
 
 
 @dataclass
@@ -47,6 +54,7 @@ class ServerConfig:
     quarantine_s: float = 600.0
     max_request_bytes: int = 1 << 20
     http_max_connections: int = 64
+    max_client_leases: int = 1024
 
     def __post_init__(self) -> None:
         self.enable = tuple(dict.fromkeys(self.enable))
@@ -82,6 +90,10 @@ class ServerConfig:
             raise ValueError(
                 f"--http-max-connections must be an int in 1..4096, got {self.http_max_connections}"
             )
+        if not is_int(self.max_client_leases) or not 1 <= self.max_client_leases <= 1 << 20:
+            raise ValueError(
+                f"--max-client-leases must be an int in 1..{1 << 20}, got {self.max_client_leases}"
+            )
         if self.parent_pid is not None and (not is_int(self.parent_pid) or self.parent_pid < 1):
             raise ValueError(f"--parent-pid must be a process id, got {self.parent_pid}")
 
@@ -92,9 +104,10 @@ class ServerConfig:
             flag = "--" + name.replace("_", "-")
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not (ok and math.isfinite(value) and low <= value <= high):
-                bound = ">= 0" if low == 0 else "> 0"
+                bound = "> 0" if 0 < low < 1 else f">= {low:g}"
                 raise ValueError(
                     f"{flag} must be {bound} and finite (from {low:g} to {high:g}), got {value!r}"
+                    + _WHY.get(name, "")
                 )
 
     @property

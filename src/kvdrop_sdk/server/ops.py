@@ -24,7 +24,7 @@ import zmq
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.hashing import TOKEN_BYTES, chunk_keys, root_hash
 from kvdrop_sdk.layout import CacheLayout, dtype_name
-from kvdrop_sdk.protocol import MAX_SALT_CHARS, ProtocolError
+from kvdrop_sdk.protocol import ProtocolError, check_salt
 from kvdrop_sdk.server.config import ServerConfig
 from kvdrop_sdk.server.pool import Pool, PoolSpaceError
 from kvdrop_sdk.server.store import INTERNAL_OWNER, ChunkStore, StoreError
@@ -63,14 +63,10 @@ def _field(header: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> 
 
 
 def _salt(header: dict[str, Any]) -> str:
-    salt = header.get("salt", "")
-    if not isinstance(salt, str) or len(salt) > MAX_SALT_CHARS:
-        shown = f"{len(salt)} characters" if isinstance(salt, str) else repr(salt)
-        raise ProtocolError(
-            "bad_field",
-            f"field 'salt' must be a str of at most {MAX_SALT_CHARS} characters, got {shown}",
-        )
-    return salt
+    try:
+        return check_salt(header.get("salt", ""), "field 'salt'")
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError("bad_field", str(exc)) from None
 
 
 def _chunk_range(header: dict[str, Any], num_keys: int) -> tuple[int, int]:
@@ -235,9 +231,11 @@ class RequestOps:
         model, kind = self._model_kind(header)
         layout = self._checked_layout(header, model, kind)
         keys, _ = self._keys(header, frames, model, kind)
-        lid, slots = self.store.pin(keys, self._lease_s(header), owner=self._owner)
+        lease_s = self._lease_s(header)
+        lid, slots = self.store.pin(keys, lease_s, owner=self._owner)
         return {
             "lease": lid,
+            "lease_s": lease_s,
             "offsets": [off for off, _ in slots],
             "nbytes": layout.nbytes(kind, self.config.chunk_size),
             "num_tokens": len(slots) * self.config.chunk_size,
@@ -257,14 +255,16 @@ class RequestOps:
         layout = self._checked_layout(header, model, kind)
         keys, _ = self._keys(header, frames, model, kind)
         nbytes = layout.nbytes(kind, self.config.chunk_size)
-        owner = self._owner
+        owner, lease_s = self._owner, self._lease_s(header)
         lid, slots, dup, dropped = self.store.reserve(
-            keys, nbytes, self._lease_s(header), owner=owner, tag=(model, kind.value)
+            keys, nbytes, lease_s, owner=owner, tag=(model, kind.value)
         )
         if lid is not None:
             self._back(lid, owner, [off for _, off in slots], nbytes)
         return {
             "lease": lid,
+            "lease_s": lease_s,
+            **self._dropped_reason(dropped),
             "chunks": [i for i, _ in slots],
             "offsets": [off for _, off in slots],
             "nbytes": nbytes,
@@ -301,18 +301,23 @@ class RequestOps:
             return {"num_tokens": len(slots) * self.config.chunk_size, "first_chunk": first}, []
         if lid is None:
             return {"num_tokens": 0}, []
-        found = len(slots)
-        slots = slots[first:]
         try:
-            # One frame per (chunk, kv/layer row): bounded frame sizes stream best over TCP.
+            # Chunks in slots a stalled writer may reach are sent from a checked copy.
             mem = memoryview(self.pool.buffer)
+            copies = self.store.verified_copy(lid, lambda o, n: bytes(mem[o : o + n]))
+            found = len(copies)
+            if found <= first:
+                self.store.release(lid, owner=INTERNAL_OWNER)
+                return {"num_tokens": found * self.config.chunk_size, "first_chunk": first}, []
+            # One frame per (chunk, kv/layer row): bounded frame sizes stream best over TCP.
             num_rows = layout.shape(kind, 1)[0] * layout.num_layers
             span = self.config.chunk_size * layout.width * layout.itemsize
-            out = [
-                mem[off + r * span : off + (r + 1) * span]
-                for off, _ in slots
-                for r in range(num_rows)
+            sources = [
+                memoryview(copy) if copy is not None else mem[off:]
+                for copy, (off, _) in zip(copies[first:], slots[first:found], strict=True)
             ]
+            slots = slots[first:found]
+            out = [src[r * span : (r + 1) * span] for src in sources for r in range(num_rows)]
         except BaseException:
             self.store.release(lid, owner=INTERNAL_OWNER)
             raise
@@ -391,7 +396,13 @@ class RequestOps:
             self.store.abort(lid, owner=INTERNAL_OWNER)
             raise
         stored = self.store.commit(lid, owner=INTERNAL_OWNER)
-        return {"stored": stored, "duplicates": dup, "dropped": dropped}, []
+        reply = {"stored": stored, "duplicates": dup, "dropped": dropped}
+        return reply | self._dropped_reason(dropped), []
+
+    def _dropped_reason(self, dropped: int) -> dict[str, str]:
+        """``dropped_reason`` for a reply that dropped chunks: what holds the pool."""
+        assert self.store is not None
+        return {"dropped_reason": self.store.full_reason()} if dropped else {}
 
     def op_put_window(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
         """Store one call's query window (first copy wins)."""

@@ -11,7 +11,15 @@ where. A writer stalled past its reservation's lease could still be copying, so 
 expired reservation are not handed on: their keys are forgotten (another client may store the same
 chunk, into other slots) but the bytes stay allocated until the writer ends that lease (its
 ``commit`` or ``abort``, which the SDK sends after its copies, answered ``lease_expired``) or
-``quarantine_s`` passes. So a late copy lands in a slot nobody reads.
+the writer is known gone (every connection of its client closed: ``owner_gone``, which also ends
+its leases at once). After ``quarantine_s`` a still-silent writer's slots are reused, but only
+*verified*: a chunk stored in a slot that such a writer might still reach gets a checksum at
+commit, checked again when a reader releases its pin (and before a socket read is sent), so a
+late copy makes that chunk a miss, never foreign bytes.
+
+Leases are indexed (``leases.LeaseTable``): expiry pops a heap and an owner's leases are a set,
+so one client's 20,000 pins cost the others nothing; each client may hold at most
+``max_client_leases`` leases and quarantines (``too_many_leases``).
 
 Leases are owned: their ids are 128 random bits and only the owner (the client token the request
 carried) may release, commit or abort one; anything else is answered like an id that never
@@ -28,21 +36,23 @@ the least recently used registration without chunks makes room, else ``too_many_
 
 from __future__ import annotations
 
-import bisect
 import itertools
-import secrets
 import threading
 import time
+import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvdrop_sdk.layout import CacheLayout
+from kvdrop_sdk.server.allocator import ALIGN, Allocator, align
+from kvdrop_sdk.server.leases import Lease, LeaseTable, Quarantine, TooManyLeases
 
 __all__ = [
     "ALIGN",
     "INTERNAL_OWNER",
+    "MAX_CLIENT_LEASES",
     "MAX_LAYOUTS",
     "QUARANTINE_S",
     "Allocator",
@@ -50,15 +60,14 @@ __all__ = [
     "StoreError",
 ]
 
-#: Slot offsets and sizes are rounded up to this many bytes (page aligned copies).
-ALIGN = 4096
 #: Owner of the server's own pins (socket retrieves); client owners never look like it.
 INTERNAL_OWNER = "server"
 #: Largest number of (model, kind) layout registrations kept.
 MAX_LAYOUTS = 1024
 #: Longest an expired reservation's slots stay quarantined when its writer never comes back.
 QUARANTINE_S = 600.0
-_EXPIRED_MEMORY = 4096
+#: Most leases (pins, reservations) and quarantines one client may hold at once.
+MAX_CLIENT_LEASES = 1024
 Tag = tuple[str, str]
 
 
@@ -70,56 +79,6 @@ class StoreError(Exception):
         self.code = code
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-class Allocator:
-    """First-fit allocator over ``[start, end)`` with coalescing of adjacent free blocks."""
-
-    def __init__(self, start: int, end: int) -> None:
-        self.start = start
-        self.end = end
-        self._offsets: list[int] = [start] if end > start else []
-        self._sizes: list[int] = [end - start] if end > start else []
-        self.used = 0
-
-    @property
-    def capacity(self) -> int:
-        """Bytes this allocator manages."""
-        return self.end - self.start
-
-    def alloc(self, nbytes: int) -> int | None:
-        """Offset of a free block of ``nbytes`` (aligned), or None when nothing fits."""
-        size = _align(nbytes)
-        for i, free in enumerate(self._sizes):
-            if free >= size:
-                off = self._offsets[i]
-                if free == size:
-                    del self._offsets[i]
-                    del self._sizes[i]
-                else:
-                    self._offsets[i] += size
-                    self._sizes[i] -= size
-                self.used += size
-                return off
-        return None
-
-    def free(self, offset: int, nbytes: int) -> None:
-        """Return a block from ``alloc``; merges with free neighbours."""
-        size = _align(nbytes)
-        i = bisect.bisect_left(self._offsets, offset)
-        self._offsets.insert(i, offset)
-        self._sizes.insert(i, size)
-        self.used -= size
-        if i + 1 < len(self._offsets) and offset + size == self._offsets[i + 1]:
-            self._sizes[i] += self._sizes.pop(i + 1)
-            del self._offsets[i + 1]
-        if i > 0 and self._offsets[i - 1] + self._sizes[i - 1] == offset:
-            self._sizes[i - 1] += self._sizes.pop(i)
-            del self._offsets[i]
-
-
 @dataclass
 class _Entry:
     offset: int
@@ -128,23 +87,8 @@ class _Entry:
     tag: Tag | None = None
     committed: bool = False
     pins: int = 0
-
-
-@dataclass
-class _Lease:
-    write: bool
-    items: list[tuple[bytes, int]]
-    expiry: float
-    owner: str
-
-
-@dataclass
-class _Quarantine:
-    """Slots of an expired reservation whose writer may still be copying into them."""
-
-    owner: str
-    blocks: list[tuple[int, int]]  # (offset, nbytes)
-    until: float
+    verify: bool = False  # in a slot a stalled writer may still reach: checksummed
+    crc: int = 0
 
 
 @dataclass
@@ -165,6 +109,9 @@ class _Stats:
     dropped_chunks: int = 0
     expired_leases: int = 0
     quarantined_chunks: int = 0
+    verified_chunks: int = 0
+    corrupted_chunks: int = 0
+    clients_gone: int = 0
 
 
 class ChunkStore:
@@ -179,17 +126,20 @@ class ChunkStore:
         max_layouts: int = MAX_LAYOUTS,
         quarantine_s: float = QUARANTINE_S,
         holders: Callable[[Tag], int] | None = None,
+        max_client_leases: int = MAX_CLIENT_LEASES,
+        checksum: Callable[[int, int], int] | None = None,
     ) -> None:
         self._alloc = Allocator(start, end)
         self._entries: dict[bytes, _Entry] = {}
         self._lru: OrderedDict[bytes, None] = OrderedDict()
-        self._leases: dict[str, _Lease] = {}
-        self._expired: OrderedDict[str, tuple[str, bool]] = OrderedDict()  # id -> (owner, write)
+        self._book = LeaseTable(max_client_leases, INTERNAL_OWNER)
         self._layouts: OrderedDict[Tag, _Registration] = OrderedDict()
         self._tag_chunks: Counter[Tag] = Counter()
         self.max_layouts = max_layouts
         self.quarantine_s = quarantine_s
-        self._quarantine: dict[str, _Quarantine] = {}
+        # Slots reused after quarantine_s whose writer may still copy: lid -> (owner, blocks).
+        self._suspect: dict[str, tuple[str, list[tuple[int, int]]]] = {}
+        self._checksum = checksum
         self._holders = holders or (lambda tag: 0)
         self._gens = itertools.count(1)
         self._clock = clock
@@ -254,35 +204,33 @@ class ChunkStore:
     # -- internals (lock held) -----------------------------------------------------------------
     def _expire(self) -> None:
         now = self._clock()
-        for lid in [lid for lid, q in self._quarantine.items() if q.until <= now]:
-            self._unquarantine(lid)
-        for lid in [lid for lid, lease in self._leases.items() if lease.expiry <= now]:
+        for lid in self._book.quarantines_due(now):
+            self._unquarantine(lid, writer_done=False)
+        for lid in self._book.due(now):
             self.stats.expired_leases += 1
             lease = self._end_lease(lid, expired=True)
             if lease is not None:
-                self._expired[lid] = (lease.owner, lease.write)
-                while len(self._expired) > _EXPIRED_MEMORY:
-                    self._expired.popitem(last=False)
+                self._book.remember(lid, lease.owner, lease.write)
 
-    def _owned(self, lid: Any, owner: str, write: bool) -> _Lease | None:
+    def _owned(self, lid: Any, owner: str, write: bool) -> Lease | None:
         """The live lease ``lid`` of ``owner``; None if it expired; StoreError if it is unknown,
         someone else's, or of the other kind (pin vs reservation)."""
-        lease = self._leases.get(lid) if isinstance(lid, str) else None
+        lease = self._book.get(lid)
         if lease is not None and lease.owner == owner:
             if lease.write != write:
                 what = "a write reservation, not a pin" if lease.write else "a pin"
                 raise StoreError("bad_lease", f"lease {lid} is {what}")
             return lease
-        if isinstance(lid, str) and self._expired.get(lid) == (owner, write):
+        if self._book.recall(lid) == (owner, write):
             return None
         raise StoreError(
             "unknown_lease", f"lease {lid!r} is unknown, already ended, or not this client's"
         )
 
-    def _end_lease(self, lid: str, *, expired: bool = False) -> _Lease | None:
+    def _end_lease(self, lid: str, *, expired: bool = False) -> Lease | None:
         """End lease ``lid``: unpin its chunks, or drop its uncommitted ones (quarantining their
         slots when it ``expired``: its writer may still be copying)."""
-        lease = self._leases.pop(lid, None)
+        lease = self._book.pop(lid)
         if lease is None:
             return None
         held: list[tuple[int, int]] = []
@@ -298,15 +246,46 @@ class ChunkStore:
                 entry.pins -= 1
         if expired and held:
             until = self._clock() + self.quarantine_s
-            self._quarantine[lid] = _Quarantine(lease.owner, held, until)
+            self._book.quarantine(lid, Quarantine(lease.owner, held, until))
             self.stats.quarantined_chunks += len(held)
         return lease
 
-    def _unquarantine(self, lid: str) -> None:
-        """Free the slots quarantined for the expired reservation ``lid`` (if any)."""
-        q = self._quarantine.pop(lid, None)
-        for offset, nbytes in q.blocks if q is not None else ():
+    def _unquarantine(self, lid: str, *, writer_done: bool) -> None:
+        """Free the slots quarantined for the expired reservation ``lid`` (if any). Unless its
+        writer is done (ended the lease, or gone), they stay *suspect*: chunks stored there are
+        verified by checksum."""
+        q = self._book.end_quarantine(lid)
+        if writer_done:
+            self._suspect.pop(lid, None)
+        if q is None:
+            return
+        for offset, nbytes in q.blocks:
             self._alloc.free(offset, nbytes)
+        if not writer_done and self._checksum is not None:
+            self._suspect[lid] = (q.owner, q.blocks)
+
+    def _is_suspect(self, offset: int, nbytes: int) -> bool:
+        end = offset + align(nbytes)
+        return any(
+            o < end and offset < o + align(n)
+            for _, blocks in self._suspect.values()
+            for o, n in blocks
+        )
+
+    def _intact(self, key: bytes, gen: int) -> bool:
+        """Whether chunk ``key`` of generation ``gen`` is stored and (if verified) unchanged;
+        a verified chunk whose bytes changed is dropped."""
+        entry = self._entries.get(key)
+        if entry is None or entry.gen != gen:
+            return False
+        if not entry.verify or self._checksum is None:
+            return True
+        if self._checksum(entry.offset, entry.nbytes) == entry.crc:
+            return True
+        # Dropped at once: readers still holding pins find it gone at their release too.
+        self.stats.corrupted_chunks += 1
+        self._drop(key)
+        return False
 
     def _drop(self, key: bytes, *, free: bool = True) -> None:
         entry = self._entries.pop(key)
@@ -341,9 +320,17 @@ class ChunkStore:
     def _new_lease(
         self, write: bool, items: list[tuple[bytes, int]], lease_s: float, owner: str
     ) -> str:
-        lid = secrets.token_hex(16)
-        self._leases[lid] = _Lease(write, items, self._clock() + lease_s, owner)
-        return lid
+        return self._book.add(Lease(write, items, self._clock() + lease_s, owner))
+
+    def _check_room(self, owner: str) -> None:
+        """``too_many_leases`` before any work when ``owner`` holds its most leases."""
+        # Suspect slots count too: a writer that keeps letting reservations lapse cannot grow
+        # the set every allocation is checked against.
+        suspect = sum(1 for o, _ in self._suspect.values() if o == owner) if self._suspect else 0
+        try:
+            self._book.check_room(owner, suspect)
+        except TooManyLeases as exc:
+            raise StoreError("too_many_leases", str(exc)) from None
 
     # -- operations ----------------------------------------------------------------------------
     def lookup(self, keys: list[bytes]) -> int:
@@ -360,6 +347,7 @@ class ChunkStore:
         [(offset, nbytes)])."""
         with self._lock:
             self._expire()
+            self._check_room(owner)
             found = self._prefix(keys)
             if not found:
                 self.stats.misses += 1
@@ -383,10 +371,15 @@ class ChunkStore:
             self._expire()
             lease = self._owned(lid, owner, write=False)
             if lease is None:
-                self._expired.pop(lid, None)
+                self._book.forget(lid)
                 return 0
+            valid = 0
+            for key, gen in lease.items:  # checked while still pinned
+                if not self._intact(key, gen):
+                    break
+                valid += 1
             self._end_lease(lid)
-            return len(lease.items)
+            return valid
 
     def reserve(
         self,
@@ -405,7 +398,8 @@ class ChunkStore:
         """
         with self._lock:
             self._expire()
-            if _align(nbytes) > self._alloc.capacity:
+            self._check_room(owner)
+            if align(nbytes) > self._alloc.capacity:
                 raise StoreError(
                     "too_large",
                     f"a chunk of {nbytes} bytes does not fit in the pool of "
@@ -426,7 +420,8 @@ class ChunkStore:
                     dropped = len(keys) - i
                     break
                 gen = next(self._gens)
-                self._entries[key] = _Entry(off, nbytes, gen, tag)
+                verify = bool(self._suspect) and self._is_suspect(off, nbytes)
+                self._entries[key] = _Entry(off, nbytes, gen, tag, verify=verify)
                 if tag is not None:
                     self._tag_chunks[tag] += 1
                 items.append((key, gen))
@@ -443,17 +438,20 @@ class ChunkStore:
             self._expire()
             lease = self._owned(lid, owner, write=True)
             if lease is None:
-                self._expired.pop(lid, None)
-                self._unquarantine(lid)  # its writer is done copying
+                self._book.forget(lid)
+                self._unquarantine(lid, writer_done=True)  # its writer is done copying
                 raise StoreError(
                     "lease_expired", f"reservation {lid} expired before commit; nothing was stored"
                 )
-            del self._leases[lid]
+            self._book.pop(lid)
             stored = 0
             for key, gen in lease.items:
                 entry = self._entries.get(key)
                 if entry is None or entry.gen != gen:
                     continue
+                if entry.verify and self._checksum is not None:
+                    entry.crc = self._checksum(entry.offset, entry.nbytes)
+                    self.stats.verified_chunks += 1
                 entry.committed = True
                 self._lru[key] = None
                 stored += 1
@@ -465,10 +463,64 @@ class ChunkStore:
         with self._lock:
             self._expire()
             if self._owned(lid, owner, write=True) is None:
-                self._expired.pop(lid, None)
-                self._unquarantine(lid)  # its writer is done copying
+                self._book.forget(lid)
+                self._unquarantine(lid, writer_done=True)  # its writer is done copying
                 return
             self._end_lease(lid)
+
+    def owner_gone(self, owner: str) -> int:
+        """Every connection of client ``owner`` closed: end its leases at once (pins released,
+        reservations dropped and their slots free: no writer is left to copy into them), free
+        its quarantined slots and stop verifying the ones it might have reached. Returns how
+        many leases and quarantines ended."""
+        with self._lock:
+            lids = self._book.owned_by(owner)
+            for lid in lids:
+                lease = self._end_lease(lid)
+                if lease is not None:
+                    self._book.remember(lid, lease.owner, lease.write)
+            quarantined = self._book.quarantines_of(owner)
+            for lid in quarantined:
+                self._unquarantine(lid, writer_done=True)
+            for lid in [lid for lid, (o, _) in self._suspect.items() if o == owner]:
+                del self._suspect[lid]
+            if lids or quarantined:
+                self.stats.clients_gone += 1
+            return len(lids) + len(quarantined)
+
+    def verified_copy(self, lid: str, copy: Callable[[int, int], bytes]) -> list[bytes | None]:
+        """For server pin ``lid``'s chunks in order: None for a chunk that needs no check, else
+        ``copy(offset, nbytes)`` of a verified one, checked after copying. The list ends before
+        the first chunk whose bytes changed (a socket read sends only the intact prefix)."""
+        with self._lock:
+            lease = self._book.get(lid)
+            out: list[bytes | None] = []
+            for key, gen in lease.items if lease is not None else ():
+                entry = self._entries.get(key)
+                if entry is None or entry.gen != gen:
+                    break
+                if not entry.verify or self._checksum is None:
+                    out.append(None)
+                    continue
+                data = copy(entry.offset, entry.nbytes)
+                if zlib.crc32(data) != entry.crc:
+                    self._intact(key, gen)  # counts and drops it
+                    break
+                out.append(data)
+            return out
+
+    def full_reason(self) -> str:
+        """Why chunks did not fit: what holds the pool (for a reply's ``dropped_reason``)."""
+        with self._lock:
+            pinned = sum(e.nbytes for e in self._entries.values() if e.pins)
+            reserved = sum(e.nbytes for e in self._entries.values() if not e.committed)
+            quarantined = sum(n for q in self._book.quarantined() for _, n in q.blocks)
+            return (
+                f"the pool is full: its {self._alloc.capacity} bytes hold {pinned} of pinned "
+                f"chunks, {reserved} of chunks being written and {quarantined} quarantined "
+                f"(slots of {len(self._book.quarantined())} expired reservations whose writers "
+                "are still connected and may still be copying)"
+            )
 
     def snapshot(self) -> dict[str, Any]:
         """Pool usage and counters for ``/status``."""
@@ -481,7 +533,7 @@ class ChunkStore:
                 "objects": len(self._lru),
                 "reserved_objects": len(self._entries) - len(self._lru),
                 "pinned_objects": sum(1 for e in self._entries.values() if e.pins),
-                "active_leases": len(self._leases),
+                "active_leases": len(self._book),
                 "hits": s.hits,
                 "misses": s.misses,
                 "hit_chunks": s.hit_chunks,
@@ -492,5 +544,9 @@ class ChunkStore:
                 "evictions": s.evictions,
                 "expired_leases": s.expired_leases,
                 "quarantined_chunks": s.quarantined_chunks,
-                "quarantined_bytes": sum(n for q in self._quarantine.values() for _, n in q.blocks),
+                "quarantined_bytes": sum(n for q in self._book.quarantined() for _, n in q.blocks),
+                "suspect_reservations": len(self._suspect),
+                "verified_chunks": s.verified_chunks,
+                "corrupted_chunks": s.corrupted_chunks,
+                "clients_gone": s.clients_gone,
             }

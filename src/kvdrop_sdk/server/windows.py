@@ -6,10 +6,12 @@ stores them here as one record, keyed by ``sha256(model, cache kind, salt, every
 call)``: exactly that request finds it, nothing else. A record is ``[1, L, R, Dq]`` query rows in
 the model's query layout plus their ``R`` positions (int64, strictly increasing, each below the
 number of tokens). Records live on the heap beside the chunk pool, bounded by ``capacity_bytes``
-with LRU eviction. The first copy of a key wins, as for chunks: a later put under the same key is
-not kept, whatever its size (a put could otherwise replace another client's window). Records
-count as data held under their (model, kind) registration (``held``): while one exists, the
-registration cannot be replaced by another layout.
+with LRU eviction; a record counts its payload plus its real heap overhead
+(``RECORD_OVERHEAD_BYTES``), so a store full of 4-byte records is as large as its bound says.
+The first copy of a key wins, as for chunks: a later put under the same key is not kept,
+whatever its size (a put could otherwise replace another client's window). Records count as
+data held under their (model, kind) registration (``held``): while one exists, the registration
+cannot be replaced by another layout.
 
 Ops (``put_window`` / ``get_window``): frames ``[token ids, positions (little-endian int64),
 rows, (lse)]`` in, ``[positions, rows, (lse)]`` out; the header carries ``model``, ``kind``
@@ -28,9 +30,12 @@ import hashlib
 import itertools
 import struct
 import threading
+import warnings
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from kvdrop_sdk.hashing import TOKEN_BYTES, decode_tokens
 from kvdrop_sdk.layout import CacheLayout, dtype_name
@@ -55,6 +60,9 @@ _VERSION = b"kvdrop-window-v2"
 Tag = tuple[str, str]
 #: Record kinds of the store: query windows and per-token scores.
 RECORD_KINDS = ("query", "scores")
+#: Heap bytes one record costs beyond its payload: the record object, its bytes objects' headers,
+#: the 32-byte key and its OrderedDict entry (about 500 measured; test_windows checks the bound).
+RECORD_OVERHEAD_BYTES = 640
 
 
 def record_kind(header: dict[str, Any]) -> str:
@@ -82,7 +90,7 @@ def window_key(
     return h.digest()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WindowRecord:
     """One stored window: ``rows`` query rows (bytes of ``[1, L, rows, width]``) and positions."""
 
@@ -95,10 +103,11 @@ class WindowRecord:
 
     @property
     def nbytes(self) -> int:
-        return len(self.positions) + len(self.data) + len(self.lse or b"")
+        """What the record costs the store: payload plus ``RECORD_OVERHEAD_BYTES``."""
+        return len(self.positions) + len(self.data) + len(self.lse or b"") + RECORD_OVERHEAD_BYTES
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScoresRecord:
     """One call's per-token scores: float32 bytes of ``[layers, heads, rows]``."""
 
@@ -110,7 +119,8 @@ class ScoresRecord:
 
     @property
     def nbytes(self) -> int:
-        return len(self.data)
+        """What the record costs the store: payload plus ``RECORD_OVERHEAD_BYTES``."""
+        return len(self.data) + RECORD_OVERHEAD_BYTES
 
 
 Record = WindowRecord | ScoresRecord
@@ -263,6 +273,14 @@ def _parse_scores(
             "bad_data",
             f"scores are float32 [{layout.num_layers}, {heads}, {rows}] = {expected} bytes, got "
             f"{len(data)}",
+        )
+    with warnings.catch_warnings():  # read-only bytes: only read here
+        warnings.simplefilter("ignore", UserWarning)
+        values = torch.frombuffer(data, dtype=torch.float32)
+    bad = int((~torch.isfinite(values)).sum())
+    if bad:
+        raise ProtocolError(
+            "bad_data", f"scores must be finite; {bad} of {values.numel()} are NaN or inf"
         )
     return tokens, ScoresRecord(rows, heads, layout.num_layers, data, tag)
 

@@ -86,7 +86,13 @@ def _stored(reply: dict[str, Any]) -> int:
     chunks were dropped because the pool had no room."""
     stored, dropped = int(reply.get("stored", 0)), int(reply.get("dropped", 0))
     if dropped:
-        raise PartialStoreError(stored, dropped, int(reply.get("duplicates", 0)))
+        reason = reply.get("dropped_reason")
+        raise PartialStoreError(
+            stored,
+            dropped,
+            int(reply.get("duplicates", 0)),
+            reason if isinstance(reason, str) else None,
+        )
     return stored
 
 
@@ -272,7 +278,8 @@ class ContiguousTransferWrapper:
             for reply, _ in replies:
                 for key in total:
                     total[key] += int(reply.get(key, 0))
-            return _stored(total)
+            reasons = [r["dropped_reason"] for r, _ in replies if r.get("dropped_reason")]
+            return _stored({**total, "dropped_reason": reasons[0] if reasons else None})
         mapping = self._current()
         reply, _ = self._rpc.call(
             "reserve",

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
+import sys
+import zlib
+from typing import Any
+
 import pytest
 import torch
 
@@ -246,3 +251,134 @@ def test_server_config_defaults_match_the_document() -> None:
     assert (cfg.host, cfg.port, cfg.http_port, cfg.chunk_size) == ("127.0.0.1", 6555, 8080, 256)
     assert cfg.l1_use_lazy and cfg.eviction_policy == "LRU" and not cfg.transfer_query
     assert ServerConfig(l1_size_gb=0.5).pool_bytes == 512 * 1024**2
+
+
+# -- issue 28 A: one client's leases cost the others nothing, and are capped ---------------------
+def _store(end: int, **kw: Any) -> ChunkStore:
+    """A store; keyword arguments the store does not take are left out (so that the behaviour,
+    not the signature, is what fails on older code)."""
+    accepted = inspect.signature(ChunkStore).parameters
+    return ChunkStore(0, end, **{k: v for k, v in kw.items() if k in accepted})
+
+
+def _lines_run(fn: Any) -> int:
+    """Lines of the store's modules executed while ``fn`` runs (a count, not a timing)."""
+    count = 0
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count
+        if frame.f_code.co_filename.endswith(("store.py", "leases.py")):
+            if event == "line":
+                count += 1
+            return tracer
+        return None
+
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def test_one_clients_pins_do_not_slow_the_others_lookups() -> None:
+    store = _store(4 * ALIGN, max_client_leases=50_000)
+    assert put(store, keys("a")) == 1
+    quiet = _lines_run(lambda: [store.lookup(keys("a")) for _ in range(50)])
+    for _ in range(20_000):
+        store.pin(keys("a"), 600, owner="hog")
+    busy = _lines_run(lambda: [store.lookup(keys("a")) for _ in range(50)])
+    assert busy <= 2 * quiet + 100, (quiet, busy)  # on the old code every op scanned 20,000
+
+
+def test_a_clients_leases_are_capped_with_a_clear_refusal() -> None:
+    clock = Clock()
+    store = _store(4 * ALIGN, max_client_leases=3, clock=clock, quarantine_s=100)
+    assert put(store, keys("a")) == 1
+    lids = [store.pin(keys("a"), 600, owner="hog")[0] for _ in range(3)]
+    with pytest.raises(StoreError, match=r"holds 3 leases.*--max-client-leases 3") as info:
+        store.pin(keys("a"), 600, owner="hog")
+    assert info.value.code == "too_many_leases"
+    with pytest.raises(StoreError, match=r"holds 3 leases"):
+        store.reserve(keys("b"), ALIGN, 600, owner="hog")
+    assert store.pin(keys("a"), 600, owner="other")[0] is not None  # others are not affected
+    store.release(lids[0], owner="hog")
+    assert store.pin(keys("a"), 600, owner="hog")[0] is not None
+    # Quarantined reservations count too: expiring leases does not get around the cap.
+    capped = _store(4 * ALIGN, max_client_leases=2, clock=clock, quarantine_s=100)
+    capped.reserve(keys("x"), ALIGN, 1, owner="w")
+    capped.reserve(keys("y"), ALIGN, 1, owner="w")
+    clock.now += 2
+    with pytest.raises(StoreError, match="quarantined"):
+        capped.reserve(keys("z"), ALIGN, 1, owner="w")
+
+
+# -- issue 28 B: gone writers cost nothing; reused slots are verified ----------------------------
+def test_a_gone_writers_reservations_and_quarantines_end_at_once() -> None:
+    clock = Clock()
+    store = ChunkStore(0, 4 * ALIGN, clock=clock, quarantine_s=600)
+    store.reserve(keys("a", "b"), ALIGN, 5, owner="w1")
+    clock.now = 6  # a and b quarantined: their writer may be stalled
+    store.reserve(keys("c", "d"), ALIGN, 600, owner="w1")
+    assert store.snapshot()["quarantined_bytes"] == 2 * ALIGN
+    assert store.owner_gone("w1") == 2
+    snap = store.snapshot()
+    assert snap["quarantined_bytes"] == 0 and snap["reserved_objects"] == 0
+    assert snap["pool_bytes_used"] == 0 and snap["clients_gone"] == 1
+    assert put(store, keys("e", "f", "g", "h")) == 4  # the whole pool is usable at once
+    assert store.owner_gone("nobody") == 0
+
+
+def test_slots_reused_after_quarantine_are_verified() -> None:
+    """A writer silent past its lease and the quarantine may still copy: the slot is reused,
+    but what is stored there is checked by CRC at every release, so a late copy is a miss."""
+    clock, pool = Clock(), bytearray(2 * ALIGN)
+    crc = lambda off, n: zlib.crc32(pool[off : off + n])  # noqa: E731
+    store = ChunkStore(0, 2 * ALIGN, clock=clock, quarantine_s=10, checksum=crc)
+    (_, stale_off), *_ = store.reserve(keys("a"), ALIGN, 5, owner="w1")[1]
+    clock.now = 6
+    assert store.snapshot()["quarantined_bytes"] == ALIGN  # expired: quarantined
+    clock.now = 17  # quarantine over; w1 is still connected (not known gone)
+    lid, slots, _, _ = store.reserve(keys("b", "c"), ALIGN, 5, owner="w2")
+    assert stale_off in [off for _, off in slots]
+    for _, off in slots:
+        pool[off : off + ALIGN] = b"\x01" * ALIGN
+    assert store.commit(lid, owner="w2") == 2
+    assert store.snapshot()["verified_chunks"] == 1  # the chunk in the suspect slot
+    plid, _ = store.pin(keys("b", "c"), 5, owner="r")
+    assert store.release(plid, owner="r") == 2  # untouched: both valid
+    plid, _ = store.pin(keys("b", "c"), 5, owner="r")
+    pool[stale_off : stale_off + ALIGN] = b"\xff" * ALIGN  # w1 wakes up and copies
+    valid = store.release(plid, owner="r")
+    bad = next(i for i, (_, off) in enumerate(slots) if off == stale_off)
+    assert valid == bad  # the reader keeps only what is before the overwritten chunk
+    assert store.snapshot()["corrupted_chunks"] == 1
+    assert store.lookup(keys("b", "c")) == bad  # the overwritten chunk is gone
+    # Once w1 ends its lease (or disconnects) the slot is no longer suspect.
+    with pytest.raises(StoreError, match="expired"):
+        store.commit(store_lid_of(store, "w1"), owner="w1")
+
+
+def store_lid_of(store: ChunkStore, owner: str) -> str:
+    """The id of ``owner``'s one expired reservation (remembered for its owner)."""
+    return next(lid for lid, (o, _) in store._book._expired.items() if o == owner)
+
+
+def test_suspect_slots_count_against_their_writers_cap() -> None:
+    """A writer that keeps letting reservations lapse (each one's slots then verified) cannot
+    grow what every allocation is checked against: they count as its leases."""
+    clock, pool = Clock(), bytearray(8 * ALIGN)
+    crc = lambda off, n: zlib.crc32(pool[off : off + n])  # noqa: E731
+    store = ChunkStore(0, 8 * ALIGN, clock=clock, quarantine_s=1, checksum=crc, max_client_leases=2)
+    for name in ("a", "b"):
+        store.reserve(keys(name), ALIGN, 1, owner="w")
+        clock.now += 1.5
+        store.lookup([])  # expired: quarantined
+        clock.now += 1.5
+        store.lookup([])  # quarantine over: suspect
+    assert store.snapshot()["suspect_reservations"] == 2
+    with pytest.raises(StoreError, match="holds 2 leases and quarantined or suspect"):
+        store.reserve(keys("c"), ALIGN, 1, owner="w")
+    assert store.owner_gone("w") == 0  # nothing live, but its suspects are cleared
+    assert store.snapshot()["suspect_reservations"] == 0
+    assert store.reserve(keys("c"), ALIGN, 1, owner="w")[0] is not None
