@@ -47,7 +47,8 @@ __all__ = [
 
 #: ``head_dim`` of a query scorer that leaves it None and is called without an edit context.
 DEFAULT_QUERY_HEAD_DIM = 128
-#: Warn when chunk alignment keeps less than this fraction of the tokens asked for.
+#: Warn when chunk alignment keeps less than this fraction of the tokens asked for, or more
+#: than its inverse (plus one token of rounding).
 BUDGET_WARN_FRACTION = 0.75
 #: The flags ``queries`` replaced; a scorer that still sets one gets a TypeError saying so.
 _OLD_QUERY_FLAGS = ("needs_query", "needs_full_queries", "sparse_queries")
@@ -277,18 +278,22 @@ class SelectorPolicy(Policy):
 
     def plan_budget(self, inputs: EditInputs) -> int:
         """This request's cached-token budget; warns (once per policy) when chunk alignment keeps
-        far less of the whole prompt than asked."""
+        far less, or more, of the whole prompt than asked."""
         sel = self.selector
         budget = sel.budget(inputs.num_tokens, inputs.protected)
         asked = sel.requested(inputs.num_tokens, inputs.prompt_tokens)
         kept = budget + inputs.prompt_tokens - inputs.num_tokens
-        if kept < BUDGET_WARN_FRACTION * asked and not getattr(self, "_budget_warned", False):
+        less = kept < BUDGET_WARN_FRACTION * asked
+        more = kept > asked / BUDGET_WARN_FRACTION + 1
+        if (less or more) and not getattr(self, "_budget_warned", False):
             self._budget_warned = True
+            hint = "a smaller chunk_size or keep more" if less else "a smaller chunk_size"
             warnings.warn(
                 f"{self.name}: chunk alignment keeps {kept} of {inputs.prompt_tokens} prompt "
-                f"tokens, {kept / max(asked, 1):.0%} of the {asked:.0f} asked for (budgets are "
-                f"whole chunks of {sel.chunk_size}, aligned down); use a smaller chunk_size or "
-                "keep more. Shown once per policy.",
+                f"tokens (kept_fraction {kept / max(inputs.prompt_tokens, 1):.2f}), "
+                f"{kept / max(asked, 1):.0%} of the {asked:.0f} asked for (budgets are whole "
+                f"chunks of {sel.chunk_size}, aligned down but at least one, and the uncached "
+                f"tail is kept whole); use {hint}. Shown once per policy.",
                 PolicyWarning,
                 stacklevel=4,
             )

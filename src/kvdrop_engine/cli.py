@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _http_arguments(parser)
     _model_arguments(parser)
     _engine_arguments(parser)
+    _drop_arguments(parser)
     _connector_arguments(parser)
 
 
@@ -113,6 +114,31 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _drop_arguments(parser: argparse.ArgumentParser) -> None:
+    drop = parser.add_argument_group(
+        "dropping while serving (each prompt's cache cut after its prefill; a request's "
+        '"kvdrop": {"policy": ..., "keep_ratio": ...} or "kvdrop": null overrides it)'
+    )
+    drop.add_argument(
+        "--policy",
+        default=None,
+        metavar="SPEC",
+        help="drop policy: a registered name or spec string, plugins included (default: none)",
+    )
+    drop.add_argument(
+        "--keep-ratio",
+        type=float,
+        default=0.5,
+        help="fraction of each prompt's tokens the cut keeps (default 0.5)",
+    )
+    drop.add_argument(
+        "--min-drop-tokens",
+        type=int,
+        default=128,
+        help="prompts shorter than this are left whole (default 128)",
+    )
+
+
 def _connector_arguments(parser: argparse.ArgumentParser) -> None:
     kv = add_connector_arguments(
         parser,
@@ -162,6 +188,9 @@ def _check_args(args: argparse.Namespace) -> None:
             f"--kv-budget-tokens ({args.kv_budget_tokens}) must be at least one block "
             f"(--block-size {args.block_size})"
         )
+    if not 0 < args.keep_ratio <= 1:
+        raise EngineSetupError(f"--keep-ratio must be in (0, 1], got {args.keep_ratio}")
+    _positive("--min-drop-tokens", args.min_drop_tokens)
     if args.threads is not None:
         _positive("--threads", args.threads)
     _positive("--query-window", args.query_window)
@@ -288,6 +317,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     except (EngineSetupError, OSError, ValueError, ImportError, RuntimeError) as exc:
         # Missing files, bad checkpoints, missing extras, an unavailable --device.
         raise EngineSetupError(str(exc)) from None
+    dropper = _dropper(args, model.config)
     connector = connector_of(args, name)
     try:
         engine = Engine(
@@ -298,6 +328,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
             max_batch_size=args.max_batch_size,
             max_prefill_tokens=args.max_prefill_tokens,
             connector=connector,
+            dropper=dropper,
         )
     except Exception as exc:
         if connector is not None:
@@ -325,6 +356,16 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
             connector.close()
         raise EngineSetupError(f"cannot bind {args.host}:{args.port}: {exc}") from None
     return connector, engine, server
+
+
+def _dropper(args: argparse.Namespace, config: Any) -> Any:
+    """The engine's :class:`~kvdrop_engine.drop.PromptDropper`: ``--policy`` checked against the
+    model's layout now (EngineSetupError in one line), so requests may also ask for a cut."""
+    from kvdrop_engine.drop import PromptDropper
+
+    return PromptDropper(
+        config, args.policy, keep_ratio=args.keep_ratio, min_prompt_tokens=args.min_drop_tokens
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -357,6 +398,11 @@ def _serve(args: argparse.Namespace, connector: Any, engine: Any, server: Any) -
     engine.start()
     server.start()
     kv_note = f", {args.cache_server} KV store {args.kvdrop_url}" if connector is not None else ""
+    if args.policy is not None:
+        kv_note += (
+            f", prompts of {args.min_drop_tokens}+ tokens cut by {args.policy} to keep "
+            f"{args.keep_ratio:g}"
+        )
     print(
         f"kvdrop engine: serving {server.model_name!r} on {server.url} (KV budget "
         f"{engine.num_blocks} blocks of {args.block_size} tokens{kv_note}); {ROUTES}, GET /stats",

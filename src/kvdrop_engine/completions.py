@@ -440,6 +440,18 @@ def _engine_values(body: dict[str, Any], settings: Settings) -> dict[str, Any]:
     return params
 
 
+def _kvdrop_override(value: Any) -> Any:
+    """The ``"kvdrop"`` field as the engine takes it (its shape checked here, the policy by the
+    engine): 400 naming the field when it is malformed."""
+    from kvdrop_engine.drop import parse_override
+
+    try:
+        parsed = parse_override(value)
+    except ValueError as exc:
+        raise BadRequestError(str(exc), param="kvdrop") from None
+    return None if parsed is None else dict(value)
+
+
 def _sampling(
     body: dict[str, Any], route: Route, values: dict[str, Any], settings: Settings
 ) -> SamplingParams:
@@ -537,9 +549,12 @@ def parse_request(body: Any, route: Route, settings: Settings) -> CompletionRequ
     values["max_tokens"] = route.max_tokens(body, prompts[0], settings)
     params = _sampling(body, route, values, settings)
     _check_context(body, prompts, params.max_tokens, settings.max_model_len)
+    sent = _sent(params, values)
+    if "kvdrop" in body:  # null (no cut) or {"policy", "keep_ratio"}: kvdrop_engine.drop
+        sent["kvdrop"] = _kvdrop_override(body["kvdrop"])
     return CompletionRequest(
         prompt_token_ids=prompts[0],
-        sampling_params=_sent(params, values),
+        sampling_params=sent,
         cache_salt=cache_salt,
         max_tokens=params.max_tokens,
         stream=stream,

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from kvdrop_engine.connectors.base import KVConnector
+from kvdrop_engine.drop import PromptDropper, prepare_cut
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
@@ -104,6 +105,7 @@ class Engine:
         store_timeout_s: float = 30.0,
         connector_backoff_s: float = 30.0,
         reconstruction: ReconstructionPrompt | None = None,
+        dropper: PromptDropper | None = None,
     ) -> None:
         cfg: ModelConfig = model.config
         try:
@@ -123,6 +125,9 @@ class Engine:
         #: scored by the pass when it ends, the scores stored beside its query window (the
         #: ``kvzip`` policy reads them; :mod:`kvdrop_engine.reconstruct`).
         self.reconstruction = reconstruction
+        #: Cuts each prompt's cache after its prefill (``kvdrop engine --policy``; a request's
+        #: ``"kvdrop"`` sampling key overrides it): :mod:`kvdrop_engine.drop`.
+        self.dropper = dropper
         self.runner = ModelRunner(
             model,
             cfg,
@@ -258,6 +263,10 @@ class Engine:
         engine if needed.
         """
         detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
+        override: tuple[Any, ...] = ()  # the request's "kvdrop" key, when it sent one
+        if isinstance(sampling_params, Mapping) and "kvdrop" in sampling_params:
+            sampling_params = dict(sampling_params)
+            override = (sampling_params.pop("kvdrop"),)
         req = new_request(
             next(self._ids),
             prompt_token_ids,
@@ -266,6 +275,7 @@ class Engine:
             vocab_size=self.config.vocab_size,
             detok=detok,
         )
+        prepare_cut(self.dropper, req, override)
         if req.params.reconstruct and (self.reconstruction is None or self._transfers is None):
             raise InvalidRequestError(
                 "reconstruct=true needs an engine built with reconstruction=ReconstructionPrompt"
@@ -520,9 +530,14 @@ class Engine:
                 transfers = self._transfers
                 if len(req.output) == 1 and req.store_upto and transfers is not None:
                     transfers.submit(req, self._prompt_job(req))
+                if len(req.output) == 1 and req.cut is not None and reason is None:
+                    self._cut(req)  # postprocess after prefill: kvdrop_engine.drop
                 text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
                 lp, top = (None, ()) if logprobs is None else logprobs
-                event = TokenEvent(tok, text, reason, logprob=lp, top_logprobs=top)
+                kept, req.kept_prompt = req.kept_prompt, None  # on the first event only
+                event = TokenEvent(
+                    tok, text, reason, logprob=lp, top_logprobs=top, kept_prompt_tokens=kept
+                )
                 if reason is not None and transfers is not None and not req.cancelled:
                     for job in self._finish_jobs(req, windows or {}):
                         transfers.submit(req, job)
@@ -543,6 +558,19 @@ class Engine:
             with self._cv:
                 self._sched.finish(req)
                 self._stats.requests_finished += 1
+
+    def _cut(self, req: Request) -> None:
+        """(after prefill) Cut the prompt's cache by its policy (:mod:`kvdrop_engine.drop`); the
+        first event reports the kept prompt tokens."""
+        assert self.dropper is not None
+        done = self.dropper.cut(self.cache, req, req.cut)
+        req.kept_prompt = done.num_kept
+        with self._cv:
+            st = self._stats
+            st.prompt_cuts += 1
+            st.prompt_tokens_kept += done.num_kept
+            st.prompt_tokens_dropped += done.num_prompt - done.num_kept
+            st.cut_seconds += done.seconds
 
     def _prompt_job(self, req: Request) -> StoreJob:
         """(after prefill) The prompt's whole chunks of KV (and chunk queries) to store."""

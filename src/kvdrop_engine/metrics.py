@@ -60,6 +60,8 @@ class EngineLoad:
     prefix_cache_queries: int  # prompt tokens looked up in the cache server
     prefix_cache_hits: int  # of those, tokens loaded instead of computed
     cache_loads_failed: int  # loads that failed, timed out or were skipped (recomputed)
+    prompt_tokens_kept: int = 0  # prompt tokens kept by the cut after prefill (--policy)
+    prompt_tokens_dropped: int = 0  # and dropped by it
 
 
 class EngineGauges(Protocol):
@@ -72,6 +74,8 @@ class _Counters(Protocol):
     tokens_loaded: int
     prefill_tokens_computed: int
     connector_fallbacks: int
+    prompt_tokens_kept: int
+    prompt_tokens_dropped: int
 
 
 class LoadedEngine(Protocol):
@@ -101,6 +105,8 @@ def engine_load(engine: LoadedEngine) -> EngineLoad:
         prefix_cache_queries=stats.tokens_loaded + stats.prefill_tokens_computed,
         prefix_cache_hits=stats.tokens_loaded,
         cache_loads_failed=stats.connector_fallbacks,
+        prompt_tokens_kept=stats.prompt_tokens_kept,
+        prompt_tokens_dropped=stats.prompt_tokens_dropped,
     )
 
 
@@ -256,6 +262,10 @@ def _engine_rows(
          label, engine.prefix_cache_hits),
         ("cache_load_failures_total", "counter", "Cache loads that failed and were recomputed",
          label, engine.cache_loads_failed),
+        ("prompt_tokens_kept_total", "counter", "Prompt tokens kept by the cut after prefill",
+         label, engine.prompt_tokens_kept),
+        ("prompt_tokens_dropped_total", "counter", "Prompt tokens dropped by the cut after prefill",
+         label, engine.prompt_tokens_dropped),
     ]  # fmt: skip
 
 

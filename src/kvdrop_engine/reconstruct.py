@@ -41,6 +41,7 @@ __all__ = [
     "ReconstructionAttention",
     "ReconstructionPass",
     "ReconstructionPrompt",
+    "chunk_scores",
     "reconstruction_scores",
 ]
 
@@ -154,13 +155,27 @@ class ReconstructionAttention:
         k_all = torch.cat([kc, k]).transpose(0, 1)  # [Hkv, S + rows so far, d]
         v_all = torch.cat([vc, v]).transpose(0, 1)
         out = causal_attention(q, k_all, v_all, k_all.shape[1] - q.shape[0])
-        sink = min(self.n_sink, self.start)
-        scored = torch.cat(
-            [k_all[:, :sink], k_all[:, self.start : self.end], k_all[:, cached:]], dim=1
-        )
         region = self.scores[layer, :, self.start : self.end]
-        torch.maximum(region, _max_probs(q, scored, sink, self.end - self.start), out=region)
+        piece = chunk_scores(q, k_all, self.start, self.end, self.n_sink, cached=cached)
+        torch.maximum(region, piece, out=region)
         return out
+
+
+def chunk_scores(
+    q: Tensor, keys: Tensor, start: int, end: int, n_sink: int, cached: int | None = None
+) -> Tensor:
+    """KVzip's scoring rule for one chunk, ``[Hkv, end - start]``: ``q [M, Hq, d]`` are the
+    chunk's post-RoPE reconstruction queries, ``keys [Hkv, S + R, d]`` the ``S = cached``
+    cached keys then the reconstruction's own ``R`` (earlier pieces of the chunk, then the
+    ``M`` rows of ``q``; ``cached`` defaults to ``S + R - M``, one piece); each cached token
+    ``start..end-1`` gets the max softmax probability any query (and GQA head) pays it over the
+    first ``n_sink`` cached tokens, the chunk's cached tokens and the reconstruction's own
+    (causal). Shared by the engine and the transformers integration, so both score alike."""
+    if cached is None:
+        cached = keys.shape[1] - q.shape[0]
+    sink = min(n_sink, start)
+    scored = torch.cat([keys[:, :sink], keys[:, start:end], keys[:, cached:]], dim=1)
+    return _max_probs(q, scored, sink, end - start)
 
 
 def _logits(qh: Tensor, kt: Tensor) -> Tensor:

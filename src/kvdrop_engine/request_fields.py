@@ -126,7 +126,7 @@ SAMPLING_FIELDS = (
     "stop_token_ids",
 )  # fmt: skip
 #: kvdrop's own request fields (a per-request drop policy joins them here).
-KVDROP_FIELDS = frozenset({"cache_salt", "return_tokens_as_token_ids"})
+KVDROP_FIELDS = frozenset({"cache_salt", "return_tokens_as_token_ids", "kvdrop"})
 #: OpenAI/vLLM fields accepted at their neutral values only (null always is): what they would
 #: change is not served here, and a client that sends every field at its default must work.
 NEUTRAL_FIELDS: dict[str, tuple[Any, ...]] = {

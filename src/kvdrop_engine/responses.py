@@ -101,6 +101,8 @@ class Choice:
         self.text = ""
         #: The echoed prompt (``echo``): it begins the text, and the first piece carries it.
         self.prefix = ""
+        #: Prompt tokens the engine's cache kept after its drop policy's cut (None: no cut).
+        self.kept_prompt_tokens: int | None = None
 
     @property
     def count(self) -> int:
@@ -116,6 +118,8 @@ class Choice:
         """Account one generated token. Its finish reason is the engine's, "stop" when a stop
         string appeared, or "length" once ``max_tokens`` tokens arrived."""
         req = self.request
+        if event.kept_prompt_tokens is not None:
+            self.kept_prompt_tokens = event.kept_prompt_tokens
         finish = event.finish_reason
         if finish is None and self.count + 1 >= req.max_tokens:
             finish = "length"
@@ -305,13 +309,19 @@ class CompletionBuilder:
         return {**self._head("text_completion"), "choices": [choice]}
 
     def usage(self) -> dict[str, int]:
-        """Prompt (each prompt once), completion (all choices) and total token counts."""
+        """Prompt (each prompt once), completion (all choices) and total token counts;
+        ``kept_prompt_tokens`` (the first choice's prompt tokens its cache kept) when the engine
+        drops while serving."""
         n_prompt = sum(len(p) for p in self.request.prompts)
-        return {
+        usage = {
             "prompt_tokens": n_prompt,
             "completion_tokens": self.count,
             "total_tokens": n_prompt + self.count,
         }
+        kept = self.choices[0].kept_prompt_tokens
+        if kept is not None:
+            usage["kept_prompt_tokens"] = kept
+        return usage
 
     def usage_chunk(self) -> dict[str, Any]:
         """The last streamed chunk of ``stream_options.include_usage``: no choices, the usage."""

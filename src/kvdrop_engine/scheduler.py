@@ -260,9 +260,13 @@ class Scheduler:
         """The most blocks a request holds: its prompt and every generated token but the last."""
         return blocks_needed(num_prompt_tokens + max_tokens - 1, self.block_size)
 
+    def blocks_of(self, req: Request) -> int:
+        """Blocks ``req`` reserves on admission (:attr:`Request.peak_tokens`)."""
+        return blocks_needed(req.peak_tokens, self.block_size)
+
     def check_fits(self, req: Request) -> None:
         """``RequestTooLargeError`` when ``req`` needs more blocks than the whole budget."""
-        need = self.blocks_for(len(req.prompt), req.params.max_tokens)
+        need = self.blocks_of(req)
         total = self.allocator.num_blocks
         if need > total:
             raise RequestTooLargeError(

@@ -64,6 +64,10 @@ class Request:
     load_state: LoadState = LoadState.QUEUED
     #: Stores started for this request; the caller waits for them before its next token.
     stores: list[Future[Any]] = field(default_factory=list)
+    #: The prompt cut after prefill (a ``kvdrop_engine.drop.PromptCut``; None: kept whole) and,
+    #: once it ran, the prompt tokens it kept (the first event reports them).
+    cut: Any = None
+    kept_prompt: int | None = None
     #: A scoring request (teacher-forced log-probs, no sampling) keeps the log-softmax rows of
     #: positions ``score_from..`` of its prompt; -1 for a request that generates.
     score_from: int = -1
@@ -81,6 +85,14 @@ class Request:
         """The tokens computed as a prefill: the prompt, and after a preemption every generated
         token but the last too (the last is fed by the next decode step)."""
         return self.prompt + self.output[:-1]
+
+    @property
+    def peak_tokens(self) -> int:
+        """KV tokens the request ever holds (what admission reserves): prompt and every generated
+        token but the last, or less when its prompt is cut after prefill."""
+        if self.cut is not None:
+            return int(self.cut.peak_tokens(len(self.prompt), self.params.max_tokens))
+        return len(self.prompt) + self.params.max_tokens - 1
 
     @property
     def prefilling(self) -> bool:

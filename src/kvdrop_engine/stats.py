@@ -44,6 +44,12 @@ class EngineStats:
     decode_kv_tokens: int = 0
     graph_capture_seconds: float = 0.0
     prefix_load_seconds: float = 0.0
+    #: Prompts cut after prefill (``--policy`` or a request's ``"kvdrop"``), their tokens kept
+    #: and dropped, and the cuts' wall time on the loop thread (:mod:`kvdrop_engine.drop`).
+    prompt_cuts: int = 0
+    prompt_tokens_kept: int = 0
+    prompt_tokens_dropped: int = 0
+    cut_seconds: float = 0.0
     #: Where the loop thread's time goes (with ``decode_step_seconds`` and
     #: ``graph_capture_seconds``): steps that computed prompt tokens, starting and applying prefix
     #: loads, handing results over (stores started, events; ``window_seconds`` of it finalising

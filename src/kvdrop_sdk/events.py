@@ -21,7 +21,9 @@ class TokenEvent:
     ``finish_reason`` is ``None`` while generating, then "stop" (EOS / stop token) or "length"
     (``max_tokens`` reached) on the last event, as in the OpenAI completions API. ``logprob`` and
     ``top_logprobs`` (``(token_id, logprob)`` pairs, most likely first) are set when the request
-    asked for logprobs and the engine computes them.
+    asked for logprobs and the engine computes them. ``kept_prompt_tokens`` (first event only) is
+    how many prompt tokens the engine's cache kept after cutting the prompt by a drop policy
+    (None: the engine does not drop while serving).
     """
 
     token_id: int
@@ -30,6 +32,7 @@ class TokenEvent:
     time: float = field(default_factory=time.perf_counter)
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    kept_prompt_tokens: int | None = None
 
 
 class PostCompletion(Protocol):

@@ -173,7 +173,9 @@ def test_a_plain_function_plugin_gets_its_parameters_checked(plain: str) -> None
 def test_alignment_that_keeps_far_less_than_asked_is_reported_once() -> None:
     kv = torch.randn(2, 1, 768, 8)
     fn = kvdrop.get("knorm", keep_ratio=0.5, chunk_size=256, rerotate=False)
-    with pytest.warns(kvdrop.PolicyWarning, match="keeps 256 of 768 prompt tokens, 67%"):
+    with pytest.warns(
+        kvdrop.PolicyWarning, match=r"keeps 256 of 768 prompt tokens \(kept_fraction 0\.33\), 67%"
+    ):
         fn({CacheKind.KV: kv}, list(range(768)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -184,6 +186,22 @@ def test_alignment_that_keeps_far_less_than_asked_is_reported_once() -> None:
             {CacheKind.KV: kv}, list(range(768)), context=EditContext.of(768, prompt_tokens=1018)
         )
     assert len(kept) == 256
+
+
+def test_alignment_that_keeps_far_more_than_asked_is_reported() -> None:
+    """A 367-token prompt whose one cached chunk is all a 256-token chunk size can keep: any
+    ratio keeps the whole prompt, and the warning says so with the kept fraction."""
+    kv = torch.randn(2, 1, 256, 8)
+    context = EditContext.of(256, prompt_tokens=367)
+    fn = kvdrop.get("knorm", keep_ratio=0.25, chunk_size=256, rerotate=False)
+    with pytest.warns(kvdrop.PolicyWarning, match=r"keeps 367 of 367 .*kept_fraction 1\.00.*400%"):
+        _, kept = fn({CacheKind.KV: kv}, list(range(256)), context=context)
+    assert len(kept) == 256
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # keep 0.5 of 540 keeps 256 + 28 = 284 of 270: close enough
+        again = kvdrop.get("knorm", keep_ratio=0.5, chunk_size=256, rerotate=False)
+        again({CacheKind.KV: torch.randn(2, 1, 512, 8)}, list(range(512)),
+              context=EditContext.of(512, prompt_tokens=540))  # fmt: skip
 
 
 def test_needs_say_whether_a_query_window_is_enough() -> None:

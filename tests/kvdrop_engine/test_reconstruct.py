@@ -106,43 +106,6 @@ def test_bad_prompt_is_refused(field: str, value: object) -> None:
         ReconstructionPrompt(**fields)  # type: ignore[arg-type]
 
 
-def _reference_max_probs(
-    q: torch.Tensor, keys: torch.Tensor, sink: int, width: int
-) -> torch.Tensor:
-    """The scoring rule written plainly: float64 softmax over every key, causal over own rows."""
-    m, hq, d = q.shape
-    hkv, total = keys.shape[:2]
-    group = hq // hkv
-    k = keys.double().repeat_interleave(group, dim=0)  # [Hq, K, d]
-    logits = torch.einsum("mhd,hkd->hmk", q.double(), k) / math.sqrt(d)
-    own = total - m
-    hidden = torch.arange(total)[None, :] > (own + torch.arange(m))[:, None]
-    probs = logits.masked_fill(hidden[None], -torch.inf).softmax(-1)[..., sink : sink + width]
-    return probs.amax(dim=1).view(hkv, group, width).amax(dim=1).float()
-
-
-@pytest.mark.parametrize("tile_rows", [1, 3, 1000])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiled_scores_equal_the_plain_rule_and_keep_the_same_tokens(
-    monkeypatch: pytest.MonkeyPatch, tile_rows: int, dtype: torch.dtype
-) -> None:
-    """Any tiling (one row a tile up to the whole chunk) gives the plain rule's scores, so the
-    kept set of a top-k over them is the same (the fast path's identity on the host)."""
-    gen = torch.Generator().manual_seed(tile_rows)
-    m, hq, hkv, d, sink, width = 37, 8, 2, 16, 4, 90
-    q = torch.randn(m, hq, d, generator=gen).to(dtype)
-    keys = torch.randn(hkv, sink + width + m, d, generator=gen).to(dtype)
-    monkeypatch.setattr(reconstruct, "SCORE_TILE_BYTES", 4 * hq * keys.shape[1] * tile_rows)
-    got = reconstruct._max_probs(q, keys, sink, width)
-    want = _reference_max_probs(q.float(), keys.float(), sink, width)
-    assert got.dtype == torch.float32 and got.shape == (hkv, width)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
-    k = width // 4
-    for h in range(hkv):
-        kept = set(got[h].topk(k).indices.tolist())
-        assert len(kept & set(want[h].topk(k).indices.tolist())) / k >= 0.99
-
-
 def test_pieces_of_a_pass_equal_the_whole_pass(model: Transformer) -> None:
     """A chunk's rows split over pieces (7 rows at a time) give the whole pass's scores."""
     gen = torch.Generator().manual_seed(1)
@@ -209,3 +172,40 @@ def test_the_engine_runs_the_pass_between_decode_steps(model: Transformer) -> No
         recon,
     )
     torch.testing.assert_close(found.scores, want)
+
+
+def _reference_max_probs(
+    q: torch.Tensor, keys: torch.Tensor, sink: int, width: int
+) -> torch.Tensor:
+    """The scoring rule written plainly: float64 softmax over every key, causal over own rows."""
+    m, hq, d = q.shape
+    hkv, total = keys.shape[:2]
+    group = hq // hkv
+    k = keys.double().repeat_interleave(group, dim=0)  # [Hq, K, d]
+    logits = torch.einsum("mhd,hkd->hmk", q.double(), k) / math.sqrt(d)
+    own = total - m
+    hidden = torch.arange(total)[None, :] > (own + torch.arange(m))[:, None]
+    probs = logits.masked_fill(hidden[None], -torch.inf).softmax(-1)[..., sink : sink + width]
+    return probs.amax(dim=1).view(hkv, group, width).amax(dim=1).float()
+
+
+@pytest.mark.parametrize("tile_rows", [1, 3, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_scores_equal_the_plain_rule_and_keep_the_same_tokens(
+    monkeypatch: pytest.MonkeyPatch, tile_rows: int, dtype: torch.dtype
+) -> None:
+    """Any tiling (one row a tile up to the whole chunk) gives the plain rule's scores, so the
+    kept set of a top-k over them is the same (the fast path's identity on the host)."""
+    gen = torch.Generator().manual_seed(tile_rows)
+    m, hq, hkv, d, sink, width = 37, 8, 2, 16, 4, 90
+    q = torch.randn(m, hq, d, generator=gen).to(dtype)
+    keys = torch.randn(hkv, sink + width + m, d, generator=gen).to(dtype)
+    monkeypatch.setattr(reconstruct, "SCORE_TILE_BYTES", 4 * hq * keys.shape[1] * tile_rows)
+    got = reconstruct._max_probs(q, keys, sink, width)
+    want = _reference_max_probs(q.float(), keys.float(), sink, width)
+    assert got.dtype == torch.float32 and got.shape == (hkv, width)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    k = width // 4
+    for h in range(hkv):
+        kept = set(got[h].topk(k).indices.tolist())
+        assert len(kept & set(want[h].topk(k).indices.tolist())) / k >= 0.99

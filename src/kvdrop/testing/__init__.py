@@ -8,9 +8,11 @@ from kvdrop.testing.policy_contract import (
     check_describes_itself,
     check_invalid_parameters,
     check_invariants,
+    check_parameter_values,
     check_policy,
     check_window_path,
     check_wrong_shapes,
+    explicit_cases,
     policy_names,
 )
 
@@ -18,8 +20,10 @@ __all__ = [
     "check_describes_itself",
     "check_invalid_parameters",
     "check_invariants",
+    "check_parameter_values",
     "check_policy",
     "check_window_path",
     "check_wrong_shapes",
+    "explicit_cases",
     "policy_names",
 ]

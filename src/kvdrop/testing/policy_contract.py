@@ -4,13 +4,17 @@ checkout needed): ``kvdrop.testing.check_policy("my-policy")``.
 :func:`check_policy` runs four checks on one policy, given by its registered name or by its
 factory (a :class:`kvdrop.PolicyFactory`, registered or not):
 
-- :func:`check_invariants`: hypothesis draws inputs from the documented domain (below) and
-  parameters from their declared domains, with ``derandomize=True`` (the same examples on every
-  run and machine); the output must have the input's L, D, dtype and device, keep
-  ``expected_count`` tokens in order, be the input's rows bit for bit, leave the inputs unchanged,
-  be deterministic, and accept another SDK's cache-kind enum by value. A query policy that takes
-  a query window (``QueryNeed.WINDOW``) is also called the way the engine calls it: the
-  last rows of a longer prompt with their positions (:func:`check_window_path`).
+- :func:`check_invariants`: first :func:`check_parameter_values` (explicit examples: every
+  dtype, the budget's extremes, and every value of every declared parameter's domain, bounds
+  included), then hypothesis draws inputs from the documented domain (below) and parameters
+  from their declared domains, with ``derandomize=True`` (the same examples on every run and
+  machine); the policy must not raise on these finite inputs (non-finite scores are refused by
+  the selector), the output must have the input's L, D, dtype and device, keep
+  ``expected_count`` tokens in order, be the input's rows bit for bit, leave the inputs (KV,
+  queries and token scores) bit for bit unchanged, be deterministic, and accept another SDK's
+  cache-kind enum by value. Every failure names the example's parameters and shape. A query
+  policy that takes a query window (``QueryNeed.WINDOW``) is also called the way the engine
+  calls it: the last rows of a longer prompt with their positions (:func:`check_window_path`).
 - :func:`check_invalid_parameters`: bad ``keep_ratio``/``chunk_size``/unknown parameters raise
   ``PolicyParamError`` naming the parameter.
 - :func:`check_wrong_shapes`: wrongly shaped inputs raise ``PolicyInputError`` (and
@@ -28,6 +32,7 @@ accepts them; parameters of other types keep ``PolicyInfo.example``'s value or t
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import types
@@ -62,10 +67,13 @@ __all__ = [
     "check_describes_itself",
     "check_invalid_parameters",
     "check_invariants",
+    "check_parameter_values",
     "check_policy",
     "check_window_path",
     "check_wrong_shapes",
+    "describe_case",
     "expected_count",
+    "explicit_cases",
     "parameter_domain",
     "policy_names",
 ]
@@ -210,21 +218,124 @@ def _check_kept(case: Case, out: torch.Tensor, kept: list[Any], count: int | Non
     assert torch.equal(out, kv[:, :, positions]), "kept rows must be the input rows, bit-identical"
 
 
+def describe_case(name: str, case: Case) -> str:
+    """What one example was, for failure messages: the parameters and the tensors' shape."""
+    params = ", ".join(f"{k}={v!r}" for k, v in sorted(case.params.items()))
+    _, layers, tokens, width = case.kv.shape
+    return f"{name}({params}) on T={tokens}, L={layers}, D={width}, {case.kv.dtype}"
+
+
+def _inputs_of(case: Case) -> dict[str, torch.Tensor]:
+    named = {"KV": case.kv, "queries": case.query}
+    if case.scores is not None:
+        named["token scores"] = case.scores
+    return named
+
+
+def _check_unchanged(before: dict[str, torch.Tensor], case: Case, label: str) -> None:
+    """Every input (KV, queries, token scores) is bit for bit what it was before the call."""
+    for what, now in _inputs_of(case).items():
+        if not torch.equal(now, before[what]):
+            diff = (now.float() - before[what].float()).abs().nan_to_num(nan=float("inf"))
+            raise AssertionError(
+                f"{label}: the policy changed its input {what} in place (max change "
+                f"{float(diff.max()):.3g}); score() must not edit kv, query or token scores: "
+                "clone before editing (note that .float() of a float32 tensor is the same tensor)"
+            )
+
+
+def _call(label: str, policy: Any, tensors: Any, case: Case, context: Any) -> Any:
+    """The policy's result; a policy that raises on these finite, in-domain inputs fails with
+    the example named (non-finite scores land here: the selector refuses them)."""
+    try:
+        return policy(tensors, case.tokens, context=context)
+    except Exception as exc:
+        raise AssertionError(
+            f"{label}: raised {type(exc).__name__} on finite inputs inside the documented "
+            f"domain: {exc}"
+        ) from exc
+
+
 def _invariants(ref: PolicyRef, case: Case) -> None:
     make = _factory(ref)
-    kv_before, q_before = case.kv.clone(), case.query.clone()
+    label = describe_case(make.info.name, case)
+    before = {what: t.clone() for what, t in _inputs_of(case).items()}
     tensors = {CacheKind.KV: case.kv, CacheKind.QUERY: case.query}
     policy = make(**case.params)
     context = case.context(policy)
-    out, kept = policy(tensors, case.tokens, context=context)
+    out, kept = _call(label, policy, tensors, case, context)
+    _check_unchanged(before, case, label)
     count = expected_count(case.params, case.kv.shape[2])
-    _check_kept(case, out, list(kept), count)
+    try:
+        _check_kept(case, out, list(kept), count)
+    except AssertionError as exc:
+        raise AssertionError(f"{label}: {exc}") from exc
     if count == case.kv.shape[2]:
-        assert list(kept) == case.tokens and torch.equal(out, case.kv), "all kept: input back"
-    assert torch.equal(case.kv, kv_before) and torch.equal(case.query, q_before), "inputs changed"
+        assert list(kept) == case.tokens and torch.equal(out, case.kv), f"{label}: all kept, but "
+        "the input did not come back"
     foreign = {ForeignKind.KV: case.kv, ForeignKind.QUERY: case.query}
-    out2, kept2 = make(**case.params)(foreign, case.tokens, context=context)
-    assert list(kept2) == list(kept) and torch.equal(out2, out), "not deterministic"
+    out2, kept2 = _call(label, make(**case.params), foreign, case, context)
+    assert list(kept2) == list(kept) and torch.equal(out2, out), f"{label}: not deterministic"
+
+
+def _base_case(info: PolicyInfo, dtype: torch.dtype, **shape: Any) -> Case:
+    """One fixed input of the domain: T=48, 2 layers, 2 KV heads of head_dim 4, GQA 2, the
+    example's parameters, keep half in chunks of 1 (``shape`` overrides the budget)."""
+    head_dim, layers, kv_heads, tokens = 4, 2, 2, 48
+    gen = torch.Generator().manual_seed(7)
+    kv = torch.randn(2, layers, tokens, kv_heads * head_dim, generator=gen).to(dtype)
+    query = torch.randn(1, layers, tokens, 2 * kv_heads * head_dim, generator=gen).to(dtype)
+    params: dict[str, Any] = {**dict(info.example), "chunk_size": 1, "keep_ratio": 0.5}
+    if "head_dim" in {p.name for p in info.params}:
+        params["head_dim"] = head_dim
+    params.update(shape)
+    if "keep_tokens" in shape:
+        params.pop("keep_ratio")
+    ids = torch.randperm(10 * tokens, generator=gen)[:tokens].tolist()
+    scores = torch.rand(layers, kv_heads, tokens, generator=gen)
+    return Case(params, kv, query, ids, head_dim, scores)
+
+
+#: The budget's bounds and extremes, drawn explicitly: the smallest and largest ratio, a budget
+#: of one token, of all and of more than T, a chunk longer than T.
+BUDGET_EXTREMES: tuple[dict[str, Any], ...] = (
+    {"keep_ratio": 0.01},
+    {"keep_ratio": 1.0},
+    {"keep_tokens": 1},
+    {"keep_tokens": 48},
+    {"keep_tokens": 200},
+    {"keep_ratio": 0.5, "chunk_size": 32},
+    {"keep_ratio": 0.5, "chunk_size": 64},
+)
+
+
+def explicit_cases(ref: PolicyRef) -> Iterator[Case]:
+    """The examples every check runs besides the drawn ones: each dtype at the example's
+    parameters, the budget's extremes, and every value of every declared parameter's domain
+    (its bounds included) with the others at their defaults."""
+    info = _factory(ref).info
+    for dtype in DTYPES:
+        yield _base_case(info, dtype)
+    for shape in BUDGET_EXTREMES:
+        yield _base_case(info, torch.float32, **shape)
+    for p in info.params:
+        if p.name in SHAPED:
+            continue
+        for value in parameter_domain(info.name, p):
+            case = _base_case(info, torch.float32)
+            yield Case({**case.params, p.name: value}, *dataclasses.astuple(case)[1:])
+
+
+def check_parameter_values(ref: PolicyRef) -> None:
+    """:func:`explicit_cases` through the invariants (and the window path for a window policy):
+    a bug at one parameter value fails here whatever hypothesis draws."""
+    make = _factory(ref)
+    window = make(**dict(make.info.example)).queries is QueryNeed.WINDOW
+    with _quiet():
+        for case in explicit_cases(ref):
+            _invariants(ref, case)
+            if window:
+                check_window_path(ref, case, 8, 16)
 
 
 def check_window_path(ref: PolicyRef, case: Case, tail: int, rows: int) -> None:
@@ -244,12 +355,19 @@ def check_window_path(ref: PolicyRef, case: Case, tail: int, rows: int) -> None:
         prompt_tokens=total,
         head_dim=case.head_dim,
     )
-    policy = _factory(ref)(**case.params)
-    tensors = {CacheKind.KV: case.kv, CacheKind.QUERY: query.to(case.kv.dtype)}
-    out, kept = policy(tensors, case.tokens, context=context)
-    _check_kept(case, out, list(kept), None)
-    again = _factory(ref)(**case.params)(tensors, case.tokens, context=context)
-    assert list(again[1]) == list(kept), "not deterministic on the window path"
+    make = _factory(ref)
+    label = f"{describe_case(make.info.name, case)}, window path (tail {tail}, {rows} rows)"
+    window = Case(case.params, case.kv, query.to(case.kv.dtype), case.tokens, case.head_dim)
+    before = {what: t.clone() for what, t in _inputs_of(window).items()}
+    tensors = {CacheKind.KV: window.kv, CacheKind.QUERY: window.query}
+    out, kept = _call(label, make(**case.params), tensors, case, context)
+    _check_unchanged(before, window, label)
+    try:
+        _check_kept(case, out, list(kept), None)
+    except AssertionError as exc:
+        raise AssertionError(f"{label}: {exc}") from exc
+    again = _call(label, make(**case.params), tensors, case, context)
+    assert list(again[1]) == list(kept), f"{label}: not deterministic on the window path"
 
 
 @contextmanager
@@ -263,7 +381,8 @@ def _quiet() -> Iterator[None]:
 def check_invariants(
     ref: PolicyRef, *, max_examples: int = 40, device: torch.device | str = "cpu"
 ) -> None:
-    """The drawn-input checks (hypothesis, derandomized); raises on the first falsified one.
+    """The explicit examples (:func:`check_parameter_values`), then the drawn-input checks
+    (hypothesis, derandomized); raises on the first falsified one, naming its parameters.
     ``device``: where the drawn tensors live (e.g. "cuda": the output must stay there and its
     rows be the input's, bit for bit, as on the host)."""
     try:
@@ -275,6 +394,7 @@ def check_invariants(
     info = make.info
     policy = make(**dict(info.example))
     window = policy.queries is QueryNeed.WINDOW
+    check_parameter_values(ref)
 
     @settings(
         max_examples=max_examples,

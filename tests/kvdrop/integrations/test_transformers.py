@@ -144,3 +144,154 @@ def test_bad_arguments_say_what_is_wrong(hf_model: Any) -> None:
         KVDropPress("snapkv").compress(hf_model, torch.tensor([[1, 2], [3, 4]]))
     with pytest.raises(kvdrop.PolicyParamError, match="keep_ratio"):
         KVDropPress("snapkv", keep_ratio=2.0)
+
+
+#: Fixed reconstruction ids for the random-weight model (its vocabulary has no words), three
+#: chunks over the 299 prefilled tokens.
+SYNTHETIC = {"first": (5, 6, 7), "later": (8, 9), "suffix": (10,), "chunk_tokens": 128}
+
+
+def test_kvzip_keeps_what_the_engine_pass_keeps(
+    hf_model: Any, engine_model: Transformer, prompt: list[int]
+) -> None:
+    """The reconstruction pass run with the transformers model scores like the engine's own
+    pass over the same weights and prompt, so the kept set is the same."""
+    from kvdrop_engine.model import DenseAttention
+    from kvdrop_engine.reconstruct import ReconstructionPrompt, reconstruction_scores
+
+    recon = ReconstructionPrompt(**SYNTHETIC)
+    press = KVDropPress("kvzip", keep_ratio=0.25, reconstruction=recon)
+    done = press.compress(hf_model, torch.tensor([prompt]))
+    context = prompt[: done.prefilled]
+    dense = DenseAttention(engine_model.config, capacity=PROMPT_TOKENS + 200)
+    with torch.inference_mode():
+        engine_model(torch.tensor(context), torch.arange(len(context)), dense)
+        scores = reconstruction_scores(
+            engine_model, context, len(context), dense.keys, dense.values, recon
+        )
+    assert done.token_scores is not None
+    torch.testing.assert_close(done.token_scores, scores, rtol=1e-4, atol=1e-5)
+    policy = kvdrop.get("kvzip", keep_ratio=0.25, chunk_size=1)
+    context_ = EditContext(positions=torch.arange(len(context)), token_scores=scores)
+    _, index = policy.select_indices({CacheKind.KV: _engine_kv(engine_model, context)}, context,
+                                     context=context_)  # fmt: skip
+    assert done.kept == index.tolist()
+    assert len(done.kept) == int(0.25 * done.prefilled)
+
+
+def _engine_kv(model: Transformer, tokens: list[int]) -> torch.Tensor:
+    attn = DenseAttention(model.config, capacity=PROMPT_TOKENS)
+    with torch.inference_mode():
+        model(torch.tensor(tokens), torch.arange(len(tokens)), attn)
+    layers = range(model.config.num_layers)
+    return torch.stack(
+        [torch.stack([attn.keys(i).flatten(1), attn.values(i).flatten(1)]) for i in layers], 1
+    )
+
+
+def test_kvzip_without_a_prompt_says_what_to_pass() -> None:
+    with pytest.raises(ValueError, match="tokenizer="):
+        KVDropPress("kvzip", keep_ratio=0.25)
+
+
+def test_keep_ratio_is_kept_to_the_token_by_default(hf_model: Any, prompt: list[int]) -> None:
+    """No store chunks in a dense cache: the default chunk is 1, so a 200-token prompt keeps a
+    quarter (49 of 199 prefilled), not one whole 256-token chunk, and nothing warns."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kvdrop.PolicyWarning)
+        done = KVDropPress("snapkv", keep_ratio=0.25).compress(
+            hf_model, torch.tensor([prompt[:200]])
+        )
+        half = KVDropPress("snapkv", keep_ratio=0.5).compress(
+            hf_model, torch.tensor([prompt[:200]])
+        )
+    assert (len(done.kept), len(half.kept)) == (49, 99)
+    chunked = KVDropPress("snapkv", keep_ratio=0.25, chunk_size=128)  # asked for
+    with pytest.warns(kvdrop.PolicyWarning, match="kept_fraction"):
+        assert len(chunked.compress(hf_model, torch.tensor([prompt[:200]])).kept) == 128
+
+
+def _tiny(kind: str, **extra: Any) -> Any:
+    sizes = {
+        "vocab_size": 300, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    }  # fmt: skip
+    torch.manual_seed(0)
+    if kind == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**sizes, **extra)).eval()
+    config = transformers.Qwen2Config(**sizes, **extra)
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+def test_sliding_window_layers_work_within_the_window_and_are_refused_past_it(
+    prompt: list[int],
+) -> None:
+    mistral = _tiny("mistral", sliding_window=128)
+    ids = torch.tensor([prompt[:100]])
+    done = KVDropPress("snapkv", keep_ratio=0.5).compress(mistral, ids)  # fits the window
+    assert len(done.kept) == 49 and done.cache.get_seq_length() == 49
+    with pytest.raises(
+        kvdrop.PolicyInputError, match=r"sliding window of 128 tokens.*prefills 299"
+    ):
+        KVDropPress("snapkv", keep_ratio=0.5).compress(mistral, torch.tensor([prompt]))
+    mixed = _tiny("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1)
+    with pytest.raises(kvdrop.PolicyInputError, match=r"layer 1 has a sliding window of 64"):
+        KVDropPress("snapkv", keep_ratio=0.5).compress(mixed, ids)
+    with pytest.raises(kvdrop.PolicyInputError, match="reconstruction pass runs past it"):
+        KVDropPress("kvzip", reconstruction=_prompt()).compress(mistral, ids[:, :20])
+
+
+def _prompt() -> Any:
+    from kvdrop_engine.reconstruct import ReconstructionPrompt
+
+    return ReconstructionPrompt(**SYNTHETIC)
+
+
+def test_presses_refuse_to_nest_and_restore_what_they_patched(
+    hf_model: Any, prompt: list[int]
+) -> None:
+    calls: list[int] = []
+    own = hf_model.generate
+
+    def wrapper(input_ids: torch.Tensor, **kw: Any) -> torch.Tensor:  # a user's own wrapper
+        calls.append(input_ids.shape[1])
+        return own(input_ids, **kw)
+
+    hf_model.generate = wrapper
+    try:
+        press = KVDropPress("snapkv", keep_ratio=0.25)
+        with press(hf_model):
+            with pytest.raises(RuntimeError, match=r"already active.*do not nest"):
+                with KVDropPress("knorm", keep_ratio=0.5)(hf_model):
+                    pass
+            out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=2, do_sample=False,
+                                    pad_token_id=0)  # fmt: skip
+        assert out.shape == (1, PROMPT_TOKENS + 2)
+        assert calls == [int(0.25 * (PROMPT_TOKENS - 1)) + 1]  # the wrapper got the kept ids
+        assert hf_model.generate is wrapper  # the user's wrapper is back, not deleted
+        with pytest.raises(KeyError), press(hf_model):
+            raise KeyError("inside the block")
+        assert hf_model.generate is wrapper
+    finally:
+        del hf_model.generate
+    with press(hf_model):
+        pass
+    assert "generate" not in vars(hf_model)
+
+
+@pytest.mark.parametrize("name", kvdrop.available())
+def test_every_registered_policy_runs_in_transformers(
+    name: str, hf_model: Any, prompt: list[int]
+) -> None:
+    """What docs/transformers.md says: every registered policy (built-ins, combinators, the
+    installed plugins) compresses a transformers cache at its example parameters."""
+    info = kvdrop.describe(name)
+    params = dict(info.example)
+    if "head_dim" in {p.name for p in info.params}:
+        params["head_dim"] = hf_model.config.head_dim
+    press = KVDropPress(name, reconstruction=_prompt(), **params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kvdrop.PolicyWarning)  # RoPE known, chunk 1: no warning
+        done = press.compress(hf_model, torch.tensor([prompt[:120]]))
+    assert 0 < len(done.kept) < done.prefilled
+    assert done.cache.get_seq_length() == len(done.kept)

@@ -1,0 +1,352 @@
+"""Serving throughput with and without dropping, in the shape of vLLM's ``benchmark_serving``.
+
+Starts ``kvdrop engine`` twice, one after the other, with the same model, prompts and KV budget:
+once as it is, once with ``--policy`` (each prompt's cache cut after its prefill). Each time N
+HTTP clients stream ``/v1/completions`` (token-id prompts, greedy, ``ignore_eos``, so every
+request generates ``--max-tokens`` tokens), sent all at once (``--request-rate inf``, the default)
+or as a Poisson process of that rate. Prints, side by side: TTFT (median, p99), TPOT (median,
+p99), end-to-end latency, output tokens/s over the whole run and the ratio of each to the run
+without a policy, plus what the engine saw (peak running requests, prompt tokens kept).
+
+The KV budget defaults to one that holds every request at once after the cut (the kept part
+plus its generated tokens), plus room for the longest prompt's prefill beyond that (a request
+holds its whole prompt until it is cut), so the budget, not compute, is what limits the run
+without a policy, as in ``kvdrop demo``.
+
+    python benchmarks/serve.py --model-preset tiny                       # seconds
+    python benchmarks/serve.py                                           # SmolLM2 shape, demo size
+    python benchmarks/serve.py --device cuda --dtype bfloat16 --model-preset qwen3-8b \\
+        --num-prompts 30 --prompt-tokens 8192 14336 --max-tokens 2048 --max-prefill-tokens 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvdrop_sdk.table import format_table
+
+#: Seconds a server may take to load its model and bind.
+START_TIMEOUT_S = 600.0
+
+
+def log(msg: str) -> None:
+    print(f"[serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model-preset", default="smollm2-135m", help="random-weight preset")
+    p.add_argument("--model", default=None, help="a .gguf file or HF folder instead of a preset")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[512, 1024], help="MIN [MAX]")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    p.add_argument(
+        "--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)"
+    )
+    p.add_argument("--policy", default="snapkv", help="the drop policy of the second server")
+    p.add_argument("--keep-ratio", type=float, default=0.5)
+    p.add_argument("--kv-budget-tokens", type=int, default=None, help="default: see above")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-prefill-tokens", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=None, help="torch threads of each server")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the report to this JSON file")
+    args = p.parse_args(argv)
+    if args.num_prompts < 1 or args.max_tokens < 2 or not 0 < args.keep_ratio <= 1:
+        p.error("--num-prompts >= 1, --max-tokens >= 2 and --keep-ratio in (0, 1] expected")
+    return args
+
+
+def make_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    lo, hi = args.prompt_tokens[0], args.prompt_tokens[-1]
+    return [
+        [rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))]
+        for _ in range(args.num_prompts)
+    ]
+
+
+def default_budget(lengths: list[int], args: argparse.Namespace) -> int:
+    """Tokens that hold every request at once after the cut, plus room for the longest prompt's
+    prefill beyond its cut size (a request holds its whole prompt until its cut)."""
+    bs, m = args.block_size, args.max_tokens
+
+    def blocks(tokens: int) -> int:
+        return -(-tokens // bs)
+
+    cut = [blocks(math.ceil(args.keep_ratio * n) + m - 1) for n in lengths]
+    extra = max(max(0, blocks(n) - c) for n, c in zip(lengths, cut))
+    return max(sum(cut) + extra, max(blocks(n + m - 1) for n in lengths)) * bs
+
+
+@dataclass
+class Server:
+    """A ``kvdrop engine`` subprocess on a free 127.0.0.1 port."""
+
+    argv: list[str]
+    proc: subprocess.Popen[str] | None = None
+    url: str = ""
+    lines: list[str] = field(default_factory=list)
+
+    def start(self) -> Server:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        ready = threading.Event()
+        threading.Thread(target=self._read, args=(ready,), daemon=True).start()
+        if not ready.wait(START_TIMEOUT_S) or not self.url:
+            self.stop()
+            raise RuntimeError("the server did not start:\n" + "".join(self.lines[-20:]))
+        return self
+
+    def _read(self, ready: threading.Event) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if " serving " in line and " on http://" in line:
+                self.url = line.split(" on ", 1)[1].split()[0]
+                ready.set()
+        ready.set()  # the process ended
+
+    def get(self, path: str) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=30) as resp:
+            return resp.read().decode()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def server_argv(args: argparse.Namespace, budget: int, policy: str | None) -> list[str]:
+    model = ["--model", args.model] if args.model else ["--random-preset", args.model_preset]
+    argv = [sys.executable, "-m", "kvdrop", "engine", *model, "--port", "0"]
+    argv += ["--device", args.device, "--dtype", args.dtype, "--seed", str(args.seed)]
+    argv += ["--kv-budget-tokens", str(budget), "--block-size", str(args.block_size)]
+    argv += ["--max-prefill-tokens", str(args.max_prefill_tokens)]
+    if args.threads is not None:
+        argv += ["--threads", str(args.threads)]
+    if policy is not None:
+        argv += ["--policy", policy, "--keep-ratio", str(args.keep_ratio)]
+    return argv
+
+
+@dataclass
+class Result:
+    """One request as its client saw it."""
+
+    sent: float = 0.0
+    first: float = 0.0
+    end: float = 0.0
+    output_tokens: int = 0
+    kept_prompt_tokens: int | None = None
+    error: str = ""
+
+
+def stream_one(url: str, prompt: list[int], max_tokens: int, out: Result) -> None:
+    """One streamed completion. TTFT is when the response's headers arrive: the server sends
+    them once the request's first token exists (a server without a tokenizer sends no text
+    chunks before the last one, so the headers are the first-token signal there); the end is
+    the last chunk."""
+    host, port = url.removeprefix("http://").rstrip("/").split(":")
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    conn = http.client.HTTPConnection(host, int(port), timeout=3600)
+    try:
+        out.sent = time.perf_counter()
+        headers = {"Content-Type": "application/json"}
+        conn.request("POST", "/v1/completions", json.dumps(body), headers)
+        resp = conn.getresponse()
+        out.first = time.perf_counter()
+        if resp.status != 200:
+            out.error = f"HTTP {resp.status}: {resp.read()[:200]!r}"
+            return
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            usage = json.loads(line[6:]).get("usage")
+            if usage:
+                out.output_tokens = usage["completion_tokens"]
+                out.kept_prompt_tokens = usage.get("kept_prompt_tokens")
+            else:
+                out.end = time.perf_counter()  # the last chunk with a choice
+    except OSError as exc:
+        out.error = repr(exc)
+    finally:
+        conn.close()
+
+
+def run_clients(
+    url: str, prompts: list[list[int]], args: argparse.Namespace
+) -> tuple[list[Result], float]:
+    """Every prompt on its own client thread, sent at its arrival time; the run's wall time."""
+    rng = random.Random(args.seed + 1)
+    delays, t = [], 0.0
+    for _ in prompts:
+        delays.append(t)
+        if math.isfinite(args.request_rate):
+            t += rng.expovariate(args.request_rate)
+    results = [Result() for _ in prompts]
+    start = time.perf_counter()
+
+    def client(i: int) -> None:
+        wait = start + delays[i] - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)  # the arrival process, not a readiness wait
+        stream_one(url, prompts[i], args.max_tokens, results[i])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return results, time.perf_counter() - start
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def summarise(
+    name: str, results: list[Result], wall: float, stats: dict[str, Any]
+) -> dict[str, Any]:
+    ok = [r for r in results if not r.error and r.end]
+    ttft = [1e3 * (r.first - r.sent) for r in ok]
+    tpot = [1e3 * (r.end - r.first) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    e2e = [r.end - r.sent for r in ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    kept = [r.kept_prompt_tokens for r in ok if r.kept_prompt_tokens is not None]
+    return {
+        "run": name,
+        "ok": f"{len(ok)}/{len(results)}",
+        "ttft_median_ms": statistics.median(ttft) if ttft else None,
+        "ttft_p99_ms": pct(ttft, 0.99) if ttft else None,
+        "tpot_median_ms": statistics.median(tpot) if tpot else None,
+        "tpot_p99_ms": pct(tpot, 0.99) if tpot else None,
+        "e2e_median_s": statistics.median(e2e) if e2e else None,
+        "output_tok_s": out_tokens / wall,
+        "wall_s": wall,
+        "output_tokens": out_tokens,
+        "peak_running": stats.get("peak_running"),
+        "prompt_tokens_kept": sum(kept) if kept else None,
+        "cut_s": stats.get("cut_seconds"),
+        "errors": sorted({r.error for r in results if r.error})[:3],
+    }
+
+
+def bench(
+    name: str, argv: list[str], prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, Any]:
+    log(f"{name}: starting {' '.join(argv[1:])}")
+    server = Server(argv).start()
+    try:
+        warm = Result()  # graphs, allocator and threads warmed before the clock starts
+        stream_one(server.url, prompts[0][:64], 4, warm)
+        if warm.error:
+            raise RuntimeError(f"warm-up request failed: {warm.error}")
+        before = json.loads(server.get("/stats"))
+        log(f"{name}: {len(prompts)} clients on {server.url}")
+        results, wall = run_clients(server.url, prompts, args)
+        stats = json.loads(server.get("/stats"))
+        stats["cut_seconds"] = stats.get("cut_seconds", 0.0) - before.get("cut_seconds", 0.0)
+    finally:
+        server.stop()
+    row = summarise(name, results, wall, stats)
+    log(f"{name}: {row['output_tok_s']:.1f} output tok/s in {wall:.1f} s, {row['ok']} ok")
+    log(f"{name}: {json.dumps(row, default=str)}")  # kept if a later run is cut short
+    return row
+
+
+def ratios(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    keys = [
+        "ttft_median_ms",
+        "ttft_p99_ms",
+        "tpot_median_ms",
+        "tpot_p99_ms",
+        "e2e_median_s",
+        "output_tok_s",
+    ]
+    row: dict[str, Any] = {"run": f"{other['run']} / baseline"}
+    for k in keys:
+        a, b = base.get(k), other.get(k)
+        row[k] = b / a if a and b is not None else None
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from kvdrop_engine.loading import preset_config
+
+    vocab = 49152 if args.model else preset_config(args.model_preset).vocab_size
+    prompts = make_prompts(args, vocab)
+    lengths = [len(p) for p in prompts]
+    budget = args.kv_budget_tokens or default_budget(lengths, args)
+    fit = budget / (statistics.mean(lengths) + args.max_tokens)
+    log(
+        f"{len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens, {args.max_tokens} output "
+        f"tokens each, KV budget {budget} tokens (about {fit:.1f} requests without a cut)"
+    )
+    rows = [
+        bench("baseline", server_argv(args, budget, None), prompts, args),
+        bench(
+            f"{args.policy} {args.keep_ratio:g}",
+            server_argv(args, budget, args.policy),
+            prompts,
+            args,
+        ),
+    ]
+    rows.append(ratios(rows[0], rows[1]))
+    title = (
+        f"benchmarks/serve.py: {args.model or args.model_preset} on {args.device}, "
+        f"{len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens, {args.max_tokens} output "
+        f"tokens, request rate {args.request_rate:g}/s, KV budget {budget} tokens"
+    )
+    columns = [
+        "run", "ok", "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms", "tpot_p99_ms",
+        "e2e_median_s", "output_tok_s", "wall_s", "peak_running", "prompt_tokens_kept", "cut_s",
+    ]  # fmt: skip
+    print(format_table(rows, columns, title=title))
+    for row in rows[:2]:
+        if row["errors"]:
+            print(f"{row['run']}: errors {row['errors']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"args": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows},
+                f,
+                indent=1,
+                default=str,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

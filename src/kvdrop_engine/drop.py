@@ -1,0 +1,333 @@
+"""Dropping while serving: each request's prompt cache cut right after its prefill.
+
+``kvdrop engine --policy snapkv --keep-ratio 0.5`` builds one :class:`PromptDropper`; the engine
+asks it three things and owns nothing else about dropping:
+
+1. at submission, :meth:`PromptDropper.choose`: which cut a request gets (the engine's default,
+   the request's ``"kvdrop"`` override, or none for prompts under ``min_prompt_tokens``), and
+   :meth:`PromptDropper.window` the query rows the policy reads, which the engine captures
+   itself during the prefill (a lean window, or every row for a ``QueryNeed.FULL`` policy);
+2. for admission, :meth:`PromptCut.peak_tokens`: the most KV the request ever holds, the whole
+   prompt while it prefills or the kept part plus its generated tokens, whichever is larger, so
+   a dropped request reserves fewer blocks and more requests share the same KV budget;
+3. after the prefill (before the first token is handed out), :meth:`PromptDropper.cut`: the
+   prompt's K/V are gathered from the request's blocks on their device, the policy picks the
+   tokens to keep (with the captured queries), the kept keys are
+   re-rotated to positions ``0..k-1`` (as every kvdrop edit does, so decoding continues at
+   position ``k``), the kept rows are written back to the request's first blocks and the blocks
+   it no longer needs are freed. No cache server is involved; with one attached, the whole prompt
+   was stored before the cut.
+
+A request's override is ``{"policy": SPEC, "keep_ratio": R}`` (either key may be left out: the
+engine's default fills it) or ``None`` for no cut; :func:`parse_override` is its one validator.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvdrop_engine.capture import WindowCapture
+from kvdrop_engine.errors import EngineSetupError, InvalidRequestError
+from kvdrop_engine.model import ModelConfig
+from kvdrop_engine.paged import BlockAllocator, PagedKVCache, blocks_needed
+from kvdrop_sdk import CacheKind
+from kvdrop_sdk.edit import EditContext
+from kvdrop_sdk.query_capture import DEFAULT_QUERY_STRIDE, DEFAULT_QUERY_WINDOW, QueryNeed
+
+if TYPE_CHECKING:
+    from kvdrop.policy import Policy
+    from kvdrop_engine.sequence import Request
+
+__all__ = [
+    "DEFAULT_KEEP_RATIO",
+    "DEFAULT_MIN_PROMPT_TOKENS",
+    "UNSET",
+    "CutResult",
+    "Override",
+    "PromptCut",
+    "PromptDropper",
+    "parse_override",
+    "prepare_cut",
+]
+
+#: ``--keep-ratio`` when it is not given.
+DEFAULT_KEEP_RATIO = 0.5
+#: Prompts shorter than this are left whole: a short cache is cheap, and a policy's observation
+#: window (SnapKV's 64 queries) would cover most of it.
+DEFAULT_MIN_PROMPT_TOKENS = 128
+#: Tokens of the random prompt :meth:`PromptDropper.check` runs a new policy on.
+_CHECK_TOKENS = 160
+#: Built (spec, keep ratio) pairs kept for reuse.
+_MAX_BUILT = 64
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+#: A request that said nothing about dropping (the engine's default applies).
+UNSET: Any = _Unset()
+
+
+@dataclass(frozen=True)
+class Override:
+    """A request's ``"kvdrop"`` field: ``policy`` and ``keep_ratio`` (None: the engine's)."""
+
+    policy: str | None = None
+    keep_ratio: float | None = None
+
+
+def parse_override(value: Any) -> Override | None:
+    """``None`` (no cut) or ``{"policy": str, "keep_ratio": number in (0, 1]}``, either key
+    optional; ``ValueError`` says what was wrong."""
+    if value is None or isinstance(value, Override):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            "'kvdrop' must be null (no dropping) or an object like "
+            f'{{"policy": "snapkv", "keep_ratio": 0.5}}, got {type(value).__name__}'
+        )
+    unknown = sorted(set(value) - {"policy", "keep_ratio"})
+    if unknown:
+        raise ValueError(f"'kvdrop' has unknown key(s) {unknown}; expected policy, keep_ratio")
+    policy, ratio = value.get("policy"), value.get("keep_ratio")
+    if policy is not None and (not isinstance(policy, str) or not policy.strip()):
+        raise ValueError(f"'kvdrop.policy' must be a policy name or spec string, got {policy!r}")
+    if ratio is not None:
+        number = isinstance(ratio, (int, float)) and not isinstance(ratio, bool)
+        if not number or not math.isfinite(ratio) or not 0 < ratio <= 1:
+            raise ValueError(f"'kvdrop.keep_ratio' must be a number in (0, 1], got {ratio!r}")
+        ratio = float(ratio)
+    return Override(policy, ratio)
+
+
+@dataclass(frozen=True)
+class PromptCut:
+    """One request's cut: the built policy, its spec and keep ratio."""
+
+    spec: str
+    keep_ratio: float
+    policy: Policy
+
+    def kept_bound(self, num_prompt: int) -> int:
+        """Most prompt tokens the cut keeps (the selector floors ``keep_ratio * T``)."""
+        return min(num_prompt, max(1, math.ceil(self.keep_ratio * num_prompt)))
+
+    def peak_tokens(self, num_prompt: int, max_tokens: int) -> int:
+        """KV tokens the request ever holds: its prompt while it prefills, then the kept part
+        plus every generated token but the last."""
+        return max(num_prompt, self.kept_bound(num_prompt) + max_tokens - 1)
+
+
+@dataclass(frozen=True)
+class CutResult:
+    """What one cut did: prompt tokens before and after, and its wall time."""
+
+    num_prompt: int
+    num_kept: int
+    seconds: float
+
+
+class PromptDropper:
+    """The engine's drop policies: the ``--policy`` default and per-request overrides.
+
+    ``spec`` is a registered name or spec string (plugins included), built with ``keep_ratio``
+    and the paged cache's lack of a chunk constraint (``chunk_size=1`` where the policy takes
+    one), and checked once on a random prompt of the model's layout (:meth:`check`), so a policy
+    that cannot run on the model fails at start, or a request's override with a clear
+    ``InvalidRequestError`` before its prefill. ``spec=None`` serves without a default cut;
+    requests may still ask for one.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        spec: str | None = None,
+        *,
+        keep_ratio: float = DEFAULT_KEEP_RATIO,
+        min_prompt_tokens: int = DEFAULT_MIN_PROMPT_TOKENS,
+    ) -> None:
+        if not 0 < keep_ratio <= 1:
+            raise EngineSetupError(f"--keep-ratio must be in (0, 1], got {keep_ratio}")
+        if min_prompt_tokens < 1:
+            raise EngineSetupError(f"--min-drop-tokens must be >= 1, got {min_prompt_tokens}")
+        self.config = config
+        self.rope_json = config.rope.to_json()
+        self.keep_ratio = float(keep_ratio)
+        self.min_prompt_tokens = int(min_prompt_tokens)
+        self._built: dict[tuple[str, float], PromptCut] = {}
+        self.default: PromptCut | None = None
+        if spec is not None:
+            try:
+                self.default = self._build(spec, self.keep_ratio)
+            except InvalidRequestError as exc:
+                raise EngineSetupError(f"--policy {spec}: {exc}") from None
+
+    def _build(self, spec: str, keep_ratio: float) -> PromptCut:
+        key = (spec, keep_ratio)
+        if key not in self._built:
+            from kvdrop.errors import PolicyNotFoundError  # the policy library, on first use
+            from kvdrop.spec import describe, get
+
+            try:
+                names = {p.name for p in describe(spec).params}
+                params: dict[str, Any] = {"keep_ratio": keep_ratio}
+                if "chunk_size" in names:
+                    params["chunk_size"] = 1
+                policy = get(spec, **params)
+            except (PolicyNotFoundError, ValueError, TypeError) as exc:
+                raise InvalidRequestError(f"policy {spec!r}: {_message(exc)}") from None
+            if policy.token_scores:
+                raise InvalidRequestError(
+                    f"policy {spec!r} reads the engine's reconstruction scores (KVzip), which the "
+                    "engine does not compute while serving; pick another policy"
+                )
+            cut = PromptCut(spec, keep_ratio, policy)
+            self.check(cut)
+            if len(self._built) >= _MAX_BUILT:  # requests choose the keys: keep the cache small
+                self._built.pop(next(iter(self._built)))
+            self._built[key] = cut
+        return self._built[key]
+
+    def check(self, cut: PromptCut) -> None:
+        """Run ``cut`` once on a random prompt of the model's layout, so a policy that cannot
+        run on this model fails at start (``InvalidRequestError``), not on the first request."""
+        cfg = self.config
+        n = _CHECK_TOKENS
+        gen = torch.Generator().manual_seed(0)
+        kv = torch.randn(2, cfg.num_layers, n, cfg.num_kv_heads * cfg.head_dim, generator=gen)
+        tensors = {CacheKind.KV: kv}
+        qpos = None
+        if cut.policy.queries is not QueryNeed.NONE:
+            rows = n if cut.policy.queries is QueryNeed.FULL else DEFAULT_QUERY_WINDOW
+            qpos = torch.arange(n - rows, n)
+            dq = cfg.num_heads * cfg.head_dim
+            tensors[CacheKind.QUERY] = torch.randn(1, cfg.num_layers, rows, dq, generator=gen)
+        context = self._context(n, qpos, None, "cpu")
+        try:
+            cut.policy(tensors, list(range(n)), context=context)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise InvalidRequestError(
+                f"cannot run on this model ({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads "
+                f"x {cfg.head_dim}): {_message(exc)}"
+            ) from None
+
+    def choose(self, num_prompt: int, override: Any = UNSET) -> PromptCut | None:
+        """The cut of a request with ``num_prompt`` tokens: its ``"kvdrop"`` override (left out:
+        none was sent; None: no cut) over the engine's default; None under the threshold."""
+        if override is UNSET:
+            cut = self.default
+        else:
+            try:
+                parsed = parse_override(override)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc)) from None
+            if parsed is None:
+                return None
+            spec = parsed.policy or (None if self.default is None else self.default.spec)
+            if spec is None:
+                raise InvalidRequestError(
+                    "'kvdrop' gives no policy and the engine has no --policy; send "
+                    '{"policy": "snapkv", "keep_ratio": 0.5}'
+                )
+            ratio = self.keep_ratio if parsed.keep_ratio is None else parsed.keep_ratio
+            cut = self._build(spec, ratio)
+        if cut is None or num_prompt < self.min_prompt_tokens:
+            return None
+        return cut
+
+    @staticmethod
+    def window(cut: PromptCut, num_prompt: int) -> WindowCapture | None:
+        """The query rows the engine captures for ``cut`` while the prompt prefills."""
+        need = cut.policy.queries
+        if need is QueryNeed.NONE:
+            return None
+        if need is QueryNeed.FULL:
+            return WindowCapture(num_prompt, num_prompt, 0)
+        return WindowCapture(num_prompt, DEFAULT_QUERY_WINDOW, DEFAULT_QUERY_STRIDE)
+
+    def _context(
+        self, n: int, qpos: torch.Tensor | None, lse: torch.Tensor | None, device: str
+    ) -> EditContext:
+        return EditContext(
+            positions=torch.arange(n),
+            query_positions=qpos,
+            query_lse=lse,
+            rope=self.rope_json,
+            prompt_tokens=n,
+            head_dim=self.config.head_dim,
+            device=device,
+        )
+
+    def cut(self, cache: PagedKVCache, req: Request, cut: PromptCut) -> CutResult:
+        """Cut ``req``'s prefilled prompt in place (see the module docstring): afterwards its
+        blocks hold the kept rows at positions ``0..k-1``, ``req.prompt`` is the kept token ids
+        and ``req.num_computed`` is ``k``; blocks past the next token's are freed (decoding grows
+        the request again, block by block: ``Scheduler.grow``)."""
+        started = time.perf_counter()
+        n = req.num_computed
+        with torch.inference_mode():
+            kv = cache.read(req.blocks, n)  # [2, L, n, Hkv*d] on the cache's device
+            tensors: dict[Any, torch.Tensor] = {CacheKind.KV: kv}
+            qpos = None
+            rows = None if req.window is None else req.window.rows()
+            if cut.policy.queries is not QueryNeed.NONE and rows is not None:
+                qpos, queries = rows
+                layers, r = queries.shape[0], queries.shape[1]
+                tensors[CacheKind.QUERY] = queries.reshape(1, layers, r, -1)
+            # No log-normalisers: every key a captured row attended to is in ``kv`` (the whole
+            # prompt, no uncached tail), so a softmax over the cached keys is the true one.
+            context = self._context(n, qpos, None, str(kv.device))
+            kept_kv, kept_tokens = cut.policy(tensors, req.prompt[:n], context=context)
+            k = len(kept_tokens)
+            if k < n:
+                cache.load(req.blocks, kept_kv.to(cache.dtype), 0)
+        _resize(cache.allocator, req, blocks_needed(k + 1, cache.block_size))
+        req.prompt = kept_tokens + req.prompt[n:]
+        req.num_computed = k
+        req.window = None  # its rows sit at the old positions
+        req.store_upto = 0  # stored (with a connector) before the cut
+        return CutResult(n, k, time.perf_counter() - started)
+
+
+def prepare_cut(dropper: PromptDropper | None, req: Request, override: tuple[Any, ...]) -> None:
+    """(at submission) ``req``'s cut and the query rows its policy reads, to be captured during
+    the prefill. ``override`` holds the request's ``"kvdrop"`` value when it sent one; asking for
+    a cut from an engine without a dropper is an ``InvalidRequestError``."""
+    if dropper is None:
+        if override and override[0] is not None:
+            raise InvalidRequestError(
+                "'kvdrop' asks for dropping, but this engine was built without a dropper "
+                "(kvdrop engine --policy, or Engine(dropper=PromptDropper(...)))"
+            )
+        return
+    req.cut = dropper.choose(len(req.prompt), *override)
+    if override or dropper.default is not None:
+        req.kept_prompt = len(req.prompt)  # reported as kept; the cut lowers it
+    if req.params.max_tokens == 1:
+        req.cut = None  # one token: nothing would decode from the cut cache
+    elif req.cut is not None:
+        req.window = dropper.window(req.cut, len(req.prompt))
+
+
+def _resize(allocator: BlockAllocator, req: Request, need: int) -> None:
+    """Give ``req`` exactly ``need`` blocks: free the tail, or take more when a policy kept
+    more than its keep ratio promised (``OutOfBlocksError`` when none are free)."""
+    if need < len(req.blocks):
+        allocator.free(req.blocks[need:])
+        req.blocks = req.blocks[:need]
+    elif need > len(req.blocks):
+        req.blocks = req.blocks + allocator.allocate(need - len(req.blocks))
+
+
+def _message(exc: BaseException) -> str:
+    """The first line of an error (KeyError quotes its message)."""
+    text = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+    return str(text).splitlines()[0] if str(text) else type(exc).__name__

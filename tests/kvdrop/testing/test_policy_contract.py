@@ -1,0 +1,105 @@
+"""The plugin kit catches real bugs at its defaults: planted broken scorers (a non-finite score
+at one in-range parameter value; edits of the KV, the queries or the token scores in place) fail
+``check_policy`` with a message naming the cause and the parameter value."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvdrop import MissingTokenScoresError, QueryNeed, Scorer, ScorerFactory, Selection, param
+from kvdrop.testing import check_policy, explicit_cases
+
+
+@dataclass(frozen=True)
+class InfAtOneValue(Scorer):
+    """Key norms divided by ``2 - sharpness``... except at 0.75, where it divides by zero."""
+
+    sharpness: float = param(
+        0.5, "how sharp", allowed="0 <= s <= 1", check=lambda s: 0.0 <= s <= 1.0
+    )
+
+    def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
+        norms = kv[0].float().norm(dim=-1).mean(0)
+        return norms / (0.0 if self.sharpness == 0.75 else 2.0 - self.sharpness)
+
+
+@dataclass(frozen=True)
+class ZeroLevelsInf(Scorer):
+    """Integer bug: ``levels=0`` (in range) gives inf."""
+
+    levels: int = param(4, "quantisation levels", allowed=">= 0", check=lambda n: n >= 0)
+
+    def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
+        return kv[0].float().norm(dim=-1).mean(0) / self.levels
+
+
+@dataclass(frozen=True)
+class EditsKV(Scorer):
+    """``.float()`` of a float32 KV is the KV itself: the in-place scale edits the cache."""
+
+    def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
+        keys = kv[0].float()
+        keys.mul_(2.0)
+        return keys.norm(dim=-1).mean(0)
+
+
+@dataclass(frozen=True)
+class EditsQueries(Scorer):
+    queries = QueryNeed.FULL
+
+    def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
+        assert query is not None
+        q = query.float()
+        q.clamp_(min=0.0)
+        return q[0].norm(dim=-1).mean(0)
+
+
+@dataclass(frozen=True)
+class EditsTokenScores(Scorer):
+    needs_selection = True
+    token_scores = True
+
+    def score(
+        self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection
+    ) -> torch.Tensor:
+        scores = selection.token_scores
+        if scores is None:
+            raise MissingTokenScoresError("edits-input")
+        scores.sub_(0.5)  # centred in place: the caller's tensor
+        return scores.mean(dim=(0, 1))[: kv.shape[2]].clone()
+
+
+def test_a_non_finite_score_at_one_float_value_fails_naming_it() -> None:
+    factory = ScorerFactory("inf-at-one", InfAtOneValue, "planted bug")
+    with pytest.raises(AssertionError, match=r"sharpness=0\.75.*non-finite"):
+        check_policy(factory)
+
+
+def test_a_non_finite_score_at_an_int_bound_fails_naming_it() -> None:
+    factory = ScorerFactory("zero-levels", ZeroLevelsInf, "planted bug")
+    with pytest.raises(AssertionError, match=r"levels=0\b.*non-finite"):
+        check_policy(factory)
+
+
+@pytest.mark.parametrize(
+    ("scorer", "what"),
+    [(EditsKV, "KV"), (EditsQueries, "queries"), (EditsTokenScores, "token scores")],
+)
+def test_editing_an_input_in_place_fails_naming_the_input(scorer: type, what: str) -> None:
+    factory = ScorerFactory("edits-input", scorer, "planted bug")
+    with pytest.raises(AssertionError, match=f"changed its input {what} in place"):
+        check_policy(factory)
+
+
+def test_the_explicit_examples_cover_every_parameter_value_and_the_budget_extremes() -> None:
+    factory = ScorerFactory("zero-levels", ZeroLevelsInf, "planted bug")
+    cases = list(explicit_cases(factory))
+    levels = {c.params.get("levels") for c in cases}
+    assert set(range(41)) <= levels  # every int the domain holds, the bound 0 included
+    assert {c.kv.dtype for c in cases} == {torch.float32, torch.bfloat16, torch.float16}
+    assert any(c.params.get("keep_tokens") == 1 for c in cases)
+    assert any(c.params.get("keep_ratio") == 0.01 for c in cases)
+    assert any(c.params.get("chunk_size", 0) > c.kv.shape[2] for c in cases)
