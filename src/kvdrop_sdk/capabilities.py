@@ -1,7 +1,7 @@
 """What a request stream's context can do beyond the shape every context has (``kind``,
 ``chunk_size``, ``retrieve``, ``store``, ``lookup``), declared as types.
 
-A kvdrop :class:`~kvdrop_sdk.context.Context` declares all three; another SDK's context
+A kvdrop :class:`~kvdrop_sdk.context.Context` declares all of them; another SDK's context
 (``lmcache.sdk``'s, wrapped by :class:`~kvdrop_sdk.foreign.ForeignContext`) none. The stream
 and its helpers test these with ``isinstance`` (never by probing attributes), so a new kind of
 context says what it offers in one place.
@@ -19,7 +19,7 @@ from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.layout import CacheLayout
 from kvdrop_sdk.query_capture import QueryCapture
 
-__all__ = ["CheapLookup", "KnowsLayout", "StoresRecords", "StreamContext"]
+__all__ = ["CheapLookup", "KnowsLayout", "StoresRecords", "StreamContext", "TransfersToDevice"]
 
 
 class StreamContext(abc.ABC):
@@ -83,3 +83,19 @@ class StoresRecords(KnowsLayout):
         frames: Sequence[Any] = (),
     ) -> tuple[dict[str, Any], list[Any]]:
         """One call ``op`` on the record store for the call over ``tokens`` (encoded)."""
+
+
+class TransfersToDevice(abc.ABC):
+    """``retrieve(..., device=)`` returns the tensor on a device, and ``store`` takes a device
+    tensor: between a GPU and the server's shared memory by DMA where the memory can be
+    page-locked (:mod:`kvdrop_sdk.transport.cuda_host`), else through the host."""
+
+    @abc.abstractmethod
+    def retrieve(
+        self,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+        request_configs: dict[str, object] | None = None,
+        *,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor | None: ...

@@ -24,7 +24,7 @@ import requests
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind
-from kvdrop_sdk.capabilities import CheapLookup, StoresRecords, StreamContext
+from kvdrop_sdk.capabilities import CheapLookup, StoresRecords, StreamContext, TransfersToDevice
 from kvdrop_sdk.edit import ModifyFnType
 from kvdrop_sdk.errors import (
     CacheKindError,
@@ -46,7 +46,7 @@ T = TypeVar("T")
 _RESYNC_CODES = ("unregistered", "layout_changed")
 
 
-class Context(StreamContext, CheapLookup, StoresRecords):
+class Context(StreamContext, CheapLookup, StoresRecords, TransfersToDevice):
     """One server connection for ``model_name`` and ``kind``; see ``connect``."""
 
     def __init__(

@@ -83,12 +83,12 @@ from kvdrop_sdk.edit import (
     edit_salt,
     takes_edit_context,
 )
-from kvdrop_sdk.errors import RequestStreamError, SDKError
+from kvdrop_sdk.errors import RequestStreamError
 from kvdrop_sdk.events import PostCompletion, TokenEvent
 from kvdrop_sdk.foreign import Closeable, StreamContext, as_token_event
 from kvdrop_sdk.protocol import check_salt
 from kvdrop_sdk.query_capture import Needs, needs_of
-from kvdrop_sdk.stream_contexts import StreamContexts
+from kvdrop_sdk.stream_contexts import StreamContexts, edit_device
 from kvdrop_sdk.validate import is_int, token_ids
 from kvdrop_sdk.window import scores_for
 
@@ -105,6 +105,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_KV_ONLY = (CacheKind.KV,)
 
 
 @dataclass(frozen=True)
@@ -434,14 +435,16 @@ class RequestStream:
         Waits up to ``timeout`` seconds (polling every ``poll_interval``) for the last prompt's
         whole chunks to appear (engines may store asynchronously; a synchronous engine's are
         there at once), then edits whatever is cached. A stream whose tokens or last
-        prompt had no whole chunk is left as it is (``skipped``). ``device`` reaches ``fn`` as
-        ``EditContext.device`` (where to score). ``edit_timeout`` bounds ``fn`` itself
+        prompt had no whole chunk is left as it is (``skipped``). ``device``: where ``fn`` runs
+        (own stream) with the KV, stored back from there (``edit_transfer``; default: the host)
+        and ``EditContext.device``. ``edit_timeout`` bounds ``fn`` itself
         (``EditTimeoutError`` after that many seconds; None: unbounded). Raises
         ``RequestStreamError`` when nothing is cached (e.g. before any generate), ``fn`` fails,
         or its output is invalid; the stream and the server are then unchanged.
         """
         if not callable(fn):
             raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
+        dev = edit_device(device)
         start = time.perf_counter()
         with self._op_lock:
             kv_ctx = self._cache.get(CacheKind.KV)
@@ -451,7 +454,7 @@ class RequestStream:
                 return ModifyResult(0, 0, len(self._suffix), False, 0.0, skipped=True)
             expected = min(self._expected_cached or 0, (len(current) // chunk) * chunk)
             got = self._cache.retrieve_when_cached(
-                current, self.active_cache_salt, expected, timeout, poll_interval, (CacheKind.KV,)
+                current, self.active_cache_salt, expected, timeout, poll_interval, _KV_ONLY, dev
             )
             if got is None and self._expected_cached == 0:
                 # The last prompt had no whole chunk: there was never anything to edit.
@@ -473,7 +476,7 @@ class RequestStream:
             if with_context:
                 context = self._edit_context(kv_ctx, cached, current, queries, device, needs)
             sid = self._request_stream_id
-            new_kv, new_tokens = call_edit(fn, tensors, kept_input, context, sid, edit_timeout)
+            new_kv, new_tokens = call_edit(fn, tensors, kept_input, context, sid, edit_timeout, dev)
             edited = tensors[CacheKind.KV]
             reference = (edited.shape[1], edited.shape[3], edited.dtype)
             check_edit_tensor(CacheKind.KV, new_kv, new_tokens, reference, chunk, sid)
@@ -504,15 +507,7 @@ class RequestStream:
         device: str | None,
         needs: Needs,
     ) -> EditContext:
-        layout = None
-        if isinstance(kv_ctx, KnowsLayout):
-            layout = kv_ctx.layout
-            if layout.rope is None:
-                # The engine may have registered its RoPE after this context read the layout.
-                try:
-                    layout = kv_ctx.register_caches()
-                except SDKError:
-                    pass
+        layout = self._cache.kv_layout()
         scores = None
         if needs.token_scores:
             q_ctx = self._cache.by_kind.get(CacheKind.QUERY)
