@@ -261,6 +261,27 @@ class RequestStream:
         )
 
     # ----------------------------------------------------------------- generate
+    def _collect(
+        self, events: Any, start: float, generated: list[int], times: list[float]
+    ) -> str | None:
+        """Append the engine's tokens (and their times) to ``generated``/``times`` and to the
+        stream's state as they arrive; returns the finish reason seen (None: none)."""
+        reason: str | None = None
+        for raw in events:
+            now = time.perf_counter()
+            event = as_token_event(raw)
+            stamp = event.time
+            # Trust the engine's own timestamp only when it is on our clock.
+            ok = isinstance(stamp, float) and start <= stamp <= now
+            times.append(stamp if ok else now)
+            generated.append(event.token_id)
+            with self._state:
+                self._prefix.append(event.token_id)
+                self._output_tokens.append(event.token_id)
+                self._text_parts.append(str(event.text or ""))
+            reason = event.finish_reason or reason
+        return reason
+
     def generate(
         self,
         sampling_params: Mapping[str, Any] | None = None,
@@ -273,18 +294,8 @@ class RequestStream:
         ``RequestStreamError`` (naming the stream).
         """
         extra = token_ids(suffix_tokens, "suffix_tokens")
-        if sampling_params is None:
-            sampling_params = {}
-        if not isinstance(sampling_params, Mapping):
-            raise TypeError(
-                f"sampling_params must be a mapping, got {type(sampling_params).__name__}"
-            )
-        params = dict(sampling_params)
+        params = _checked_params(sampling_params)
         max_tokens = params.get("max_tokens")
-        if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 1):
-            raise ValueError(
-                f"sampling_params['max_tokens'] must be an int >= 1, got {max_tokens!r}"
-            )
         with self._op_lock:
             if self._done:
                 raise RequestStreamError(
@@ -305,19 +316,7 @@ class RequestStream:
             events: Any = None
             try:
                 events = self.post_completion(list(prompt), params, self.active_cache_salt)
-                for raw in events:
-                    now = time.perf_counter()
-                    event = as_token_event(raw)
-                    stamp = event.time
-                    # Trust the engine's own timestamp only when it is on our clock.
-                    ok = isinstance(stamp, float) and start <= stamp <= now
-                    times.append(stamp if ok else now)
-                    generated.append(event.token_id)
-                    with self._state:
-                        self._prefix.append(event.token_id)
-                        self._output_tokens.append(event.token_id)
-                        self._text_parts.append(str(event.text or ""))
-                    reason = event.finish_reason or reason
+                reason = self._collect(events, start, generated, times)
             except Exception as exc:
                 self._expected_cached = None  # unknown what the engine stored: do not wait
                 raise RequestStreamError(
@@ -564,3 +563,17 @@ class RequestStream:
             self._edit_salt = salt
         self._expected_cached = len(tokens)
         return stored
+
+
+def _checked_params(sampling_params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``generate``'s sampling parameters as a dict; its ``max_tokens`` (the one value the
+    stream itself reads) an int >= 1 when given."""
+    if sampling_params is None:
+        return {}
+    if not isinstance(sampling_params, Mapping):
+        raise TypeError(f"sampling_params must be a mapping, got {type(sampling_params).__name__}")
+    params = dict(sampling_params)
+    max_tokens = params.get("max_tokens")
+    if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 1):
+        raise ValueError(f"sampling_params['max_tokens'] must be an int >= 1, got {max_tokens!r}")
+    return params

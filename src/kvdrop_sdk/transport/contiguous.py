@@ -242,43 +242,10 @@ class ContiguousTransferWrapper:
     ) -> int:
         """Store the whole chunks of ``kv`` (shape already checked); returns chunks newly stored."""
         c = self.chunk_size
-        if self.mode == "socket" and kv.is_cuda:
-            kv = kv.cpu()
         if self.mode == "socket":
-            n = kv.shape[2] // c
-            kv = kv.contiguous()
-            # One zero-copy frame per (chunk, kv/layer row): each is contiguous in ``kv``.
-            row_bytes = kv.shape[2] * kv.shape[3] * kv.element_size()
-            span = c * kv.shape[3] * kv.element_size()
-            base = tensor_buffer(kv)
-            frames = [
-                base[r * row_bytes + i * span : r * row_bytes + (i + 1) * span]
-                for i in range(n)
-                for r in range(kv.shape[0] * kv.shape[1])
-            ]
-            # Several pipelined requests of ~PUT_BATCH_BYTES each: server workers copy one batch
-            # into the pool while the next is still on the wire.
-            rows_per_chunk = kv.shape[0] * kv.shape[1]
-            per_msg = max(1, PUT_BATCH_BYTES // layout.nbytes(kind, c))
-            calls = []
-            for first in range(0, n, per_msg):
-                m = min(per_msg, n - first)
-                header = {
-                    **fields,
-                    "layout": layout.to_json(),
-                    "dtype": dtype_name(layout.dtype),
-                    "shape": list(layout.shape(kind, m * c)),
-                    "first_chunk": first,
-                }
-                data = frames[first * rows_per_chunk : (first + m) * rows_per_chunk]
-                calls.append(("put", header, [token_bytes[: (first + m) * c * 8], *data]))
-            replies = self._rpc.call_many(calls)
-            total = {"stored": 0, "dropped": 0, "duplicates": 0}
-            for reply, _ in replies:
-                for key in total:
-                    total[key] += int(reply.get(key, 0))
-            reasons = [r["dropped_reason"] for r, _ in replies if r.get("dropped_reason")]
-            return _stored({**total, "dropped_reason": reasons[0] if reasons else None})
+            return self._socket_store(
+                fields, kv.cpu() if kv.is_cuda else kv, token_bytes, layout, kind
+            )
         mapping = self._current()
         reply, _ = self._rpc.call(
             "reserve",
@@ -324,6 +291,51 @@ class ContiguousTransferWrapper:
             raise
         committed, _ = self._rpc.call("commit", {"lease": lease})
         return _stored({**reply, "stored": committed["stored"]})
+
+    def _socket_store(
+        self,
+        fields: dict[str, Any],
+        kv: torch.Tensor,
+        token_bytes: bytes,
+        layout: CacheLayout,
+        kind: CacheKind,
+    ) -> int:
+        """Socket store: the whole chunks of host tensor ``kv`` in pipelined ``put`` requests."""
+        c = self.chunk_size
+        n = kv.shape[2] // c
+        kv = kv.contiguous()
+        # One zero-copy frame per (chunk, kv/layer row): each is contiguous in ``kv``.
+        row_bytes = kv.shape[2] * kv.shape[3] * kv.element_size()
+        span = c * kv.shape[3] * kv.element_size()
+        base = tensor_buffer(kv)
+        frames = [
+            base[r * row_bytes + i * span : r * row_bytes + (i + 1) * span]
+            for i in range(n)
+            for r in range(kv.shape[0] * kv.shape[1])
+        ]
+        # Several pipelined requests of ~PUT_BATCH_BYTES each: server workers copy one batch
+        # into the pool while the next is still on the wire.
+        rows_per_chunk = kv.shape[0] * kv.shape[1]
+        per_msg = max(1, PUT_BATCH_BYTES // layout.nbytes(kind, c))
+        calls = []
+        for first in range(0, n, per_msg):
+            m = min(per_msg, n - first)
+            header = {
+                **fields,
+                "layout": layout.to_json(),
+                "dtype": dtype_name(layout.dtype),
+                "shape": list(layout.shape(kind, m * c)),
+                "first_chunk": first,
+            }
+            data = frames[first * rows_per_chunk : (first + m) * rows_per_chunk]
+            calls.append(("put", header, [token_bytes[: (first + m) * c * 8], *data]))
+        replies = self._rpc.call_many(calls)
+        total = {"stored": 0, "dropped": 0, "duplicates": 0}
+        for reply, _ in replies:
+            for key in total:
+                total[key] += int(reply.get(key, 0))
+        reasons = [r["dropped_reason"] for r, _ in replies if r.get("dropped_reason")]
+        return _stored({**total, "dropped_reason": reasons[0] if reasons else None})
 
     # -- retrieve ----------------------------------------------------------------------------------
     def retrieve(
