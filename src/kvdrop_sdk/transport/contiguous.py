@@ -40,7 +40,13 @@ from kvdrop_sdk.transport.buffers import (
     tensor_buffer,
     tune_malloc,
 )
-from kvdrop_sdk.transport.cuda_host import HostRegistration, device_to_slots, slots_to_device
+from kvdrop_sdk.transport.cuda_host import (
+    HostRegistration,
+    device_to_slots,
+    pinned_empty,
+    slots_to_device,
+    to_host_pinned,
+)
 from kvdrop_sdk.transport.shm import HEADER_BYTES, belongs_to, shm_path
 from kvdrop_sdk.validate import is_int
 
@@ -278,7 +284,7 @@ class ContiguousTransferWrapper:
                     raise SDKError(f"store took longer than its {lease_s:g} s reservation")
             else:
                 if kv.is_cuda:
-                    kv = kv.cpu()
+                    kv = to_host_pinned(kv)
                 run_copies(
                     [lambda i=i, off=off: copy_in(i, off) for i, off in chunks],
                     nbytes * len(chunks),
@@ -375,12 +381,18 @@ class ContiguousTransferWrapper:
                     assert mapping.registration is not None
                     mapping.registration.give_up(exc)
             if out is None:
-                out = empty_tensor(
-                    layout.shape(kind, len(offsets) * c), layout.dtype, populate=False
+                shape = layout.shape(kind, len(offsets) * c)
+                gpu = device is not None and device.type == "cuda"
+                out = (
+                    pinned_empty(shape, layout.dtype)
+                    if gpu
+                    else empty_tensor(shape, layout.dtype, populate=False)
                 )
                 self._copy_out(mapping, out, offsets, nbytes, layout, kind)
                 if device is not None:
-                    out = out.to(device)
+                    out = out.to(device, non_blocking=gpu)
+                    if gpu:
+                        torch.cuda.current_stream(device).synchronize()
         finally:
             try:
                 released, _ = self._rpc.call("release", {"lease": lease})

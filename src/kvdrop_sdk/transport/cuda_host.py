@@ -150,3 +150,21 @@ def device_to_slots(parts: Sequence[torch.Tensor], slots: Sequence[torch.Tensor]
         for part, slot in zip(parts, slots, strict=True):
             slot.copy_(part.contiguous(), non_blocking=True)
     stream.synchronize()
+
+
+def pinned_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A page-locked host tensor (torch's caching host allocator): the host path's buffer when
+    its data goes on to a GPU, so that copy is one DMA rather than the driver's pageable one."""
+    return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+
+
+def to_host_pinned(t: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor's copy in page-locked host memory, complete on return (the host path of a
+    store from the GPU)."""
+    host = pinned_empty(t.shape, t.dtype)
+    stream = _side_stream(t.device)
+    stream.wait_stream(torch.cuda.current_stream(t.device))
+    with torch.cuda.stream(stream):
+        host.copy_(t, non_blocking=True)
+    stream.synchronize()
+    return host
