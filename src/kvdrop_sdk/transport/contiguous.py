@@ -249,9 +249,8 @@ class ContiguousTransferWrapper:
         """Store the whole chunks of ``kv`` (shape already checked); returns chunks newly stored."""
         c = self.chunk_size
         if self.mode == "socket":
-            return self._socket_store(
-                fields, kv.cpu() if kv.is_cuda else kv, token_bytes, layout, kind
-            )
+            host = to_host_pinned(kv) if kv.is_cuda else kv
+            return self._socket_store(fields, host, token_bytes, layout, kind)
         mapping = self._current()
         reply, _ = self._rpc.call(
             "reserve",
