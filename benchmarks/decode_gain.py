@@ -49,10 +49,10 @@ from kvdrop_engine.connectors.kvdrop import ServerConnector
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import load_checkpoint, preset_config
 from kvdrop_engine.model import ModelConfig, Transformer
-from kvdrop_engine.paged import to_device, to_host
 from kvdrop_engine.reconstruct import ReconstructionPrompt
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
+from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
 from kvdrop_sdk.table import format_table
 from kvdrop_sdk.testing.server import spawn_server
 
@@ -96,8 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--edit-device",
         default=None,
-        help="run each edit on a copy of the retrieved tensors on this device (e.g. cuda); "
-        "falls back to the host if the policy fails there",
+        help="run each edit on this device (batch.modify(device=); cuda: the KV is DMA'd "
+        "from the server's shared memory and the kept rows stored back from the GPU)",
     )
     p.add_argument(
         "--no-warmup",
@@ -292,7 +292,8 @@ def run(
     ``token_scores``); its loop-thread time is reported next to the prefill's."""
     uses_q = (needs_query or reconstruct) and policy_fn is not None
     kinds = [CacheKind.KV] + ([CacheKind.QUERY] if uses_q else [])
-    ctxs = [connect(k, server.url, server.http_url, model_name) for k in kinds]
+    capture = QueryCapture(QueryNeed(args.query_capture), scores=reconstruct)
+    ctxs = [connect(k, server.url, server.http_url, model_name, capture=capture) for k in kinds]
     greedy = {"temperature": 0.0, "ignore_eos": True, "max_tokens": args.max_tokens}
     log(f"{name}: prefill, {'modify, ' if policy_fn else ''}decode {len(prompts)} prompts")
     try:
@@ -305,6 +306,7 @@ def run(
             modify_fn=policy_fn,
             cache_salt=salt,
             modify_concurrency=args.modify_concurrency,
+            modify_device=args.edit_device,
             reconstruct=reconstruct,
         )
     finally:
@@ -352,40 +354,17 @@ def run(
     }
 
 
-class EditOnDevice:
-    """An edit function run on a ``device`` copy of the retrieved tensors, its result copied back
-    (page-locked both ways); if the policy fails there, this and every later edit runs on the host
-    (logged once). Other attributes (``queries``, markers the SDK reads) are the policy's."""
-
-    def __init__(self, fn: Any, device: str) -> None:
-        self.fn = fn
-        self.device = torch.device(device)
-        self.failed: BaseException | None = None
-        # Declared on the instance: runtime-checkable Protocols (the SDK's DeclaresQueries,
-        # DeclaresTokenScores) look attributes up statically on Python >= 3.12, so a value that
-        # only __getattr__ forwards is invisible to them.
-        self.queries = fn.queries
-        self.token_scores = fn.token_scores
-        self.accepts_edit_context = fn.accepts_edit_context
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.fn, name)
-
-    def __call__(self, tensors: Any, tokens: Any, **kwargs: Any) -> Any:
-        if self.failed is None:
-            try:
-                moved = {k: to_device(v, self.device) for k, v in tensors.items()}
-                kv, kept = self.fn(moved, tokens, **kwargs)
-                return to_host(kv), kept
-            except Exception as exc:
-                self.failed = exc
-                log(f"editing on {self.device} failed ({exc!r}); editing on the host instead")
-        return self.fn(tensors, tokens, **kwargs)
+def log_precapture(engine: Engine) -> None:
+    """How long the engine took to capture its decode graphs at start (outside every phase)."""
+    graphs = engine.graphs
+    if graphs is not None:
+        n, seconds = len(graphs.captured), graphs.precapture_seconds
+        log(f"{n} decode graphs captured at start in {seconds:.1f} s")
 
 
 def warm_up(engine: Engine, args: argparse.Namespace, vocab: int) -> None:
     """One request through the engine before anything is measured: compiles the GPU kernels,
-    picks the matrix-product algorithms, captures a first decode graph."""
+    picks the matrix-product algorithms (the decode graphs were captured at start)."""
     gen = torch.Generator().manual_seed(args.seed + 2)
     n = min(args.max_prefill_tokens + args.chunk_size + 7, max(args.prompt_tokens))
     prompt = torch.randint(3, vocab, (n,), generator=gen).tolist()
@@ -408,7 +387,7 @@ def build_policy(name: str, cfg: ModelConfig, args: argparse.Namespace) -> Any:
         else:
             log(f"{name} takes no device parameter; --policy-device ignored for it")
     fn = kvdrop.get(name, rerotate=not args.no_rerotate, **params)
-    return fn if args.edit_device is None else EditOnDevice(fn, args.edit_device)
+    return fn
 
 
 def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
@@ -452,18 +431,20 @@ def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
                 server.http_url,
                 model_name,
                 transfer_query=transfer_query,
-                query_capture=args.query_capture,
+                queries=QueryCapture(QueryNeed(args.query_capture)),
             )
             engine = Engine(
                 model,
                 num_blocks=num_blocks,
                 block_size=args.block_size,
                 max_batch_size=max(256, args.num_requests),
+                graph_batch_sizes=range(1, args.num_requests + 1),  # no capture mid-run
                 max_prefill_tokens=args.max_prefill_tokens,
                 connector=connector,
                 # Random weights have no tokenizer: fixed prompt ids (the pass costs the same).
                 reconstruction=ReconstructionPrompt.synthetic(cfg.vocab_size),
             )
+            log_precapture(engine)
             return connector, engine
 
         # Runs that need no queries share one engine whose connector captures none; with

@@ -1,7 +1,9 @@
 """Package layering: which package may import which (function-level imports count).
 
-kvdrop_sdk (transport) imports neither kvdrop (policies) nor kvdrop_engine; kvdrop_rope imports
-only torch and the standard library; the engine's model.py imports only torch.
+kvdrop_sdk (transport) imports neither kvdrop (policies) nor kvdrop_engine, and its client
+transport (``kvdrop_sdk.transport``) nothing of its server; kvdrop's policy core (everything but
+``experiments``, ``commands`` and ``integrations``) does not import kvdrop_engine; kvdrop_rope
+imports only torch and the standard library; the engine's model.py imports only torch.
 """
 
 from __future__ import annotations
@@ -15,24 +17,49 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
-def _imports(path: Path) -> set[str]:
-    """Top-level package names ``path`` imports (absolute imports; relative ones are local)."""
+#: kvdrop's subpackages that wire policies to the engine (the rest is the policy core).
+KVDROP_WIRING = ("experiments", "commands", "integrations")
+
+
+def _imports(path: Path, depth: int = 1) -> set[str]:
+    """Module names ``path`` imports, cut to their first ``depth`` parts (absolute imports;
+    relative ones are local)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names.update(a.name.split(".")[0] for a in node.names)
+            names.update(".".join(a.name.split(".")[:depth]) for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            names.add(".".join(node.module.split(".")[:depth]))
     return names
 
 
-def _package_imports(package: str) -> dict[str, set[str]]:
-    return {str(p.relative_to(SRC)): _imports(p) for p in sorted((SRC / package).rglob("*.py"))}
+def _package_imports(package: str, depth: int = 1) -> dict[str, set[str]]:
+    root = SRC / package
+    return {str(p.relative_to(SRC)): _imports(p, depth) for p in sorted(root.rglob("*.py"))}
 
 
 @pytest.mark.parametrize("forbidden", ["kvdrop", "kvdrop_engine"])
 def test_sdk_imports_neither_policies_nor_engine(forbidden: str) -> None:
     bad = {f: names for f, names in _package_imports("kvdrop_sdk").items() if forbidden in names}
+    assert not bad, bad
+
+
+def test_policy_core_does_not_import_the_engine() -> None:
+    """Policies, combinators, the registry and the testing kit work without an engine."""
+    core = {
+        f: names
+        for f, names in _package_imports("kvdrop").items()
+        if Path(f).parts[1] not in KVDROP_WIRING
+    }
+    assert len(core) > 20  # the policies and the combinators are in it
+    bad = {f: names for f, names in core.items() if "kvdrop_engine" in names}
+    assert not bad, bad
+
+
+def test_transport_does_not_import_the_server() -> None:
+    """The client transport owns what client and server share (the shm segment format)."""
+    files = _package_imports("kvdrop_sdk/transport", depth=2)
+    bad = {f: names for f, names in files.items() if "kvdrop_sdk.server" in names}
     assert not bad, bad
 
 

@@ -36,7 +36,7 @@ from kvdrop.params import Param, param
 if TYPE_CHECKING:
     from kvdrop.combinators import Budget, Chunk, Compose, Rerotate
     from kvdrop.factories import PolicyFactory, PolicyInfo, ScorerFactory
-    from kvdrop.policy import Policy, Scorer, ScorerPolicy
+    from kvdrop.policy import Policy, PolicyWrapper, Scorer, ScorerPolicy
     from kvdrop.registry import PluginWarning, available, register
     from kvdrop.selector import Selection, Selector
     from kvdrop.spec import describe, get
@@ -48,6 +48,7 @@ _LAZY = {
     "Compose": "kvdrop.combinators",
     "Rerotate": "kvdrop.combinators",
     "Policy": "kvdrop.policy",
+    "PolicyWrapper": "kvdrop.policy",
     "PolicyFactory": "kvdrop.factories",
     "PolicyInfo": "kvdrop.factories",
     "Needs": "kvdrop_sdk.query_capture",
@@ -82,6 +83,7 @@ __all__ = [
     "PolicyNotFoundError",
     "PolicyParamError",
     "PolicyWarning",
+    "PolicyWrapper",
     "QueryNeed",
     "Rerotate",
     "Scorer",

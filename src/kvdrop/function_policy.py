@@ -43,6 +43,10 @@ class FunctionPolicy(Policy):
         return f"FunctionPolicy({self.name!r}, {self.fn!r})"
 
     @property
+    def needs(self) -> Needs:
+        return self._needs
+
+    @property
     def queries(self) -> QueryNeed:
         return self._needs.queries
 

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,30 +23,131 @@ from kvdrop_sdk.query_capture import QueryNeed
 __all__ = ["EditInputs", "check_finite", "edit_inputs"]
 
 
-@dataclass(frozen=True)
-class EditInputs:
-    """One edit's validated inputs as a policy sees them (see :func:`edit_inputs`).
+#: The fields of the pre-issue-24 constructor, after ``kv`` and ``query`` (positional order).
+_LEGACY_FIELDS = (
+    "query_positions",
+    "prompt_tokens",
+    "positions",
+    "protected",
+    "query_lse",
+    "head_dim",
+    "device",
+    "rope",
+    "token_scores",
+)
 
-    ``query`` ``[1, L, R, Dq]`` with ``query_positions`` ``[R]`` (None when not needed) and
-    ``query_lse`` ``[1, L, R, Hq]`` (the rows' attention log-normalisers, or None);
-    ``prompt_tokens`` is ``N >= T``; ``positions`` the RoPE position of each KV row.
+
+@dataclass(frozen=True, eq=False, init=False)
+class EditInputs:
+    """One edit's validated inputs as a policy sees them (see :func:`edit_inputs`): the KV
+    ``[2, L, T, D]``, the query rows ``[1, L, R, Dq]`` (None when not read) and the SDK's edit
+    context (None: a plain upstream call). Everything else reads through to the context, so a
+    new context field reaches every policy without being copied here.
+
+    ``EditInputs(kv, query, query_positions, prompt_tokens, positions, protected=..., ...)``,
+    the form before the context was kept, still builds one (the fields become its context).
     """
 
     kv: torch.Tensor
     query: torch.Tensor | None
-    query_positions: torch.Tensor | None
-    prompt_tokens: int
-    positions: torch.Tensor
-    protected: int = 0
-    query_lse: torch.Tensor | None = None
-    head_dim: int | None = None
-    device: str | None = None
-    rope: Mapping[str, Any] | None = None
-    token_scores: torch.Tensor | None = None
+    context: EditContext | None
+
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        query: torch.Tensor | None = None,
+        context: EditContext | None = None,
+        *legacy: Any,
+        **fields: Any,
+    ) -> None:
+        if legacy or fields or isinstance(context, torch.Tensor):
+            context = _legacy_context(kv, (context, *legacy), fields)
+        object.__setattr__(self, "kv", kv)
+        object.__setattr__(self, "query", query)
+        object.__setattr__(self, "context", context)
 
     @property
     def num_tokens(self) -> int:
         return int(self.kv.shape[2])
+
+    def with_context(self, **fields: Any) -> EditInputs:
+        """The same tensors under a context with ``fields`` replaced (a plain call's context is
+        the upstream one: positions ``0..T-1``)."""
+        base = EditContext.of(self.num_tokens) if self.context is None else self.context
+        return EditInputs(self.kv, self.query, dataclasses.replace(base, **fields))
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        """The RoPE position of each KV row (``0..T-1`` without a context)."""
+        return torch.arange(self.num_tokens) if self.context is None else self.context.positions
+
+    @functools.cached_property
+    def query_positions(self) -> torch.Tensor | None:
+        """``[R]``: where each query row sits (the context's, else ``0..R-1``; rows past ``T``
+        belong to the uncached tail); None without a query."""
+        if self.query is None:
+            return None
+        if self.context is not None and self.context.query_positions is not None:
+            return self.context.query_positions
+        return torch.arange(self.query.shape[2])
+
+    @property
+    def query_lse(self) -> torch.Tensor | None:
+        """``[1, L, R, Hq]``: the rows' attention log-normalisers, when the context places the
+        rows and knows them."""
+        placed = self.context is not None and self.context.query_positions is not None
+        return self.context.query_lse if placed and self.query is not None else None  # type: ignore[union-attr]
+
+    @functools.cached_property
+    def prompt_tokens(self) -> int:
+        """``N >= T``: the whole prompt (the context's, at least up to the last query row;
+        ``T`` without a context, the upstream call)."""
+        if self.context is None:
+            return self.num_tokens
+        qpos = self.query_positions
+        last = int(qpos[-1]) + 1 if qpos is not None and qpos.numel() else 0
+        return max(int(self.context.prompt_tokens or 0), last, self.num_tokens)
+
+    @property
+    def protected(self) -> int:
+        return 0 if self.context is None else self.context.protected
+
+    @property
+    def head_dim(self) -> int | None:
+        return None if self.context is None else self.context.head_dim
+
+    @property
+    def device(self) -> str | None:
+        return None if self.context is None else self.context.device
+
+    @property
+    def rope(self) -> Mapping[str, Any] | None:
+        return None if self.context is None else self.context.rope
+
+    @property
+    def token_scores(self) -> torch.Tensor | None:
+        return None if self.context is None else self.context.token_scores
+
+
+def _legacy_context(
+    kv: torch.Tensor, values: tuple[Any, ...], fields: dict[str, Any]
+) -> EditContext:
+    """The edit context of the pre-issue-24 ``EditInputs`` fields."""
+    unknown = set(fields) - set(_LEGACY_FIELDS)
+    if len(values) > len(_LEGACY_FIELDS) or unknown:
+        raise TypeError(
+            f"EditInputs takes (kv, query, context); got unknown fields {sorted(unknown)}"
+        )
+    given = {**dict(zip(_LEGACY_FIELDS, values)), **fields}
+    num_tokens = int(kv.shape[2])
+    positions = given.pop("positions", None)
+    prompt = given.pop("prompt_tokens", None)
+    given = {k: v for k, v in given.items() if v is not None}
+    return EditContext(
+        positions=torch.arange(num_tokens) if positions is None else positions,
+        prompt_tokens=max(num_tokens, int(prompt or 0)),
+        **given,
+    )
 
 
 def edit_inputs(
@@ -67,25 +170,10 @@ def edit_inputs(
             f"{policy}: context must be a kvdrop_sdk.edit.EditContext, got {type(context).__name__}"
         )
     kv = _kv_of(tensors, tokens, policy, context)
-    num_tokens = kv.shape[2]
-    total = num_tokens if context is None else int(context.prompt_tokens or num_tokens)
-    query = qpos = lse = None
+    query = None
     if queries is not QueryNeed.NONE:
-        query, qpos, lse = _query_of(tensors, kv, policy, context)
-        total = max(total, int(qpos[-1]) + 1)
-    return EditInputs(
-        kv=kv,
-        query=query,
-        query_positions=qpos,
-        prompt_tokens=total,
-        positions=torch.arange(num_tokens) if context is None else context.positions,
-        protected=0 if context is None else context.protected,
-        query_lse=lse,
-        head_dim=None if context is None else context.head_dim,
-        device=None if context is None else context.device,
-        rope=None if context is None else context.rope,
-        token_scores=None if context is None else context.token_scores,
-    )
+        query = _query_of(tensors, kv, policy, context)
+    return EditInputs(kv, query, context)
 
 
 def _kv_of(
@@ -126,8 +214,8 @@ def _query_of(
     kv: torch.Tensor,
     policy: str,
     context: EditContext | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The query rows, their positions and log-normalisers (None when unknown)."""
+) -> torch.Tensor:
+    """The validated query rows (cut to the KV's ``T`` without a context)."""
     query = get_tensor(tensors, CacheKind.QUERY)
     if query is None:
         raise MissingQueryError(policy)
@@ -142,7 +230,6 @@ def _query_of(
             f"{policy}: query must be [1, L, R, Dq] with L={kv.shape[1]} like the KV; got {shape}"
         )
     num_tokens, rows = kv.shape[2], query.shape[2]
-    lse = None
     if context is None or context.query_positions is None:
         if context is None:
             if rows < num_tokens:
@@ -150,7 +237,6 @@ def _query_of(
                     f"{policy}: query covers {rows} tokens but the KV has {num_tokens}"
                 )
             query, rows = query[:, :, :num_tokens], num_tokens
-        qpos = torch.arange(rows)
     else:
         qpos = context.query_positions
         if qpos.numel() != rows:
@@ -166,7 +252,7 @@ def _query_of(
             )
     if rows == 0:
         raise PolicyInputError(f"{policy}: the query tensor has no rows")
-    return query, qpos, lse
+    return query
 
 
 def check_finite(policy: str, values: torch.Tensor, what: str, hint: str) -> None:

@@ -34,11 +34,12 @@ from kvdrop.rope import rerotate_in_place, rope_from_layout
 from kvdrop.selector import Selection, Selector
 from kvdrop_rope import RopeConfig
 from kvdrop_sdk.edit import EditContext
-from kvdrop_sdk.query_capture import QueryNeed
+from kvdrop_sdk.query_capture import NO_NEEDS, Needs, QueryNeed, needs_of
 
 __all__ = [
     "DEFAULT_QUERY_HEAD_DIM",
     "Policy",
+    "PolicyWrapper",
     "QueryNeed",
     "Scorer",
     "ScorerPolicy",
@@ -136,6 +137,14 @@ class Policy(abc.ABC):
         (read through :func:`~kvdrop_sdk.query_capture.needs_of`)."""
         return False
 
+    @property
+    def needs(self) -> Needs:
+        """Everything it reads beside the KV, as one :class:`~kvdrop_sdk.query_capture.Needs`
+        (what :func:`~kvdrop_sdk.query_capture.needs_of` returns for it). Scorer policies read
+        their scorer's declarations and wrappers their policy's, so a new kind of input is
+        declared on the scorer and reaches every wrapper without a forwarding line."""
+        return Needs(self.queries, self.token_scores)
+
     @abc.abstractmethod
     def select_indices(
         self,
@@ -199,6 +208,58 @@ class Policy(abc.ABC):
             "passed as rerotate=, and the cached keys",
         )
         return out, kept_tokens
+
+
+class PolicyWrapper(Policy):
+    """A policy around one inner ``policy`` (``Budget``, ``Rerotate``, a user's wrapper).
+
+    ``name``, ``queries``, ``token_scores``, ``rerotate`` and ``rope`` are the inner policy's
+    unless set on the wrapper: declared here once, as properties, so every reader finds them
+    (``needs_of`` included: Python 3.12's runtime-checkable Protocols do not see attributes a
+    ``__getattr__`` forwards). ``select_indices`` is the inner's; override it to change what is
+    kept.
+    """
+
+    def __init__(self, policy: Policy, name: str | None = None) -> None:
+        self.policy = policy
+        self._own: dict[str, Any] = {} if name is None else {"name": name}
+
+    def _get(self, attr: str) -> Any:
+        own = self.__dict__.get("_own", {})
+        return own[attr] if attr in own else getattr(self.policy, attr)
+
+    def _set(self, attr: str, value: Any) -> None:
+        self.__dict__.setdefault("_own", {})[attr] = value
+
+    name = property(lambda self: self._get("name"), lambda self, v: self._set("name", v))
+    rerotate = property(  # type: ignore[assignment]
+        lambda self: self._get("rerotate"), lambda self, v: self._set("rerotate", v)
+    )
+    rope = property(  # type: ignore[assignment]
+        lambda self: self._get("rope"), lambda self, v: self._set("rope", v)
+    )
+
+    @property
+    def needs(self) -> Needs:
+        return needs_of(self.policy)
+
+    @property
+    def queries(self) -> QueryNeed:
+        return self.needs.queries
+
+    @property
+    def token_scores(self) -> bool:
+        return self.needs.token_scores
+
+    def select_indices(
+        self,
+        tensors: Mapping[Any, torch.Tensor],
+        tokens: Sequence[int],
+        *,
+        context: EditContext | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The validated KV and the sorted indices the inner policy keeps."""
+        return self.policy.select_indices(tensors, tokens, context=context)
 
 
 def checked_index(policy: str, index: object, num_tokens: int) -> torch.Tensor:
@@ -312,12 +373,17 @@ class ScorerPolicy(SelectorPolicy):
         return f"{type(self).__name__}({self.name!r}, {self.scorer!r}, {self.selector!r})"
 
     @property
+    def needs(self) -> Needs:
+        """Its scorer's declarations (a scorer that declares nothing reads only the KV)."""
+        return needs_of(self.scorer, default=NO_NEEDS)
+
+    @property
     def queries(self) -> QueryNeed:
-        return self.scorer.queries
+        return self.needs.queries
 
     @property
     def token_scores(self) -> bool:
-        return self.scorer.token_scores
+        return self.needs.token_scores
 
     def _scorer_for(self, inputs: EditInputs) -> Scorer:
         """The scorer with a query scorer's ``head_dim=None`` filled in (layout's, else 128)."""
@@ -338,16 +404,15 @@ class ScorerPolicy(SelectorPolicy):
             return self.rope
         return rope_from_layout(inputs.rope, policy=self.name)
 
-    def _queries_for(
-        self, scorer: Scorer, inputs: EditInputs
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The query rows and positions ``scorer`` can read (dense ``0..T-1`` unless sparse)."""
+    def _queries_for(self, scorer: Scorer, inputs: EditInputs) -> torch.Tensor | None:
+        """The query rows ``scorer`` can read (those of ``0..T-1`` for a FULL reader; their
+        positions are the selection's)."""
         if scorer.queries is QueryNeed.NONE or inputs.query is None:
-            return None, None
+            return None
         qpos = inputs.query_positions
         assert qpos is not None
         if scorer.queries is QueryNeed.WINDOW:
-            return inputs.query, qpos
+            return inputs.query
         t = inputs.num_tokens
         if qpos.numel() < t or not torch.equal(qpos[:t], torch.arange(t)):
             raise PolicyInputError(
@@ -356,7 +421,7 @@ class ScorerPolicy(SelectorPolicy):
                 "queries = QueryNeed.WINDOW and read selection.query_positions, or run the engine "
                 "with full query capture (--query-capture full)"
             )
-        return inputs.query[:, :, :t], qpos[:t]
+        return inputs.query[:, :, :t]
 
     def scores(
         self,
@@ -373,33 +438,21 @@ class ScorerPolicy(SelectorPolicy):
         (keys and queries are moved there). Raises PolicyInputError on NaN scores.
         """
         if inputs is None:
-            qpos = None if query is None else torch.arange(query.shape[2])
-            inputs = EditInputs(kv, query, qpos, kv.shape[2], torch.arange(kv.shape[2]))
+            inputs = EditInputs(kv, query)
         scorer = self._scorer_for(inputs)
-        q, qpos = self._queries_for(scorer, inputs)
-        lse = inputs.query_lse if scorer.queries is QueryNeed.WINDOW and q is not None else None
+        q = self._queries_for(scorer, inputs)
         device = resolve_device(self.selector.device, inputs.device, kv)
         if device != kv.device:
             kv = (kv if scorer.reads_values else kv[:1]).to(device)
         if q is not None and q.device != device:
             q = q.to(device)
-        if lse is not None and lse.device != device:
-            lse = lse.to(device)
         num_tokens = kv.shape[2]
         scorer.check(kv, q)
         with torch.no_grad():
             if scorer.needs_selection:
+                queries = scorer.queries if q is not None else QueryNeed.NONE
                 selection = self.selector.selection(
-                    num_tokens,
-                    budget,
-                    prompt_tokens=inputs.prompt_tokens,
-                    protected=inputs.protected,
-                    query_positions=qpos,
-                    query_lse=lse,
-                    head_dim=inputs.head_dim,
-                    token_scores=inputs.token_scores,
-                    rope=self._rope_of(inputs),
-                    positions=inputs.positions,
+                    inputs, budget, queries=queries, device=device, rope=self._rope_of(inputs)
                 )
                 scores = scorer.score(kv, q, selection)
             else:

@@ -28,13 +28,16 @@ implementation of the order. Without an edit context ``N == T``: the plain upstr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from kvdrop.device import device_ok
 from kvdrop.errors import PolicyParamError
+from kvdrop.inputs import EditInputs
 from kvdrop.params import Param, param, params_of_dataclass
 from kvdrop_rope import RopeConfig
+from kvdrop_sdk.query_capture import QueryNeed
 
 __all__ = ["SELECTOR_PARAMS", "Selection", "Selector"]
 
@@ -128,37 +131,26 @@ class Selector:
 
     def selection(
         self,
-        num_tokens: int,
+        inputs: EditInputs | int,
         budget: int | None = None,
         *,
-        prompt_tokens: int | None = None,
-        protected: int = 0,
-        query_positions: torch.Tensor | None = None,
-        query_lse: torch.Tensor | None = None,
-        head_dim: int | None = None,
-        token_scores: torch.Tensor | None = None,
+        queries: QueryNeed = QueryNeed.WINDOW,
+        device: torch.device | None = None,
         rope: RopeConfig | None = None,
-        positions: torch.Tensor | None = None,
+        **fields: Any,
     ) -> Selection:
-        """What this selector keeps of a ``num_tokens`` request (``budget``: this many instead)."""
+        """What this selector keeps of one request's ``inputs``, at ``budget`` tokens (default:
+        its own budget) for a scorer that reads ``queries`` on ``device``; ``rope``: the RoPE
+        parameters its keys carry (the policy's). A bare token count builds shape-only inputs
+        from the edit-context ``fields`` it is given (``prompt_tokens``, ``query_positions``,
+        ``head_dim``, ...: tests, docs and the form before issue 24)."""
+        if not isinstance(inputs, EditInputs):
+            inputs = _bare_inputs(int(inputs), fields)
+        elif fields:
+            raise TypeError(f"selection() of EditInputs takes no fields, got {sorted(fields)}")
         if budget is None:
-            budget = self.budget(num_tokens, protected)
-        return Selection(
-            num_tokens=num_tokens,
-            budget=budget,
-            chunk_size=self.chunk_size,
-            n_sink=self.n_sink,
-            window=self.window,
-            chunked=self.chunked,
-            prompt_tokens=num_tokens if prompt_tokens is None else max(prompt_tokens, num_tokens),
-            protected=min(protected, num_tokens),
-            query_positions=query_positions,
-            query_lse=query_lse,
-            head_dim=head_dim,
-            token_scores=token_scores,
-            rope=rope,
-            positions=positions,
-        )
+            budget = self.budget(inputs.num_tokens, inputs.protected)
+        return Selection(self, budget, inputs, QueryNeed(queries), device, rope)
 
     def ranking(
         self, scores: torch.Tensor, *, prompt_tokens: int | None = None, protected: int = 0
@@ -205,47 +197,131 @@ class Selector:
         return torch.sort(order[:k]).values
 
 
-@dataclass(frozen=True)
+def _bare_inputs(num_tokens: int, fields: dict[str, Any]) -> EditInputs:
+    """Shape-only inputs of ``num_tokens`` rows (and query rows at ``query_positions``) whose
+    context holds ``fields``."""
+    qpos = fields.get("query_positions")
+    query = None if qpos is None else torch.empty(1, 0, len(qpos), 0)
+    kv = torch.empty(2, 0, num_tokens, 0)
+    if not fields:
+        return EditInputs(kv)
+    return EditInputs(kv, query, None, **fields)
+
+
+@dataclass(frozen=True, init=False)
 class Selection:
     """What the selector keeps of one request, handed to scorers that declare
     ``needs_selection = True`` (e.g. H2O gives a share of ``budget`` to recent tokens, SnapKV
-    observes the last ``window`` queries). ``budget`` is the number of cached tokens this scorer's
-    ranking will be cut at (in a composition: the part's share).
+    observes the last ``window`` queries): the selector's rules, the ``budget`` (the number of
+    cached tokens this scorer's ranking will be cut at; in a composition, the part's share) and
+    the edit's inputs, read through (nothing is copied).
 
     ``prompt_tokens`` is the length ``N`` of the whole prompt (the ``N - T`` tokens after the
     cached ones are recomputed, never dropped); ``query_positions`` the position of each row of
     the query tensor the scorer gets (rows may lie past ``T``: the uncached tail);
     ``query_lse`` ``[1, L, R, Hq]`` the rows' attention log-normalisers over every key they saw
-    (NaN where unknown; see ``kvdrop_sdk.edit.EditContext``); ``head_dim`` the layout's, when
-    known; ``token_scores`` ``[L, H, S]`` the engine's per-token scores (KVzip's reconstruction
-    pass), when the edit context has them; ``rope`` the model's RoPE parameters and
-    ``positions`` ``[T]`` each cached row's RoPE position, when known (scorers that read
-    pre-RoPE keys or queries undo the rotation with them, e.g. ``leverage``).
+    (NaN where unknown; see ``kvdrop_sdk.edit.EditContext``), for window readers; ``head_dim``
+    the layout's, when known; ``token_scores`` ``[L, H, S]`` the engine's per-token scores
+    (KVzip's reconstruction pass), when the edit context has them.
+
+    Edit-context fields given by name (``Selection(..., positions=p)``, or
+    ``dataclasses.replace(selection, head_dim=4)``) replace the inputs' context fields.
+    ``rope`` is the RoPE parameters the cached keys carry and ``positions`` ``[T]`` each cached
+    row's RoPE position (scorers that read pre-RoPE keys or queries undo the rotation with them,
+    e.g. ``leverage``).
     """
 
-    num_tokens: int
+    selector: Selector
     budget: int
-    chunk_size: int
-    n_sink: int
-    window: int
-    chunked: bool
-    prompt_tokens: int | None = None
-    protected: int = 0
-    query_positions: torch.Tensor | None = field(default=None, compare=False)
-    query_lse: torch.Tensor | None = field(default=None, compare=False)
-    head_dim: int | None = None
-    token_scores: torch.Tensor | None = field(default=None, compare=False)
+    inputs: EditInputs = field(compare=False, repr=False)
+    #: Which query rows the scorer reads (a FULL reader gets the rows of the cached tokens).
+    queries: QueryNeed = QueryNeed.WINDOW
+    #: Where the scorer runs (its log-normalisers are read there); None: where they are.
+    device: torch.device | None = field(default=None, compare=False)
+    #: The RoPE parameters the cached keys carry (the policy's own, else the context's), for
+    #: scorers that undo the rotation (None: unknown).
     rope: RopeConfig | None = field(default=None, compare=False)
-    positions: torch.Tensor | None = field(default=None, compare=False)
 
-    def __post_init__(self) -> None:
-        if self.prompt_tokens is None:
-            object.__setattr__(self, "prompt_tokens", self.num_tokens)
+    def __init__(
+        self,
+        selector: Selector,
+        budget: int,
+        inputs: EditInputs,
+        queries: QueryNeed = QueryNeed.WINDOW,
+        device: torch.device | None = None,
+        rope: RopeConfig | None = None,
+        **context_fields: Any,
+    ) -> None:
+        if context_fields:
+            inputs = inputs.with_context(**context_fields)
+        for name, value in (
+            ("selector", selector),
+            ("budget", budget),
+            ("inputs", inputs),
+            ("queries", QueryNeed(queries)),
+            ("device", device),
+            ("rope", rope),
+        ):
+            object.__setattr__(self, name, value)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.inputs.num_tokens
+
+    @property
+    def chunk_size(self) -> int:
+        return self.selector.chunk_size
+
+    @property
+    def n_sink(self) -> int:
+        return self.selector.n_sink
+
+    @property
+    def window(self) -> int:
+        return self.selector.window
+
+    @property
+    def chunked(self) -> bool:
+        return self.selector.chunked
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.inputs.prompt_tokens
+
+    @property
+    def protected(self) -> int:
+        return min(self.inputs.protected, self.num_tokens)
+
+    @property
+    def head_dim(self) -> int | None:
+        return self.inputs.head_dim
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[T]``: each cached row's RoPE position."""
+        return self.inputs.positions
+
+    @property
+    def token_scores(self) -> torch.Tensor | None:
+        return self.inputs.token_scores
+
+    @property
+    def query_positions(self) -> torch.Tensor | None:
+        if self.queries is QueryNeed.NONE or self.inputs.query_positions is None:
+            return None
+        if self.queries is QueryNeed.FULL:
+            return self.inputs.query_positions[: self.num_tokens]
+        return self.inputs.query_positions
+
+    @property
+    def query_lse(self) -> torch.Tensor | None:
+        lse = self.inputs.query_lse if self.queries is QueryNeed.WINDOW else None
+        return lse if lse is None or self.device is None else lse.to(self.device)
 
     @property
     def total_tokens(self) -> int:
         """``N``: the whole prompt (``num_tokens`` when no longer prompt is known)."""
-        return self.num_tokens if self.prompt_tokens is None else self.prompt_tokens
+        return self.prompt_tokens
 
     @property
     def tail(self) -> int:

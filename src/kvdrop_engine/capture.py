@@ -123,10 +123,10 @@ def log_normalisers(
     dev = queries.device
     blocks = [
         (
-            rows.to(dev),
+            _to_device(rows, dev),
             row_pos,
             limit,
-            (torch.arange(int(row_pos[0]) + 1, limit)[None, :] > row_pos[:, None]).to(dev),
+            _to_device(torch.arange(int(row_pos[0]) + 1, limit)[None, :] > row_pos[:, None], dev),
         )
         for rows, row_pos, limit in blocks
     ]
@@ -149,6 +149,14 @@ def log_normalisers(
             lse = (peak.squeeze(-1) + total.log_()).permute(1, 0, 2).reshape(r, num_q_heads)
             out[layer].index_copy_(0, rows, lse)
     return out
+
+
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` on ``device``; to a GPU through page-locked memory, asynchronously (a pageable copy
+    would wait for the device, so the windows of one step could not be queued back to back)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _products(q: Tensor, k: Tensor) -> Tensor:

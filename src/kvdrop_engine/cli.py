@@ -213,11 +213,12 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def query_capture_of(args: argparse.Namespace) -> QueryCapture:
-    """The capture the flags ask for. The lean window follows the server (queries only where it
-    runs with transfer_query), as ``make_connector`` does for a capture of mode "none"; ``full``
-    demands the server's transfer_query."""
-    mode = QueryNeed.FULL if args.query_capture == "full" else QueryNeed.NONE
-    return QueryCapture(mode, args.query_window, args.query_stride)
+    """The capture the flags ask for, as the ``--cache-server`` kind serves it (an LMCache
+    server keeps only chunk queries: full), handed to the connector unchanged."""
+    from kvdrop_engine.connectors.factory import capture_mode
+
+    mode = capture_mode(args.cache_server, args.query_capture)
+    return QueryCapture(QueryNeed(mode), args.query_window, args.query_stride)
 
 
 def _limits_of(args: argparse.Namespace) -> HTTPLimits:
@@ -291,14 +292,19 @@ def connector_of(args: argparse.Namespace, name: str) -> Any:
 
     if args.kvdrop_url is None:
         return None
-    options = {"store_decoded": args.store_decoded_kv} if args.cache_server == "kvdrop" else {}
+    options: dict[str, Any] = {}
+    if args.cache_server == "kvdrop":
+        options["store_decoded"] = args.store_decoded_kv
+    capture = query_capture_of(args)
+    if not capture.full:
+        options["transfer_query"] = None  # the lean window follows the server; full demands it
     try:
         return make_connector(
             args.cache_server,
             args.kvdrop_url,
             args.kvdrop_http_url,
             name,
-            queries=query_capture_of(args),
+            queries=capture,
             **options,
         )
     except ValueError as exc:

@@ -29,7 +29,7 @@ from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.penalties import edit_logits
 from kvdrop_engine.reconstruct import ReconstructionPrompt
-from kvdrop_engine.runner import Forward, ModelRunner
+from kvdrop_engine.runner import Forward, ModelRunner, WindowRecord
 from kvdrop_engine.sampling import (
     SamplingParams,
     TokenLogprobs,
@@ -79,7 +79,9 @@ class Engine:
     (anything with ``decode``) gives each ``TokenEvent`` its text. On a GPU with Triton, decode
     attention reads the paged cache in place, norms and SwiGLU run fused (``fused_ops``, on a
     model that declares ``FusesOps``) and decode steps replay CUDA graphs (``cuda_graphs``);
-    None means "when available". ``load_concurrency``, ``load_timeout_s``, ``store_timeout_s``
+    None means "when available". The graphs of the batch sizes ``graph_batch_sizes`` (None: every
+    bucket up to ``max_batch_size``; ``()``: none) are captured here, so no step captures one.
+    ``load_concurrency``, ``load_timeout_s``, ``store_timeout_s``
     and ``connector_backoff_s`` bound what a slow or dead cache server costs
     (:mod:`kvdrop_engine.transfer`).
     """
@@ -96,6 +98,7 @@ class Engine:
         max_prefill_tokens: int = 2048,
         connector: KVConnector | None = None,
         cuda_graphs: bool | None = None,
+        graph_batch_sizes: Sequence[int] | None = None,
         fused_ops: bool | None = None,
         load_concurrency: int = 4,
         load_timeout_s: float = 10.0,
@@ -133,6 +136,7 @@ class Engine:
             max_batch_size=max_batch_size,
             fused_ops=fused_ops,
             cuda_graphs=cuda_graphs,
+            graph_batch_sizes=graph_batch_sizes,
         )
         self.device, self.dtype = self.runner.device, self.runner.dtype
         self.cache = self.runner.cache
@@ -413,9 +417,11 @@ class Engine:
         sampled = self._sample(plan, out, picked, edited)
         with self._cv:
             ended = self._sched.postprocess(plan, {rid: tok for rid, (tok, _) in sampled.items()})
+        windows = self._finished_windows(ended)
         shipping = time.perf_counter()
         for req, tok, reason in ended:
-            self._ship(req, tok, sampled[req.rid][1] if tok is not None else None, reason)
+            lp = sampled[req.rid][1] if tok is not None else None
+            self._ship(req, tok, lp, reason, windows)
         with self._cv:
             self._stats.ship_seconds += time.perf_counter() - shipping
 
@@ -476,8 +482,44 @@ class Engine:
                 self._fail(req, exc)
         return sampled
 
+    def _finished_windows(
+        self, ended: Sequence[tuple[Request, int | None, str | None]]
+    ) -> dict[int, WindowRecord | None]:
+        """The query windows of the requests this step ends (while their blocks are their own),
+        all in one batched call; ``_finish_jobs`` reads them. If the batch fails, each request
+        computes its own in ``_finish_jobs`` (a failure then fails only its request)."""
+        taking = [
+            req
+            for req, tok, reason in ended
+            if tok is not None
+            and reason is not None
+            and req.window is not None
+            and self._transfers is not None
+            and not req.cancelled
+        ]
+        if not taking:
+            return {}
+        started = time.perf_counter()
+        computed = [len(req.prompt) + len(req.output) - 1 for req in taking]
+        jobs = [(req.blocks, n, req.window) for req, n in zip(taking, computed, strict=True)]
+        try:
+            records = self.runner.window_records(jobs)  # type: ignore[arg-type]
+        except Exception:
+            return {}
+        finally:
+            with self._cv:
+                self._stats.window_seconds += time.perf_counter() - started
+        for req in taking:
+            req.window = None
+        return {req.rid: rec for req, rec in zip(taking, records, strict=True)}
+
     def _ship(
-        self, req: Request, tok: int | None, logprobs: TokenLogprobs | None, reason: str | None
+        self,
+        req: Request,
+        tok: int | None,
+        logprobs: TokenLogprobs | None,
+        reason: str | None,
+        windows: Mapping[int, WindowRecord | None] | None = None,
     ) -> None:
         """Hand a request's step result over: the stores it starts, then its event (a scoring
         request: its rows); an ended request's blocks are freed after its last reads."""
@@ -497,7 +539,7 @@ class Engine:
                     tok, text, reason, logprob=lp, top_logprobs=top, kept_prompt_tokens=kept
                 )
                 if reason is not None and transfers is not None and not req.cancelled:
-                    for job in self._finish_jobs(req):
+                    for job in self._finish_jobs(req, windows or {}):
                         transfers.submit(req, job)
                     if req.params.reconstruct:  # the end waits for the pass, run in pieces
                         req.held = event
@@ -536,10 +578,13 @@ class Engine:
         queries = req.take_chunk_queries()
         return StoreJob(kv, queries, req.prompt[: req.store_upto], req.cache_salt, req.query_offset)
 
-    def _finish_jobs(self, req: Request) -> list[StoreJob | WindowJob]:
+    def _finish_jobs(
+        self, req: Request, windows: Mapping[int, WindowRecord | None]
+    ) -> list[StoreJob | WindowJob]:
         """(before the last token) What a finished request leaves in the server, keyed by prompt
         + every generated token: the KV of whole chunks its generated tokens completed
-        (``store_decoded``) and its query window (kvzip's scores follow its pass)."""
+        (``store_decoded``) and its query window (from ``windows`` when the step computed it;
+        kvzip's scores follow its pass)."""
         conn = self.connector
         assert conn is not None
         jobs: list[StoreJob | WindowJob] = []
@@ -550,10 +595,12 @@ class Engine:
             kv = self.runner.read_kv(req.blocks, upto)
             jobs.append(StoreJob(kv, None, sequence[:upto], req.cache_salt))
         window, req.window = req.window, None
-        started = time.perf_counter()
-        record = None if window is None else self.runner.window_record(req.blocks, computed, window)
-        with self._cv:
-            self._stats.window_seconds += time.perf_counter() - started
+        record = windows.get(req.rid)
+        if window is not None:
+            started = time.perf_counter()
+            record = self.runner.window_record(req.blocks, computed, window)
+            with self._cv:
+                self._stats.window_seconds += time.perf_counter() - started
         if record is not None:
             jobs.append(WindowJob(*record, sequence, req.cache_salt))
         return jobs

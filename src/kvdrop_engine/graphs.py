@@ -9,12 +9,16 @@ copy of the step's ids, one graph launch and one device-to-host read of the chos
 Rows past the real batch are padding: they write to and attend over the cache's scratch block.
 The block table is copied only when the batch's sequences change (a request's blocks are
 reserved at admission and never move).
+
+A step replays the narrowest captured graph whose table is wide enough (the kernel's work follows
+the sequences' lengths, not the table's width), so :meth:`DecodeGraphs.precapture` at engine start
+(every batch bucket at the widest table the cache can need) leaves nothing to capture mid-run.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +29,35 @@ from kvdrop_engine.errors import InvalidRequestError
 from kvdrop_engine.model import FusesOps, ModelConfig
 from kvdrop_engine.paged import PagedDecode, PagedKVCache, SeqStep, blocks_needed, use_kernel
 
-__all__ = ["BATCH_BUCKETS", "DecodeGraphs", "accelerate"]
+__all__ = ["BATCH_BUCKETS", "DecodeGraphs", "accelerate", "pick_graph", "precapture_keys"]
 
 #: Padded batch sizes a graph is captured for (a batch takes the smallest that fits).
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
+
+
+def table_width(blocks: int) -> int:
+    """The block-table width a graph is captured with for sequences of up to ``blocks``
+    blocks: a power of two, at least 16."""
+    return max(16, 1 << (max(blocks, 1) - 1).bit_length())
+
+
+def precapture_keys(
+    batch_sizes: Sequence[int], max_batch_size: int, num_blocks: int
+) -> list[tuple[int, int]]:
+    """(bucket, width) of the graphs to capture at start for ``batch_sizes`` (each taken to its
+    bucket, at most ``max_batch_size``'s), all at the widest table a sequence can need (every
+    block of the cache)."""
+    top = DecodeGraphs.bucket(max_batch_size)
+    buckets = sorted({DecodeGraphs.bucket(max(1, int(n))) for n in batch_sizes} - {0})
+    width = table_width(num_blocks)
+    return [(b, width) for b in buckets if b <= top]
+
+
+def pick_graph(captured: Iterable[tuple[int, int]], bucket: int, need: int) -> tuple[int, int]:
+    """The key a step of ``bucket`` rows needing ``need`` table columns replays: the narrowest
+    captured graph of that bucket at least that wide, else a new one's key (to capture)."""
+    fits = [w for b, w in captured if b == bucket and w >= need]
+    return (bucket, min(fits)) if fits else (bucket, table_width(need))
 
 
 @dataclass
@@ -57,7 +86,8 @@ class DecodeGraphs:
         self.max_batch_size = max_batch_size
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
-        self.capture_seconds = 0.0
+        self.capture_seconds = 0.0  # mid-run captures (inside measured steps)
+        self.precapture_seconds = 0.0  # :meth:`precapture` (at engine start)
 
     @property
     def captured(self) -> list[tuple[int, int]]:
@@ -69,13 +99,23 @@ class DecodeGraphs:
         """The padded batch size for ``n`` rows."""
         return next((b for b in BATCH_BUCKETS if b >= n), n)
 
+    def precapture(self, batch_sizes: Sequence[int] | None = None) -> None:
+        """Capture the graphs of ``batch_sizes`` (default every bucket up to the engine's batch
+        limit) at the widest table, so steps never capture (see the module docstring)."""
+        sizes = BATCH_BUCKETS if batch_sizes is None else batch_sizes
+        started = time.perf_counter()
+        for key in precapture_keys(sizes, self.max_batch_size, self.cache.num_blocks):
+            if key not in self._graphs:
+                self._graphs[key] = self._capture(*key)
+        self.precapture_seconds += time.perf_counter() - started
+
     def run(self, seqs: Sequence[SeqStep], tokens: Sequence[int]) -> tuple[Tensor, Tensor]:
         """Decode one token for each of ``seqs`` (``tokens[i]`` at position ``seqs[i].start``)."""
         n = len(seqs)
         bs = self.cache.block_size
         need = max(blocks_needed(s.start + 1, bs) for s in seqs)
-        width = max(16, 1 << (need - 1).bit_length())
-        key = (self.bucket(n), width)
+        key = pick_graph(self._graphs, self.bucket(n), need)
+        width = key[1]
         g = self._graphs.get(key)
         if g is None:
             started = time.perf_counter()

@@ -7,8 +7,8 @@ decode CUDA graphs (:func:`~kvdrop_engine.graphs.accelerate`), and every pass th
   sampled rows, scoring requests' teacher-forced log-probs), through the one paged attention
   backend (or a decode graph replay);
 * :meth:`ModelRunner.read_kv` -- a request's KV in the server layout, for the stores;
-* :meth:`ModelRunner.window_record` -- a finished request's query window with its attention
-  log-normalisers, read from its own keys;
+* :meth:`ModelRunner.window_records` -- the finished requests' query windows, each with its
+  attention log-normalisers read from its own keys (one synchronisation for all);
 * :meth:`ModelRunner.reconstruct_piece` -- a bounded piece of KVzip's reconstruction pass over a
   request's prompt (:meth:`ModelRunner.reconstruction_pass`).
 
@@ -32,7 +32,12 @@ from kvdrop_engine.paged import PagedAttention, PagedKVCache, to_host, to_host_a
 from kvdrop_engine.reconstruct import ReconstructionPass, ReconstructionPrompt
 from kvdrop_engine.scheduler import StepPlan
 
-__all__ = ["Forward", "ModelRunner"]
+__all__ = ["Forward", "ModelRunner", "WindowRecord"]
+
+
+#: A finished request's query window on the host: ``(positions [R], queries [L, R, Hq, d],
+#: lse [L, R, Hq])``.
+WindowRecord = tuple[Tensor, Tensor, Tensor]
 
 
 @dataclass
@@ -63,6 +68,7 @@ class ModelRunner:
         max_batch_size: int,
         fused_ops: bool | None,
         cuda_graphs: bool | None,
+        graph_batch_sizes: Sequence[int] | None = None,
     ) -> None:
         param = next((p for p in model.parameters() if p.is_floating_point()), None)
         self.device = param.device if param is not None else torch.device("cpu")
@@ -81,6 +87,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = accelerate(
             model, config, self.cache, max_batch_size, fused_ops=fused_ops, cuda_graphs=cuda_graphs
         )
+        if self.graphs is not None:  # before any other thread touches the device
+            self.graphs.precapture(graph_batch_sizes)
 
     def forward(self, plan: StepPlan) -> Forward:
         """Run the model over ``plan``: a graph replay for a decode-only step when graphs are
@@ -116,12 +124,28 @@ class ModelRunner:
         """KV ``[2, L, T, Hkv*d]`` of a request's first ``num_tokens`` tokens, on the host."""
         return self.cache.read_cpu(blocks, num_tokens)
 
+    def window_records(
+        self, finished: Sequence[tuple[Sequence[int], int, WindowCapture]]
+    ) -> list[WindowRecord | None]:
+        """:meth:`window_record` of every ``(blocks, num_computed, window)`` of the requests
+        finishing in one step, in one call: every request's log-normalisers are queued before
+        the one synchronisation that brings them all to the host (a sync per request leaves the
+        device idle while the loop queues the next request's work)."""
+        on_device = [self._window_on_device(*job) for job in finished]
+        host = iter(to_host_all(*(t for rec in on_device if rec is not None for t in rec)))
+        return [None if rec is None else (next(host), next(host), next(host)) for rec in on_device]
+
     def window_record(
         self, blocks: Sequence[int], num_computed: int, window: WindowCapture
-    ) -> tuple[Tensor, Tensor, Tensor] | None:
+    ) -> WindowRecord | None:
         """A finished request's query window on the host: ``(positions [R], queries [L, R, Hq,
         d], lse [L, R, Hq])``, the log-normalisers read from the request's own ``num_computed``
         keys (while its blocks are its own); None when it kept no rows."""
+        return self.window_records([(blocks, num_computed, window)])[0]
+
+    def _window_on_device(
+        self, blocks: Sequence[int], num_computed: int, window: WindowCapture
+    ) -> WindowRecord | None:
         rows = window.rows()
         if rows is None:
             return None
@@ -136,7 +160,7 @@ class ModelRunner:
                 lambda layer: cache.k[layer].view(heads)[slots],
                 self.config.head_dim**-0.5,
             )
-        return to_host_all(positions, queries, lse)  # one sync
+        return positions, queries, lse
 
     def reconstruction_pass(
         self,

@@ -135,7 +135,7 @@ def _query_modes(conn: KVConnector, capture: QueryCapture) -> tuple[bool, bool]:
     """(keep a query window, store every prompt query in chunks) for ``capture`` on ``conn``."""
     # Windows need a connector that can store them (kvdrop's); others (an LMCache server's) are
     # built for the full queries in chunks, the upstream layout.
-    window = conn.transfer_query and conn.stores_windows
+    window = conn.transfer_query and conn.stores_windows and capture.enabled
     return window, capture.full
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -24,6 +24,7 @@ import requests
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind
+from kvdrop_sdk.capabilities import CheapLookup, StoresRecords, StreamContext, TransfersToDevice
 from kvdrop_sdk.edit import ModifyFnType
 from kvdrop_sdk.errors import (
     CacheKindError,
@@ -45,7 +46,7 @@ T = TypeVar("T")
 _RESYNC_CODES = ("unregistered", "layout_changed")
 
 
-class Context:
+class Context(StreamContext, CheapLookup, StoresRecords, TransfersToDevice):
     """One server connection for ``model_name`` and ``kind``; see ``connect``."""
 
     def __init__(
@@ -166,7 +167,8 @@ class Context:
         return max(self.timeout, 30.0)
 
     @staticmethod
-    def _encode(tokens: Sequence[int]) -> bytes:
+    def encode(tokens: Sequence[int]) -> bytes:
+        """The wire form of token ids (a list or a 1-D integer tensor); SDKError when bad."""
         if isinstance(tokens, torch.Tensor):
             check_tensor(tokens, "token ids")
             if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex():
@@ -188,6 +190,21 @@ class Context:
         return self._retry(
             lambda: self._rpc.call(op, {**fields, "layout": self.layout.to_json()}, frames)
         )
+
+    def record_call(
+        self,
+        op: str,
+        tokens: bytes,
+        cache_salt: str,
+        fields: Mapping[str, Any],
+        frames: Sequence[Any] = (),
+    ) -> tuple[dict[str, Any], list[Any]]:
+        """One call ``op`` on the server's record store (query windows, token scores:
+        :mod:`kvdrop_sdk.window`) for the call over ``tokens`` (:meth:`encode`'s bytes, sent
+        first, then ``frames``), with this context's model, kind and ``cache_salt`` beside
+        ``fields``, through the restart path."""
+        self._check_open()
+        return self._call(op, {**self._fields(cache_salt), **fields}, [tokens, *frames])
 
     def _fetch_layout(self) -> CacheLayout:
         """Register ``layout=`` (if given) and read the model's layout from the server."""
@@ -254,7 +271,7 @@ class Context:
     def lookup(self, tokens: Sequence[int], cache_salt: str = "") -> int:
         """How many leading tokens of ``tokens`` are cached (a multiple of ``chunk_size``)."""
         self._check_open()
-        raw = self._encode(tokens)
+        raw = self.encode(tokens)
         if len(raw) < self.chunk_size * TOKEN_BYTES:
             return 0
         fields = self._fields(cache_salt)
@@ -280,7 +297,7 @@ class Context:
         self._check_open()
         self._check_request_configs(request_configs)
         layout = self.layout
-        raw = self._encode(tokens)
+        raw = self.encode(tokens)
         whole = len(raw) // (self.chunk_size * TOKEN_BYTES) * self.chunk_size * TOKEN_BYTES
         if whole == 0:
             return None
@@ -311,7 +328,7 @@ class Context:
         self._check_request_configs(request_configs)
         layout = self.layout
         check_tensor(kv, "kv")
-        raw = self._encode(tokens)
+        raw = self.encode(tokens)
         num_tokens = len(raw) // TOKEN_BYTES
         if kv.dim() != 4 or kv.shape[2] != num_tokens:
             raise SDKError(

@@ -18,9 +18,10 @@ stored).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -255,9 +256,13 @@ def call_edit(
     context: EditContext | None,
     stream_id: str,
     timeout: float | None = None,
+    device: torch.device | None = None,
 ) -> tuple[Any, list[int]]:
     """Call ``fn`` (with ``context=`` when given) and return its ``(kv, tokens)``, the token ids
     checked; RequestStreamError naming the stream when it fails or returns something else.
+
+    On a CUDA ``device`` the call runs on a stream of its own (edits of concurrent streams
+    overlap on the GPU instead of queueing on the default stream), complete on return.
 
     With a ``timeout`` the call runs in a daemon thread that is abandoned after ``timeout``
     seconds (:class:`~kvdrop_sdk.errors.EditTimeoutError`): Python cannot stop a running
@@ -266,9 +271,10 @@ def call_edit(
     """
 
     def call() -> Any:
-        if context is not None:
-            return fn(KindMap(tensors), tokens, context=context)  # type: ignore[call-arg]
-        return fn(KindMap(tensors), tokens)
+        with _edit_stream(device, tensors.values()):
+            if context is not None:
+                return fn(KindMap(tensors), tokens, context=context)  # type: ignore[call-arg]
+            return fn(KindMap(tensors), tokens)
 
     try:
         result = call() if timeout is None else _bounded(call, timeout, stream_id)
@@ -288,6 +294,26 @@ def call_edit(
         return new_kv, check_edit_tokens(raw, "tokens returned by fn")
     except (TypeError, ValueError) as exc:
         raise RequestStreamError(f"stream {stream_id}: {exc}") from None
+
+
+@contextlib.contextmanager
+def _edit_stream(device: torch.device | None, inputs: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Run the body on a pooled CUDA stream of ``device`` and wait for it at the end (no-op
+    off CUDA). Inputs made on another stream (the SDK's copy stream) are marked as used here,
+    so the caching allocator does not hand their memory out while this stream reads them."""
+    if device is None or device.type != "cuda":
+        yield
+        return
+    stream = torch.cuda.Stream(device)  # from torch's per-device pool: cheap
+    stream.wait_stream(torch.cuda.current_stream(device))
+    for tensor in inputs:
+        if tensor.device.type == "cuda":
+            tensor.record_stream(stream)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        stream.synchronize()
 
 
 def _bounded(call: Callable[[], Any], timeout: float, stream_id: str) -> Any:

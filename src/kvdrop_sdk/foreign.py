@@ -1,8 +1,10 @@
 """Objects from outside kvdrop_sdk, wrapped once in the shape a request stream reads.
 
 - :class:`ForeignContext`: an ``lmcache.sdk`` context (``LMCacheSDKContext``: ``kind``,
-  ``chunk_size``, ``retrieve``, ``store``) given kvdrop's ``lookup`` (by retrieving, as upstream
-  polls) and no layout. A kvdrop :class:`~kvdrop_sdk.context.Context` is used as it is.
+  ``chunk_size``, ``retrieve``, ``store``) as a :class:`~kvdrop_sdk.capabilities.StreamContext`
+  with kvdrop's ``lookup`` (by retrieving, as upstream polls) and none of the other
+  capabilities (no layout, no cheap lookup, no records). A kvdrop
+  :class:`~kvdrop_sdk.context.Context` is a stream context already and is used as it is.
 - :func:`as_token_event`: an engine's event as a :class:`~kvdrop_sdk.events.TokenEvent`.
 
 The upstream ``LMCache*`` names themselves are :mod:`kvdrop_sdk.compat`'s; this module sits below
@@ -18,14 +20,14 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind
-from kvdrop_sdk.context import Context
+from kvdrop_sdk.capabilities import StreamContext
 from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.validate import is_int
 
 __all__ = ["Closeable", "ForeignContext", "StreamContext", "as_token_event", "wrap_contexts"]
 
 
-class ForeignContext:
+class ForeignContext(StreamContext):
     """A context of another SDK (``lmcache.sdk``) with the members a request stream reads."""
 
     def __init__(self, ctx: Any) -> None:
@@ -59,16 +61,12 @@ class ForeignContext:
         return f"ForeignContext({self.inner!r})"
 
 
-#: What a request stream holds per cache kind.
-StreamContext = Context | ForeignContext
-
-
 def wrap_contexts(contexts: Iterable[Any] | Any) -> dict[CacheKind, StreamContext]:
     """One context per kind: kvdrop's as they are, others wrapped; ValueError on a repeat."""
-    many = isinstance(contexts, Iterable) and not isinstance(contexts, Context)
+    many = isinstance(contexts, Iterable) and not isinstance(contexts, StreamContext)
     out: dict[CacheKind, StreamContext] = {}
     for ctx in contexts if many else [contexts]:
-        wrapped = ctx if isinstance(ctx, Context) else ForeignContext(ctx)
+        wrapped = ctx if isinstance(ctx, StreamContext) else ForeignContext(ctx)
         kind = CacheKind.parse(wrapped.kind)
         if kind in out:
             raise ValueError(f"two contexts for cache kind {kind.value!r}; pass one per kind")

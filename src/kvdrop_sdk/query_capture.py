@@ -63,6 +63,12 @@ _RANK = {QueryNeed.NONE: 0, QueryNeed.WINDOW: 1, QueryNeed.FULL: 2}
 
 
 @runtime_checkable
+class _DeclaresNeeds(Protocol):
+    @property
+    def needs(self) -> Needs: ...
+
+
+@runtime_checkable
 class _DeclaresQueries(Protocol):
     @property
     def queries(self) -> QueryNeed: ...
@@ -109,9 +115,12 @@ NO_NEEDS = Needs(QueryNeed.NONE, False)
 
 
 def needs_of(fn: object, default: Needs = UPSTREAM_NEEDS) -> Needs:
-    """What ``fn`` reads: its declared ``queries`` and ``token_scores``, each defaulting to
-    ``default``'s (upstream's; a plugin factory's declaration for the functions it builds).
-    The one reader of those declarations."""
+    """What ``fn`` reads: its ``needs`` when it declares them whole (every kvdrop policy), else
+    its declared ``queries`` and ``token_scores``, each defaulting to ``default``'s (upstream's;
+    a plugin factory's declaration for the functions it builds). The one reader of those
+    declarations."""
+    if isinstance(fn, _DeclaresNeeds) and isinstance(fn.needs, Needs):
+        return fn.needs
     queries = fn.queries if isinstance(fn, _DeclaresQueries) else default.queries
     scores = fn.token_scores if isinstance(fn, _DeclaresTokenScores) else default.token_scores
     return Needs(QueryNeed(queries), bool(scores))

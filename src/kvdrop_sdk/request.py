@@ -58,7 +58,6 @@ present, else the cache is polled by retrieving, as upstream does).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
@@ -71,6 +70,7 @@ from typing import Any
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind, KindMap
+from kvdrop_sdk.capabilities import KnowsLayout
 from kvdrop_sdk.context import Context
 from kvdrop_sdk.edit import (
     EditContext,
@@ -81,18 +81,16 @@ from kvdrop_sdk.edit import (
     check_edit_tensor,
     check_edit_tokens,
     edit_salt,
-    merge_queries,
     takes_edit_context,
-    warn_plain_window,
 )
-from kvdrop_sdk.errors import RequestStreamError, SDKError
+from kvdrop_sdk.errors import RequestStreamError
 from kvdrop_sdk.events import PostCompletion, TokenEvent
 from kvdrop_sdk.foreign import Closeable, StreamContext, as_token_event
 from kvdrop_sdk.protocol import check_salt
-from kvdrop_sdk.query_capture import needs_of
-from kvdrop_sdk.stream_contexts import StreamContexts
+from kvdrop_sdk.query_capture import Needs, needs_of
+from kvdrop_sdk.stream_contexts import StreamContexts, edit_device
 from kvdrop_sdk.validate import is_int, token_ids
-from kvdrop_sdk.window import retrieve_window, scores_for
+from kvdrop_sdk.window import scores_for
 
 __all__ = [
     "ModifyFnType",
@@ -107,6 +105,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_KV_ONLY = (CacheKind.KV,)
 
 
 @dataclass(frozen=True)
@@ -412,7 +411,7 @@ class RequestStream:
             new_tokens = check_edit_tokens(tokens, "tokens")
             ctx = self._cache.get(kind)
             reference = None
-            if isinstance(ctx, Context):
+            if isinstance(ctx, KnowsLayout):
                 ref = ctx.layout.shape(kind, 1)
                 reference = (ref[1], ref[3], ctx.layout.dtype)
             chunk = int(ctx.chunk_size)
@@ -436,14 +435,16 @@ class RequestStream:
         Waits up to ``timeout`` seconds (polling every ``poll_interval``) for the last prompt's
         whole chunks to appear (engines may store asynchronously; a synchronous engine's are
         there at once), then edits whatever is cached. A stream whose tokens or last
-        prompt had no whole chunk is left as it is (``skipped``). ``device`` reaches ``fn`` as
-        ``EditContext.device`` (where to score). ``edit_timeout`` bounds ``fn`` itself
+        prompt had no whole chunk is left as it is (``skipped``). ``device``: where ``fn`` runs
+        (own stream) with the KV, stored back from there (``edit_transfer``; default: the host)
+        and ``EditContext.device``. ``edit_timeout`` bounds ``fn`` itself
         (``EditTimeoutError`` after that many seconds; None: unbounded). Raises
         ``RequestStreamError`` when nothing is cached (e.g. before any generate), ``fn`` fails,
         or its output is invalid; the stream and the server are then unchanged.
         """
         if not callable(fn):
             raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
+        dev = edit_device(device)
         start = time.perf_counter()
         with self._op_lock:
             kv_ctx = self._cache.get(CacheKind.KV)
@@ -453,7 +454,7 @@ class RequestStream:
                 return ModifyResult(0, 0, len(self._suffix), False, 0.0, skipped=True)
             expected = min(self._expected_cached or 0, (len(current) // chunk) * chunk)
             got = self._cache.retrieve_when_cached(
-                current, self.active_cache_salt, expected, timeout, poll_interval, (CacheKind.KV,)
+                current, self.active_cache_salt, expected, timeout, poll_interval, _KV_ONLY, dev
             )
             if got is None and self._expected_cached == 0:
                 # The last prompt had no whole chunk: there was never anything to edit.
@@ -466,29 +467,16 @@ class RequestStream:
                     "and cache_salt)"
                 )
             tensors, cached = got
-            with_context = takes_edit_context(fn)
-            needs = needs_of(fn)
-            queries = None
-            q_ctx = self._cache.by_kind.get(CacheKind.QUERY)
-            if q_ctx is not None and needs.reads_queries:
-                queries = self._queries(q_ctx, current, cached, with_context)
-                if queries.query is not None:
-                    tensors[CacheKind.QUERY] = queries.query
-                cached = queries.rows
-                kv = tensors[CacheKind.KV]
-                if kv.shape[2] != cached:
-                    tensors[CacheKind.KV] = kv[:, :, :cached].contiguous()
+            needs, with_context = needs_of(fn), takes_edit_context(fn)
+            salt = self.active_cache_salt
+            queries = self._cache.add_queries(tensors, current, salt, needs, with_context)
+            cached = int(tensors[CacheKind.KV].shape[2])
             kept_input = list(current[:cached])
             context = None
             if with_context:
-                context = self._edit_context(kv_ctx, cached, len(current), queries, device)
-                scores = None
-                if needs.token_scores:
-                    scores = scores_for(q_ctx, current, self.active_cache_salt)
-                if scores is not None:
-                    context = dataclasses.replace(context, token_scores=scores)
+                context = self._edit_context(kv_ctx, cached, current, queries, device, needs)
             sid = self._request_stream_id
-            new_kv, new_tokens = call_edit(fn, tensors, kept_input, context, sid, edit_timeout)
+            new_kv, new_tokens = call_edit(fn, tensors, kept_input, context, sid, edit_timeout, dev)
             edited = tensors[CacheKind.KV]
             reference = (edited.shape[1], edited.shape[3], edited.dtype)
             check_edit_tensor(CacheKind.KV, new_kv, new_tokens, reference, chunk, sid)
@@ -510,54 +498,32 @@ class RequestStream:
                 duration=time.perf_counter() - start,
             )
 
-    def _queries(
-        self, q_ctx: StreamContext, tokens: list[int], cached: int, with_context: bool
-    ) -> EditQueries:
-        """The queries for an edit of the first ``cached`` tokens (see the module docstring):
-        chunk queries (only where the engine stores them: ``capture.full``) and/or the engine's
-        window of the call that produced ``tokens`` (kvdrop servers only), merged by
-        :func:`~kvdrop_sdk.edit.merge_queries`."""
-        salt = self.active_cache_salt
-        capture = self._cache.query_capture()
-        dense = q_ctx.retrieve(tokens, salt) if capture.full else None
-        has_dense = dense is not None and dense.shape[2] > 0
-        window = None
-        if capture.enabled and isinstance(q_ctx, Context) and (with_context or not has_dense):
-            found = retrieve_window(q_ctx, tokens, salt)
-            if found is not None:
-                window = (found.queries, found.positions, found.lse)
-        if window is not None and not has_dense and not with_context:
-            warn_plain_window(self._request_stream_id)
-        return merge_queries(dense, window, cached, with_context)
-
     def _edit_context(
         self,
         kv_ctx: StreamContext,
         cached: int,
-        prompt_tokens: int,
+        tokens: list[int],
         queries: EditQueries | None,
         device: str | None,
+        needs: Needs,
     ) -> EditContext:
-        layout = None
-        if isinstance(kv_ctx, Context):
-            layout = kv_ctx.layout
-            if layout.rope is None:
-                # The engine may have registered its RoPE after this context read the layout.
-                try:
-                    layout = kv_ctx.register_caches()
-                except SDKError:
-                    pass
+        layout = self._cache.kv_layout()
+        scores = None
+        if needs.token_scores:
+            q_ctx = self._cache.by_kind.get(CacheKind.QUERY)
+            scores = scores_for(q_ctx, tokens, self.active_cache_salt)
         return EditContext(
             positions=torch.arange(cached),
             query_positions=None if queries is None else queries.positions,
             query_lse=None if queries is None else queries.lse,
             rope=None if layout is None else layout.rope,
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=len(tokens),
             protected=min(self.protected_tokens, cached),
             device=device,
             head_dim=None if layout is None else layout.head_dim,
             chunk_size=int(kv_ctx.chunk_size),
             request_id=self._request_stream_id,
+            token_scores=scores,
         )
 
     # ----------------------------------------------------------------- helpers

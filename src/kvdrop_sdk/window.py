@@ -8,7 +8,7 @@ the generated tokens included) and a strided sample -- and stores them as one
 i.e. exactly the token list a request stream holds after that call. ``RequestStream.modify_kv``
 reads it and hands the rows to the edit function with their positions
 (``EditContext.query_positions``). The server side is :mod:`kvdrop_sdk.server.windows`.
-Window calls go through the context's restart path (``Context._call``): after a server restart
+Window calls go through the context's restart path (``Context.record_call``): after a server restart
 the query layout is registered again and the call retried, as for chunks; the first stored copy
 of a window wins.
 
@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind
-from kvdrop_sdk.context import Context, check_tensor
+from kvdrop_sdk.capabilities import StoresRecords
+from kvdrop_sdk.context import check_tensor
 from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.hashing import decode_tokens, encode_tokens
 from kvdrop_sdk.layout import dtype_name
@@ -95,25 +96,33 @@ class QueryWindow:
         return int(self.positions.numel())
 
 
-def _query_ctx(ctx: Context) -> Context:
-    if not isinstance(ctx, Context) or ctx.kind is not CacheKind.QUERY:
-        what = f"a {ctx.kind.value!r} context" if isinstance(ctx, Context) else type(ctx).__name__
+def _query_ctx(ctx: Any) -> StoresRecords:
+    """``ctx`` if it is a query context that stores records (a kvdrop one), else SDKError."""
+    if not isinstance(ctx, StoresRecords) or ctx.kind is not CacheKind.QUERY:
+        records = isinstance(ctx, StoresRecords)
+        what = f"a {ctx.kind.value!r} context" if records else type(ctx).__name__
         raise SDKError(f"query windows go through a query context, got {what}")
     return ctx
 
 
 def _call(
-    ctx: Context, op: str, fields: dict[str, Any], frames: Sequence[Any], what: str
+    ctx: StoresRecords,
+    op: str,
+    raw: bytes,
+    cache_salt: str,
+    fields: dict[str, Any],
+    frames: Sequence[Any],
+    what: str,
 ) -> tuple[dict[str, Any], list[Any]]:
-    """``ctx``'s retrying call of ``op``; a refusal says ``what`` failed."""
+    """``ctx``'s record call of ``op``; a refusal says ``what`` failed."""
     try:
-        return ctx._call(op, fields, frames)
+        return ctx.record_call(op, raw, cache_salt, fields, frames)
     except RpcError as exc:
         raise RpcError(exc.code, f"{what} failed: {exc}") from None
 
 
 def store_window(
-    ctx: Context,
+    ctx: StoresRecords,
     tokens: Sequence[int],
     window: QueryWindow,
     cache_salt: str = "",
@@ -121,7 +130,6 @@ def store_window(
     """Store ``window`` for the call over ``tokens`` (prompt + generated); False when the server
     kept a record with at least as many rows (or the window exceeds its window budget)."""
     _query_ctx(ctx)
-    ctx._check_open()
     layout = ctx.layout
     q = window.queries
     expected = (1, layout.num_layers, window.num_rows, layout.width)
@@ -130,15 +138,15 @@ def store_window(
             f"window queries have shape {tuple(q.shape)} dtype {q.dtype}; expected {expected} "
             f"{layout.dtype} (query layout of {ctx.server_model_name!r})"
         )
-    raw = ctx._encode(tokens)
+    raw = ctx.encode(tokens)
     if int(window.positions[-1]) >= len(raw) // 8:
         raise SDKError(
             f"window position {int(window.positions[-1])} is past the call's {len(raw) // 8} tokens"
         )
     data = q.detach().to("cpu").contiguous()
-    fields = {**ctx._fields(cache_salt), "rows": window.num_rows, "dtype": dtype_name(q.dtype)}
+    fields: dict[str, Any] = {"rows": window.num_rows, "dtype": dtype_name(q.dtype)}
     positions = encode_tokens(window.positions.tolist())
-    frames = [raw, positions, tensor_buffer(data)]
+    frames = [positions, tensor_buffer(data)]
     if window.lse is not None:
         if window.lse.shape[3] != layout.num_heads:
             raise SDKError(
@@ -147,22 +155,20 @@ def store_window(
             )
         frames.append(tensor_buffer(window.lse.detach().to("cpu").contiguous()))
         fields["lse"] = True
-    reply, _ = _call(ctx, "put_window", fields, frames, "storing the query window")
+    reply, _ = _call(ctx, "put_window", raw, cache_salt, fields, frames, "storing the query window")
     return bool(reply.get("stored"))
 
 
 def retrieve_window(
-    ctx: Context, tokens: Sequence[int], cache_salt: str = ""
+    ctx: StoresRecords, tokens: Sequence[int], cache_salt: str = ""
 ) -> QueryWindow | None:
     """The window stored for exactly ``tokens`` under ``cache_salt``, or None."""
     _query_ctx(ctx)
-    ctx._check_open()
     layout = ctx.layout
-    raw = ctx._encode(tokens)
+    raw = ctx.encode(tokens)
     if not raw:
         return None
-    fields = ctx._fields(cache_salt)
-    reply, frames = _call(ctx, "get_window", fields, [raw], "reading the query window")
+    reply, frames = _call(ctx, "get_window", raw, cache_salt, {}, [], "reading the query window")
     if not reply.get("found"):
         return None
     rows = reply.get("rows")
@@ -215,12 +221,11 @@ class TokenScores:
 
 
 def store_scores(
-    ctx: Context, tokens: Sequence[int], scores: TokenScores, cache_salt: str = ""
+    ctx: StoresRecords, tokens: Sequence[int], scores: TokenScores, cache_salt: str = ""
 ) -> bool:
     """Store ``scores`` for the call over ``tokens`` (prompt + generated; the scores cover its
     first ``N``); False when the server kept a record at least as long or has no room."""
     _query_ctx(ctx)
-    ctx._check_open()
     layout = ctx.layout
     s = scores.scores
     bad = int((~torch.isfinite(s)).sum())
@@ -232,32 +237,32 @@ def store_scores(
             f"{ctx.server_model_name!r}: expected {layout.num_layers} layers and heads dividing "
             f"{layout.num_heads}"
         )
-    raw = ctx._encode(tokens)
+    raw = ctx.encode(tokens)
     if scores.num_tokens > len(raw) // 8:
         raise SDKError(f"{scores.num_tokens} scored tokens but the call has {len(raw) // 8}")
     fields = {
-        **ctx._fields(cache_salt),
         "record": "scores",
         "rows": scores.num_tokens,
         "heads": int(s.shape[1]),
     }
     data = tensor_buffer(s.detach().to("cpu").contiguous())
-    reply, _ = _call(ctx, "put_window", fields, [raw, data], "storing the token scores")
+    reply, _ = _call(ctx, "put_window", raw, cache_salt, fields, [data], "storing the token scores")
     return bool(reply.get("stored"))
 
 
 def retrieve_scores(
-    ctx: Context, tokens: Sequence[int], cache_salt: str = ""
+    ctx: StoresRecords, tokens: Sequence[int], cache_salt: str = ""
 ) -> TokenScores | None:
     """The scores stored for exactly ``tokens`` under ``cache_salt``, or None."""
     _query_ctx(ctx)
-    ctx._check_open()
     layout = ctx.layout
-    raw = ctx._encode(tokens)
+    raw = ctx.encode(tokens)
     if not raw:
         return None
-    fields = {**ctx._fields(cache_salt), "record": "scores"}
-    reply, frames = _call(ctx, "get_window", fields, [raw], "reading the token scores")
+    fields = {"record": "scores"}
+    reply, frames = _call(
+        ctx, "get_window", raw, cache_salt, fields, [], "reading the token scores"
+    )
     if not reply.get("found"):
         return None
     rows, heads = reply.get("rows"), reply.get("heads")
@@ -273,7 +278,7 @@ def retrieve_scores(
 def scores_for(q_ctx: object, tokens: Sequence[int], cache_salt: str) -> torch.Tensor | None:
     """The engine's scores ``[L, H, N]`` of the call over ``tokens`` (read through a kvdrop query
     context), else None. Callers ask only for edit functions whose needs include them."""
-    if not isinstance(q_ctx, Context):
+    if not isinstance(q_ctx, StoresRecords):
         return None  # no query context, or an LMCache one: the policy says what is missing
     found = retrieve_scores(q_ctx, tokens, cache_salt)
     return None if found is None else found.scores

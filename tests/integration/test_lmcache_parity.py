@@ -33,6 +33,7 @@ from kvdrop_engine.connectors.kvdrop import ServerConnector
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer
+from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
 from kvdrop_sdk.testing.server import ServerHandle, spawn_server
 
 CHUNK = 256
@@ -153,7 +154,7 @@ def document_example(
 def run_on_kvdrop(model: Transformer, srv: ServerHandle) -> dict[str, Any]:
     name = f"doc-{uuid.uuid4().hex[:8]}"
     # The document's edit reads every prompt token's query ([1, L, T, Dq]): the full mode.
-    conn = ServerConnector(srv.url, srv.http_url, name, query_capture="full")
+    conn = ServerConnector(srv.url, srv.http_url, name, queries=QueryCapture(QueryNeed.FULL))
     with Engine(model, num_blocks=512, connector=conn) as engine:
         result = document_example(kvdrop_sdk, srv.url, srv.http_url, name, engine)
     conn.close()

@@ -28,6 +28,7 @@ from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer
 from kvdrop_sdk import kvcache, qcache
+from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
 from kvdrop_sdk.testing.server import spawn_server, stop_process
 
 pytestmark = pytest.mark.timeout(600)
@@ -60,7 +61,7 @@ def run_both(policy_name: str, lmcache_server: Any) -> tuple[RunResult, RunResul
                 )
                 url, http_url = srv.url, srv.http_url
                 # The full query mode, LMCache's: every prompt query in chunks.
-                conn = ServerConnector(url, http_url, name, query_capture="full")
+                conn = ServerConnector(url, http_url, name, queries=QueryCapture(QueryNeed.FULL))
             stack.callback(conn.close)
             engine = stack.enter_context(Engine(model, num_blocks=512, connector=conn))
             if backend == "lmcache":  # lmcache.sdk's contexts under kvdrop's batch

@@ -74,7 +74,9 @@ def test_a_scorer_that_asks_gets_the_selection_of_its_own_budget() -> None:
     kv = torch.randn(2, 1, 64, 4)
     fn = factory(keep_tokens=24, chunk_size=8, n_sink=2, window=5)
     fn({CacheKind.KV: kv}, list(range(64)))
-    assert SEEN[-1] == Selection(64, 24, 8, 2, 5, False)
+    got = SEEN[-1]
+    assert (got.num_tokens, got.budget, got.chunk_size, got.n_sink, got.window) == (64, 24, 8, 2, 5)
+    assert not got.chunked and got.prompt_tokens == 64 and got.query_positions is None
     kvdrop.Compose([fn, kvdrop.get("knorm", chunk_size=8)], keep_tokens=32)(
         {CacheKind.KV: kv}, list(range(64))
     )

@@ -26,6 +26,14 @@ def test_policy_invariants(name: str) -> None:
     testing.check_invariants(name)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", POLICIES)
+def test_policy_invariants_hold_for_cuda_tensors(name: str) -> None:
+    """An edit run with ``device="cuda"`` hands the policy CUDA tensors: it must give CUDA
+    tensors back whose rows are the input's, bit for bit (the SDK stores them by DMA)."""
+    testing.check_invariants(name, max_examples=8, device="cuda")
+
+
 @pytest.mark.parametrize("name", POLICIES)
 def test_invalid_parameters_name_the_parameter(name: str) -> None:
     testing.check_invalid_parameters(name)

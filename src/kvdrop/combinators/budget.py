@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from kvdrop.errors import PolicyInputError, PolicyParamError
-from kvdrop.policy import Policy, QueryNeed, SelectorPolicy
+from kvdrop.policy import PolicyWrapper, SelectorPolicy
 from kvdrop_sdk.edit import EditContext
 
 __all__ = ["Budget", "Rule", "TierRule", "parse_tiers"]
@@ -104,7 +104,7 @@ class _FixedRule:
         return repr(self.value)
 
 
-class Budget(Policy):
+class Budget(PolicyWrapper):
     """``policy`` (a scorer policy or a composition) with its budget set per request by
     ``rule(N)`` or ``tiers`` (``"4096:1.0,16384:0.5,*:0.25"``); with neither, its own budget.
     ``N`` is the whole prompt's length (the edit context's ``prompt_tokens``; the cached tokens
@@ -136,20 +136,12 @@ class Budget(Policy):
             own = sel.keep_tokens if sel.keep_tokens is not None else sel.keep_ratio
             assert own is not None  # the Selector fills keep_ratio when neither is given
             rule = _FixedRule(own)
-        self.policy = policy
+        super().__init__(policy, name or f"budget({policy.name})")
+        self.policy: SelectorPolicy = policy
         self.rule = rule
-        self.name = name or f"budget({policy.name})"
 
     def __repr__(self) -> str:
         return f"Budget({self.policy!r}, rule={self.rule!r})"
-
-    @property
-    def queries(self) -> QueryNeed:
-        return self.policy.queries
-
-    @property
-    def token_scores(self) -> bool:
-        return self.policy.token_scores
 
     def for_length(self, num_tokens: int) -> SelectorPolicy:
         """The inner policy with this request's budget."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -13,7 +15,7 @@ from kvdrop.inputs import edit_inputs
 from kvdrop.policy import QueryNeed, ScorerPolicy, SelectorPolicy
 from kvdrop.selector import Selector
 from kvdrop_sdk.edit import EditContext
-from kvdrop_sdk.query_capture import needs_of
+from kvdrop_sdk.query_capture import Needs, needs_of
 
 __all__ = ["Compose"]
 
@@ -76,13 +78,17 @@ class Compose(SelectorPolicy):
         return f"Compose({self.name!r}, weights={self.weights}, {self.selector!r})"
 
     @property
+    def needs(self) -> Needs:
+        """The widest needs of its parts (``NONE < WINDOW < FULL``; scores if one reads them)."""
+        return functools.reduce(operator.or_, map(needs_of, self.parts))
+
+    @property
     def queries(self) -> QueryNeed:
-        """The widest need of its parts (``NONE < WINDOW < FULL``)."""
-        return max((p.queries for p in self.parts), key=lambda q: q.rank)
+        return self.needs.queries
 
     @property
     def token_scores(self) -> bool:
-        return any(p.token_scores for p in self.parts)
+        return self.needs.token_scores
 
     def quotas(self, budget: int) -> list[int]:
         """Tokens each part picks: ``budget`` split by weight in whole chunks (largest remainders

@@ -15,21 +15,19 @@ the edit function for a cache whose keys sit elsewhere.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from kvdrop.function_policy import as_policy
-from kvdrop.policy import Policy, QueryNeed
+from kvdrop.policy import Policy, PolicyWrapper
 from kvdrop.rope import rerotate_keys, rope_config
 from kvdrop_rope import RopeConfig
-from kvdrop_sdk.edit import EditContext, ModifyFnType
+from kvdrop_sdk.edit import ModifyFnType
 
 __all__ = ["Rerotate", "rerotate_keys", "rerotated", "rope_config"]
 
 
-class Rerotate(Policy):
+class Rerotate(PolicyWrapper):
     """``policy``'s selection, with kept keys moved to positions ``0..k-1`` with ``rope`` (a
     :class:`RopeConfig` or an HF ``config.json`` dict). A plain edit function is adapted by
     :func:`kvdrop.policy.as_policy` (kept rows found by matching token ids and key rows)."""
@@ -40,31 +38,13 @@ class Rerotate(Policy):
         rope: RopeConfig | Mapping[str, Any],
         name: str = "",
     ) -> None:
-        self.policy = as_policy(policy, name or "rerotate")
-        self.rope = rope_config(rope, policy=name or self.policy.name)
+        inner = as_policy(policy, name or "rerotate")
+        super().__init__(inner, name or None)
+        self.rope = rope_config(rope, policy=name or inner.name)
         self.rerotate = True
-        self.name = name or self.policy.name
 
     def __repr__(self) -> str:
         return f"Rerotate({self.policy!r}, {self.rope!r})"
-
-    @property
-    def queries(self) -> QueryNeed:
-        return self.policy.queries
-
-    @property
-    def token_scores(self) -> bool:
-        return self.policy.token_scores
-
-    def select_indices(
-        self,
-        tensors: Mapping[Any, torch.Tensor],
-        tokens: Sequence[int],
-        *,
-        context: EditContext | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The validated KV and the sorted indices the inner policy keeps."""
-        return self.policy.select_indices(tensors, tokens, context=context)
 
 
 def rerotated(

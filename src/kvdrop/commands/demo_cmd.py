@@ -116,11 +116,15 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, KeyError, kvdrop.PolicyConflictError) as exc:
         print(f"kvdrop demo: error: {exc}", file=sys.stderr)
         return 2
+    from kvdrop.commands.progress import ProgressBar
     from kvdrop.experiments.demo import run_demo
     from kvdrop.experiments.harness import HarnessError
 
+    def progress(phase: str) -> ProgressBar | None:
+        return None if args.no_progress else ProgressBar(label=phase)
+
     try:
-        report = run_demo(args, params)
+        report = run_demo(args, params, progress=progress)
     except HarnessError as exc:
         print(f"kvdrop demo: error: {exc}", file=sys.stderr)
         return 2

@@ -150,8 +150,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
 def run(args: argparse.Namespace) -> int:
     """Run the grid and print the report; 0 on success, 2 on bad flags or a missing extra."""
     import kvdrop
+    from kvdrop.commands.progress import ProgressBar
     from kvdrop.experiments.eval import run_eval
-    from kvdrop_sdk.progress import ProgressBar
 
     def fail(msg: str) -> int:
         print(f"kvdrop eval: error: {msg}", file=sys.stderr)

@@ -19,6 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvdrop.experiments.harness import HarnessError
+from kvdrop_sdk.batch import ProgressCallback
+
+#: ``progress(phase)`` -> the batch's progress callback for that phase (None: quiet).
+Progress = Callable[[str], "ProgressCallback | None"]
 
 __all__ = ["DemoSetupError", "run_demo"]
 
@@ -75,6 +79,7 @@ def _policy(args: argparse.Namespace, params: dict[str, Any], cfg: Any, log: Any
     """The policy as a user builds it, and the query capture it needs; checked on the layout."""
     import kvdrop
     from kvdrop.experiments.harness import check_policies
+    from kvdrop_engine.connectors.factory import capture_mode
     from kvdrop_sdk.query_capture import QueryCapture
 
     lmcache = args.cache_server == "lmcache"
@@ -84,7 +89,8 @@ def _policy(args: argparse.Namespace, params: dict[str, Any], cfg: Any, log: Any
     # user's kvdrop.get("snapkv", keep_ratio=0.5) gets it; lmcache.sdk contexts carry neither.
     rerotate: Any = (cfg.rope if lmcache else True) if not args.no_rerotate else False
     modify_fn = kvdrop.get(args.policy, rerotate=rerotate, **params)
-    capture = QueryCapture.for_policies([modify_fn], "full" if lmcache else args.query_capture)
+    mode = capture_mode(args.cache_server, args.query_capture)
+    capture = QueryCapture.for_policies([modify_fn], mode)
     if capture.full and args.query_capture == "window" and not lmcache:
         # A scorer that reads every cached token's query (a plugin without sparse_queries)
         # cannot work from a window: capture them all rather than fail in modify.
@@ -158,14 +164,12 @@ def _setup(args: argparse.Namespace, params: dict[str, Any], log: Any) -> _Setup
     )
 
 
-def _runs(args: argparse.Namespace, s: _Setup, log: Any) -> tuple[Any, Any, dict[str, Any]]:
+def _runs(
+    args: argparse.Namespace, s: _Setup, log: Any, progress: Progress
+) -> tuple[Any, Any, dict[str, Any]]:
     """Baseline then dropped on one harness; the server's status after both."""
     from kvdrop.experiments.harness import open_harness
     from kvdrop.experiments.runner import run_pipeline
-    from kvdrop_sdk.progress import ProgressBar
-
-    def progress(phase: str) -> ProgressBar | None:
-        return None if args.no_progress else ProgressBar(label=phase)
 
     # Fresh salts per run: a server that outlives this run (--url) never serves its cache again.
     run_id = uuid.uuid4().hex[:8]
@@ -201,8 +205,14 @@ def _runs(args: argparse.Namespace, s: _Setup, log: Any) -> tuple[Any, Any, dict
     return results[0], results[1], h.final_status
 
 
-def run_demo(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]:
-    """Run the experiment of ``args`` (the ``kvdrop demo`` flags) and return its report."""
+def run_demo(
+    args: argparse.Namespace,
+    params: dict[str, Any],
+    *,
+    progress: Progress = lambda phase: None,
+) -> dict[str, Any]:
+    """Run the experiment of ``args`` (the ``kvdrop demo`` flags) and return its report;
+    ``progress(phase)`` gives each phase's progress callback (the command's progress bars)."""
     import torch
 
     from kvdrop.experiments.runner import summarize_runs
@@ -212,7 +222,7 @@ def run_demo(args: argparse.Namespace, params: dict[str, Any]) -> dict[str, Any]
     log = (lambda msg: None) if args.no_progress else (lambda msg: print(msg, file=sys.stderr))
     t0 = time.perf_counter()
     s = _setup(args, params, log)
-    baseline, dropped, server_status = _runs(args, s, log)
+    baseline, dropped, server_status = _runs(args, s, log, progress)
     lengths = [len(p.token_ids) for p in s.prompts]
     return {
         "setup": {

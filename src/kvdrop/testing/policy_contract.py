@@ -40,7 +40,7 @@ import typing
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -378,9 +378,13 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def check_invariants(ref: PolicyRef, *, max_examples: int = 40) -> None:
+def check_invariants(
+    ref: PolicyRef, *, max_examples: int = 40, device: torch.device | str = "cpu"
+) -> None:
     """The explicit examples (:func:`check_parameter_values`), then the drawn-input checks
-    (hypothesis, derandomized); raises on the first falsified one, naming its parameters."""
+    (hypothesis, derandomized); raises on the first falsified one, naming its parameters.
+    ``device``: where the drawn tensors live (e.g. "cuda": the output must stay there and its
+    rows be the input's, bit for bit, as on the host)."""
     try:
         from hypothesis import HealthCheck, given, settings
         from hypothesis import strategies as st
@@ -401,7 +405,7 @@ def check_invariants(ref: PolicyRef, *, max_examples: int = 40) -> None:
     )
     @given(data=st.data())
     def run(data: Any) -> None:
-        case = _draw_case(data.draw, info)
+        case = _on_device(_draw_case(data.draw, info), torch.device(device))
         with _quiet():
             _invariants(ref, case)
             if window:
@@ -409,6 +413,13 @@ def check_invariants(ref: PolicyRef, *, max_examples: int = 40) -> None:
                 check_window_path(ref, case, tail, rows)
 
     run()
+
+
+def _on_device(case: Case, device: torch.device) -> Case:
+    if device.type == "cpu":
+        return case
+    scores = None if case.scores is None else case.scores.to(device)
+    return replace(case, kv=case.kv.to(device), query=case.query.to(device), scores=scores)
 
 
 def _raises(kind: type[Exception], fragment: str, call: Callable[[], Any]) -> None:

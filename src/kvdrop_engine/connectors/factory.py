@@ -17,44 +17,42 @@ from kvdrop_sdk.query_capture import QueryCapture
 if TYPE_CHECKING:
     from kvdrop_engine.connectors.base import KVConnector
 
-__all__ = ["CONNECTOR_KINDS", "make_connector"]
+__all__ = ["CONNECTOR_KINDS", "capture_mode", "make_connector"]
 
 
 def _kvdrop(
-    url: str, http_url: str, model_name: str, queries: QueryCapture, **options: Any
+    url: str, http_url: str, model_name: str, queries: QueryCapture | None, **options: Any
 ) -> KVConnector:
     from kvdrop_engine.connectors.kvdrop import ServerConnector
 
-    return ServerConnector(
-        url,
-        http_url,
-        model_name,
-        queries=queries,
-        transfer_query=queries.uses_query_context or None,
-        **options,
-    )
+    if queries is not None:  # a capture that uses the query store demands it
+        options.setdefault("transfer_query", queries.uses_query_context or None)
+    return ServerConnector(url, http_url, model_name, queries=queries, **options)
 
 
 def _lmcache(
-    url: str, http_url: str, model_name: str, queries: QueryCapture, **options: Any
+    url: str, http_url: str, model_name: str, queries: QueryCapture | None, **options: Any
 ) -> KVConnector:
     from kvdrop_engine.connectors.lmcache import LMCacheConnector, require_lmcache
 
     require_lmcache()
-    return LMCacheConnector(
-        url,
-        http_url,
-        model_name,
-        queries=queries,
-        transfer_query=queries.enabled or None,
-        **options,
-    )
+    if queries is not None:
+        options.setdefault("transfer_query", queries.enabled or None)
+    return LMCacheConnector(url, http_url, model_name, queries=queries, **options)
 
 
 #: The connector kinds :func:`make_connector` builds, by name.
 _BUILDERS: dict[str, Callable[..., KVConnector]] = {"kvdrop": _kvdrop, "lmcache": _lmcache}
 #: Every connector kind, in the order command lines list them ("kvdrop" first: the default).
 CONNECTOR_KINDS: tuple[str, ...] = tuple(_BUILDERS)
+#: Kinds whose server stores queries only whole, in chunks (upstream's layout: no windows).
+_CHUNK_QUERIES_ONLY = frozenset({"lmcache"})
+
+
+def capture_mode(kind: str, asked: str) -> str:
+    """The query capture mode a connector of ``kind`` serves for ``asked`` ("auto", "window" or
+    "full"): "full" where its server keeps only chunk queries (LMCache), else ``asked``."""
+    return "full" if kind in _CHUNK_QUERIES_ONLY else asked
 
 
 def make_connector(
@@ -67,9 +65,10 @@ def make_connector(
     **options: Any,
 ) -> KVConnector:
     """The engine's connector of ``kind`` ("kvdrop": a kvdrop server, "lmcache": an LMCache
-    server), capturing ``queries`` (:meth:`QueryCapture.for_policies`; none when omitted).
-    ``options`` are the connector's own keyword arguments."""
+    server), capturing ``queries`` (:meth:`QueryCapture.for_policies`), handed over unchanged
+    (omitted: the connector's own default, the lean window for kvdrop's, whole chunks for
+    LMCache's). ``options`` are the connector's own keyword arguments."""
     build = _BUILDERS.get(kind)
     if build is None:
         raise ValueError(f"connector kind must be one of {CONNECTOR_KINDS}, got {kind!r}")
-    return build(url, http_url, model_name, queries or QueryCapture(), **options)
+    return build(url, http_url, model_name, queries, **options)

@@ -45,19 +45,11 @@ from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
 from kvdrop_sdk.errors import SDKError
 from kvdrop_sdk.layout import CacheLayout
-from kvdrop_sdk.query_capture import (
-    DEFAULT_QUERY_STRIDE,
-    DEFAULT_QUERY_WINDOW,
-    QueryCapture,
-    QueryNeed,
-)
+from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
 from kvdrop_sdk.transport import cuda_host
 from kvdrop_sdk.window import QueryWindow, TokenScores, store_scores, store_window
 
-__all__ = ["QUERY_CAPTURE_MODES", "ServerConnector", "server_has_transfer_query"]
-
-#: Query capture modes: "window" (lean: last W + strided rows) or "full" (every prompt row).
-QUERY_CAPTURE_MODES = ("window", "full")
+__all__ = ["ServerConnector", "server_has_transfer_query"]
 
 
 def server_has_transfer_query(http_url: str, timeout: float = 10.0) -> bool:
@@ -80,13 +72,13 @@ class ServerConnector(KVConnector):
     """The engine's link to a kvdrop server (see module docstring).
 
     ``transfer_query=None`` follows the server's ``/config``; ``True`` demands it (error if the
-    server lacks it); ``False`` never stores queries. ``queries`` (a :class:`QueryCapture`) says
-    what is captured when queries are on: its mode "full" stores every prompt query in chunks,
-    else the lean window of ``queries.window`` (W) last and every ``queries.stride``-th (S; 0 =
-    none) positions. Without ``queries`` the older keywords ``query_capture`` ("window" or
-    "full"), ``query_window`` and ``query_stride`` build it. ``store_decoded`` also stores, at
-    the end of a request, the KV of the whole chunks its generated tokens completed (so a later
-    edit can drop from them too; off by default: it reads the request's KV back once more).
+    server lacks it); ``False`` never stores queries. ``queries`` (a :class:`QueryCapture`, taken
+    as it is) says what is captured when queries are on: mode "full" stores every prompt query
+    in chunks (and the window), "window" the lean window of ``queries.window`` (W) last and every
+    ``queries.stride``-th (S; 0 = none) positions, "none" no query; not given: the lean window.
+    ``store_decoded`` also stores, at the end of a request, the KV of the whole chunks its
+    generated tokens completed (so a later edit can drop from them too; off by default: it reads
+    the request's KV back once more).
     """
 
     stores_windows = True
@@ -102,9 +94,6 @@ class ServerConnector(KVConnector):
         transfer_query: bool | None = None,
         timeout: float = 60.0,
         transport: str = "auto",
-        query_capture: str = "window",
-        query_window: int = DEFAULT_QUERY_WINDOW,
-        query_stride: int = DEFAULT_QUERY_STRIDE,
         store_decoded: bool = False,
     ) -> None:
         if not isinstance(model_name, str) or not model_name:
@@ -112,13 +101,7 @@ class ServerConnector(KVConnector):
         if transfer_query is not None and not isinstance(transfer_query, bool):
             raise ValueError(f"transfer_query must be a bool or None, got {transfer_query!r}")
         if queries is None:
-            if query_capture not in QUERY_CAPTURE_MODES:
-                raise ValueError(
-                    f"query_capture must be one of {QUERY_CAPTURE_MODES}, got {query_capture!r}"
-                )
-            queries = QueryCapture(QueryNeed(query_capture), query_window, query_stride)
-        elif not queries.full:
-            queries = QueryCapture(QueryNeed.WINDOW, queries.window, queries.stride, queries.scores)
+            queries = QueryCapture(QueryNeed.WINDOW)
         super().__init__(queries, store_decoded=store_decoded)
         self.url = url
         self.http_url = http_url

@@ -205,8 +205,9 @@ class LMCacheConnector(KVConnector):
     """The engine's link to an LMCache server (see the module docstring).
 
     ``transfer_query=None`` follows the server's ``--enable transfer_query``; ``True`` demands it;
-    ``False`` never stores queries. Queries are always stored whole, in chunks (upstream's
-    layout: the connector stores no windows), so ``queries`` only carries the window sizes.
+    ``False`` never stores queries. Queries are stored only whole, in chunks (upstream's layout:
+    the connector stores no windows and no scores), so ``queries`` is a capture of mode "full"
+    or "none" (not given: "full"); another is refused (ValueError saying so), never rewritten.
     ``staging_tokens`` (rounded down to whole chunks, at least one) sizes the registered KV area
     and the query ring.
     """
@@ -232,8 +233,15 @@ class LMCacheConnector(KVConnector):
             )
         if isinstance(staging_tokens, bool) or not isinstance(staging_tokens, int):
             raise ValueError(f"staging_tokens must be an int, got {staging_tokens!r}")
-        q = queries or QueryCapture()
-        super().__init__(QueryCapture(QueryNeed.FULL, q.window, q.stride))
+        q = QueryCapture(QueryNeed.FULL) if queries is None else queries
+        if q.mode is QueryNeed.WINDOW or q.scores:
+            asked = "token scores" if q.scores else "a query window"
+            raise ValueError(
+                f"an LMCache server stores queries only whole, in chunks (upstream's layout), "
+                f"not {asked}: capture mode 'full' (QueryCapture.for_policies(policies, 'full'), "
+                "--query-capture full) or 'none', or use a kvdrop server"
+            )
+        super().__init__(q)
         self.url = url
         self.http_url = http_url.rstrip("/")
         self.model_name = model_name

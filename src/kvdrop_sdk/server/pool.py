@@ -1,7 +1,8 @@
 """The L1 pool's bytes: anonymous memory, or a POSIX shared-memory file clients can map.
 
 The first ``HEADER_BYTES`` hold a magic string, the server's instance id and its pid, so a client
-can check that the segment it mapped belongs to the server it talks to. A server holds an
+can check that the segment it mapped belongs to the server it talks to (the format is
+:mod:`kvdrop_sdk.transport.shm`'s, shared with the client). A server holds an
 exclusive ``flock`` on its segment for as long as it runs: a segment with the magic and no lock
 holder belongs to a server that died without cleaning up (SIGKILL, OOM kill), and is reclaimed
 (``reap_stale_segments``, and a restart under the same ``--shm-name``). Files without the magic
@@ -27,6 +28,15 @@ import uuid
 
 import torch
 
+from kvdrop_sdk.transport.shm import (
+    HEADER_BYTES,
+    MAGIC,
+    SHM_DIR,
+    header_pid,
+    segment_header,
+    shm_path,
+)
+
 __all__ = [
     "HEADER_BYTES",
     "MAGIC",
@@ -42,10 +52,6 @@ __all__ = [
 
 log = logging.getLogger("kvdrop_sdk.server")
 
-#: Segment magic; "L2" segments are locked by their live owner (older "L1" ones were not).
-MAGIC = b"KVDROPL2"
-HEADER_BYTES = 4096
-_SHM_DIR = "/dev/shm"
 _GIB = 1024**3
 #: Granularity of ``Pool.back`` (bytes reserved per ``posix_fallocate`` call at most).
 BACK_BLOCK = 2 << 20
@@ -62,11 +68,6 @@ class PoolSpaceError(RuntimeError):
 
 class SegmentInUseError(FileExistsError):
     """The shared-memory name belongs to a running server."""
-
-
-def shm_path(name: str) -> str:
-    """Path of the POSIX shared-memory object ``name`` (Linux: a tmpfs file)."""
-    return os.path.join(_SHM_DIR, name)
 
 
 def unique_shm_name(prefix: str = "kvdrop") -> str:
@@ -136,15 +137,15 @@ def check_pool_size(
             shm_free = _shm_free()
         if shm_free is not None and nbytes > shm_free:
             raise PoolSizeError(
-                f"a shared pool of {_gib(nbytes)} GiB does not fit: {_SHM_DIR} has "
-                f"{_gib(shm_free)} GiB free; lower --l1-size-gb or enlarge {_SHM_DIR}"
+                f"a shared pool of {_gib(nbytes)} GiB does not fit: {SHM_DIR} has "
+                f"{_gib(shm_free)} GiB free; lower --l1-size-gb or enlarge {SHM_DIR}"
             )
 
 
 def _shm_free() -> int | None:
     """Free bytes in /dev/shm, or None when unknown."""
     try:
-        st = os.statvfs(_SHM_DIR)
+        st = os.statvfs(SHM_DIR)
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
@@ -175,7 +176,7 @@ def _claim_stale(path: str) -> bool:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            pid = head[len(MAGIC) + 32 :].split(b"\0", 1)[0].decode("ascii", "replace").strip()
+            pid = header_pid(head)
             raise SegmentInUseError(
                 f"shared memory {path} is in use by a running server ({pid or 'pid unknown'}); "
                 "stop it or choose another --shm-name"
@@ -198,7 +199,7 @@ def reap_stale_segments() -> list[str]:
     readable by this user); returns the paths removed."""
     removed = []
     try:
-        entries = list(os.scandir(_SHM_DIR))
+        entries = list(os.scandir(SHM_DIR))
     except OSError:
         return removed
     uid = os.getuid()
@@ -252,7 +253,7 @@ class Pool:
         self.data = torch.frombuffer(self._mm, dtype=torch.uint8)
         if not lazy:
             self.data.zero_()
-        header = MAGIC + self.instance_id.encode("ascii") + f"pid {os.getpid()}".encode("ascii")
+        header = segment_header(self.instance_id, os.getpid())
         self.data[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
 
     def _create_segment(self, path: str, lazy: bool) -> mmap.mmap:
@@ -298,9 +299,9 @@ class Pool:
                 except OSError as exc:
                     free = _shm_free()
                     raise PoolSpaceError(
-                        f"{_SHM_DIR} is full ({exc.strerror}; {_gib(free or 0)} GiB free): the "
+                        f"{SHM_DIR} is full ({exc.strerror}; {_gib(free or 0)} GiB free): the "
                         f"pool could not reserve {length} bytes for this request; free space in "
-                        f"{_SHM_DIR}, or restart the server with a smaller --l1-size-gb or "
+                        f"{SHM_DIR}, or restart the server with a smaller --l1-size-gb or "
                         "--no-l1-use-lazy (which reserves the whole pool at start)"
                     ) from None
                 self._backed[block] = 1

@@ -30,7 +30,6 @@ from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.errors import PartialStoreError, SDKError, ServerRestartedError
 from kvdrop_sdk.layout import CacheLayout, dtype_name
 from kvdrop_sdk.protocol import RpcClient, RpcError
-from kvdrop_sdk.server.pool import MAGIC, shm_path
 from kvdrop_sdk.transport.buffers import (
     copy_rows,
     empty_tensor,
@@ -42,6 +41,7 @@ from kvdrop_sdk.transport.buffers import (
     tune_malloc,
 )
 from kvdrop_sdk.transport.cuda_host import HostRegistration, device_to_slots, slots_to_device
+from kvdrop_sdk.transport.shm import HEADER_BYTES, belongs_to, shm_path
 from kvdrop_sdk.validate import is_int
 
 __all__ = [
@@ -211,8 +211,7 @@ class ContiguousTransferWrapper:
         finally:
             os.close(fd)
         instance = cfg.get("instance")
-        expected = MAGIC + str(instance or "").encode("ascii", "replace")
-        if mm[: len(expected)] != expected:
+        if not belongs_to(mm[:HEADER_BYTES], instance):
             mm.close()
             return f"shared memory {path} belongs to another server instance"
         self._mapping = _Mapping(mm, torch.frombuffer(mm, dtype=torch.uint8), instance)

@@ -140,7 +140,7 @@ def test_default_policies_are_every_registered_one_but_bare_combinators() -> Non
     assert kvdrop.needs_of(built["snapkv"][0.5]).reads_queries
     assert not kvdrop.needs_of(built["knorm"][0.5]).reads_queries
     # Named ones are built as asked, spec strings included; a bad one raises.
-    built, _, skipped = build_policies(
+    built, skipped = build_policies(
         EvalConfig(policies=("chunk(policy=snapkv)",), keep_ratios=(0.5,)), 64, rope
     )
     assert list(built) == ["chunk(policy=snapkv)"] and not skipped

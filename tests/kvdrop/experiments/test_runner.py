@@ -18,10 +18,13 @@ from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer, generate
 from kvdrop_sdk import kvcache
+from kvdrop_sdk.cache_kind import CacheKind
+from kvdrop_sdk.edit import EditContext, accepts_edit_context
 from kvdrop_sdk.testing.server import ServerHandle, spawn_server
 
 CHUNK = 16
 GREEDY = {"temperature": 0.0, "max_tokens": 5, "ignore_eos": True}
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +105,25 @@ def test_one_suffix_per_prompt(setup: Any) -> None:
     _, engine, ctx = setup
     with pytest.raises(ValueError, match="1 suffixes for 2 prompts"):
         run_pipeline("bad", engine, [ctx], prompts(2, 20, 4), GREEDY, suffixes=[[1]])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)])
+def test_modify_device_is_where_every_edit_runs(setup: Any, device: str) -> None:
+    """``modify_device`` reaches ``batch.modify(device=)``: each edit gets the KV there and the
+    edit context names it (a GPU: by DMA; ``tests/kvdrop_sdk/test_stream_contexts.py``)."""
+    _, engine, ctx = setup
+    seen: list[tuple[str, str | None]] = []
+    policy = kvdrop.get("knorm", keep_ratio=0.5, chunk_size=CHUNK)
+
+    @accepts_edit_context
+    def spy(tensors: Any, toks: Any, *, context: EditContext) -> Any:
+        seen.append((tensors[CacheKind.KV].device.type, context.device))
+        return policy(tensors, toks, context=context)
+
+    ps = prompts(2, 4 * CHUNK + 3, 5)
+    salt = f"on-{device}"
+    run = run_pipeline(
+        "dev", engine, [ctx], ps, GREEDY, modify_fn=spy, cache_salt=salt, modify_device=device
+    )
+    assert run.modify is not None and run.modify["kept_tokens"] == 2 * 2 * CHUNK
+    assert seen == [(device, device)] * 2

@@ -14,6 +14,7 @@ import kvdrop
 from kvdrop.policy import ScorerPolicy
 from kvdrop_sdk import CacheKind
 from kvdrop_sdk.edit import EditContext
+from kvdrop_sdk.query_capture import QueryNeed
 
 L, HKV, HQ, D = 2, 2, 4, 16
 GROUP = HQ // HKV
@@ -192,7 +193,7 @@ def test_every_policy_scores_on_the_requested_device_and_returns_cpu_indices(nam
     ctx = EditContext.of(96, query_positions=rows, head_dim=D)
     if "head_dim" in {p.name for p in info.params}:
         params["head_dim"] = D
-    if name == "last-queries":  # a dense-only plugin scorer: hand it every query
+    if info.needs.queries is QueryNeed.FULL:  # a dense-only scorer: hand it every query
         tensors[CacheKind.QUERY], ctx = q, EditContext.of(96, head_dim=D)
     here = kvdrop.get(name, device="cpu", rerotate=False, **params)
     if here.token_scores:  # kvzip: the engine's reconstruction scores come in the context

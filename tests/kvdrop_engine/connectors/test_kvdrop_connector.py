@@ -17,6 +17,7 @@ from kvdrop_engine.paged import PagedAttention, PagedKVCache, SeqStep, blocks_ne
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context, connect
 from kvdrop_sdk.errors import SDKError
+from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
 from kvdrop_sdk.testing.server import ServerHandle, spawn_server
 from kvdrop_sdk.window import retrieve_window
 
@@ -98,7 +99,9 @@ def test_prefill_stores_whole_chunks_of_kv_and_queries(
     model: Transformer, server: ServerHandle
 ) -> None:
     prompt = tokens(3 * CHUNK + 5, seed=1)
-    conn = ServerConnector(server.url, server.http_url, "store-model", query_capture="full")
+    conn = ServerConnector(
+        server.url, server.http_url, "store-model", queries=QueryCapture(QueryNeed.FULL)
+    )
     with Engine(model, num_blocks=16, connector=conn) as eng:
         first = eng.generate(prompt, {**GREEDY, "max_tokens": 4})
         st = eng.stats()
@@ -222,7 +225,9 @@ def test_shared_prefix_completes_queries_from_the_server(
     shared = tokens(2 * CHUNK, seed=20)
     a = shared + tokens(CHUNK + 3, seed=21)
     b = shared + tokens(2 * CHUNK + 5, seed=22)
-    conn = ServerConnector(server.url, server.http_url, "shared-model", query_capture="full")
+    conn = ServerConnector(
+        server.url, server.http_url, "shared-model", queries=QueryCapture(QueryNeed.FULL)
+    )
     with Engine(model, num_blocks=16, connector=conn) as eng:
         eng.generate(a, {**GREEDY, "max_tokens": 2})
         eng.reset_stats()
@@ -251,7 +256,9 @@ def test_kv_prefix_without_queries_stores_kv_only(model: Transformer, server: Se
     with Engine(model, num_blocks=16, connector=kv_only) as eng:
         eng.generate([*prefix, 7], {**GREEDY, "max_tokens": 1})
     kv_only.close()
-    conn = ServerConnector(server.url, server.http_url, "hole-model", query_capture="full")
+    conn = ServerConnector(
+        server.url, server.http_url, "hole-model", queries=QueryCapture(QueryNeed.FULL)
+    )
     with Engine(model, num_blocks=16, connector=conn) as eng:
         eng.generate(longer, {**GREEDY, "max_tokens": 2})
         st = eng.stats()
@@ -271,7 +278,9 @@ def test_eight_concurrent_requests_store_their_own_kv_and_queries(
     prompts = [
         (common if i % 2 else []) + tokens(CHUNK * (2 + i % 3) + i, seed=100 + i) for i in range(8)
     ]
-    conn = ServerConnector(server.url, server.http_url, "conc-model", query_capture="full")
+    conn = ServerConnector(
+        server.url, server.http_url, "conc-model", queries=QueryCapture(QueryNeed.FULL)
+    )
     # small prefill chunks and a budget for ~5 requests: prefill chunks of different requests
     # share steps with each other and with decodes, and some requests wait for admission.
     eng = Engine(model, num_blocks=24, block_size=CHUNK, max_prefill_tokens=40, connector=conn)
@@ -325,7 +334,7 @@ def test_window_mode_stores_the_last_rows_and_a_strided_sample_only(
     cfg = model.config
     prompt = tokens(5 * CHUNK + 5, seed=30)  # 85 tokens
     conn = ServerConnector(
-        server.url, server.http_url, "window-model", query_window=8, query_stride=32
+        server.url, server.http_url, "window-model", queries=QueryCapture(QueryNeed.WINDOW, 8, 32)
     )
     with Engine(model, num_blocks=16, connector=conn, max_prefill_tokens=40) as eng:
         out = eng.generate(prompt, {**GREEDY, "max_tokens": 4})
@@ -344,9 +353,18 @@ def test_window_mode_stores_the_last_rows_and_a_strided_sample_only(
     seq = prompt + out[:-1]
     _, q_ref = reference(model, seq)
     torch.testing.assert_close(window.queries, q_ref[:, :, window.positions], atol=1e-5, rtol=1e-5)
-    # lse: log-sum-exp of each row's causal logits over the whole sequence so far
+    assert_lse(model, seq, window.positions, window.lse)
+    q_ctx.close()
+    conn.close()
+
+
+def assert_lse(
+    model: Transformer, seq: list[int], positions: torch.Tensor, lse: torch.Tensor
+) -> None:
+    """``lse [1, L, R, Hq]`` is the log-sum-exp of each row's causal logits over ``seq``."""
+    cfg = model.config
     group = cfg.num_heads // cfg.num_kv_heads
-    kv_ref, _ = reference(model, seq)
+    kv_ref, q_ref = reference(model, seq)
     n = len(seq)
     causal = torch.arange(n)[None, :] > torch.arange(n)[:, None]
     for layer in range(cfg.num_layers):
@@ -354,8 +372,46 @@ def test_window_mode_stores_the_last_rows_and_a_strided_sample_only(
         kh = kv_ref[0, layer].view(n, cfg.num_kv_heads, cfg.head_dim)
         logits = torch.einsum("qhd,khd->hqk", qh, kh.repeat_interleave(group, dim=1))
         logits = (logits * cfg.head_dim**-0.5).masked_fill(causal, -torch.inf)
-        ref = torch.logsumexp(logits, dim=-1)[:, window.positions].T
-        torch.testing.assert_close(window.lse[0, layer], ref, atol=1e-4, rtol=1e-5)
+        ref = torch.logsumexp(logits, dim=-1)[:, positions].T
+        torch.testing.assert_close(lse[0, layer], ref, atol=1e-4, rtol=1e-5)
+
+
+def test_requests_ending_together_each_store_their_own_window(
+    model: Transformer, server: ServerHandle
+) -> None:
+    """Prompts of one length with one token budget, submitted together, end in the same steps;
+    their windows are finalised in one batched call, and each holds its own rows and
+    log-normalisers (as for a request alone)."""
+    prompts = [tokens(3 * CHUNK + 3, seed=40 + i) for i in range(4)]
+    conn = ServerConnector(
+        server.url, server.http_url, "window-batch", query_window=6, query_stride=16
+    )
+    outs: list[list[int]] = [[] for _ in prompts]
+    barrier = threading.Barrier(len(prompts))
+
+    def worker(i: int) -> None:
+        barrier.wait()
+        outs[i] = eng.generate(prompts[i], {**GREEDY, "max_tokens": 5})
+
+    with Engine(model, num_blocks=32, connector=conn, max_prefill_tokens=512) as eng:
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        st = eng.stats()
+    assert st.requests_finished == len(prompts)
+    _, q_ctx = contexts(server, "window-batch")
+    for p, out in zip(prompts, outs, strict=True):
+        assert len(out) == 5
+        window = retrieve_window(q_ctx, p + out)
+        assert window is not None and window.lse is not None
+        seq = p + out[:-1]
+        _, q_ref = reference(model, seq)
+        torch.testing.assert_close(
+            window.queries, q_ref[:, :, window.positions], atol=1e-5, rtol=1e-5
+        )
+        assert_lse(model, seq, window.positions, window.lse)
     q_ctx.close()
     conn.close()
 

@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from kvdrop_sdk.progress import ProgressBar, format_duration
+from kvdrop.commands.progress import ProgressBar, format_duration
 
 
 class FakeClock:
