@@ -384,7 +384,10 @@ def test_requests_ending_together_each_store_their_own_window(
     log-normalisers (as for a request alone)."""
     prompts = [tokens(3 * CHUNK + 3, seed=40 + i) for i in range(4)]
     conn = ServerConnector(
-        server.url, server.http_url, "window-batch", query_window=6, query_stride=16
+        server.url,
+        server.http_url,
+        "window-batch",
+        queries=QueryCapture(QueryNeed.WINDOW, window=6, stride=16),
     )
     outs: list[list[int]] = [[] for _ in prompts]
     barrier = threading.Barrier(len(prompts))
