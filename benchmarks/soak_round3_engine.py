@@ -21,6 +21,7 @@ import select
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -56,13 +57,15 @@ def _engine() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     cmd = [sys.executable, "-m", "kvdrop", "engine", "--random-preset", "tiny", "--port", str(port)]
     cmd += ["--max-connections", str(MAX_CONNECTIONS), "--request-timeout-s", "2"]
     cmd += ["--max-prefill-tokens", "128", "--return-tokens-as-token-ids"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = tempfile.TemporaryFile()  # not a pipe: a full pipe would block the engine's logging
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"kvdrop engine exited: {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+                log.seek(0)
+                raise RuntimeError(f"kvdrop engine exited: {log.read().decode()[-2000:]}")
             try:
                 if requests.get(f"{url}/health", timeout=2).status_code == 200:
                     break
@@ -79,6 +82,7 @@ def _engine() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+        log.close()
 
 
 def _prompt(client: int, j: int) -> list[int]:
