@@ -15,6 +15,7 @@ how each hostile client was answered. Used by ``benchmarks/soak.py --phases roun
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import re
 import select
@@ -144,88 +145,101 @@ def _status(s: socket.socket) -> str:
         return "reset"
 
 
-def _hostiles(port: int, count: Callable[[str], None]) -> list[Callable[[threading.Event], None]]:
-    def connect() -> socket.socket:
-        return socket.create_connection(("127.0.0.1", port), timeout=10)
+def _connect(port: int) -> socket.socket:
+    """A client socket to the engine (10 s timeout on each read and write)."""
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
 
-    def big_bodies(stop: threading.Event) -> None:
-        head = b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
-        while not stop.wait(0.5):
+
+def _big_bodies(port: int, count: Callable[[str], None], stop: threading.Event) -> None:
+    """Every 0.5 s: a 32 MB ``[{},...]`` body (read, then 413) and a 1 GiB ``Content-Length``
+    (413 before the body)."""
+    head = b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+    while not stop.wait(0.5):
+        try:
+            with _connect(port) as s:
+                s.sendall(head + f"Content-Length: {len(_BIG)}\r\n\r\n".encode() + _BIG)
+                count(f"32 MB [{{}},...] body answered {_status(s)}")
+            with _connect(port) as s:
+                s.sendall(head + b"Content-Length: 1073741824\r\n\r\n")
+                count(f"1 GiB Content-Length answered {_status(s)}")
+        except OSError:  # the server refused it (503 while a burst held the bound)
+            count("big body: reset while sending")
+
+
+def _tricklers(port: int, count: Callable[[str], None], stop: threading.Event) -> None:
+    """Eight requests that trickle a byte every 0.5 s, each replaced once the server ends it."""
+    socks: list[tuple[socket.socket, float]] = []
+    while not stop.is_set():
+        for _ in range(8 - len(socks)):
             try:
-                with connect() as s:
-                    s.sendall(head + f"Content-Length: {len(_BIG)}\r\n\r\n".encode() + _BIG)
-                    count(f"32 MB [{{}},...] body answered {_status(s)}")
-                with connect() as s:
-                    s.sendall(head + b"Content-Length: 1073741824\r\n\r\n")
-                    count(f"1 GiB Content-Length answered {_status(s)}")
-            except OSError:  # the server refused it (503 while a burst held the bound)
-                count("big body: reset while sending")
+                s = _connect(port)
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nX: ")
+                socks.append((s, time.monotonic()))
+            except OSError:
+                count("trickler refused")
+        for s, opened in list(socks):
+            try:
+                if not select.select([s], [], [], 0)[0]:
+                    s.sendall(b"a")  # the server has not answered: one more byte
+                    continue
+                answer = _status(s)
+            except OSError:
+                answer = "reset"
+            socks.remove((s, opened))
+            count(f"trickler answered {answer} after {time.monotonic() - opened:.0f} s")
+            s.close()
+        stop.wait(0.5)
+    for s, _ in socks:
+        s.close()
 
-    def tricklers(stop: threading.Event) -> None:
-        socks: list[tuple[socket.socket, float]] = []
-        while not stop.is_set():
-            for _ in range(8 - len(socks)):
-                try:
-                    s = connect()
-                    s.sendall(b"POST /v1/completions HTTP/1.1\r\nX: ")
-                    socks.append((s, time.monotonic()))
-                except OSError:
-                    count("trickler refused")
-            for s, opened in list(socks):
-                try:
-                    if not select.select([s], [], [], 0)[0]:
-                        s.sendall(b"a")  # the server has not answered: one more byte
-                        continue
-                    answer = _status(s)
-                except OSError:
-                    answer = "reset"
-                socks.remove((s, opened))
-                count(f"trickler answered {answer} after {time.monotonic() - opened:.0f} s")
-                s.close()
-            stop.wait(0.5)
-        for s, _ in socks:
+
+def _bursts(port: int, count: Callable[[str], None], stop: threading.Event) -> None:
+    """Every 2.5 s, 16 connections more than ``--max-connections`` held 0.5 s (503s counted)."""
+    while not stop.wait(2.0):
+        burst = []
+        for _ in range(MAX_CONNECTIONS + 16):
+            try:
+                burst.append(_connect(port))
+            except OSError:
+                count("burst connect refused")
+        stop.wait(0.5)
+        for s in burst:
+            s.settimeout(0.2)
+            if _status(s) == "503":
+                count("connections over the bound answered 503")
             s.close()
 
-    def bursts(stop: threading.Event) -> None:
-        while not stop.wait(2.0):
-            burst = []
-            for _ in range(MAX_CONNECTIONS + 16):
-                try:
-                    burst.append(connect())
-                except OSError:
-                    count("burst connect refused")
-            stop.wait(0.5)
-            for s in burst:
-                s.settimeout(0.2)
-                if _status(s) == "503":
-                    count("connections over the bound answered 503")
-                s.close()
 
-    def disconnectors(stop: threading.Event) -> None:
-        n = 0
-        while not stop.wait(0.25):
-            n += 1
-            prompt = ",".join(str(3 + (n * 13 + t) % 500) for t in range(LONG_PROMPT))
-            body = (
-                f'{{"prompt":[{prompt}],"max_tokens":{LONG_MAX_TOKENS},'
-                '"temperature":0,"ignore_eos":true}'
-            ).encode()
-            try:
-                with connect() as s:
-                    s.sendall(
-                        b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
-                        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                        + body
-                    )
-                    # a 503 (a burst holds the bound) comes at once; a completion takes seconds
-                    if select.select([s], [], [], 0.02)[0] and _status(s) == "503":
-                        count("long prompts answered 503")
-                    else:
-                        count(ABANDONED)
-            except OSError:
-                count("long prompt: connection reset")
+def _disconnectors(port: int, count: Callable[[str], None], stop: threading.Event) -> None:
+    """Every 0.25 s, a 3,000-token prompt closed right after it is sent (the engine must cancel)."""
+    n = 0
+    while not stop.wait(0.25):
+        n += 1
+        prompt = ",".join(str(3 + (n * 13 + t) % 500) for t in range(LONG_PROMPT))
+        body = (
+            f'{{"prompt":[{prompt}],"max_tokens":{LONG_MAX_TOKENS},'
+            '"temperature":0,"ignore_eos":true}'
+        ).encode()
+        try:
+            with _connect(port) as s:
+                s.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+                # a 503 (a burst holds the bound) comes at once; a completion takes seconds
+                if select.select([s], [], [], 0.02)[0] and _status(s) == "503":
+                    count("long prompts answered 503")
+                else:
+                    count(ABANDONED)
+        except OSError:
+            count("long prompt: connection reset")
 
-    return [big_bodies, tricklers, bursts, disconnectors]
+
+def _hostiles(port: int, count: Callable[[str], None]) -> list[Callable[[threading.Event], None]]:
+    """The hostile clients, each a function of the stop event (``count`` tallies outcomes)."""
+    kinds = [_big_bodies, _tricklers, _bursts, _disconnectors]
+    return [functools.partial(f, port, count) for f in kinds]
 
 
 def _metrics(url: str) -> dict[str, float]:
