@@ -11,6 +11,7 @@ the requests that caused it (see :meth:`Engine._step`).
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import threading
 import time
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from kvdrop_engine.connectors.base import KVConnector
+from kvdrop_engine.draw import draw_tokens
 from kvdrop_engine.drop import PromptDropper, prepare_cut
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
@@ -34,8 +36,6 @@ from kvdrop_engine.sampling import (
     SamplingParams,
     TokenLogprobs,
     pick_tokens,
-    sample_row,
-    token_logprobs,
 )
 from kvdrop_engine.scheduler import (
     DEFAULT_BUDGET_TOKENS,
@@ -45,7 +45,7 @@ from kvdrop_engine.scheduler import (
     decoded_store_upto,
     plan_step,
 )
-from kvdrop_engine.sequence import Request, TokenStream, new_request, raise_failure
+from kvdrop_engine.sequence import Request, TokenStream, new_request, scored_rows
 from kvdrop_engine.stats import EngineStats
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
 from kvdrop_engine.transfer import ScoresJob, StoreJob, Transfers, WindowJob, check_seconds
@@ -309,14 +309,7 @@ class Engine:
             )
         req.score_from = score_from
         self._submit(req)
-
-        def result() -> Tensor:
-            item = req.out.get()
-            if isinstance(item, BaseException):
-                raise_failure(item)
-            return item
-
-        return result
+        return functools.partial(scored_rows, req)
 
     def _submit(self, req: Request) -> None:
         """Put a validated request in the waiting line (``RequestTooLargeError`` first)."""
@@ -458,60 +451,26 @@ class Engine:
     def _sample(
         self, plan: StepPlan, out: Forward, picked: list[int | None], edited: Tensor
     ) -> dict[int, tuple[int, TokenLogprobs | None]]:
-        """Each sampled request's token, drawn from the ``edited`` logits (bias, bans,
-        penalties), and its log-probs from the model's raw ones (vLLM's default); a failure
-        fails only its request."""
-        sampled: dict[int, tuple[int, TokenLogprobs | None]] = {}
-        for i, req in enumerate(plan.sampled):
-            if req.cancelled or req.rid not in self._sched.running:
-                continue
-            row, argmax = out.logits[i], picked[i]
-            try:
-                if argmax is None:
-                    raise EngineError(
-                        "the model's logits for this request are not finite (NaN or inf: "
-                        "corrupt cached KV or weights?); the request is stopped, others go on"
-                    )
-                gen = req.generator
-                tok = argmax if req.params.greedy else sample_row(edited[i], req.params, gen)
-                logprobs = None
-                if req.params.logprobs is not None:
-                    logprobs = token_logprobs(row[None], [tok], [req.params.logprobs])[0]
-                sampled[req.rid] = (tok, logprobs)
-            except Exception as exc:
-                self._fail(req, exc)
-        return sampled
+        """:func:`~kvdrop_engine.draw.draw_tokens` for the requests still running."""
+        live = [
+            req if not req.cancelled and req.rid in self._sched.running else None
+            for req in plan.sampled
+        ]
+        return draw_tokens(live, out.logits, picked, edited, self._fail)
 
     def _finished_windows(
         self, ended: Sequence[tuple[Request, int | None, str | None]]
     ) -> dict[int, WindowRecord | None]:
-        """The query windows of the requests this step ends (while their blocks are their own),
-        all in one batched call; ``_finish_jobs`` reads them. If the batch fails, each request
-        computes its own in ``_finish_jobs`` (a failure then fails only its request)."""
-        taking = [
-            req
-            for req, tok, reason in ended
-            if tok is not None
-            and reason is not None
-            and req.window is not None
-            and self._transfers is not None
-            and not req.cancelled
-        ]
-        if not taking:
+        """The query windows of the requests this step ends, in one batched call
+        (:meth:`ModelRunner.finished_windows`); ``_finish_jobs`` reads them. Counted as
+        ``window_seconds``."""
+        if self._transfers is None:
             return {}
         started = time.perf_counter()
-        computed = [len(req.prompt) + len(req.output) - 1 for req in taking]
-        jobs = [(req.blocks, n, req.window) for req, n in zip(taking, computed, strict=True)]
-        try:
-            records = self.runner.window_records(jobs)  # type: ignore[arg-type]
-        except Exception:
-            return {}
-        finally:
-            with self._cv:
-                self._stats.window_seconds += time.perf_counter() - started
-        for req in taking:
-            req.window = None
-        return {req.rid: rec for req, rec in zip(taking, records, strict=True)}
+        windows = self.runner.finished_windows(ended)
+        with self._cv:
+            self._stats.window_seconds += time.perf_counter() - started
+        return windows
 
     def _ship(
         self,

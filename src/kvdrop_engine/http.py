@@ -12,8 +12,9 @@ the probes needs ``Authorization: Bearer KEY``.
 What one client may cost is :mod:`kvdrop_sdk.http_limits`' rule, shared with the cache server:
 the body size checked before reading (413), the JSON's containers, values and depth before
 parsing, one deadline for the whole request, a bound on open connections, log fields escaped and
-capped. Every request is one log line; a client that goes away cancels its request and is one
-line too, never a traceback. Only standard-library networking; nothing here imports torch.
+capped. Every request is one log line; a client that goes away cancels its request
+(:mod:`kvdrop_engine.client_watch` notices) and is one line too, never a traceback. Only
+standard-library networking; nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -22,14 +23,19 @@ import hmac
 import importlib.metadata
 import json
 import logging
-import select
-import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from kvdrop_engine.client_watch import (
+    DISCONNECTS,
+    GONE_CHECK_S,
+    ClientWatch,
+    client_gone,
+    close_all,
+)
 from kvdrop_engine.completions import (
     CHAT,
     COMPLETIONS,
@@ -38,17 +44,17 @@ from kvdrop_engine.completions import (
     Route,
     Settings,
     max_prompt_chars_for,
-    parse_detokenize_request,
     parse_request,
-    parse_tokenize_request,
 )
-from kvdrop_engine.fanout import ChoiceStreams, close_stream
+from kvdrop_engine.fanout import ChoiceStreams
 from kvdrop_engine.metrics import EngineGauges, ServerMetrics
 from kvdrop_engine.responses import (
     ChatCompletionBuilder,
     CompletionBuilder,
+    detokenize_body,
     error_body,
     models_body,
+    tokenize_body,
 )
 from kvdrop_engine.sampling import PromptScores
 from kvdrop_engine.tokenizer import TextTokenizer
@@ -72,9 +78,6 @@ logger = logging.getLogger(__name__)
 #: Largest request body accepted by default (a 100K-token prompt as JSON ids is about 0.7 MB;
 #: ``limits=HTTPLimits(max_body_bytes=...)``, ``--max-request-bytes``, changes it).
 MAX_BODY_BYTES = HTTPLimits().max_body_bytes
-#: Seconds between checks that a request's client is still connected.
-_GONE_CHECK_S = 0.02
-_DISCONNECTS = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 
 #: The generating POST routes and what each takes.
 _POST_ROUTES: dict[str, Route] = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
@@ -99,7 +102,7 @@ class _Server(LimitedHTTPServer):
         traceback."""
         exc = sys.exc_info()[1]
         client = ":".join(str(part) for part in client_address[:2])
-        if isinstance(exc, _DISCONNECTS):  # reset, broken pipe, aborted, read timeout
+        if isinstance(exc, DISCONNECTS):  # reset, broken pipe, aborted, read timeout
             logger.info("client %s disconnected (%s)", client, exc.strerror or exc)
         else:
             logger.exception("request from %s failed", client)
@@ -252,21 +255,8 @@ class CompletionHTTPServer:
 
     def token_payload(self, path: str, body: Any) -> dict[str, Any]:
         """Body of ``POST /tokenize`` or ``POST /detokenize`` (vLLM's shapes)."""
-        tokenizer = self.tokenizer
-        if path == "/detokenize":
-            ids = parse_detokenize_request(body, self.settings)
-            assert tokenizer is not None
-            return {"prompt": tokenizer.decode(ids)}
-        ids, with_strs = parse_tokenize_request(body, self.settings)
-        strs = None
-        if with_strs and tokenizer is not None:
-            strs = [tokenizer.decode([t]) for t in ids]
-        return {
-            "count": len(ids),
-            "max_model_len": self.max_model_len,
-            "tokens": ids,
-            "token_strs": strs,
-        }
+        answer = detokenize_body if path == "/detokenize" else tokenize_body
+        return answer(body, self.settings)
 
     def authorized(self, header: str | None) -> bool:
         """Whether a request's ``Authorization`` header carries this server's key (always
@@ -317,7 +307,7 @@ class _Handler(LimitedHandler):
         self._tokens = (0, 0)  # prompt, completion tokens of a generating request
         try:
             super().handle_one_request()
-        except _DISCONNECTS:
+        except DISCONNECTS:
             if self._in_request:
                 raise
             self.close_connection = True
@@ -382,16 +372,7 @@ class _Handler(LimitedHandler):
             self.close_connection = True
 
     def _client_gone(self) -> bool:
-        """Whether the client closed its side (checked without blocking or consuming data)."""
-        try:
-            ready, _, _ = select.select([self.connection], [], [], 0)
-            if not ready:
-                return False
-            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except BlockingIOError:
-            return False
-        except (OSError, ValueError):
-            return True
+        return client_gone(self.connection)
 
     # ---- routes --------------------------------------------------------------------------
 
@@ -473,13 +454,13 @@ class _Handler(LimitedHandler):
         """Serve one completion while a watcher cancels it the moment its client goes (during a
         prefix load or prefill too, with or without bytes to write)."""
         opened: list[Iterator[TokenEvent]] = []
-        watch = _ClientWatch(self._client_gone, lambda: _close_all(opened))
+        watch = ClientWatch(self._client_gone, lambda: close_all(opened))
         try:
             self._complete_watched(app, req, scored, opened, watch)
         finally:
             watch.stop()
             if watch.gone:  # also the choices posted after the watcher fired
-                _close_all(opened)
+                close_all(opened)
 
     def _complete_watched(
         self,
@@ -487,7 +468,7 @@ class _Handler(LimitedHandler):
         req: CompletionRequest,
         scored: list[PromptScores] | None,
         opened: list[Iterator[TokenEvent]],
-        watch: _ClientWatch,
+        watch: ClientWatch,
     ) -> None:
         """Call the engine (once per choice of each prompt); answer 400/500 if it fails before
         its first token, else stream or collect; account the request in ``/metrics``."""
@@ -503,12 +484,12 @@ class _Handler(LimitedHandler):
             first = next(pairs, None)
             first_token_s = time.monotonic() - started
         except (ValueError, TypeError) as exc:
-            _close_all(opened)
+            close_all(opened)
             self._send_error(400, f"the engine rejected the request: {exc}")
             return
         except Exception as exc:
             logger.exception("engine failed before its first token")
-            _close_all(opened)
+            close_all(opened)
             self._send_error(500, f"the engine failed: {type(exc).__name__}: {exc}")
             return
         finish = "abort"
@@ -517,7 +498,7 @@ class _Handler(LimitedHandler):
                 raise ConnectionAbortedError("the client closed the connection")
             run = self._stream if req.stream else self._collect
             finish = run(app, build, first, pairs, streams)
-        except _DISCONNECTS as exc:
+        except DISCONNECTS as exc:
             self.close_connection = True
             logger.info(
                 "client %s disconnected (%s); request cancelled",
@@ -577,7 +558,7 @@ class _Handler(LimitedHandler):
                 if choice.finish is None:  # an EOS the engine did not label, or shutdown
                     self._sse(build.chunk(finish="stop", index=choice.index))
             finish = build.finish or "stop"
-        except _DISCONNECTS:
+        except DISCONNECTS:
             raise
         except Exception as exc:
             logger.exception("engine failed while streaming")
@@ -601,7 +582,7 @@ class _Handler(LimitedHandler):
         try:
             for _ in self._pieces(app, build, first, events, streams):
                 now = time.monotonic()
-                if now - checked >= _GONE_CHECK_S:
+                if now - checked >= GONE_CHECK_S:
                     checked = now
                     if self._client_gone():  # nobody will read the answer: stop generating
                         raise ConnectionAbortedError("the client closed the connection")
@@ -613,29 +594,3 @@ class _Handler(LimitedHandler):
             return "error"
         self._send_json(200, build.body())
         return build.finish or "stop"
-
-
-class _ClientWatch:
-    """A thread that checks every ``_GONE_CHECK_S`` whether a request's client is gone and then
-    calls ``on_gone`` once (it closes the engine's streams: the request is cancelled at once)."""
-
-    def __init__(self, gone: Callable[[], bool], on_gone: Callable[[], None]) -> None:
-        self.gone = False
-        self._stop = threading.Event()
-        self._gone_check, self._on_gone = gone, on_gone
-        threading.Thread(target=self._run, name="kvdrop-client-watch", daemon=True).start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(_GONE_CHECK_S):
-            if self._gone_check():
-                self.gone = True
-                self._on_gone()
-                return
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
-def _close_all(streams: list[Iterator[TokenEvent]]) -> None:
-    for stream in streams:
-        close_stream(stream)

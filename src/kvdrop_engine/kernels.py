@@ -236,6 +236,45 @@ def _opts(**launch: int) -> dict[str, int]:
     return {} if interpreted() else launch
 
 
+def _check_decode_shapes(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
+    """``ValueError`` unless ``paged_decode`` can read these shapes and strides."""
+    _, hq, d = q.shape
+    _, page, hkv, dk = k_cache.shape
+    if dk != d or hq % hkv or d & (d - 1) or d < 16:
+        raise ValueError(
+            f"paged_decode needs q [B, Hq, d] and caches [N, bs, Hkv, d] with Hq a multiple of "
+            f"Hkv and d a power of two >= 16; got q {tuple(q.shape)}, cache {tuple(k_cache.shape)}"
+        )
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must share strides with contiguous rows")
+    if page & (page - 1):
+        raise ValueError(f"paged_decode needs a power-of-two block size, got {page}")
+
+
+def _reduce_splits(acc: Tensor, m: Tensor, lsum: Tensor, out: Tensor) -> None:
+    """Combine each head's ``splits`` partial softmaxes (``acc [B, Hq, splits, d]``, their maxima
+    ``m`` and sums ``lsum``) into ``out [B, Hq, d]``: the second launch of ``paged_decode``."""
+    bsz, hq, splits, d = acc.shape
+    _kernel("decode_reduce")[(bsz, hq)](
+        acc,
+        m,
+        lsum,
+        out,
+        acc.stride(0),
+        acc.stride(1),
+        acc.stride(2),
+        m.stride(0),
+        m.stride(1),
+        out.stride(0),
+        out.stride(1),
+        splits,
+        # At least 32 (the most decode_splits picks): one compiled reduce for every batch size.
+        SPLITS_PAD=max(32, 1 << (splits - 1).bit_length()),
+        HEAD_DIM=d,
+        **_opts(num_warps=4),
+    )
+
+
 def paged_decode(
     q: Tensor,
     k_cache: Tensor,
@@ -258,16 +297,8 @@ def paged_decode(
     launch reads no host value, so it can be captured in a CUDA graph.
     """
     bsz, hq, d = q.shape
-    _, page, hkv, dk = k_cache.shape
-    if dk != d or hq % hkv or d & (d - 1) or d < 16:
-        raise ValueError(
-            f"paged_decode needs q [B, Hq, d] and caches [N, bs, Hkv, d] with Hq a multiple of "
-            f"Hkv and d a power of two >= 16; got q {tuple(q.shape)}, cache {tuple(k_cache.shape)}"
-        )
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("k_cache and v_cache must share strides with contiguous rows")
-    if page & (page - 1):
-        raise ValueError(f"paged_decode needs a power-of-two block size, got {page}")
+    _, page, hkv, _ = k_cache.shape
+    _check_decode_shapes(q, k_cache, v_cache)
     group = hq // hkv
     splits = splits or decode_splits(bsz, hkv, q.device)
     scale = d**-0.5 if scale is None else scale
@@ -305,24 +336,7 @@ def paged_decode(
         BLOCK_N=max(block_n, 16),
         **_opts(num_warps=num_warps, num_stages=num_stages),
     )
-    _kernel("decode_reduce")[(bsz, hq)](
-        acc,
-        m,
-        lsum,
-        out,
-        acc.stride(0),
-        acc.stride(1),
-        acc.stride(2),
-        m.stride(0),
-        m.stride(1),
-        out.stride(0),
-        out.stride(1),
-        splits,
-        # At least 32 (the most decode_splits picks): one compiled reduce for every batch size.
-        SPLITS_PAD=max(32, 1 << (splits - 1).bit_length()),
-        HEAD_DIM=d,
-        **_opts(num_warps=4),
-    )
+    _reduce_splits(acc, m, lsum, out)
     return out
 
 

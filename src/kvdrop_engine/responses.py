@@ -17,7 +17,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdrop_engine.completions import CompletionRequest
+from kvdrop_engine.completions import (
+    CompletionRequest,
+    Settings,
+    parse_detokenize_request,
+    parse_tokenize_request,
+)
 from kvdrop_engine.sampling import PromptScores
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, SpecialTokens, TextTokenizer
 from kvdrop_sdk.adapters.openai import token_id_text
@@ -28,8 +33,10 @@ __all__ = [
     "Choice",
     "CompletionBuilder",
     "Piece",
+    "detokenize_body",
     "error_body",
     "models_body",
+    "tokenize_body",
 ]
 
 
@@ -53,6 +60,29 @@ def models_body(model_name: str, created: int, max_model_len: int | None) -> dic
     if max_model_len is not None:
         card["max_model_len"] = max_model_len
     return {"object": "list", "data": [card]}
+
+
+def tokenize_body(body: Any, settings: Settings) -> dict[str, Any]:
+    """The answer to vLLM's ``POST /tokenize`` (each token's text too when asked and there is a
+    tokenizer); ``BadRequestError`` for a bad request."""
+    ids, with_strs = parse_tokenize_request(body, settings)
+    tokenizer = settings.tokenizer
+    strs = None
+    if with_strs and tokenizer is not None:
+        strs = [tokenizer.decode([t]) for t in ids]
+    return {
+        "count": len(ids),
+        "max_model_len": settings.max_model_len,
+        "tokens": ids,
+        "token_strs": strs,
+    }
+
+
+def detokenize_body(body: Any, settings: Settings) -> dict[str, Any]:
+    """The answer to vLLM's ``POST /detokenize``; ``BadRequestError`` for a bad request."""
+    ids = parse_detokenize_request(body, settings)
+    assert settings.tokenizer is not None  # the parser refuses a server without one
+    return {"prompt": settings.tokenizer.decode(ids)}
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.paged import PagedAttention, PagedKVCache, to_host, to_host_all
 from kvdrop_engine.reconstruct import ReconstructionPass, ReconstructionPrompt
 from kvdrop_engine.scheduler import StepPlan
+from kvdrop_engine.sequence import Request
 
 __all__ = ["Forward", "ModelRunner", "WindowRecord"]
 
@@ -123,6 +124,29 @@ class ModelRunner:
     def read_kv(self, blocks: Sequence[int], num_tokens: int) -> Tensor:
         """KV ``[2, L, T, Hkv*d]`` of a request's first ``num_tokens`` tokens, on the host."""
         return self.cache.read_cpu(blocks, num_tokens)
+
+    def finished_windows(
+        self, ended: Sequence[tuple[Request, int | None, str | None]]
+    ) -> dict[int, WindowRecord | None]:
+        """The query windows of the requests a step ends (with a token and a finish reason, a
+        window, not cancelled), while their blocks are their own, in one batched call. ``{}``
+        when the batch fails: each request then computes its own (failing only itself)."""
+        taking = [
+            req
+            for req, tok, reason in ended
+            if tok is not None and reason is not None and req.window is not None
+            and not req.cancelled
+        ]  # fmt: skip
+        if not taking:
+            return {}
+        jobs = [(req.blocks, len(req.prompt) + len(req.output) - 1, req.window) for req in taking]
+        try:
+            records = self.window_records(jobs)  # type: ignore[arg-type]
+        except Exception:
+            return {}
+        for req in taking:
+            req.window = None
+        return {req.rid: rec for req, rec in zip(taking, records, strict=True)}
 
     def window_records(
         self, finished: Sequence[tuple[Sequence[int], int, WindowCapture]]

@@ -25,7 +25,7 @@ from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.protocol import check_salt
 from kvdrop_sdk.validate import token_ids
 
-__all__ = ["LoadState", "Request", "TokenStream", "new_request", "raise_failure"]
+__all__ = ["LoadState", "Request", "TokenStream", "new_request", "raise_failure", "scored_rows"]
 
 
 class LoadState(enum.Enum):
@@ -177,6 +177,14 @@ def new_request(
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(str(exc)) from None
     return Request(rid, prompt, params, cache_salt, queue.Queue(), make_generator(params), detok)
+
+
+def scored_rows(req: Request) -> Tensor:
+    """Wait for a scoring request's log-softmax rows (its failure raised)."""
+    item = req.out.get()
+    if isinstance(item, BaseException):
+        raise_failure(item)
+    return item
 
 
 def raise_failure(item: BaseException) -> NoReturn:

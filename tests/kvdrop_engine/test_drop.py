@@ -215,7 +215,9 @@ class DictConnector(KVConnector):
         super().__init__(QueryCapture())
         self.chunks: dict[tuple[int, ...], torch.Tensor] = {}
 
-    def bind(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def bind(
+        self, config: ModelConfig, dtype: torch.dtype, *, device: torch.device | None = None
+    ) -> None:
         self.chunk_size = 16
 
     def load(self, tokens: Sequence[int], cache_salt: str = "") -> torch.Tensor | None:

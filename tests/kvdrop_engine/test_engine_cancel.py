@@ -110,7 +110,9 @@ class HangingConnector(KVConnector):
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def bind(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def bind(
+        self, config: ModelConfig, dtype: torch.dtype, *, device: torch.device | None = None
+    ) -> None:
         self.chunk_size = 16
 
     def load(self, tokens: Sequence[int], cache_salt: str = "") -> torch.Tensor | None:

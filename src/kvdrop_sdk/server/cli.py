@@ -14,7 +14,16 @@ __all__ = ["add_arguments", "config_from_args", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the server's flags to ``parser`` (no heavy imports here)."""
+    """Add the server's flags to ``parser`` (no heavy imports here), in ``--help`` order."""
+    _add_addresses(parser)
+    _add_pool(parser)
+    _add_service(parser)
+    _add_http_limits(parser)
+    _add_lifetime(parser)
+
+
+def _add_addresses(parser: argparse.ArgumentParser) -> None:
+    """The addresses served: the host and the ZMQ and HTTP ports."""
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument(
         "--port", type=int, default=6555, help="ZMQ request port (default 6555; 0 = any free)"
@@ -22,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--http-port", type=int, default=8080, help="HTTP JSON port (default 8080; 0 = any free)"
     )
+
+
+def _add_pool(parser: argparse.ArgumentParser) -> None:
+    """The L1 chunk pool: its size, eviction, chunk size, shared memory and lazy allocation."""
     parser.add_argument(
         "--l1-size-gb",
         type=float,
@@ -57,6 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="allocate pool pages on first use (default)",
     )
     parser.set_defaults(l1_use_lazy=True)
+
+
+def _add_service(parser: argparse.ArgumentParser) -> None:
+    """Optional features, worker threads, the longest lease, the ready file for launchers."""
     parser.add_argument(
         "--enable",
         action="append",
@@ -77,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="write the bound ports as JSON to this file once serving (for launchers)",
     )
+
+
+def _add_http_limits(parser: argparse.ArgumentParser) -> None:
+    """What one HTTP client may cost: the request deadline, body size and connections."""
     parser.add_argument(
         "--http-timeout-s",
         type=float,
@@ -97,6 +118,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=64,
         help="HTTP connections served at once; more are answered 503 (default 64)",
     )
+
+
+def _add_lifetime(parser: argparse.ArgumentParser) -> None:
+    """The launcher's pid, expired reservations and per-client leases, the log level."""
     parser.add_argument(
         "--parent-pid",
         type=int,
