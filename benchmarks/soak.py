@@ -42,6 +42,7 @@ from kvdrop_sdk.testing.server import spawn_server, spawn_server_in_child
 from kvdrop_sdk.testing.toy import ToyEngine
 from soak_mixed import soak_mixed
 from soak_round3 import soak_round3
+from soak_round3_engine import soak_round3_engine
 
 Row = dict[str, Any]
 
@@ -586,6 +587,7 @@ PHASES: dict[str, Callable[[argparse.Namespace], list[Row]]] = {
     "engine": soak_engine,
     "mixed": soak_mixed,
     "round3": soak_round3,
+    "round3-engine": soak_round3_engine,
 }
 
 
@@ -642,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault-cycles", type=int, default=10)
     p.add_argument("--mixed-s", type=float, default=30.0, help="seconds of hostile + good load")
     p.add_argument(
-        "--round3-s", type=float, default=20.0, help="seconds of each run of the round3 phase"
+        "--round3-s", type=float, default=20.0, help="seconds of each run of the round3 phases"
     )
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated of {list(PHASES)}")
     p.add_argument("--json", action="store_true")
