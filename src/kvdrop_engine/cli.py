@@ -25,7 +25,8 @@ from typing import Any
 
 from kvdrop_engine.errors import EngineSetupError
 from kvdrop_engine.options import add_connector_arguments, add_model_arguments
-from kvdrop_sdk.http_limits import HTTPLimits
+from kvdrop_engine.request_fields import MAX_BODY_BYTES
+from kvdrop_sdk.http_limits import HTTPLimits, bound_heap
 from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
 
 __all__ = ["add_arguments", "run"]
@@ -70,9 +71,8 @@ def _http_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument(
         "--max-request-bytes",
         type=int,
-        default=limits.max_body_bytes,
-        help="largest request body; larger is 413 before it is read "
-        f"(default {limits.max_body_bytes})",
+        default=MAX_BODY_BYTES,
+        help=f"largest request body; larger is 413 before it is read (default {MAX_BODY_BYTES})",
     )
     net.add_argument(
         "--request-timeout-s",
@@ -381,6 +381,7 @@ def run(args: argparse.Namespace) -> int:
         _check_args(args)
     except EngineSetupError as exc:
         return _fail(str(exc))
+    bound_heap()  # freed request bodies are reused, not kept per thread (kvdrop_sdk.http_limits)
     # The HTTP layer logs what a user should see (a client that disconnected) in one line.
     logging.basicConfig(level=logging.WARNING, format="kvdrop engine: %(message)s")
     logging.getLogger("kvdrop_engine").setLevel(logging.INFO)

@@ -48,6 +48,7 @@ from kvdrop_engine.completions import (
 )
 from kvdrop_engine.fanout import ChoiceStreams
 from kvdrop_engine.metrics import EngineGauges, ServerMetrics
+from kvdrop_engine.request_fields import MAX_BODY_BYTES
 from kvdrop_engine.responses import (
     ChatCompletionBuilder,
     CompletionBuilder,
@@ -67,7 +68,7 @@ from kvdrop_sdk.http_limits import (
     log_field,
 )
 
-__all__ = ["MAX_BODY_BYTES", "ROUTES", "CompletionHTTPServer", "ScorePrompt"]
+__all__ = ["ROUTES", "CompletionHTTPServer", "ScorePrompt"]
 
 #: ``(prompt, top, cache_salt) -> scores``: the log-probability, rank and ``top`` alternatives of
 #: each prompt token after the first (``prompt_logprobs``; the CLI builds it from the model).
@@ -75,9 +76,6 @@ ScorePrompt = Callable[[list[int], int, str], PromptScores]
 
 logger = logging.getLogger(__name__)
 
-#: Largest request body accepted by default (a 100K-token prompt as JSON ids is about 0.7 MB;
-#: ``limits=HTTPLimits(max_body_bytes=...)``, ``--max-request-bytes``, changes it).
-MAX_BODY_BYTES = HTTPLimits().max_body_bytes
 
 #: The generating POST routes and what each takes.
 _POST_ROUTES: dict[str, Route] = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
@@ -154,7 +152,11 @@ class CompletionHTTPServer:
         if detokenize and tokenizer is None:
             raise ValueError("detokenize=True needs a tokenizer")
         if limits is None:
-            limits = HTTPLimits(request_timeout_s=read_timeout, idle_timeout_s=read_timeout)
+            limits = HTTPLimits(
+                max_body_bytes=MAX_BODY_BYTES,
+                request_timeout_s=read_timeout,
+                idle_timeout_s=read_timeout,
+            )
         self.limits = limits
         self.read_timeout = limits.request_timeout_s
         self.max_prompt_chars = (

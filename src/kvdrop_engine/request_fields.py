@@ -125,6 +125,10 @@ SAMPLING_FIELDS = (
     "frequency_penalty", "repetition_penalty", "logit_bias", "seed", "ignore_eos",
     "stop_token_ids",
 )  # fmt: skip
+#: Largest request body the engine reads by default (``--max-request-bytes``): a 100K-token
+#: prompt as JSON ids is about 0.7 MB, 64 batched prompts of 8K tokens about 3.5 MB. Larger is a
+#: 413 before a byte is read, so a hostile body never costs the engine's heap its size.
+MAX_BODY_BYTES = 8 << 20
 #: kvdrop's own request fields (a per-request drop policy joins them here).
 KVDROP_FIELDS = frozenset({"cache_salt", "return_tokens_as_token_ids", "kvdrop"})
 #: OpenAI/vLLM fields accepted at their neutral values only (null always is): what they would

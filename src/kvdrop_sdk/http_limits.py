@@ -24,10 +24,12 @@ Only the standard library; nothing here imports torch or ZMQ.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import json
 import logging
 import math
+import os
 import re
 import socket
 import threading
@@ -387,3 +389,21 @@ class LimitedHandler(BaseHTTPRequestHandler):
         cap = self.server.limits.max_log_chars
         safe = tuple(log_field(a, cap) if isinstance(a, str) else a for a in args)
         self.access_log.debug("%s " + format, log_field(self.address_string(), cap), *safe)
+
+
+#: glibc's ``mallopt`` parameter for the number of heap arenas.
+_M_ARENA_MAX = -8
+
+
+def bound_heap(arenas: int = 2) -> bool:
+    """Keep a threaded server's heap to ``arenas`` glibc arenas: each request thread otherwise
+    gets an arena of its own, and a large body freed there stays with it (glibc raises its mmap
+    threshold after the first large free), so a stream of big requests grew the engine by
+    hundreds of MB (benchmarks/soak_round3_engine.py). Returns whether it was applied (False off
+    glibc); ``KVDROP_BOUND_HEAP=0`` skips it."""
+    if os.environ.get("KVDROP_BOUND_HEAP", "1") == "0":
+        return False
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, int(arenas)))
+    except (OSError, AttributeError):
+        return False

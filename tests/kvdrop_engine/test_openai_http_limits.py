@@ -52,7 +52,7 @@ def test_a_body_over_max_request_bytes_is_413_before_it_is_sent() -> None:
 
 
 def test_a_body_of_many_containers_is_refused_before_it_is_parsed() -> None:
-    body = b"[" + b"{}," * ((8 << 20) // 3) + b"{}]"  # 8 MB, about 2.8 million objects
+    body = b"[" + b"{}," * ((4 << 20) // 3) + b"{}]"  # 4 MB (under the 8 MiB body bound), 1.4M objects
     with CompletionHTTPServer(_one, model_name="m", port=0) as srv:
         tracemalloc.start()
         try:
@@ -66,8 +66,8 @@ def test_a_body_of_many_containers_is_refused_before_it_is_parsed() -> None:
         finally:
             tracemalloc.stop()
         assert r.status_code == 413 and "objects and arrays" in r.json()["error"]["message"]
-        # json.loads would have built ~2.8M dicts (hundreds of MB); the body and its scans stay
-        # within a few copies of 8 MB (the client's copy included).
+        # json.loads would have built ~1.4M dicts (hundreds of MB); the body and its scans stay
+        # within a few copies of 4 MB (the client's copy included).
         assert peak < 80 << 20, f"peak {peak / 2**20:.0f} MiB"
 
 
