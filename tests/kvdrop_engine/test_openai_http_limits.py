@@ -52,7 +52,7 @@ def test_a_body_over_max_request_bytes_is_413_before_it_is_sent() -> None:
 
 
 def test_a_body_of_many_containers_is_refused_before_it_is_parsed() -> None:
-    body = b"[" + b"{}," * ((4 << 20) // 3) + b"{}]"  # 4 MB (under the 8 MiB body bound), 1.4M objects
+    body = b"[" + b"{}," * ((4 << 20) // 3) + b"{}]"  # 4 MB: under the 8 MiB bound
     with CompletionHTTPServer(_one, model_name="m", port=0) as srv:
         tracemalloc.start()
         try:
