@@ -525,10 +525,8 @@ class PagedAttention:
                 o = o.view(hkv, rows, group, d).permute(1, 0, 2, 3).reshape(rows, hq, d)
             else:
                 # One token per sequence: the G query heads of a KV head act as G query rows.
-                # Padding slots (past a shorter sequence, stale blocks) are zeroed: masked out,
-                # a NaN there would still poison the row (NaN + -inf, 0 * NaN).
-                hidden = ~g.mask.transpose(-1, -2)  # [b, 1, T, 1]
-                kb, vb = kb.masked_fill(hidden, 0.0), vb.masked_fill(hidden, 0.0)
+                # Padding slots zeroed: masked out, a stale NaN still poisons (NaN + -inf, 0 * NaN).
+                kb, vb = (t.masked_fill(~g.mask.transpose(-1, -2), 0.0) for t in (kb, vb))
                 qh = qg.view(b, hkv, group, d)
                 o = F.scaled_dot_product_attention(qh, kb, vb, attn_mask=g.mask, scale=scale)
                 o = o.reshape(b, hq, d)
