@@ -16,14 +16,14 @@ import torch
 
 from kvdrop.errors import PolicyInputError, PolicyWarning
 from kvdrop.inputs import edit_inputs
-from kvdrop.policy import Policy, warn_no_rope
+from kvdrop.policy import NeedsPolicy, Policy, warn_no_rope
 from kvdrop_sdk.edit import EditContext, ModifyFnType, takes_edit_context
 from kvdrop_sdk.query_capture import Needs, QueryNeed, needs_of
 
 __all__ = ["FunctionPolicy", "as_policy"]
 
 
-class FunctionPolicy(Policy):
+class FunctionPolicy(NeedsPolicy):
     """A plain edit function ``fn(tensors, tokens) -> (kv, tokens)`` seen as a :class:`Policy`.
 
     ``fn`` gets ``context=`` too when it declares so (``kvdrop_sdk.edit.accepts_edit_context``)
@@ -45,14 +45,6 @@ class FunctionPolicy(Policy):
     @property
     def needs(self) -> Needs:
         return self._needs
-
-    @property
-    def queries(self) -> QueryNeed:
-        return self._needs.queries
-
-    @property
-    def token_scores(self) -> bool:
-        return self._needs.token_scores
 
     def _call_fn(
         self,

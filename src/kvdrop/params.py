@@ -91,6 +91,14 @@ def param(
     return dataclasses.field(default=default, metadata={"kvdrop": meta})
 
 
+def check_positive_int(policy: str, name: str, value: object) -> int:
+    """``value`` when it is an int >= 1 (a bool is not); else PolicyParamError naming the
+    parameter of ``policy`` (for constructors that take a count outside a dataclass param)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PolicyParamError(f"{policy}: parameter {name!r} got {value!r}; expected an int >= 1")
+    return value
+
+
 def params_of_dataclass(cls: type) -> list[Param]:
     """The :class:`Param` list of a scorer dataclass (fields declared with :func:`param`)."""
     hints = typing.get_type_hints(cls)

@@ -210,7 +210,25 @@ class Policy(abc.ABC):
         return out, kept_tokens
 
 
-class PolicyWrapper(Policy):
+class NeedsPolicy(Policy):
+    """A policy whose one declaration is ``needs``: ``queries`` and ``token_scores`` read it
+    (wrappers, combinators and adapters that take their needs from what they hold)."""
+
+    @property
+    @abc.abstractmethod
+    def needs(self) -> Needs:
+        """Everything it reads beside the KV."""
+
+    @property
+    def queries(self) -> QueryNeed:
+        return self.needs.queries
+
+    @property
+    def token_scores(self) -> bool:
+        return self.needs.token_scores
+
+
+class PolicyWrapper(NeedsPolicy):
     """A policy around one inner ``policy`` (``Budget``, ``Rerotate``, a user's wrapper).
 
     ``name``, ``queries``, ``token_scores``, ``rerotate`` and ``rope`` are the inner policy's
@@ -242,14 +260,6 @@ class PolicyWrapper(Policy):
     @property
     def needs(self) -> Needs:
         return needs_of(self.policy)
-
-    @property
-    def queries(self) -> QueryNeed:
-        return self.needs.queries
-
-    @property
-    def token_scores(self) -> bool:
-        return self.needs.token_scores
 
     def select_indices(
         self,
@@ -361,7 +371,7 @@ class SelectorPolicy(Policy):
         return budget
 
 
-class ScorerPolicy(SelectorPolicy):
+class ScorerPolicy(NeedsPolicy, SelectorPolicy):
     """The edit function of a scorer + selector pair."""
 
     def __init__(self, name: str, scorer: Scorer, selector: Selector) -> None:
@@ -376,14 +386,6 @@ class ScorerPolicy(SelectorPolicy):
     def needs(self) -> Needs:
         """Its scorer's declarations (a scorer that declares nothing reads only the KV)."""
         return needs_of(self.scorer, default=NO_NEEDS)
-
-    @property
-    def queries(self) -> QueryNeed:
-        return self.needs.queries
-
-    @property
-    def token_scores(self) -> bool:
-        return self.needs.token_scores
 
     def _scorer_for(self, inputs: EditInputs) -> Scorer:
         """The scorer with a query scorer's ``head_dim=None`` filled in (layout's, else 128)."""

@@ -26,6 +26,7 @@ from kvdrop_sdk.http_limits import (
     loads_bounded,
     log_field,
 )
+from kvdrop_sdk.testing.server import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -241,15 +242,6 @@ def test_a_trickled_body_is_408(serve: Any) -> None:
         status, reply = _response(sock)
     assert status == 408
     assert "did not arrive within 1 s" in json.loads(reply)["error"]
-
-
-def wait_until(cond: Any, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return bool(cond())
 
 
 def test_open_connections_are_bounded(serve: Any) -> None:

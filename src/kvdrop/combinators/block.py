@@ -13,6 +13,7 @@ import torch
 
 from kvdrop.errors import PolicyParamError
 from kvdrop.inputs import edit_inputs
+from kvdrop.params import check_positive_int
 from kvdrop.policy import QueryNeed, ScorerPolicy, SelectorPolicy
 from kvdrop.selector import Selector
 from kvdrop_sdk.edit import EditContext
@@ -46,12 +47,8 @@ class Block(SelectorPolicy):
                 "which were computed over the whole prompt, not over each block's kept tokens; "
                 "expected a KV-only policy (knorm, keydiff, streaming, random, ...)"
             )
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise PolicyParamError(
-                f"block: parameter 'block_size' got {block_size!r}; expected an int >= 1"
-            )
         self.policy = policy
-        self.block_size = block_size
+        self.block_size = check_positive_int("block", "block_size", block_size)
         self.selector = policy.selector
         self.name = f"block(policy={policy.name})"
 

@@ -8,6 +8,7 @@ import torch
 
 from kvdrop.errors import PolicyParamError
 from kvdrop.inputs import EditInputs
+from kvdrop.params import check_positive_int
 from kvdrop.policy import ScorerPolicy
 from kvdrop.selector import Selector
 
@@ -50,12 +51,8 @@ class ChunkKV(ScorerPolicy):
                 "scores to average per chunk; expected a scorer policy "
                 "(`kvdrop describe NAME` lists its parameters)"
             )
-        if isinstance(chunk_length, bool) or not isinstance(chunk_length, int) or chunk_length < 1:
-            raise PolicyParamError(
-                f"chunkkv: parameter 'chunk_length' got {chunk_length!r}; expected an int >= 1"
-            )
         self.policy = policy
-        self.chunk_length = chunk_length
+        self.chunk_length = check_positive_int("chunkkv", "chunk_length", chunk_length)
         super().__init__(f"chunkkv(policy={policy.name})", policy.scorer, policy.selector)
 
     def __repr__(self) -> str:

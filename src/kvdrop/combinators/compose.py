@@ -12,7 +12,7 @@ import torch
 
 from kvdrop.errors import PolicyParamError, PolicyWarning
 from kvdrop.inputs import edit_inputs
-from kvdrop.policy import QueryNeed, ScorerPolicy, SelectorPolicy
+from kvdrop.policy import NeedsPolicy, ScorerPolicy, SelectorPolicy
 from kvdrop.selector import Selector
 from kvdrop_sdk.edit import EditContext
 from kvdrop_sdk.query_capture import Needs, needs_of
@@ -20,7 +20,7 @@ from kvdrop_sdk.query_capture import Needs, needs_of
 __all__ = ["Compose"]
 
 
-class Compose(SelectorPolicy):
+class Compose(NeedsPolicy, SelectorPolicy):
     """Union of built scorer policies under one budget (like kvpress's ``ComposedPress``).
 
     Each part gets a share of the chunk-aligned budget (``weights``, default equal, in whole
@@ -81,14 +81,6 @@ class Compose(SelectorPolicy):
     def needs(self) -> Needs:
         """The widest needs of its parts (``NONE < WINDOW < FULL``; scores if one reads them)."""
         return functools.reduce(operator.or_, map(needs_of, self.parts))
-
-    @property
-    def queries(self) -> QueryNeed:
-        return self.needs.queries
-
-    @property
-    def token_scores(self) -> bool:
-        return self.needs.token_scores
 
     def quotas(self, budget: int) -> list[int]:
         """Tokens each part picks: ``budget`` split by weight in whole chunks (largest remainders

@@ -23,6 +23,15 @@ from kvdrop_sdk.window import QueryWindow, TokenScores
 __all__ = ["KVConnector"]
 
 
+def check_server_args(model_name: object, transfer_query: object) -> None:
+    """Check what every connector to a cache server takes: the model's name and the
+    ``transfer_query`` switch (None follows the server). Raises ValueError saying which."""
+    if not isinstance(model_name, str) or not model_name:
+        raise ValueError(f"model_name must be a non-empty str, got {model_name!r}")
+    if transfer_query is not None and not isinstance(transfer_query, bool):
+        raise ValueError(f"transfer_query must be a bool or None, got {transfer_query!r}")
+
+
 class KVConnector(abc.ABC):
     """What the engine needs from a KV-cache connector (``ServerConnector``, ``LMCacheConnector``).
 

@@ -39,7 +39,7 @@ import requests
 import torch
 from torch import Tensor
 
-from kvdrop_engine.connectors.base import KVConnector
+from kvdrop_engine.connectors.base import KVConnector, check_server_args
 from kvdrop_engine.model import ModelConfig
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
@@ -96,10 +96,7 @@ class ServerConnector(KVConnector):
         transport: str = "auto",
         store_decoded: bool = False,
     ) -> None:
-        if not isinstance(model_name, str) or not model_name:
-            raise ValueError(f"model_name must be a non-empty str, got {model_name!r}")
-        if transfer_query is not None and not isinstance(transfer_query, bool):
-            raise ValueError(f"transfer_query must be a bool or None, got {transfer_query!r}")
+        check_server_args(model_name, transfer_query)
         if queries is None:
             queries = QueryCapture(QueryNeed.WINDOW)
         super().__init__(queries, store_decoded=store_decoded)

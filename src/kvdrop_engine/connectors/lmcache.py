@@ -36,7 +36,7 @@ import requests
 import torch
 from torch import Tensor
 
-from kvdrop_engine.connectors.base import KVConnector
+from kvdrop_engine.connectors.base import KVConnector, check_server_args
 from kvdrop_engine.errors import EngineSetupError
 from kvdrop_engine.model import ModelConfig
 from kvdrop_sdk.cache_kind import CacheKind
@@ -223,10 +223,7 @@ class LMCacheConnector(KVConnector):
         timeout: float = 60.0,
         staging_tokens: int = 2048,
     ) -> None:
-        if not isinstance(model_name, str) or not model_name:
-            raise ValueError(f"model_name must be a non-empty str, got {model_name!r}")
-        if transfer_query is not None and not isinstance(transfer_query, bool):
-            raise ValueError(f"transfer_query must be a bool or None, got {transfer_query!r}")
+        check_server_args(model_name, transfer_query)
         if not isinstance(url, str) or not url.startswith("tcp://"):
             raise ValueError(
                 f"url must look like tcp://HOST:PORT (the server's --port), got {url!r}"

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,17 @@ import requests
 from kvdrop_sdk.server.pool import shm_path, unique_shm_name
 
 __all__ = ["ServerHandle", "spawn_server", "spawn_server_in_child", "stop_process"]
+
+
+def wait_until(cond: Callable[[], object], timeout: float, step: float = 0.02) -> bool:
+    """Poll ``cond`` every ``step`` s until it is true or ``timeout`` s pass; returns its last
+    answer as a bool (tests wait for a state, never a fixed time)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(step)
+    return bool(cond())
 
 
 def stop_process(proc: subprocess.Popen[Any], sig: int, timeout: float) -> int:

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,7 +26,12 @@ from kvdrop_sdk import CacheKind, CacheLayout, SDKError
 from kvdrop_sdk.hashing import encode_tokens
 from kvdrop_sdk.protocol import RpcClient, RpcError, encode_header
 from kvdrop_sdk.server.pool import shm_path, unique_shm_name
-from kvdrop_sdk.testing.server import ServerHandle, spawn_server, spawn_server_in_child
+from kvdrop_sdk.testing.server import (
+    ServerHandle,
+    spawn_server,
+    spawn_server_in_child,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,15 +52,6 @@ def kv_for(i: int, n: int = 2 * CHUNK) -> torch.Tensor:
 
 def fields(model: str) -> dict[str, Any]:
     return {"model": model, "kind": "kv", "salt": ""}
-
-
-def wait_for(cond: Callable[[], bool], timeout: float, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(step)
-    return cond()
 
 
 def free_port() -> int:
@@ -97,7 +92,7 @@ def test_socket_retrieve_releases_its_pins_once_sent(tiny_pool: ServerHandle) ->
         for i in range(4):
             assert torch.equal(ctx.retrieve(toks(i)), kv_for(i))
     # No other request arrives: the pins must go once ZMQ has sent the bytes, not on a later get.
-    assert wait_for(lambda: tiny_pool.status()["pinned_objects"] == 0, 5.0)
+    assert wait_until(lambda: tiny_pool.status()["pinned_objects"] == 0, 5.0)
     with sdk.kvcache.connect(tiny_pool.url, tiny_pool.http_url, "pins2", 10, layout=LAYOUT) as c:
         for i in range(10, 14):  # the whole pool is writable again (8 new chunks)
             assert c.store(kv_for(i), toks(i))
@@ -161,7 +156,7 @@ def test_leases_of_a_killed_client_are_reclaimed(tiny_pool: ServerHandle) -> Non
         assert status["pinned_objects"] == 2 and status["reserved_objects"] == 2
         proc.kill()
         proc.wait()
-        assert wait_for(
+        assert wait_until(
             lambda: (
                 tiny_pool.status()["pinned_objects"] == 0
                 and tiny_pool.status()["reserved_objects"] == 0
@@ -213,7 +208,7 @@ def test_worker_does_not_keep_its_last_request(tiny_pool: ServerHandle) -> None:
         assert json.loads(sock.recv_multipart()[0])["ok"] is True
     finally:
         sock.close(0)
-    assert wait_for(lambda: _rss(pid) < before + (20 << 20), 5.0), (before, _rss(pid))
+    assert wait_until(lambda: _rss(pid) < before + (20 << 20), 5.0), (before, _rss(pid))
 
 
 # -- 6. zmq.REQ clients get replies ---------------------------------------------------------------
@@ -319,8 +314,8 @@ def test_spawned_server_dies_with_its_parent() -> None:
         assert pid_alive(pid) and os.path.exists(shm_path(name))
         parent.kill()  # as the OOM killer would: no cleanup code runs in the parent
         parent.wait()
-        assert wait_for(lambda: not pid_alive(pid), 10.0), "the server outlived its parent"
-        assert wait_for(lambda: not os.path.exists(shm_path(name)), 5.0), "segment leaked"
+        assert wait_until(lambda: not pid_alive(pid), 10.0), "the server outlived its parent"
+        assert wait_until(lambda: not os.path.exists(shm_path(name)), 5.0), "segment leaked"
     finally:
         if pid_alive(pid):
             os.kill(pid, signal.SIGKILL)

@@ -24,7 +24,7 @@ from kvdrop_sdk.errors import ServerUnavailableError
 from kvdrop_sdk.hashing import encode_tokens
 from kvdrop_sdk.protocol import RpcClient, RpcError
 from kvdrop_sdk.server.pool import shm_path, unique_shm_name
-from kvdrop_sdk.testing.server import ServerHandle, spawn_server
+from kvdrop_sdk.testing.server import ServerHandle, spawn_server, wait_until
 from kvdrop_sdk.window import QueryWindow, retrieve_window, store_window
 
 pytestmark = pytest.mark.timeout(180)
@@ -47,15 +47,6 @@ def kv_for(i: int, n: int = 2 * CHUNK) -> torch.Tensor:
 def window_for(i: int, rows: int = 4, scale: float = 1.0) -> QueryWindow:
     q = torch.randn(1, 2, rows, Q_LAYOUT.width, generator=torch.Generator().manual_seed(i))
     return QueryWindow(q * scale, torch.arange(rows, dtype=torch.int64) * 3)
-
-
-def wait_for(cond: Any, timeout: float, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(step)
-    return bool(cond())
 
 
 def free_port() -> int:
@@ -162,7 +153,7 @@ def test_stalled_shm_writer_does_not_overwrite_a_reused_slot() -> None:
             )
             (offset,) = res["offsets"]
             # Writer 1 passed its lease check and stalls; its lease expires meanwhile.
-            assert wait_for(lambda: srv.status()["expired_leases"] >= 1, 10)
+            assert wait_until(lambda: srv.status()["expired_leases"] >= 1, 10)
             assert srv.status()["quarantined_chunks"] == 1
             writer2 = sdk.kvcache.connect(srv.url, srv.http_url, "s", 10, transport="shm")
             kv = kv_for(5, 3 * CHUNK)

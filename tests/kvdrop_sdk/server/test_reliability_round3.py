@@ -31,19 +31,10 @@ from kvdrop_sdk.protocol import RpcClient, RpcError
 from kvdrop_sdk.server.app import Server
 from kvdrop_sdk.server.config import ServerConfig
 from kvdrop_sdk.server.pool import shm_path
-from kvdrop_sdk.testing.server import ServerHandle, spawn_server
+from kvdrop_sdk.testing.server import ServerHandle, spawn_server, wait_until
 from kvdrop_sdk.window import TokenScores, retrieve_scores, store_scores
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def wait_until(cond: Any, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return bool(cond())
 
 
 def http_exchange(port: int, request: bytes) -> tuple[int, bytes]:
