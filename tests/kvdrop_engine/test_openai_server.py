@@ -24,6 +24,7 @@ from kvdrop_engine.metrics import engine_load
 from kvdrop_engine.model import Transformer
 from kvdrop_engine.tokenizer import JSONTokenizer
 from kvdrop_sdk.events import TokenEvent
+from kvdrop_sdk.testing.server import wait_until
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(120)
@@ -252,10 +253,18 @@ def test_one_log_line_per_request(
             timeout=60,
         ).raise_for_status()
         requests.get(server.url + "/health", timeout=30)
-    lines = [r.getMessage() for r in caplog.records if r.name == "kvdrop_engine.http"]
-    assert len(lines) == 2, lines
-    assert '"POST /v1/completions" 200 prompt_tokens=3 completion_tokens=4' in lines[0]
-    assert '"GET /health" 200 prompt_tokens=0 completion_tokens=0' in lines[1]
+
+        def lines() -> list[str]:
+            return [r.getMessage() for r in caplog.records if r.name == "kvdrop_engine.http"]
+
+        # A request's line is written once its handler returns, which may be just after the
+        # client has its reply: wait for both (bounded), in either order.
+        wait_until(lambda: len(lines()) >= 2, timeout=30)
+    got = lines()
+    assert len(got) == 2, got
+    post = '"POST /v1/completions" 200 prompt_tokens=3 completion_tokens=4'
+    health = '"GET /health" 200 prompt_tokens=0 completion_tokens=0'
+    assert sum(post in line for line in got) == 1 and sum(health in line for line in got) == 1
 
 
 def test_a_tiny_temperature_is_served_not_a_crash(client: Any) -> None:
