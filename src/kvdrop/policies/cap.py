@@ -13,10 +13,10 @@ from kvdrop.attention import heads_f32
 from kvdrop.factories import ScorerFactory
 from kvdrop.params import param
 from kvdrop.policies._common import (
-    LAYER_AGG,
     check_query_shapes,
     group_heads,
     head_agg_param,
+    layer_agg_param,
     query_head_dim,
     reduce,
 )
@@ -86,7 +86,7 @@ class CapScorer(Scorer):
         check=lambda e: e >= 0,
     )
     head_agg: str = head_agg_param("mean", "how the KV heads of a layer combine")
-    layer_agg: str = param("mean", "how layers combine", choices=LAYER_AGG)
+    layer_agg: str = layer_agg_param("mean", "how layers combine")
 
     def check(self, kv: torch.Tensor, query: torch.Tensor | None) -> None:
         assert self.head_dim is not None

@@ -17,10 +17,10 @@ from kvdrop.factories import ScorerFactory
 from kvdrop.params import param
 from kvdrop.policies._common import (
     HEAD_AGG,
-    LAYER_AGG,
     check_query_shapes,
     group_heads,
     last_rows,
+    layer_agg_param,
     layer_lse,
     query_head_dim,
     reduce,
@@ -91,7 +91,7 @@ class FinchScorer(Scorer):
         check=lambda t: t >= 0,
     )
     head_agg: str = param("mean", "how KV heads combine", choices=HEAD_AGG)
-    layer_agg: str = param("mean", "how layers combine", choices=LAYER_AGG)
+    layer_agg: str = layer_agg_param("mean", "how layers combine")
 
     def check(self, kv: torch.Tensor, query: torch.Tensor | None) -> None:
         assert self.head_dim is not None

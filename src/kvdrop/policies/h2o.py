@@ -12,9 +12,9 @@ from kvdrop.params import param
 from kvdrop.policies._common import (
     HEAD_AGG,
     KEEP,
-    LAYER_AGG,
     check_query_shapes,
     group_heads,
+    layer_agg_param,
     layer_lse,
     query_head_dim,
     reduce,
@@ -61,7 +61,7 @@ class H2OScorer(Scorer):
     )
     group_agg: str = param("mean", "how the query heads of a GQA group combine", choices=HEAD_AGG)
     head_agg: str = param("mean", "how KV heads combine", choices=HEAD_AGG)
-    layer_agg: str = param("mean", "how layers combine", choices=LAYER_AGG)
+    layer_agg: str = layer_agg_param("mean", "how layers combine")
 
     def check(self, kv: torch.Tensor, query: torch.Tensor | None) -> None:
         check_query_shapes("h2o", kv, query, self.head_dim)

@@ -23,7 +23,7 @@ from kvdrop.attention import pool1d
 from kvdrop.errors import MissingTokenScoresError, PolicyInputError
 from kvdrop.factories import ScorerFactory
 from kvdrop.params import param
-from kvdrop.policies._common import LAYER_AGG, head_agg_param, odd_kernel, reduce
+from kvdrop.policies._common import head_agg_param, layer_agg_param, odd_kernel, reduce
 from kvdrop.policy import Scorer
 from kvdrop.selector import Selection
 
@@ -47,7 +47,7 @@ class KVzipScorer(Scorer):
     token_scores = True
     reads_values = False
     head_agg: str = head_agg_param("max", "how the KV heads of a layer combine")
-    layer_agg: str = param("mean", "how layers combine", choices=LAYER_AGG)
+    layer_agg: str = layer_agg_param("mean", "how layers combine")
     kernel: int = odd_kernel(1)
     pooling: str = param("max", "pooling of token scores (with kernel > 1)", choices=("avg", "max"))
 

@@ -18,10 +18,10 @@ from kvdrop.attention import heads_f32, pool1d
 from kvdrop.factories import ScorerFactory
 from kvdrop.params import param
 from kvdrop.policies._common import (
-    LAYER_AGG,
     check_query_shapes,
     group_heads,
     head_agg_param,
+    layer_agg_param,
     query_head_dim,
     reduce,
 )
@@ -69,7 +69,7 @@ class NonCausalAttnScorer(Scorer):
         check=lambda n: n >= 1,
     )
     head_agg: str = head_agg_param("mean", "how the KV heads of a layer combine")
-    layer_agg: str = param("mean", "how layers combine", choices=LAYER_AGG)
+    layer_agg: str = layer_agg_param("mean", "how layers combine")
 
     def check(self, kv: torch.Tensor, query: torch.Tensor | None) -> None:
         assert self.head_dim is not None

@@ -11,10 +11,10 @@ from kvdrop.factories import ScorerFactory
 from kvdrop.params import param
 from kvdrop.policies._common import (
     HEAD_AGG,
-    LAYER_AGG,
     check_query_shapes,
     group_heads,
     last_rows,
+    layer_agg_param,
     odd_kernel,
     query_head_dim,
     reduce,
@@ -55,7 +55,7 @@ class RKVScorer(Scorer):
     pooling: str = param("max", "pooling of importance scores", choices=("avg", "max"))
     group_agg: str = param("max", "how the query heads of a GQA group combine", choices=HEAD_AGG)
     head_agg: str = param("mean", "how KV heads combine", choices=HEAD_AGG)
-    layer_agg: str = param("mean", "how layers combine", choices=LAYER_AGG)
+    layer_agg: str = layer_agg_param("mean", "how layers combine")
     threshold: float = param(
         0.5,
         "cosine similarity above which a key counts as a duplicate",

@@ -11,10 +11,10 @@ from kvdrop.factories import ScorerFactory
 from kvdrop.params import param
 from kvdrop.policies._common import (
     HEAD_AGG,
-    LAYER_AGG,
     check_query_shapes,
     group_heads,
     last_rows,
+    layer_agg_param,
     layer_lse,
     odd_kernel,
     query_head_dim,
@@ -56,7 +56,7 @@ class SnapKVScorer(Scorer):
     pooling: str = param("avg", "pooling of token scores", choices=("avg", "max"))
     group_agg: str = param("mean", "how the query heads of a GQA group combine", choices=HEAD_AGG)
     head_agg: str = param("mean", "how KV heads combine", choices=HEAD_AGG)
-    layer_agg: str = param("mean", "how layers combine", choices=LAYER_AGG)
+    layer_agg: str = layer_agg_param("mean", "how layers combine")
 
     def check(self, kv: torch.Tensor, query: torch.Tensor | None) -> None:
         check_query_shapes("snapkv", kv, query, self.head_dim)

@@ -10,9 +10,9 @@ from kvdrop.attention import attention_mass, heads_f32
 from kvdrop.factories import ScorerFactory
 from kvdrop.params import param
 from kvdrop.policies._common import (
-    LAYER_AGG,
     check_query_shapes,
     last_rows,
+    layer_agg_param,
     layer_lse,
     query_head_dim,
     reduce,
@@ -40,7 +40,7 @@ class TovaScorer(Scorer):
     num_queries: int = param(
         1, "last queries whose attention is averaged", allowed="an int >= 1", check=lambda n: n >= 1
     )
-    layer_agg: str = param("mean", "how layers combine", choices=LAYER_AGG)
+    layer_agg: str = layer_agg_param("mean", "how layers combine")
 
     def check(self, kv: torch.Tensor, query: torch.Tensor | None) -> None:
         check_query_shapes("tova", kv, query, self.head_dim)
