@@ -52,7 +52,7 @@ from kvdrop_engine.model import ModelConfig, Transformer
 from kvdrop_engine.reconstruct import ReconstructionPrompt
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
-from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
+from kvdrop_sdk.query_capture import QueryCapture, QueryNeed, needs_of
 from kvdrop_sdk.table import format_table
 from kvdrop_sdk.testing.server import spawn_server
 
@@ -397,9 +397,10 @@ def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
     device = torch.device(args.device)
     prompts = make_prompts(args, cfg.vocab_size)
     policies = {name: build_policy(name, cfg, args) for name in args.policy}
-    needs_q = {name: kvdrop.describe(name).needs.reads_queries for name in args.policy}
-    # Policies reading the reconstruction pass's scores (kvzip) run with the query context too.
-    scores = {name: bool(policies[name].token_scores) for name in args.policy}
+    # What each edit reads: needs_of, the one rule (queries, or kvzip's reconstruction scores).
+    needs = {name: needs_of(policies[name]) for name in args.policy}
+    needs_q = {name: needs[name].reads_queries for name in args.policy}
+    scores = {name: needs[name].token_scores for name in args.policy}
 
     # Budget: the decode request is prompt + 1 prefill token, then max_tokens more.
     if args.kv_budget_tokens:
