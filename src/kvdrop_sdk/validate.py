@@ -7,12 +7,21 @@ with a message that names the value (``what``); callers re-raise them as their o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["check_fields", "is_int", "is_number", "positive_int", "tensor_problem", "token_ids"]
+__all__ = [
+    "check_fields",
+    "is_int",
+    "is_number",
+    "keep_ratio",
+    "positive_int",
+    "tensor_problem",
+    "token_ids",
+]
 
 
 def is_int(value: Any) -> bool:
@@ -23,6 +32,14 @@ def is_int(value: Any) -> bool:
 def is_number(value: Any) -> bool:
     """True for an ``int`` or ``float`` that is not a ``bool``."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def keep_ratio(value: Any, what: str = "keep_ratio") -> float:
+    """``value`` as a float in ``(0, 1]`` (a fraction of tokens kept); ``ValueError`` naming
+    ``what`` otherwise. The one check of a keep ratio wherever one comes in."""
+    if not is_number(value) or not math.isfinite(value) or not 0 < value <= 1:
+        raise ValueError(f"{what} must be a number in (0, 1], got {value!r}")
+    return float(value)
 
 
 def tensor_problem(value: Any) -> str | None:
