@@ -250,16 +250,14 @@ class PromptDropper:
                 f"x {cfg.head_dim}): {_message(exc)}"
             ) from None
 
-    def choose(self, num_prompt: int, override: Any = UNSET) -> PromptCut | None:
-        """The cut of a request with ``num_prompt`` tokens: its ``"kvdrop"`` override (left out:
-        none was sent; None: no cut) over the engine's default; None under the threshold."""
+    def choose(self, num_prompt: int, override: Override | Any | None = UNSET) -> PromptCut | None:
+        """The cut of a request with ``num_prompt`` tokens: its parsed ``"kvdrop"`` override
+        (``UNSET``: none was sent; None: no cut) over the engine's default; None under the
+        threshold."""
         if override is UNSET:
             cut = self.default
         else:
-            try:
-                parsed = parse_override(override)
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc)) from None
+            parsed: Override | None = override  # parsed once: RequestOptions
             if parsed is None:
                 return None
             spec = parsed.policy or (None if self.default is None else self.default.spec)
@@ -316,20 +314,20 @@ class PromptDropper:
         return CutResult(n, k, time.perf_counter() - started)
 
 
-def prepare_cut(dropper: PromptDropper | None, req: Request, override: tuple[Any, ...]) -> None:
+def prepare_cut(dropper: PromptDropper | None, req: Request, override: Any = UNSET) -> None:
     """(at submission) ``req``'s cut (its ``capture`` says which query rows the prefill keeps
-    for it: :func:`kvdrop_engine.plan.window_for`). ``override`` holds the request's
-    ``"kvdrop"`` value when it sent one; asking for a cut from an engine without a dropper is an
+    for it: :func:`kvdrop_engine.plan.window_for`) for its parsed ``"kvdrop"`` ``override``
+    (``UNSET``: none sent); asking for a cut from an engine without a dropper is an
     ``InvalidRequestError``."""
     if dropper is None:
-        if override and override[0] is not None:
+        if override is not UNSET and override is not None:
             raise InvalidRequestError(
                 "'kvdrop' asks for dropping, but this engine was built without a dropper "
                 "(kvdrop engine --policy, or Engine(dropper=PromptDropper(...)))"
             )
         return
-    req.cut = dropper.choose(len(req.prompt), *override)
-    if override or dropper.default is not None:
+    req.cut = dropper.choose(len(req.prompt), override)
+    if override is not UNSET or dropper.default is not None:
         req.kept_prompt = len(req.prompt)  # reported as kept; the cut lowers it
     if req.params.max_tokens == 1:
         req.cut = None  # one token: nothing would decode from the cut cache
