@@ -67,6 +67,11 @@ class HostRegistration:
             self.failed = "off (KVDROP_CUDA_HOST_REGISTER=1 turns it on)"
         elif register_fn is None and not torch.cuda.is_available():
             self.failed = "CUDA is not available"
+            log.warning(  # asked for, and impossible: say so once for this mapping
+                "KVDROP_CUDA_HOST_REGISTER=1, but the server's shared memory cannot be "
+                "page-locked for the GPU (%s): transfers use the host path",
+                self.failed,
+            )
 
     def ensure(self, offset: int, nbytes: int) -> bool:
         """Page-lock the regions covering ``[offset, offset + nbytes)``; False (and the reason

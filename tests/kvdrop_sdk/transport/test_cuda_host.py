@@ -68,10 +68,18 @@ def test_a_refused_registration_is_logged_once_and_every_later_call_says_no(
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only default")
-def test_without_cuda_registration_is_refused_up_front(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_cuda_registration_is_refused_up_front(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Asked for on a host without CUDA: refused, and said once per mapping (nothing was
+    logged before, though the module docstring promised it)."""
     monkeypatch.setenv("KVDROP_CUDA_HOST_REGISTER", "1")
-    reg = HostRegistration(0, REGION_BYTES)
-    assert not reg.ensure(0, 10) and reg.failed == "CUDA is not available"
+    with caplog.at_level(logging.WARNING, logger=cuda_host.__name__):
+        reg = HostRegistration(0, REGION_BYTES)
+        assert not reg.ensure(0, 10) and reg.failed == "CUDA is not available"
+        assert not reg.ensure(0, 10)
+    said = [r.getMessage() for r in caplog.records if "CUDA is not available" in r.getMessage()]
+    assert len(said) == 1 and "KVDROP_CUDA_HOST_REGISTER=1" in said[0], said
 
 
 @pytest.mark.parametrize("transport", ["shm", "socket"])
