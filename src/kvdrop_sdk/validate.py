@@ -7,6 +7,7 @@ with a message that names the value (``what``); callers re-raise them as their o
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -20,6 +21,7 @@ __all__ = [
     "is_int",
     "is_number",
     "json_surrogate",
+    "keep_ratio",
     "positive_int",
     "tensor_problem",
     "token_ids",
@@ -39,6 +41,14 @@ def is_int(value: Any) -> bool:
 def is_number(value: Any) -> bool:
     """True for an ``int`` or ``float`` that is not a ``bool``."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def keep_ratio(value: Any, what: str = "keep_ratio") -> float:
+    """``value`` as a float in ``(0, 1]`` (a fraction of tokens kept); ``ValueError`` naming
+    ``what`` otherwise. The one check of a keep ratio wherever one comes in."""
+    if not is_number(value) or not math.isfinite(value) or not 0 < value <= 1:
+        raise ValueError(f"{what} must be a number in (0, 1], got {value!r}")
+    return float(value)
 
 
 def tensor_problem(value: Any) -> str | None:
