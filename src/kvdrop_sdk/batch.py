@@ -33,7 +33,7 @@ from kvdrop_sdk.edit import ModifyFnType
 from kvdrop_sdk.errors import BatchedStreamError
 from kvdrop_sdk.metrics import Metrics, get_handler, summarize
 from kvdrop_sdk.request import ModifyResult, RequestStream, StreamPerfMetrics
-from kvdrop_sdk.validate import positive_int
+from kvdrop_sdk.validate import edit_device, positive_int
 
 __all__ = ["BatchedStream", "BatchedStreamError", "BatchedStreamFailures", "ProgressCallback"]
 
@@ -358,6 +358,7 @@ class BatchedStream:
     ) -> tuple[dict[str, ModifyResult], dict[str, BaseException], float]:
         if not callable(fn):
             raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
+        edit_device(device)  # refused once here, not as a torch error from every stream
         streams = self._select(stream_ids)
         self.modify_results.clear()
         results, failures, duration = self._run(

@@ -215,10 +215,21 @@ def test_a_bad_variable_names_the_accepted_values(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only default")
-def test_without_cuda_registration_is_refused_up_front(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_cuda_registration_is_refused_up_front(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Refused up front; silent at the default, said once per mapping when asked for
+    (``KVDROP_CUDA_HOST_REGISTER=1`` on a CPU host logged nothing before)."""
     monkeypatch.delenv("KVDROP_CUDA_HOST_REGISTER", raising=False)
-    reg = HostRegistration(torch.zeros(REGION, dtype=torch.uint8))
-    assert not reg.ensure(0, 10) and reg.failed == "CUDA is not available"
+    with caplog.at_level(logging.WARNING, logger=cuda_host.__name__):
+        reg = HostRegistration(torch.zeros(REGION, dtype=torch.uint8))
+        assert not reg.ensure(0, 10) and reg.failed == "CUDA is not available"
+        assert not caplog.records
+        monkeypatch.setenv("KVDROP_CUDA_HOST_REGISTER", "1")
+        reg = HostRegistration(torch.zeros(REGION, dtype=torch.uint8))
+        assert not reg.ensure(0, 10) and not reg.ensure(0, 10)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "KVDROP_CUDA_HOST_REGISTER=1, but CUDA" in said[0], said
 
 
 @pytest.mark.parametrize("transport", ["shm", "socket"])
