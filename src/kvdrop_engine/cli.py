@@ -195,8 +195,13 @@ def _check_args(args: argparse.Namespace) -> None:
         raise EngineSetupError(f"--query-stride must be >= 0, got {args.query_stride}")
     if args.max_model_len is not None:
         _positive("--max-model-len", args.max_model_len)
-    if args.api_key is not None and not args.api_key.strip():
-        raise EngineSetupError("--api-key must not be empty")
+    if args.api_key is not None:
+        from kvdrop_engine.http import check_api_key
+
+        try:
+            check_api_key(args.api_key, "--api-key")
+        except ValueError as exc:
+            raise EngineSetupError(str(exc)) from None
     try:
         _limits_of(args)
     except ValueError as exc:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvdrop_engine.errors import EngineSetupError, InvalidRequestError
+from kvdrop_engine.errors import EngineSetupError, InvalidRequestError, PolicyFailedError
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.paged import BlockAllocator, PagedKVCache, blocks_needed
 from kvdrop_sdk import CacheKind
@@ -142,11 +142,12 @@ class PromptCut:
 
 @dataclass(frozen=True)
 class CutResult:
-    """What one cut did: prompt tokens before and after, and its wall time."""
+    """What one cut did: prompt tokens before and after, its wall time and the kept indices."""
 
     num_prompt: int
     num_kept: int
     seconds: float
+    index: torch.Tensor | None = None
 
 
 class PromptDropper:
@@ -242,12 +243,13 @@ class PromptDropper:
             dq = cfg.num_heads * cfg.head_dim
             tensors[CacheKind.QUERY] = torch.randn(1, cfg.num_layers, rows, dq, generator=gen)
         context = self._context(n, qpos, None, "cpu")
+        tokens = list(range(n))
         try:
-            cut.policy(tensors, list(range(n)), context=context)
-        except (ValueError, TypeError, RuntimeError) as exc:
+            _kept(cut, kv, tokens, _chosen(cut, tensors, tokens, context), context)
+        except PolicyFailedError as exc:
             raise InvalidRequestError(
                 f"cannot run on this model ({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads "
-                f"x {cfg.head_dim}): {_message(exc)}"
+                f"x {cfg.head_dim}): {_message(exc.__cause__ or exc)}"
             ) from None
 
     def choose(self, num_prompt: int, override: Override | Any | None = UNSET) -> PromptCut | None:
@@ -303,7 +305,9 @@ class PromptDropper:
             # No log-normalisers: every key a captured row attended to is in ``kv`` (the whole
             # prompt, no uncached tail), so a softmax over the cached keys is the true one.
             context = self._context(n, qpos, None, str(kv.device))
-            kept_kv, kept_tokens = cut.policy(tensors, req.prompt[:n], context=context)
+            tokens = req.prompt[:n]
+            index = _chosen(cut, tensors, tokens, context)
+            kept_kv, kept_tokens = _kept(cut, kv, tokens, index, context)
             k = len(kept_tokens)
             if k < n:
                 cache.load(req.blocks, kept_kv.to(cache.dtype), 0)
@@ -311,7 +315,7 @@ class PromptDropper:
         req.prompt = kept_tokens + req.prompt[n:]
         req.num_computed = k
         req.store_upto = 0  # stored (with a connector) before the cut
-        return CutResult(n, k, time.perf_counter() - started)
+        return CutResult(n, k, time.perf_counter() - started, index)
 
 
 def prepare_cut(dropper: PromptDropper | None, req: Request, override: Any = UNSET) -> None:
@@ -341,6 +345,41 @@ def _resize(allocator: BlockAllocator, req: Request, need: int) -> None:
         req.blocks = req.blocks[:need]
     elif need > len(req.blocks):
         req.blocks = req.blocks + allocator.allocate(need - len(req.blocks))
+
+
+def _chosen(
+    cut: PromptCut, tensors: Mapping[Any, torch.Tensor], tokens: list[int], context: EditContext
+) -> torch.Tensor:
+    """The indices ``cut``'s policy keeps of ``tokens``, checked (sorted, unique, in range, at
+    least one) before any block is touched; ``PolicyFailedError`` naming the policy otherwise."""
+    from kvdrop.policy import checked_index
+
+    try:
+        _, index = cut.policy.select_indices(tensors, tokens, context=context)
+        return checked_index(cut.spec, index, len(tokens))
+    except Exception as exc:  # a policy's (or plugin's) failure is this request's alone
+        raise _failed(cut, len(tokens), exc) from exc
+
+
+def _kept(
+    cut: PromptCut,
+    kv: torch.Tensor,
+    tokens: list[int],
+    index: torch.Tensor,
+    context: EditContext,
+) -> tuple[torch.Tensor, list[int]]:
+    """The rows at ``index`` with their keys re-rotated to ``0..k-1`` (the policy's ``keep``)."""
+    try:
+        return cut.policy.keep(kv, tokens, index, context=context)
+    except Exception as exc:
+        raise _failed(cut, len(tokens), exc) from exc
+
+
+def _failed(cut: PromptCut, num_prompt: int, exc: BaseException) -> PolicyFailedError:
+    return PolicyFailedError(
+        f"policy {cut.spec!r} failed on this request's {num_prompt}-token prompt: "
+        f"{type(exc).__name__}: {_message(exc)}"
+    )
 
 
 def _message(exc: BaseException) -> str:
