@@ -30,6 +30,7 @@ from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.penalties import edit_logits
+from kvdrop_engine.plan import store_capture, window_after_cut, window_for
 from kvdrop_engine.reconstruct import ReconstructionPrompt
 from kvdrop_engine.runner import Forward, ModelRunner, WindowRecord
 from kvdrop_engine.sampling import (
@@ -154,6 +155,12 @@ class Engine:
         self._cv = threading.Condition()
         self.connector = connector
         self._transfers = None if connector is None else self._bind(connector)
+        #: The query window the connector stores per request (None: none), once it is bound.
+        self._store = None
+        if connector is not None:
+            self._store = store_capture(
+                connector.queries, connector.stores_windows, connector.transfer_query
+            )
         load_lock = threading.Lock() if self._transfers is None else self._transfers.load_lock
         self._sched = Scheduler(
             self.cache.allocator, block_size, max_batch_size, load_lock, self.eos_token_ids
@@ -238,7 +245,9 @@ class Engine:
     def stats(self) -> EngineStats:
         """A snapshot of the counters."""
         with self._cv:
-            return EngineStats(**asdict(self._stats))
+            snapshot = EngineStats(**asdict(self._stats))
+            snapshot.seconds = time.perf_counter() - self._stats_since
+            return snapshot
 
     def reset_stats(self) -> None:
         """Zero the counters (e.g. between the phases of a benchmark)."""
@@ -283,6 +292,9 @@ class Engine:
             detok=detok,
         )
         prepare_cut(self.dropper, req, override)
+        req.window = window_for(
+            len(req.prompt), None if req.cut is None else req.cut.capture, self._store
+        )
         if guide is not None:
             req.guide = self._matcher(guide, req)
         if req.params.reconstruct and (self.reconstruction is None or self._transfers is None):
@@ -440,8 +452,8 @@ class Engine:
         self._feed_guides(plan, sampled)
         with self._cv:
             ended = self._sched.postprocess(plan, {rid: tok for rid, (tok, _) in sampled.items()})
+        shipping = time.perf_counter()  # window_seconds is a part of ship_seconds
         windows = self._finished_windows(ended)
-        shipping = time.perf_counter()
         for req, tok, reason in ended:
             lp = sampled[req.rid][1] if tok is not None else None
             self._ship(req, tok, lp, reason, windows)
@@ -565,6 +577,7 @@ class Engine:
         first event reports the kept prompt tokens."""
         assert self.dropper is not None
         done = self.dropper.cut(self.cache, req, req.cut)
+        req.window = window_after_cut(done.num_kept, self._store)
         req.kept_prompt = done.num_kept
         with self._cv:
             st = self._stats
