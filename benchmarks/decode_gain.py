@@ -396,7 +396,7 @@ def job(
         report = batch.job(
             greedy,
             policy_fn,
-            prefill_params={"reconstruct": True} if reconstruct else None,
+            prefill_params={**greedy, "reconstruct": True} if reconstruct else None,
             timeout=600.0,
             device=args.edit_device,
         )

@@ -36,6 +36,7 @@ from kvdrop_engine.request_fields import (
     get_streaming,
     get_token_ids,
 )
+from kvdrop_engine.request_guides import guide_from_body
 from kvdrop_engine.request_options import RequestOptionError, RequestOptions
 from kvdrop_engine.request_prompts import (
     CHARS_PER_TOKEN_BOUND,
@@ -241,11 +242,13 @@ def _engine_values(body: dict[str, Any], settings: Settings) -> dict[str, Any]:
 
 def _options(body: dict[str, Any]) -> RequestOptions:
     """The request's options (``cache_salt``, the ``"kvdrop"`` override: null for no cut or
-    ``{"policy", "keep_ratio"}``), built once; 400 naming the field when one is malformed."""
+    ``{"policy", "keep_ratio"}``, the structured output its ``response_format`` / ``guided_*``
+    asks for), built once; 400 naming the field when one is malformed."""
     salt = body.get("cache_salt")
     cut = body["kvdrop"] if "kvdrop" in body else UNSET
+    guide = guide_from_body(body)  # response_format, guided_*: kvdrop_engine.structured
     try:
-        return RequestOptions("" if salt is None else salt, cut)
+        return RequestOptions("" if salt is None else salt, cut, guide=guide)
     except RequestOptionError as exc:
         raise BadRequestError(str(exc), param=exc.field) from None
 

@@ -5,9 +5,9 @@ its sampling parameters).
 A request is validated once, where it enters: the OpenAI server builds its ``SamplingParams``
 and ``RequestOptions`` from the HTTP body and hands both to the engine as objects;
 :func:`submission` turns what a Python caller passes (a sampling dict that may carry the
-option keys ``"kvdrop"`` and ``"reconstruct"``, and a cache salt) into the same two objects.
-Nothing downstream validates them again. A new per-request option is a field here, read where
-it acts.
+option keys ``"kvdrop"``, ``"reconstruct"`` and ``"structured_outputs"``, and a cache salt)
+into the same two objects. Nothing downstream validates them again. A new per-request option
+is a field here, read where it acts.
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ from typing import Any
 from kvdrop_engine.drop import UNSET, Override, parse_override
 from kvdrop_engine.errors import InvalidRequestError
 from kvdrop_engine.sampling import SamplingParams
+from kvdrop_engine.structured import Guide, guide_of
 from kvdrop_sdk.protocol import check_salt
 
 __all__ = ["OPTION_KEYS", "RequestOptionError", "RequestOptions", "submission"]
 
-#: The keys of a sampling dict that are request options, not sampling (:func:`submission`).
-OPTION_KEYS = ("kvdrop", "reconstruct")
+#: The keys of a sampling dict that are request options, not sampling (:func:`submission`),
+#: and the field each fills.
+OPTION_KEYS = {"kvdrop": "cut", "reconstruct": "reconstruct", "structured_outputs": "guide"}
 
 
 class RequestOptionError(InvalidRequestError):
@@ -44,12 +46,14 @@ class RequestOptions:
     :class:`~kvdrop_engine.drop.Override`, parsed once by
     :func:`~kvdrop_engine.drop.parse_override`); ``reconstruct`` scores its prompt with KVzip's
     reconstruction pass when it ends (an engine built with ``reconstruction``; the ``kvzip``
-    policy reads the scores).
+    policy reads the scores); ``guide`` is the structured output it must follow (a
+    :class:`~kvdrop_engine.structured.Guide`, or its ``{"kind", "value"}`` dict; None: free).
     """
 
     cache_salt: str = ""
     cut: Override | Any | None = UNSET
     reconstruct: bool = False
+    guide: Guide | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -61,6 +65,11 @@ class RequestOptions:
                 object.__setattr__(self, "cut", parse_override(self.cut))
             except ValueError as exc:
                 raise RequestOptionError("kvdrop", str(exc)) from None
+        if self.guide is not None and not isinstance(self.guide, Guide):
+            try:
+                object.__setattr__(self, "guide", guide_of(self.guide))
+            except InvalidRequestError as exc:
+                raise RequestOptionError("structured_outputs", str(exc)) from None
         if not isinstance(self.reconstruct, bool):
             raise RequestOptionError(
                 "reconstruct", f"'reconstruct' must be a bool, got {self.reconstruct!r}"
@@ -91,9 +100,11 @@ def submission(
         found: dict[str, Any] = {}
         if isinstance(sampling_params, Mapping) and set(OPTION_KEYS) & set(sampling_params):
             sampling_params = dict(sampling_params)
-            found = {key: sampling_params.pop(key) for key in OPTION_KEYS if key in sampling_params}
-        if "kvdrop" in found:
-            found["cut"] = found.pop("kvdrop")
+            found = {
+                field: sampling_params.pop(key)
+                for key, field in OPTION_KEYS.items()
+                if key in sampling_params
+            }
         options = RequestOptions(cache_salt, **found)
     if isinstance(sampling_params, SamplingParams):
         return sampling_params, options

@@ -196,11 +196,12 @@ class BatchedStream:
         fmt: str | None = None,
     ) -> Metrics:
         """Every stream's whole request at once, pipelined: its prefill (``prefill_params``,
-        ``max_tokens`` 1), then ``fn``'s edit of its cache as soon as that prefill is stored, then
-        its decode (``sampling_params``) as soon as its edit is back, while the other streams'
-        prefills, edits and decodes run (at most ``max_concurrency`` streams and
-        ``modify_concurrency`` edits at once). Without ``fn`` each stream is one call with
-        ``sampling_params``: what a user sends when nothing is dropped.
+        default ``sampling_params``, with ``max_tokens`` 1), then ``fn``'s edit of its cache as
+        soon as that prefill is stored, then its decode (``sampling_params``) as soon as its
+        edit is back, while the other streams' prefills, edits and decodes run (at most
+        ``max_concurrency`` streams and ``modify_concurrency`` edits at once). Without ``fn``
+        each stream is one call with ``sampling_params``: what a user sends when nothing is
+        dropped.
 
         Reports ``duration``, the job's wall time (first prompt sent to last token received),
         beside each stage's time summed over streams (``prefill_s``, ``modify_s``,
@@ -213,7 +214,8 @@ class BatchedStream:
         if fn is not None and not callable(fn):
             raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
         params = dict(sampling_params or {})
-        first = {**(prefill_params or {}), "max_tokens": 1}
+        first = dict(params if prefill_params is None else prefill_params)
+        first["max_tokens"] = 1
         edits = threading.BoundedSemaphore(self.modify_concurrency)
         stages: dict[str, dict[str, float]] = {}
         edited: dict[str, ModifyResult] = {}
