@@ -54,6 +54,8 @@ __all__ = [
     "PromptDropper",
     "parse_override",
     "prepare_cut",
+    "run_on_model",
+    "split_override",
 ]
 
 #: ``--keep-ratio`` when it is not given.
@@ -85,8 +87,9 @@ class Override:
 
 
 def parse_override(value: Any) -> Override | None:
-    """``None`` (no cut) or ``{"policy": str, "keep_ratio": number in (0, 1]}``, either key
-    optional; ``ValueError`` says what was wrong."""
+    """``None`` (no cut) or ``{"policy": str, "keep_ratio": number in (0, 1], "decode": ...}``,
+    each key optional (``"decode"``: :func:`kvdrop_engine.decode_cut.parse_decode`'s);
+    ``ValueError`` says what was wrong."""
     if value is None or isinstance(value, Override):
         return value
     if not isinstance(value, Mapping):
@@ -94,9 +97,15 @@ def parse_override(value: Any) -> Override | None:
             "'kvdrop' must be null (no dropping) or an object like "
             f'{{"policy": "snapkv", "keep_ratio": 0.5}}, got {type(value).__name__}'
         )
-    unknown = sorted(set(value) - {"policy", "keep_ratio"})
+    unknown = sorted(set(value) - {"policy", "keep_ratio", "decode"})
     if unknown:
-        raise ValueError(f"'kvdrop' has unknown key(s) {unknown}; expected policy, keep_ratio")
+        raise ValueError(
+            f"'kvdrop' has unknown key(s) {unknown}; expected policy, keep_ratio, decode"
+        )
+    if "decode" in value:  # the cut while decoding: its own validator
+        from kvdrop_engine.decode_cut import parse_decode
+
+        parse_decode(value["decode"])
     policy, ratio = value.get("policy"), value.get("keep_ratio")
     if policy is not None and (not isinstance(policy, str) or not policy.strip()):
         raise ValueError(f"'kvdrop.policy' must be a policy name or spec string, got {policy!r}")
@@ -197,27 +206,8 @@ class PromptDropper:
         return self._built[key]
 
     def check(self, cut: PromptCut) -> None:
-        """Run ``cut`` once on a random prompt of the model's layout, so a policy that cannot
-        run on this model fails at start (``InvalidRequestError``), not on the first request."""
-        cfg = self.config
-        n = _CHECK_TOKENS
-        gen = torch.Generator().manual_seed(0)
-        kv = torch.randn(2, cfg.num_layers, n, cfg.num_kv_heads * cfg.head_dim, generator=gen)
-        tensors = {CacheKind.KV: kv}
-        qpos = None
-        if cut.policy.queries is not QueryNeed.NONE:
-            rows = n if cut.policy.queries is QueryNeed.FULL else DEFAULT_QUERY_WINDOW
-            qpos = torch.arange(n - rows, n)
-            dq = cfg.num_heads * cfg.head_dim
-            tensors[CacheKind.QUERY] = torch.randn(1, cfg.num_layers, rows, dq, generator=gen)
-        context = self._context(n, qpos, None, "cpu")
-        try:
-            cut.policy(tensors, list(range(n)), context=context)
-        except (ValueError, TypeError, RuntimeError) as exc:
-            raise InvalidRequestError(
-                f"cannot run on this model ({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads "
-                f"x {cfg.head_dim}): {_message(exc)}"
-            ) from None
+        """Run ``cut`` once on a random prompt of the model's layout (:func:`run_on_model`)."""
+        run_on_model(self.config, cut.policy)
 
     def choose(self, num_prompt: int, override: Any = UNSET) -> PromptCut | None:
         """The cut of a request with ``num_prompt`` tokens: its ``"kvdrop"`` override (left out:
@@ -297,6 +287,21 @@ class PromptDropper:
         return CutResult(n, k, time.perf_counter() - started)
 
 
+def split_override(override: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
+    """A request's ``"kvdrop"`` value (``override``: a 1-tuple when it sent one) as the prompt
+    cut's override (the same shape) and the decode cut's (``UNSET``: none sent): ``null`` turns
+    both off, ``"decode"`` goes to :mod:`kvdrop_engine.decode_cut`, the other keys stay here."""
+    if not override:
+        return (), UNSET
+    value = override[0]
+    if value is None:
+        return (None,), None
+    if isinstance(value, Mapping) and "decode" in value:
+        rest = {k: v for k, v in value.items() if k != "decode"}
+        return ((rest,) if rest else ()), value["decode"]
+    return (value,), UNSET
+
+
 def prepare_cut(dropper: PromptDropper | None, req: Request, override: tuple[Any, ...]) -> None:
     """(at submission) ``req``'s cut and the query rows its policy reads, to be captured during
     the prefill. ``override`` holds the request's ``"kvdrop"`` value when it sent one; asking for
@@ -315,6 +320,37 @@ def prepare_cut(dropper: PromptDropper | None, req: Request, override: tuple[Any
         req.cut = None  # one token: nothing would decode from the cut cache
     elif req.cut is not None:
         req.window = dropper.window(req.cut, len(req.prompt))
+
+
+def run_on_model(config: ModelConfig, policy: Policy) -> None:
+    """Run ``policy`` once on a random prompt of ``config``'s layout, so a policy that cannot run
+    on this model fails at start (``InvalidRequestError``), not on the first request."""
+    cfg = config
+    n = _CHECK_TOKENS
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, cfg.num_layers, n, cfg.num_kv_heads * cfg.head_dim, generator=gen)
+    tensors = {CacheKind.KV: kv}
+    qpos = None
+    if policy.queries is not QueryNeed.NONE:
+        rows = n if policy.queries is QueryNeed.FULL else DEFAULT_QUERY_WINDOW
+        qpos = torch.arange(n - rows, n)
+        dq = cfg.num_heads * cfg.head_dim
+        tensors[CacheKind.QUERY] = torch.randn(1, cfg.num_layers, rows, dq, generator=gen)
+    context = EditContext(
+        positions=torch.arange(n),
+        query_positions=qpos,
+        rope=cfg.rope.to_json(),
+        prompt_tokens=n,
+        head_dim=cfg.head_dim,
+        device="cpu",
+    )
+    try:
+        policy(tensors, list(range(n)), context=context)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise InvalidRequestError(
+            f"cannot run on this model ({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads "
+            f"x {cfg.head_dim}): {_message(exc)}"
+        ) from None
 
 
 def _resize(allocator: BlockAllocator, req: Request, need: int) -> None:
