@@ -547,7 +547,11 @@ def decode_phases(engine: dict[str, Any], decode_s: float) -> dict[str, float]:
     the phase): decode-only steps (graph replays), graph captures, steps that computed prompt
     tokens (uncached tails, recomputes), starting/applying prefix loads, handing results over
     (of which finalising query windows), waiting for work (loads in flight), and the rest
-    (sampling, bookkeeping, the phase's own start and end)."""
+    (sampling, bookkeeping). The counters cover the engine's window (``seconds``: from the
+    phase's reset to its snapshot), a little longer than the phase; the loop thread was idle
+    for the difference (before the first request came and after the last token went), which is
+    taken off ``idle_s``, so every part is >= 0 and they sum to ``decode_s``."""
+    outside = max(0.0, float(engine.get("seconds", decode_s)) - decode_s)
     parts = {
         "decode_steps_s": engine["decode_step_seconds"],
         "captures_s": engine["graph_capture_seconds"],
@@ -555,7 +559,7 @@ def decode_phases(engine: dict[str, Any], decode_s: float) -> dict[str, float]:
         "load_apply_s": engine["load_apply_seconds"],
         "ship_s": engine["ship_seconds"] - engine["window_seconds"],
         "window_s": engine["window_seconds"],
-        "idle_s": engine["idle_seconds"],
+        "idle_s": max(0.0, engine["idle_seconds"] - outside),
     }
     parts = {k: float(v) for k, v in parts.items()}
     parts["other_s"] = decode_s - sum(parts.values())

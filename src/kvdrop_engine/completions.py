@@ -19,9 +19,11 @@ from kvdrop_engine.errors import InvalidRequestError
 from kvdrop_engine.request_fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
+    DETOKENIZE_FIELDS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     SAMPLING_FIELDS,
+    TOKENIZE_FIELDS,
     BadRequestError,
     check_body,
     check_neutral,
@@ -379,14 +381,7 @@ def parse_tokenize_request(body: Any, settings: Settings) -> tuple[list[int], bo
     """vLLM's ``POST /tokenize``: ``{"prompt": text}`` or ``{"messages": [...]}`` (with
     ``add_generation_prompt``, default true) to token ids, bounded as the routes bound them,
     and whether ``return_token_strs`` asks for each token's text too."""
-    known = frozenset(
-        {
-            "model", "prompt", "messages", "add_generation_prompt", "add_special_tokens",
-            "return_token_strs", "continue_final_message", "chat_template",
-            "chat_template_kwargs",
-        }
-    )  # fmt: skip
-    body = check_body(body, known, settings.model_name)
+    body = check_body(body, TOKENIZE_FIELDS, settings.model_name)
     check_neutral(body, 1)
     with_strs = bool(get_bool(body, "return_token_strs"))
     if ("prompt" in body) == ("messages" in body):
@@ -399,7 +394,7 @@ def parse_tokenize_request(body: Any, settings: Settings) -> tuple[list[int], bo
 
 def parse_detokenize_request(body: Any, settings: Settings) -> list[int]:
     """vLLM's ``POST /detokenize``: ``{"tokens": [ids]}``, ids in the vocabulary."""
-    body = check_body(body, frozenset({"model", "tokens"}), settings.model_name)
+    body = check_body(body, DETOKENIZE_FIELDS, settings.model_name)
     if settings.tokenizer is None:
         raise BadRequestError("this server has no tokenizer", param="tokens")
     return get_token_ids(body.get("tokens"), settings.vocab_size, "tokens", settings.max_model_len)

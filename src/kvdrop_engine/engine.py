@@ -247,7 +247,9 @@ class Engine:
     def stats(self) -> EngineStats:
         """A snapshot of the counters."""
         with self._cv:
-            return EngineStats(**asdict(self._stats))
+            snapshot = EngineStats(**asdict(self._stats))
+            snapshot.seconds = time.perf_counter() - self._stats_since
+            return snapshot
 
     def reset_stats(self) -> None:
         """Zero the counters (e.g. between the phases of a benchmark)."""
@@ -424,8 +426,8 @@ class Engine:
         sampled = self._sample(plan, out, picked, edited)
         with self._cv:
             ended = self._sched.postprocess(plan, {rid: tok for rid, (tok, _) in sampled.items()})
+        shipping = time.perf_counter()  # window_seconds is a part of ship_seconds
         windows = self._finished_windows(ended)
-        shipping = time.perf_counter()
         for req, tok, reason in ended:
             lp = sampled[req.rid][1] if tok is not None else None
             self._ship(req, tok, lp, reason, windows)

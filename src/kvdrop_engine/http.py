@@ -2,12 +2,12 @@
 
 Serves ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or server-sent events;
 ``n`` choices, batched prompts), vLLM's ``POST /tokenize`` and ``/detokenize``, ``GET /metrics``
-(:mod:`kvdrop_engine.metrics`), ``GET /v1/models``, ``/health``, ``/ping``, ``/version`` and
-optionally ``/stats``, one thread per request so the engine batches concurrent ones. What a
-request may hold is :mod:`kvdrop_engine.completions`, a response :mod:`kvdrop_engine.responses`;
-with ``return_tokens_as_token_ids`` logprobs tokens carry ids (what
-``kvdrop_sdk.adapters.openai.make_post_completion`` reads). With ``api_key`` every route but
-the probes needs ``Authorization: Bearer KEY``.
+(:mod:`kvdrop_engine.metrics`), ``GET /v1/models`` and ``/v1/models/{id}``, ``/health``,
+``/ping``, ``/version`` and optionally ``/stats``, one thread per request so the engine batches
+concurrent ones. What a request may hold is :mod:`kvdrop_engine.completions`, a response
+:mod:`kvdrop_engine.responses`; with ``return_tokens_as_token_ids`` logprobs tokens carry ids
+(what ``kvdrop_sdk.adapters.openai.make_post_completion`` reads). With ``api_key`` every route
+but the probes needs ``Authorization: Bearer KEY``.
 
 What one client may cost is :mod:`kvdrop_sdk.http_limits`' rule, shared with the cache server:
 the body size checked before reading (413), the JSON's containers, values and depth before
@@ -26,6 +26,7 @@ import logging
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -54,6 +55,7 @@ from kvdrop_engine.responses import (
     CompletionBuilder,
     detokenize_body,
     error_body,
+    model_card,
     models_body,
     tokenize_body,
 )
@@ -86,7 +88,7 @@ _OPEN_ROUTES = frozenset({"/health", "/ping", "/version", "/metrics"})
 #: What the server answers, for its start-up line and its 404s.
 ROUTES = (
     "POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize, "
-    "GET /v1/models, GET /health, GET /metrics, GET /version, GET|POST /ping"
+    "GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics, GET /version, GET|POST /ping"
 )
 
 
@@ -413,10 +415,22 @@ class _Handler(LimitedHandler):
             self._send_json(200, app.stats())
         elif path == "/v1/models":
             self._send_json(200, app.models_payload())
+        elif path.startswith("/v1/models/"):
+            self._send_model(app, urllib.parse.unquote(path[len("/v1/models/") :]))
         elif path in _POST_ROUTES or path in _TOKEN_ROUTES:
             self._send_error(405, f"use POST for {path}")
         else:
             self._send_error(404, f"no route {path or '/'}; this server answers {ROUTES}")
+
+    def _send_model(self, app: CompletionHTTPServer, model_id: str) -> None:
+        """``GET /v1/models/{id}`` (``client.models.retrieve``): the card, or OpenAI's 404."""
+        if model_id == app.model_name:
+            self._send_json(200, model_card(app.model_name, app.created, app.max_model_len))
+        else:
+            served = app.model_name
+            self._send_error(
+                404, f"the model {model_id!r} does not exist; served: {served!r}", "model"
+            )
 
     def do_POST(self) -> None:
         app = self.server.app
@@ -429,7 +443,8 @@ class _Handler(LimitedHandler):
             return
         if path not in _POST_ROUTES and path not in _TOKEN_ROUTES:
             self._drain()
-            status = 405 if path in ("/health", "/v1/models", "/metrics") else 404
+            gets = ("/health", "/v1/models", "/metrics")
+            status = 405 if path in gets or path.startswith("/v1/models/") else 404
             self._send_error(status, f"no POST route {path or '/'}; this server answers {ROUTES}")
             return
         try:

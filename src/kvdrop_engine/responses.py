@@ -48,8 +48,9 @@ def error_body(message: str, status: int, param: str | None = None) -> dict[str,
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def models_body(model_name: str, created: int, max_model_len: int | None) -> dict[str, Any]:
-    """Body of ``GET /v1/models`` for a server of one model."""
+def model_card(model_name: str, created: int, max_model_len: int | None) -> dict[str, Any]:
+    """The served model as ``GET /v1/models/{id}`` answers it (OpenAI's model object, with
+    vLLM's ``root`` and ``max_model_len``)."""
     card: dict[str, Any] = {
         "id": model_name,
         "object": "model",
@@ -59,7 +60,12 @@ def models_body(model_name: str, created: int, max_model_len: int | None) -> dic
     }
     if max_model_len is not None:
         card["max_model_len"] = max_model_len
-    return {"object": "list", "data": [card]}
+    return card
+
+
+def models_body(model_name: str, created: int, max_model_len: int | None) -> dict[str, Any]:
+    """Body of ``GET /v1/models`` for a server of one model."""
+    return {"object": "list", "data": [model_card(model_name, created, max_model_len)]}
 
 
 def tokenize_body(body: Any, settings: Settings) -> dict[str, Any]:
@@ -340,17 +346,22 @@ class CompletionBuilder:
 
     def usage(self) -> dict[str, int]:
         """Prompt (each prompt once), completion (all choices) and total token counts;
-        ``kept_prompt_tokens`` (the first choice's prompt tokens its cache kept) when the engine
-        drops while serving."""
+        ``kept_prompt_tokens`` when the engine drops while serving: the prompt tokens the cache
+        kept, summed over every prompt once as ``prompt_tokens`` is (each prompt's first choice:
+        its ``n`` choices cut the same prompt alike; ``/metrics`` counts every choice)."""
         n_prompt = sum(len(p) for p in self.request.prompts)
         usage = {
             "prompt_tokens": n_prompt,
             "completion_tokens": self.count,
             "total_tokens": n_prompt + self.count,
         }
-        kept = self.choices[0].kept_prompt_tokens
-        if kept is not None:
-            usage["kept_prompt_tokens"] = kept
+        n = self.request.n
+        kept = [self.choices[p * n].kept_prompt_tokens for p in range(len(self.request.prompts))]
+        if any(k is not None for k in kept):
+            prompts = self.request.prompts  # a prompt not cut kept all its tokens
+            usage["kept_prompt_tokens"] = sum(
+                len(p) if k is None else k for p, k in zip(prompts, kept, strict=True)
+            )
         return usage
 
     def usage_chunk(self) -> dict[str, Any]:

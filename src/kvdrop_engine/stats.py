@@ -62,9 +62,9 @@ class EngineStats:
     peak_decode_kv_tokens: int = 0
     #: Where the loop thread's time goes (with ``decode_step_seconds`` and
     #: ``graph_capture_seconds``): steps that computed prompt tokens, starting and applying prefix
-    #: loads, handing results over (stores started, events; ``window_seconds`` of it finalising
-    #: query windows, ``reconstruction_seconds`` kvzip's pass) and waiting for work (loads
-    #: in flight included).
+    #: loads, handing results over (stores started, events; ``window_seconds``, every second of
+    #: which lies inside ``ship_seconds``, finalising query windows; ``reconstruction_seconds``
+    #: kvzip's pass) and waiting for work (loads in flight included).
     prefill_step_seconds: float = 0.0
     load_apply_seconds: float = 0.0
     ship_seconds: float = 0.0
@@ -72,6 +72,9 @@ class EngineStats:
     idle_seconds: float = 0.0
     connector_fallbacks: int = 0  # loads that failed, timed out or were skipped: recomputed
     store_failures: int = 0  # stores that failed, timed out or were skipped
+    #: The wall time these counters cover (since construction or ``reset_stats``), as of the
+    #: snapshot: the loop thread's parts above add up to at most this.
+    seconds: float = 0.0
 
     @property
     def tokens_computed(self) -> int:

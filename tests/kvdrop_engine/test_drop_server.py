@@ -118,6 +118,44 @@ def test_metrics_count_kept_and_dropped(
     assert stats.prompt_tokens_dropped >= 100
 
 
+SHORT = PROMPT[:5]
+
+
+SHORT = PROMPT[:5]
+
+
+def _counter(url: str, name: str) -> int:
+    text = requests.get(url + "/metrics", timeout=10).text
+    return int(float(next(x for x in text.splitlines() if x.startswith(name)).split()[-1]))
+
+
+@pytest.mark.parametrize(
+    ("prompts", "kept"), [([PROMPT, PROMPT], 200), ([SHORT, PROMPT], 105), ([PROMPT], 100)]
+)
+def test_kept_prompt_tokens_sum_every_prompt_as_metrics_do(
+    server: tuple[CompletionHTTPServer, Engine], client: Any, prompts: list[Any], kept: int
+) -> None:
+    """A list of prompts reports what the cache kept of every prompt (a 5-token one is too
+    short to cut and keeps all); ``/metrics``' dropped counter grows by what usage says was
+    dropped, its kept counter (cut prompts only) by the cut prompts' share."""
+    url = server[0].url
+    kept_before = _counter(url, "kvdrop:prompt_tokens_kept_total")
+    dropped_before = _counter(url, "kvdrop:prompt_tokens_dropped_total")
+    for stream in (False, True):
+        extra = {"stream_options": {"include_usage": True}} if stream else {}
+        reply = client.completions.create(
+            model="tiny", prompt=prompts, max_tokens=2, temperature=0, stream=stream,
+            extra_body=IGNORE_EOS, **extra,
+        )  # fmt: skip
+        usage = usage_of(list(reply)[-1] if stream else reply)
+        assert usage["kept_prompt_tokens"] == kept, usage
+        assert usage["prompt_tokens"] == sum(len(p) for p in prompts)
+    dropped = _counter(url, "kvdrop:prompt_tokens_dropped_total") - dropped_before
+    assert dropped == 2 * (sum(len(p) for p in prompts) - kept)
+    cut = sum(len(p) for p in prompts if len(p) > len(SHORT))
+    assert _counter(url, "kvdrop:prompt_tokens_kept_total") - kept_before == 2 * (cut // 2)
+
+
 def _label(text: str) -> str:
     line = next(x for x in text.splitlines() if x.startswith("kvdrop:prompt_tokens_kept_total"))
     return line.split("{", 1)[1].split("}", 1)[0]

@@ -116,6 +116,33 @@ def test_neutral_values_of_every_field_are_accepted(client: Any) -> None:
         _complete(client, suffix="tail")
 
 
+def test_what_todays_client_sends_is_accepted(client: Any) -> None:
+    """Issue 34: fields of openai 3.57's request types that were refused as unknown."""
+    messages = [{"role": "user", "content": "hi"}]
+    base = {"model": "tiny", "messages": messages, "max_tokens": 3, "temperature": 0}
+    plain = client.chat.completions.create(**base)
+    sent = client.chat.completions.create(
+        **base, safety_identifier="user-7", prompt_cache_key="k", verbosity=None,
+        metadata={"team": "search", "run": "3"}, prompt_cache_retention="24h",
+        prompt_cache_options={"mode": "implicit", "ttl": "30m"}, store=False,
+        service_tier="auto", moderation=None,
+    )  # fmt: skip
+    assert sent.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="'verbosity' is not supported") as err:
+        client.chat.completions.create(**base, verbosity="low")
+    assert err.value.body["param"] == "verbosity"
+
+
+def test_models_retrieve_and_an_unknown_id_is_openais_404(client: Any) -> None:
+    card = client.models.retrieve("tiny")
+    assert card.id == "tiny" and card.object == "model" and card.owned_by == "kvdrop"
+    assert card.model_extra["max_model_len"] == 1024
+    with pytest.raises(openai.NotFoundError, match="'gpt-4o' does not exist") as err:
+        client.models.retrieve("gpt-4o")
+    assert err.value.status_code == 404 and err.value.body["param"] == "model"
+    assert set(err.value.body) == {"message", "type", "param", "code"}
+
+
 def test_logit_bias_and_min_tokens_steer_the_sampler(client: Any) -> None:
     forced = _complete(client, logit_bias={"65": 100}, extra_body={"ignore_eos": True})
     assert forced.choices[0].text == "b" * 6  # byte-level id 65 is "b"

@@ -40,13 +40,7 @@ from kvdrop_sdk.transport.buffers import (
     tensor_buffer,
     tune_malloc,
 )
-from kvdrop_sdk.transport.cuda_host import (
-    HostRegistration,
-    device_to_slots,
-    pinned_empty,
-    slots_to_device,
-    to_host_pinned,
-)
+from kvdrop_sdk.transport.cuda_host import HostRegistration, pinned_empty, to_host_pinned
 from kvdrop_sdk.transport.shm import HEADER_BYTES, belongs_to, shm_path
 from kvdrop_sdk.validate import is_int
 
@@ -113,11 +107,12 @@ class _Mapping:
     #: Page-locked regions for DMA to and from a GPU (made on the first CUDA transfer).
     registration: HostRegistration | None = None
 
-    def dma_ready(self, offsets: list[Any], nbytes: int) -> bool:
-        """Whether slots at ``offsets`` can go to or from a GPU by DMA (registering them)."""
+    def dma(self, offsets: list[Any], nbytes: int) -> HostRegistration | None:
+        """The registration through which slots at ``offsets`` go to or from a GPU by DMA
+        (registering them), or None: they take the host path."""
         if self.registration is None:
-            self.registration = HostRegistration(self.pool.data_ptr(), self.pool.numel())
-        return all(self.registration.ensure(int(off), nbytes) for off in offsets)
+            self.registration = HostRegistration(self.pool)
+        return self.registration if self.registration.ready(offsets, nbytes) else None
 
     def unregister(self) -> None:
         if self.registration is not None:
@@ -276,9 +271,16 @@ class ContiguousTransferWrapper:
                 )
 
             chunks = list(zip(reply["chunks"], reply["offsets"]))
-            if kv.is_cuda and mapping.dma_ready([off for _, off in chunks], nbytes):
-                slots = [self._slot(mapping, off, nbytes, layout, kind) for _, off in chunks]
-                device_to_slots([kv[:, :, i * c : (i + 1) * c] for i, _ in chunks], slots)
+            dma = None
+            if kv.is_cuda:
+                for _, off in chunks:  # bounds checked, pages mapped, before registering
+                    self._slot(mapping, off, nbytes, layout, kind)
+                dma = mapping.dma([off for _, off in chunks], nbytes)
+            if dma is not None:
+                parts = [kv[:, :, i * c : (i + 1) * c] for i, _ in chunks]
+                if not dma.write(parts, [off for _, off in chunks]):
+                    dma = None  # that DMA failed (logged, error cleared): the host path
+            if dma is not None:
                 if time.monotonic() - started > 0.8 * lease_s:
                     raise SDKError(f"store took longer than its {lease_s:g} s reservation")
             else:
@@ -372,16 +374,18 @@ class ContiguousTransferWrapper:
             if nbytes != layout.nbytes(kind, c):
                 raise SDKError(f"server slot size {nbytes} does not match the layout")
             out = None
-            if device is not None and device.type == "cuda" and mapping.dma_ready(offsets, nbytes):
-                slots = [self._slot(mapping, off, nbytes, layout, kind) for off in offsets]
-                try:
-                    out = slots_to_device(slots, device)
-                except RuntimeError as exc:  # torch's CUDA errors; the host path still works
-                    assert mapping.registration is not None
-                    mapping.registration.give_up(exc)
+            gpu = device is not None and device.type == "cuda"
+            dma = None
+            if gpu:
+                for off in offsets:  # bounds checked, pages mapped, before registering
+                    self._slot(mapping, off, nbytes, layout, kind)
+                dma = mapping.dma(offsets, nbytes)
+            if dma is not None:
+                assert device is not None
+                slot_shape = layout.shape(kind, c)
+                out = dma.read(offsets, slot_shape, layout.dtype, device)  # None: it failed
             if out is None:
                 shape = layout.shape(kind, len(offsets) * c)
-                gpu = device is not None and device.type == "cuda"
                 out = (
                     pinned_empty(shape, layout.dtype)
                     if gpu
