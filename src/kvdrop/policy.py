@@ -450,6 +450,14 @@ class ScorerPolicy(NeedsPolicy, SelectorPolicy):
             q = q.to(device)
         num_tokens = kv.shape[2]
         scorer.check(kv, q)
+        # A rank-based scorer (lagkv) turns a NaN key into an ordinary rank: refuse non-finite
+        # KV here, once for every scorer, as non-finite scores are refused below.
+        check_finite(
+            self.name,
+            kv,
+            "cached KV",
+            "it cannot rank tokens on them; check the model's cached keys and values",
+        )
         with torch.no_grad():
             if scorer.needs_selection:
                 queries = scorer.queries if q is not None else QueryNeed.NONE

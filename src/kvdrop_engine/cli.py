@@ -24,7 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from kvdrop_engine.errors import EngineSetupError
-from kvdrop_engine.options import add_connector_arguments, add_model_arguments
+from kvdrop_engine.options import (
+    add_connector_arguments,
+    add_keep_ratio_argument,
+    add_model_arguments,
+)
 from kvdrop_engine.request_fields import MAX_BODY_BYTES
 from kvdrop_sdk.http_limits import HTTPLimits, bound_heap
 from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
@@ -125,12 +129,7 @@ def _drop_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="drop policy: a registered name or spec string, plugins included (default: none)",
     )
-    drop.add_argument(
-        "--keep-ratio",
-        type=float,
-        default=0.5,
-        help="fraction of each prompt's tokens the cut keeps (default 0.5)",
-    )
+    add_keep_ratio_argument(drop)
     drop.add_argument(
         "--min-drop-tokens",
         type=int,
@@ -215,8 +214,6 @@ def _check_args(args: argparse.Namespace) -> None:
             f"--kv-budget-tokens ({args.kv_budget_tokens}) must be at least one block "
             f"(--block-size {args.block_size})"
         )
-    if not 0 < args.keep_ratio <= 1:
-        raise EngineSetupError(f"--keep-ratio must be in (0, 1], got {args.keep_ratio}")
     _positive("--min-drop-tokens", args.min_drop_tokens)
     if args.decode_every is not None:
         _positive("--decode-every", args.decode_every)
@@ -231,8 +228,13 @@ def _check_args(args: argparse.Namespace) -> None:
         raise EngineSetupError(f"--query-stride must be >= 0, got {args.query_stride}")
     if args.max_model_len is not None:
         _positive("--max-model-len", args.max_model_len)
-    if args.api_key is not None and not args.api_key.strip():
-        raise EngineSetupError("--api-key must not be empty")
+    if args.api_key is not None:
+        from kvdrop_engine.http import check_api_key
+
+        try:
+            check_api_key(args.api_key, "--api-key")
+        except ValueError as exc:
+            raise EngineSetupError(str(exc)) from None
     try:
         _limits_of(args)
     except ValueError as exc:
@@ -405,7 +407,12 @@ def _dropper(args: argparse.Namespace, config: Any) -> Any:
     from kvdrop_engine.drop import PromptDropper
 
     return PromptDropper(
-        config, args.policy, keep_ratio=args.keep_ratio, min_prompt_tokens=args.min_drop_tokens
+        config,
+        args.policy,
+        keep_ratio=args.keep_ratio,
+        min_prompt_tokens=args.min_drop_tokens,
+        query_window=args.query_window,
+        query_stride=args.query_stride,
     )
 
 
@@ -415,7 +422,11 @@ def _compressor(args: argparse.Namespace, config: Any) -> Any:
     from kvdrop_engine.decode_cut import DecodeCompressor
 
     return DecodeCompressor(
-        config, args.decode_policy, budget=args.decode_budget, every=args.decode_every
+        config,
+        args.decode_policy,
+        budget=args.decode_budget,
+        every=args.decode_every,
+        query_window=args.query_window,
     )
 
 
@@ -450,10 +461,11 @@ def _serve(args: argparse.Namespace, connector: Any, engine: Any, server: Any) -
     engine.start()
     server.start()
     kv_note = f", {args.cache_server} KV store {args.kvdrop_url}" if connector is not None else ""
-    if args.policy is not None:
+    default = engine.dropper.default if engine.dropper is not None else None
+    if default is not None:
         kv_note += (
-            f", prompts of {args.min_drop_tokens}+ tokens cut by {args.policy} to keep "
-            f"{args.keep_ratio:g}"
+            f", prompts of {args.min_drop_tokens}+ tokens cut by {default.spec} to keep "
+            f"{default.budget}"
         )
     if args.decode_policy is not None:
         kv_note += (

@@ -46,14 +46,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvdrop_engine.capture import WindowCapture
-from kvdrop_engine.drop import UNSET, run_on_model
+from kvdrop_engine.drop import UNSET
 from kvdrop_engine.errors import EngineSetupError, InvalidRequestError
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.paged import PagedKVCache, blocks_needed
+from kvdrop_engine.plan import window_after_cut
 from kvdrop_sdk import CacheKind
 from kvdrop_sdk.edit import EditContext
-from kvdrop_sdk.query_capture import DEFAULT_QUERY_WINDOW, QueryNeed
+from kvdrop_sdk.query_capture import DEFAULT_QUERY_WINDOW, QueryCapture, QueryNeed
 
 if TYPE_CHECKING:
     from kvdrop.policy import Policy
@@ -66,6 +66,7 @@ __all__ = [
     "DecodeCut",
     "DecodeOverride",
     "KVSwap",
+    "decode_capture",
     "parse_decode",
     "prepare_decode",
 ]
@@ -76,6 +77,9 @@ DEFAULT_DECODE_EVERY = 128
 DEFAULT_DECODE_SINK = 4
 #: Built (spec, budget) pairs kept for reuse.
 _MAX_BUILT = 64
+#: Tokens of the random cache :meth:`DecodeCompressor.check` runs a new policy on, and the
+#: budget it cuts them to (so the policy ranks, not just keeps everything).
+_CHECK_TOKENS, _CHECK_BUDGET = 96, 8
 
 
 @dataclass(frozen=True)
@@ -123,12 +127,14 @@ def parse_decode(value: Any) -> DecodeOverride | None:
 @dataclass(frozen=True)
 class DecodeCut:
     """One request's cut while decoding: the built policy (``keep_tokens=budget``), its spec,
-    the budget and the number of generated tokens between cuts."""
+    the budget, the number of generated tokens between cuts and the query rows its policy reads
+    (``capture``: the last ``query_window`` computed tokens, or none)."""
 
     spec: str
     budget: int
     every: int
     policy: Policy
+    capture: QueryCapture
 
     def due(self, num_cached: int) -> bool:
         """Whether a cache of ``num_cached`` tokens is cut before the next decode step (which
@@ -175,7 +181,7 @@ class DecodeCompressor:
         query_window: int = DEFAULT_QUERY_WINDOW,
     ) -> None:
         every = DEFAULT_DECODE_EVERY if every is None else every
-        for name, value in (("--decode-every", every), ("--decode-query-window", query_window)):
+        for name, value in (("--decode-every", every), ("--query-window", query_window)):
             if not isinstance(value, int) or value < 1:
                 raise EngineSetupError(f"{name} must be an int >= 1, got {value!r}")
         if budget is not None and (not isinstance(budget, int) or budget < 1):
@@ -201,11 +207,48 @@ class DecodeCompressor:
         key = (spec, budget, every)
         if key not in self._built:
             policy = self._policy(spec, budget)
-            run_on_model(self.config, self._policy(spec, 8))  # ranks: a budget under the check's
+            self.check(spec, self._policy(spec, _CHECK_BUDGET))
+            capture = QueryCapture.for_policies([policy], window=self.query_window, stride=0)
             if len(self._built) >= _MAX_BUILT:  # requests choose the keys: keep the cache small
                 self._built.pop(next(iter(self._built)))
-            self._built[key] = DecodeCut(spec, budget, every, policy)
+            self._built[key] = DecodeCut(spec, budget, every, policy, capture)
         return self._built[key]
+
+    def check(self, spec: str, policy: Policy) -> None:
+        """Rank a random cache of the model's layout with ``policy`` once (with query rows when
+        it reads them), so a policy that cannot run on this model fails at start."""
+        cfg = self.config
+        n = _CHECK_TOKENS
+        gen = torch.Generator().manual_seed(0)
+        kv = torch.randn(2, cfg.num_layers, n, cfg.num_kv_heads * cfg.head_dim, generator=gen)
+        tensors: dict[Any, torch.Tensor] = {CacheKind.KV: kv}
+        qpos = None
+        if policy.queries is not QueryNeed.NONE:
+            rows = min(n, self.query_window)
+            qpos = torch.arange(n - rows, n)
+            dq = cfg.num_heads * cfg.head_dim
+            tensors[CacheKind.QUERY] = torch.randn(1, cfg.num_layers, rows, dq, generator=gen)
+        context = self._context(torch.arange(n), qpos, "cpu")
+        try:
+            policy.select_indices(tensors, list(range(n)), context=context)
+        except Exception as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise InvalidRequestError(
+                f"decode policy {spec!r} cannot run on this model ({cfg.num_layers} layers, "
+                f"{cfg.num_kv_heads} KV heads x {cfg.head_dim}): {first}"
+            ) from None
+
+    def _context(
+        self, positions: torch.Tensor, qpos: torch.Tensor | None, device: str
+    ) -> EditContext:
+        return EditContext(
+            positions=positions,
+            query_positions=qpos,
+            rope=self.rope_json,
+            prompt_tokens=positions.numel(),
+            head_dim=self.config.head_dim,
+            device=device,
+        )
 
     def _policy(self, spec: str, budget: int) -> Policy:
         from kvdrop.errors import PolicyNotFoundError  # the policy library, on first use
@@ -251,19 +294,6 @@ class DecodeCompressor:
                 '--decode-policy/--decode-budget); send {"policy": "rkv", "budget": 1024}'
             )
         return self._build(spec, budget, parsed.every or self.every)
-
-    def window(self, cut: DecodeCut, num_cached: int) -> WindowCapture | None:
-        """The query rows captured for ``cut`` from ``num_cached`` on: the last
-        ``query_window`` computed tokens (None for a policy that reads no queries)."""
-        if cut.policy.queries is QueryNeed.NONE:
-            return None
-        return WindowCapture(max(num_cached, 1), self.query_window, 0)
-
-    def restart_window(self, req: Request) -> None:
-        """A fresh query window for ``req``'s decode cut from its current cache on (after a
-        cut moved its rows)."""
-        if req.decode_cut is not None:
-            req.window = self.window(req.decode_cut, req.num_computed)
 
     @staticmethod
     def due(req: Request) -> bool:
@@ -318,14 +348,7 @@ class DecodeCompressor:
         # No log-normalisers: the rows were computed after the last cut, so every key they
         # attended to is in ``kv``. Query positions are slots (the policy's order of rows);
         # ``positions`` are the rows' true RoPE positions, for policies that rotate keys back.
-        context = EditContext(
-            positions=positions,
-            query_positions=qpos,
-            rope=self.rope_json,
-            prompt_tokens=n,
-            head_dim=self.config.head_dim,
-            device=str(kv.device),
-        )
+        context = self._context(positions, qpos, str(kv.device))
         _, index = cut.policy.select_indices(tensors, tokens, context=context)
         return checked_index(cut.spec, index, n)
 
@@ -337,7 +360,7 @@ class DecodeCompressor:
         req.dropped += n - k
         req.num_computed = k
         req.decode_cuts += 1
-        self.restart_window(req)
+        req.window = window_after_cut(k, None, decode_capture(req))  # the rows moved
         need = blocks_needed(k + 1, cache.block_size)
         if need < len(req.blocks):
             cache.allocator.free(req.blocks[need:])
@@ -347,9 +370,10 @@ class DecodeCompressor:
 def prepare_decode(
     compressor: DecodeCompressor | None, req: Request, override: Any = UNSET
 ) -> None:
-    """(at submission) ``req``'s decode cut and the query rows its policy reads. ``override``
-    is the request's ``"kvdrop.decode"`` value (UNSET: it sent none); asking for a cut from an
-    engine without a compressor is an ``InvalidRequestError``."""
+    """(at submission) ``req``'s decode cut (its ``capture`` says which query rows the request
+    keeps for it: :func:`kvdrop_engine.plan.window_for`). ``override`` is the request's
+    ``"kvdrop.decode"`` value (UNSET: it sent none); asking for a cut from an engine without a
+    compressor is an ``InvalidRequestError``."""
     if compressor is None:
         if override is not UNSET and override is not None:
             raise InvalidRequestError(
@@ -367,8 +391,11 @@ def prepare_decode(
             "reconstruct=true scores the prompt's whole cache when the request ends, which a "
             "cut while decoding no longer holds; send 'kvdrop.decode': null with it"
         )
-    if req.window is None:
-        req.window = compressor.window(req.decode_cut, len(req.prompt))
+
+
+def decode_capture(req: Request) -> QueryCapture | None:
+    """The query rows ``req``'s decode cut reads (None: it has none)."""
+    return None if req.decode_cut is None else req.decode_cut.capture
 
 
 class KVSwap:

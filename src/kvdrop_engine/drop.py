@@ -4,9 +4,9 @@
 asks it three things and owns nothing else about dropping:
 
 1. at submission, :meth:`PromptDropper.choose`: which cut a request gets (the engine's default,
-   the request's ``"kvdrop"`` override, or none for prompts under ``min_prompt_tokens``), and
-   :meth:`PromptDropper.window` the query rows the policy reads, which the engine captures
-   itself during the prefill (a lean window, or every row for a ``QueryNeed.FULL`` policy);
+   the request's ``"kvdrop"`` override, or none for prompts under ``min_prompt_tokens``); its
+   ``capture`` (the policy's needs at ``--query-window``/``--query-stride``) is joined with the
+   connector's window store into the request's one capture (:mod:`kvdrop_engine.plan`);
 2. for admission, :meth:`PromptCut.peak_tokens`: the most KV the request ever holds, the whole
    prompt while it prefills or the kept part plus its generated tokens, whichever is larger, so
    a dropped request reserves fewer blocks and more requests share the same KV budget;
@@ -19,7 +19,9 @@ asks it three things and owns nothing else about dropping:
    was stored before the cut.
 
 A request's override is ``{"policy": SPEC, "keep_ratio": R}`` (either key may be left out: the
-engine's default fills it) or ``None`` for no cut; :func:`parse_override` is its one validator.
+engine's default fills it; a spec's own ``keep_ratio`` wins over the engine's, and a different
+``keep_ratio`` beside it is refused: :func:`kvdrop.spec.keep_budget`, the one rule) or ``None``
+for no cut; :func:`parse_override` is its one validator.
 """
 
 from __future__ import annotations
@@ -32,20 +34,25 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvdrop_engine.capture import WindowCapture
-from kvdrop_engine.errors import EngineSetupError, InvalidRequestError
+from kvdrop_engine.errors import EngineSetupError, InvalidRequestError, PolicyFailedError
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.paged import BlockAllocator, PagedKVCache, blocks_needed
 from kvdrop_sdk import CacheKind
 from kvdrop_sdk.edit import EditContext
-from kvdrop_sdk.query_capture import DEFAULT_QUERY_STRIDE, DEFAULT_QUERY_WINDOW, QueryNeed
+from kvdrop_sdk.query_capture import (
+    DEFAULT_QUERY_STRIDE,
+    DEFAULT_QUERY_WINDOW,
+    QueryCapture,
+    QueryNeed,
+)
+from kvdrop_sdk.validate import keep_ratio as checked_ratio
 
 if TYPE_CHECKING:
     from kvdrop.policy import Policy
+    from kvdrop.spec import KeepBudget
     from kvdrop_engine.sequence import Request
 
 __all__ = [
-    "DEFAULT_KEEP_RATIO",
     "DEFAULT_MIN_PROMPT_TOKENS",
     "UNSET",
     "CutResult",
@@ -54,12 +61,9 @@ __all__ = [
     "PromptDropper",
     "parse_override",
     "prepare_cut",
-    "run_on_model",
     "split_override",
 ]
 
-#: ``--keep-ratio`` when it is not given.
-DEFAULT_KEEP_RATIO = 0.5
 #: Prompts shorter than this are left whole: a short cache is cheap, and a policy's observation
 #: window (SnapKV's 64 queries) would cover most of it.
 DEFAULT_MIN_PROMPT_TOKENS = 128
@@ -87,9 +91,8 @@ class Override:
 
 
 def parse_override(value: Any) -> Override | None:
-    """``None`` (no cut) or ``{"policy": str, "keep_ratio": number in (0, 1], "decode": ...}``,
-    each key optional (``"decode"``: :func:`kvdrop_engine.decode_cut.parse_decode`'s);
-    ``ValueError`` says what was wrong."""
+    """``None`` (no cut) or ``{"policy": str, "keep_ratio": number in (0, 1]}``, either key
+    optional; ``ValueError`` says what was wrong."""
     if value is None or isinstance(value, Override):
         return value
     if not isinstance(value, Mapping):
@@ -110,23 +113,32 @@ def parse_override(value: Any) -> Override | None:
     if policy is not None and (not isinstance(policy, str) or not policy.strip()):
         raise ValueError(f"'kvdrop.policy' must be a policy name or spec string, got {policy!r}")
     if ratio is not None:
-        number = isinstance(ratio, (int, float)) and not isinstance(ratio, bool)
-        if not number or not math.isfinite(ratio) or not 0 < ratio <= 1:
-            raise ValueError(f"'kvdrop.keep_ratio' must be a number in (0, 1], got {ratio!r}")
-        ratio = float(ratio)
+        ratio = checked_ratio(ratio, "'kvdrop.keep_ratio'")
     return Override(policy, ratio)
 
 
 @dataclass(frozen=True)
 class PromptCut:
-    """One request's cut: the built policy, its spec and keep ratio."""
+    """One request's cut: the built policy, its spec, its ``budget`` (``keep_ratio``, or the
+    spec's own ``keep_tokens``: :func:`kvdrop.spec.keep_budget`) and the query rows it reads
+    (``capture``, from :meth:`QueryCapture.for_policies`: its policy's needs at the engine's
+    window sizes)."""
 
     spec: str
-    keep_ratio: float
+    budget: KeepBudget
     policy: Policy
+    capture: QueryCapture
+
+    @property
+    def keep_ratio(self) -> float | None:
+        """The fraction kept (None when the spec keeps a token count)."""
+        return self.budget.keep_ratio
 
     def kept_bound(self, num_prompt: int) -> int:
         """Most prompt tokens the cut keeps (the selector floors ``keep_ratio * T``)."""
+        if self.budget.keep_tokens is not None:
+            return min(num_prompt, self.budget.keep_tokens)
+        assert self.keep_ratio is not None
         return min(num_prompt, max(1, math.ceil(self.keep_ratio * num_prompt)))
 
     def peak_tokens(self, num_prompt: int, max_tokens: int) -> int:
@@ -137,22 +149,26 @@ class PromptCut:
 
 @dataclass(frozen=True)
 class CutResult:
-    """What one cut did: prompt tokens before and after, and its wall time."""
+    """What one cut did: prompt tokens before and after, its wall time and the kept indices."""
 
     num_prompt: int
     num_kept: int
     seconds: float
+    index: torch.Tensor | None = None
 
 
 class PromptDropper:
     """The engine's drop policies: the ``--policy`` default and per-request overrides.
 
-    ``spec`` is a registered name or spec string (plugins included), built with ``keep_ratio``
-    and the paged cache's lack of a chunk constraint (``chunk_size=1`` where the policy takes
-    one), and checked once on a random prompt of the model's layout (:meth:`check`), so a policy
+    ``spec`` is a registered name or spec string (plugins included), built with the budget
+    :func:`kvdrop.spec.keep_budget` decides (the spec's own ``keep_ratio`` over ``keep_ratio``'s
+    default of 0.5; ``keep_ratio`` given beside a different one of the spec is an error) and
+    the paged cache's lack of a chunk constraint (``chunk_size=1`` where the policy takes one),
+    and checked once on a random prompt of the model's layout (:meth:`check`), so a policy
     that cannot run on the model fails at start, or a request's override with a clear
     ``InvalidRequestError`` before its prefill. ``spec=None`` serves without a default cut;
-    requests may still ask for one.
+    requests may still ask for one. ``query_window`` / ``query_stride`` size the query rows a
+    window-reading policy gets (``--query-window`` / ``--query-stride``).
     """
 
     def __init__(
@@ -160,18 +176,25 @@ class PromptDropper:
         config: ModelConfig,
         spec: str | None = None,
         *,
-        keep_ratio: float = DEFAULT_KEEP_RATIO,
+        keep_ratio: float | None = None,
         min_prompt_tokens: int = DEFAULT_MIN_PROMPT_TOKENS,
+        query_window: int = DEFAULT_QUERY_WINDOW,
+        query_stride: int = DEFAULT_QUERY_STRIDE,
     ) -> None:
-        if not 0 < keep_ratio <= 1:
-            raise EngineSetupError(f"--keep-ratio must be in (0, 1], got {keep_ratio}")
+        try:
+            if keep_ratio is not None:
+                keep_ratio = checked_ratio(keep_ratio, "--keep-ratio")
+            self.sizes = QueryCapture(QueryNeed.WINDOW, query_window, query_stride)
+        except ValueError as exc:
+            raise EngineSetupError(str(exc)) from None
         if min_prompt_tokens < 1:
             raise EngineSetupError(f"--min-drop-tokens must be >= 1, got {min_prompt_tokens}")
         self.config = config
         self.rope_json = config.rope.to_json()
-        self.keep_ratio = float(keep_ratio)
+        #: The explicit ``--keep-ratio`` (None: the spec's own, else 0.5).
+        self.keep_ratio = keep_ratio
         self.min_prompt_tokens = int(min_prompt_tokens)
-        self._built: dict[tuple[str, float], PromptCut] = {}
+        self._built: dict[tuple[str, float | None, float | None], PromptCut] = {}
         self.default: PromptCut | None = None
         if spec is not None:
             try:
@@ -179,18 +202,25 @@ class PromptDropper:
             except InvalidRequestError as exc:
                 raise EngineSetupError(f"--policy {spec}: {exc}") from None
 
-    def _build(self, spec: str, keep_ratio: float) -> PromptCut:
-        key = (spec, keep_ratio)
+    def _build(
+        self, spec: str, keep_ratio: float | None, default: float | None = None
+    ) -> PromptCut:
+        """The cut of ``spec`` with an explicit ``keep_ratio`` (or None) over ``default``."""
+        key = (spec, keep_ratio, default)
         if key not in self._built:
             from kvdrop.errors import PolicyNotFoundError  # the policy library, on first use
-            from kvdrop.spec import describe, get
+            from kvdrop.spec import describe, get, keep_budget
 
             try:
+                budget = keep_budget(spec, keep_ratio, default=default)
                 names = {p.name for p in describe(spec).params}
-                params: dict[str, Any] = {"keep_ratio": keep_ratio}
+                params: dict[str, Any] = budget.params
                 if "chunk_size" in names:
                     params["chunk_size"] = 1
                 policy = get(spec, **params)
+                capture = QueryCapture.for_policies(
+                    [policy], window=self.sizes.window, stride=self.sizes.stride
+                )
             except (PolicyNotFoundError, ValueError, TypeError) as exc:
                 raise InvalidRequestError(f"policy {spec!r}: {_message(exc)}") from None
             if policy.token_scores:
@@ -198,7 +228,7 @@ class PromptDropper:
                     f"policy {spec!r} reads the engine's reconstruction scores (KVzip), which the "
                     "engine does not compute while serving; pick another policy"
                 )
-            cut = PromptCut(spec, keep_ratio, policy)
+            cut = PromptCut(spec, budget, policy, capture)
             self.check(cut)
             if len(self._built) >= _MAX_BUILT:  # requests choose the keys: keep the cache small
                 self._built.pop(next(iter(self._built)))
@@ -206,8 +236,28 @@ class PromptDropper:
         return self._built[key]
 
     def check(self, cut: PromptCut) -> None:
-        """Run ``cut`` once on a random prompt of the model's layout (:func:`run_on_model`)."""
-        run_on_model(self.config, cut.policy)
+        """Run ``cut`` once on a random prompt of the model's layout, so a policy that cannot
+        run on this model fails at start (``InvalidRequestError``), not on the first request."""
+        cfg = self.config
+        n = _CHECK_TOKENS
+        gen = torch.Generator().manual_seed(0)
+        kv = torch.randn(2, cfg.num_layers, n, cfg.num_kv_heads * cfg.head_dim, generator=gen)
+        tensors = {CacheKind.KV: kv}
+        qpos = None
+        if cut.capture.enabled:
+            rows = n if cut.capture.full else min(n, cut.capture.window)
+            qpos = torch.arange(n - rows, n)
+            dq = cfg.num_heads * cfg.head_dim
+            tensors[CacheKind.QUERY] = torch.randn(1, cfg.num_layers, rows, dq, generator=gen)
+        context = self._context(n, qpos, None, "cpu")
+        tokens = list(range(n))
+        try:
+            _kept(cut, kv, tokens, _chosen(cut, tensors, tokens, context), context)
+        except PolicyFailedError as exc:
+            raise InvalidRequestError(
+                f"cannot run on this model ({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads "
+                f"x {cfg.head_dim}): {_message(exc.__cause__ or exc)}"
+            ) from None
 
     def choose(self, num_prompt: int, override: Any = UNSET) -> PromptCut | None:
         """The cut of a request with ``num_prompt`` tokens: its ``"kvdrop"`` override (left out:
@@ -227,21 +277,10 @@ class PromptDropper:
                     "'kvdrop' gives no policy and the engine has no --policy; send "
                     '{"policy": "snapkv", "keep_ratio": 0.5}'
                 )
-            ratio = self.keep_ratio if parsed.keep_ratio is None else parsed.keep_ratio
-            cut = self._build(spec, ratio)
+            cut = self._build(spec, parsed.keep_ratio, self.keep_ratio)
         if cut is None or num_prompt < self.min_prompt_tokens:
             return None
         return cut
-
-    @staticmethod
-    def window(cut: PromptCut, num_prompt: int) -> WindowCapture | None:
-        """The query rows the engine captures for ``cut`` while the prompt prefills."""
-        need = cut.policy.queries
-        if need is QueryNeed.NONE:
-            return None
-        if need is QueryNeed.FULL:
-            return WindowCapture(num_prompt, num_prompt, 0)
-        return WindowCapture(num_prompt, DEFAULT_QUERY_WINDOW, DEFAULT_QUERY_STRIDE)
 
     def _context(
         self, n: int, qpos: torch.Tensor | None, lse: torch.Tensor | None, device: str
@@ -268,23 +307,24 @@ class PromptDropper:
             tensors: dict[Any, torch.Tensor] = {CacheKind.KV: kv}
             qpos = None
             rows = None if req.window is None else req.window.rows()
-            if cut.policy.queries is not QueryNeed.NONE and rows is not None:
+            if cut.capture.enabled and rows is not None:
                 qpos, queries = rows
                 layers, r = queries.shape[0], queries.shape[1]
                 tensors[CacheKind.QUERY] = queries.reshape(1, layers, r, -1)
             # No log-normalisers: every key a captured row attended to is in ``kv`` (the whole
             # prompt, no uncached tail), so a softmax over the cached keys is the true one.
             context = self._context(n, qpos, None, str(kv.device))
-            kept_kv, kept_tokens = cut.policy(tensors, req.prompt[:n], context=context)
+            tokens = req.prompt[:n]
+            index = _chosen(cut, tensors, tokens, context)
+            kept_kv, kept_tokens = _kept(cut, kv, tokens, index, context)
             k = len(kept_tokens)
             if k < n:
                 cache.load(req.blocks, kept_kv.to(cache.dtype), 0)
         _resize(cache.allocator, req, blocks_needed(k + 1, cache.block_size))
         req.prompt = kept_tokens + req.prompt[n:]
         req.num_computed = k
-        req.window = None  # its rows sit at the old positions
         req.store_upto = 0  # stored (with a connector) before the cut
-        return CutResult(n, k, time.perf_counter() - started)
+        return CutResult(n, k, time.perf_counter() - started, index)
 
 
 def split_override(override: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
@@ -303,9 +343,10 @@ def split_override(override: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
 
 
 def prepare_cut(dropper: PromptDropper | None, req: Request, override: tuple[Any, ...]) -> None:
-    """(at submission) ``req``'s cut and the query rows its policy reads, to be captured during
-    the prefill. ``override`` holds the request's ``"kvdrop"`` value when it sent one; asking for
-    a cut from an engine without a dropper is an ``InvalidRequestError``."""
+    """(at submission) ``req``'s cut (its ``capture`` says which query rows the prefill keeps
+    for it: :func:`kvdrop_engine.plan.window_for`). ``override`` holds the request's
+    ``"kvdrop"`` value when it sent one; asking for a cut from an engine without a dropper is an
+    ``InvalidRequestError``."""
     if dropper is None:
         if override and override[0] is not None:
             raise InvalidRequestError(
@@ -318,39 +359,6 @@ def prepare_cut(dropper: PromptDropper | None, req: Request, override: tuple[Any
         req.kept_prompt = len(req.prompt)  # reported as kept; the cut lowers it
     if req.params.max_tokens == 1:
         req.cut = None  # one token: nothing would decode from the cut cache
-    elif req.cut is not None:
-        req.window = dropper.window(req.cut, len(req.prompt))
-
-
-def run_on_model(config: ModelConfig, policy: Policy) -> None:
-    """Run ``policy`` once on a random prompt of ``config``'s layout, so a policy that cannot run
-    on this model fails at start (``InvalidRequestError``), not on the first request."""
-    cfg = config
-    n = _CHECK_TOKENS
-    gen = torch.Generator().manual_seed(0)
-    kv = torch.randn(2, cfg.num_layers, n, cfg.num_kv_heads * cfg.head_dim, generator=gen)
-    tensors = {CacheKind.KV: kv}
-    qpos = None
-    if policy.queries is not QueryNeed.NONE:
-        rows = n if policy.queries is QueryNeed.FULL else DEFAULT_QUERY_WINDOW
-        qpos = torch.arange(n - rows, n)
-        dq = cfg.num_heads * cfg.head_dim
-        tensors[CacheKind.QUERY] = torch.randn(1, cfg.num_layers, rows, dq, generator=gen)
-    context = EditContext(
-        positions=torch.arange(n),
-        query_positions=qpos,
-        rope=cfg.rope.to_json(),
-        prompt_tokens=n,
-        head_dim=cfg.head_dim,
-        device="cpu",
-    )
-    try:
-        policy(tensors, list(range(n)), context=context)
-    except (ValueError, TypeError, RuntimeError) as exc:
-        raise InvalidRequestError(
-            f"cannot run on this model ({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads "
-            f"x {cfg.head_dim}): {_message(exc)}"
-        ) from None
 
 
 def _resize(allocator: BlockAllocator, req: Request, need: int) -> None:
@@ -361,6 +369,41 @@ def _resize(allocator: BlockAllocator, req: Request, need: int) -> None:
         req.blocks = req.blocks[:need]
     elif need > len(req.blocks):
         req.blocks = req.blocks + allocator.allocate(need - len(req.blocks))
+
+
+def _chosen(
+    cut: PromptCut, tensors: Mapping[Any, torch.Tensor], tokens: list[int], context: EditContext
+) -> torch.Tensor:
+    """The indices ``cut``'s policy keeps of ``tokens``, checked (sorted, unique, in range, at
+    least one) before any block is touched; ``PolicyFailedError`` naming the policy otherwise."""
+    from kvdrop.policy import checked_index
+
+    try:
+        _, index = cut.policy.select_indices(tensors, tokens, context=context)
+        return checked_index(cut.spec, index, len(tokens))
+    except Exception as exc:  # a policy's (or plugin's) failure is this request's alone
+        raise _failed(cut, len(tokens), exc) from exc
+
+
+def _kept(
+    cut: PromptCut,
+    kv: torch.Tensor,
+    tokens: list[int],
+    index: torch.Tensor,
+    context: EditContext,
+) -> tuple[torch.Tensor, list[int]]:
+    """The rows at ``index`` with their keys re-rotated to ``0..k-1`` (the policy's ``keep``)."""
+    try:
+        return cut.policy.keep(kv, tokens, index, context=context)
+    except Exception as exc:
+        raise _failed(cut, len(tokens), exc) from exc
+
+
+def _failed(cut: PromptCut, num_prompt: int, exc: BaseException) -> PolicyFailedError:
+    return PolicyFailedError(
+        f"policy {cut.spec!r} failed on this request's {num_prompt}-token prompt: "
+        f"{type(exc).__name__}: {_message(exc)}"
+    )
 
 
 def _message(exc: BaseException) -> str:

@@ -24,13 +24,14 @@ import torch
 from torch import Tensor, nn
 
 from kvdrop_engine.connectors.base import KVConnector
-from kvdrop_engine.decode_cut import DecodeCompressor, KVSwap, prepare_decode
+from kvdrop_engine.decode_cut import DecodeCompressor, KVSwap, decode_capture, prepare_decode
 from kvdrop_engine.draw import draw_tokens
 from kvdrop_engine.drop import PromptDropper, prepare_cut, split_override
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.penalties import edit_logits
+from kvdrop_engine.plan import store_capture, window_after_cut, window_for
 from kvdrop_engine.reconstruct import ReconstructionPrompt
 from kvdrop_engine.runner import Forward, ModelRunner, WindowRecord
 from kvdrop_engine.sampling import (
@@ -51,6 +52,7 @@ from kvdrop_engine.stats import EngineStats
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
 from kvdrop_engine.transfer import ScoresJob, StoreJob, Transfers, WindowJob, check_seconds
 from kvdrop_sdk.events import TokenEvent
+from kvdrop_sdk.query_capture import QueryCapture
 from kvdrop_sdk.validate import positive_int
 
 __all__ = ["DEFAULT_BUDGET_TOKENS", "Engine", "EngineStats", "StepPlan", "plan_step"]
@@ -159,6 +161,12 @@ class Engine:
         self._cv = threading.Condition()
         self.connector = connector
         self._transfers = None if connector is None else self._bind(connector)
+        #: The query window the connector stores per request (None: none), once it is bound.
+        self._store = None
+        if connector is not None:
+            self._store = store_capture(
+                connector.queries, connector.stores_windows, connector.transfer_query
+            )
         load_lock = threading.Lock() if self._transfers is None else self._transfers.load_lock
         self._sched = Scheduler(
             self.cache.allocator,
@@ -291,6 +299,12 @@ class Engine:
         prompt_override, decode_override = split_override(override)
         prepare_cut(self.dropper, req, prompt_override)
         prepare_decode(self.compressor, req, decode_override)
+        req.window = window_for(
+            len(req.prompt),
+            None if req.cut is None else req.cut.capture,
+            self._stored_window(req),
+            decode_capture(req),
+        )
         if req.params.reconstruct and (self.reconstruction is None or self._transfers is None):
             raise InvalidRequestError(
                 "reconstruct=true needs an engine built with reconstruction=ReconstructionPrompt"
@@ -543,15 +557,19 @@ class Engine:
         first event reports the kept prompt tokens."""
         assert self.dropper is not None
         done = self.dropper.cut(self.cache, req, req.cut)
+        req.window = window_after_cut(done.num_kept, self._stored_window(req), decode_capture(req))
         req.kept_prompt = done.num_kept
-        if self.compressor is not None:
-            self.compressor.restart_window(req)  # the prompt's rows moved
         with self._cv:
             st = self._stats
             st.prompt_cuts += 1
             st.prompt_tokens_kept += done.num_kept
             st.prompt_tokens_dropped += done.num_prompt - done.num_kept
             st.cut_seconds += done.seconds
+
+    def _stored_window(self, req: Request) -> QueryCapture | None:
+        """The query window the connector stores for ``req`` when it ends (None for a request
+        cut while decoding: its cache no longer matches its tokens)."""
+        return None if req.decode_cut is not None else self._store
 
     def _decode_cut(self, stepped: Sequence[Request]) -> None:
         """(after a step) Cut every request of ``stepped`` whose cache passed its decode budget,

@@ -70,7 +70,7 @@ from kvdrop_sdk.http_limits import (
     log_field,
 )
 
-__all__ = ["ROUTES", "CompletionHTTPServer", "ScorePrompt"]
+__all__ = ["ROUTES", "CompletionHTTPServer", "ScorePrompt", "check_api_key"]
 
 #: ``(prompt, top, cache_salt) -> scores``: the log-probability, rank and ``top`` alternatives of
 #: each prompt token after the first (``prompt_logprobs``; the CLI builds it from the model).
@@ -106,6 +106,26 @@ class _Server(LimitedHTTPServer):
             logger.info("client %s disconnected (%s)", client, exc.strerror or exc)
         else:
             logger.exception("request from %s failed", client)
+
+
+def check_api_key(key: object, what: str = "api_key") -> str:
+    """``key`` if it can be sent as ``Authorization: Bearer KEY``: a non-empty string of
+    printable ASCII without surrounding whitespace. A key read with its newline (``$(cat
+    file)`` keeps none, ``KEY="k\n"`` does) would otherwise start a server that refuses every
+    client; ``ValueError`` names ``what`` and the problem."""
+    if not isinstance(key, str) or not key.strip():
+        raise ValueError(f"{what} must not be empty (leave it out to serve without a key)")
+    if key != key.strip():
+        raise ValueError(
+            f"{what} has leading or trailing whitespace (a newline from a file or an echo?); "
+            "clients cannot send it in an Authorization header: strip it"
+        )
+    bad = next((c for c in key if not (c.isascii() and c.isprintable())), None)
+    if bad is not None:
+        raise ValueError(
+            f"{what} holds {bad!r}; expected printable ASCII (what an Authorization header carries)"
+        )
+    return key
 
 
 class CompletionHTTPServer:
@@ -176,9 +196,7 @@ class CompletionHTTPServer:
         self.gauges = gauges
         self.metrics = ServerMetrics(model_name, gauges)
         self.score_prompt = score_prompt
-        if api_key is not None and not api_key:
-            raise ValueError("api_key must be a non-empty string (or None: no key)")
-        self.api_key = api_key
+        self.api_key = None if api_key is None else check_api_key(api_key)
         self.settings = Settings(
             model_name=model_name,
             tokenizer=tokenizer,
@@ -346,6 +364,8 @@ class _Handler(LimitedHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:  # say so, or a keep-alive client sends its next one into it
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 

@@ -140,7 +140,9 @@ BOUNDS: dict[str, Bound] = {
     "min_p": Bound("number", 0, 1),
     "presence_penalty": Bound("number", -2, 2),
     "frequency_penalty": Bound("number", -2, 2),
-    "repetition_penalty": Bound("number", 0, low_open=True),
+    # Logits are divided or multiplied by it in float32: 1e-300 is 0 there (inf logits, NaN
+    # probabilities); HF and vLLM users pick values near 1.
+    "repetition_penalty": Bound("number", 0.01, 100),
     "logit_bias": Bound("bias"),
     "seed": Bound("int", -(2**63), 2**64 - 1, optional=True),
     "ignore_eos": Bound("bool"),

@@ -2,7 +2,8 @@
 
 On admission :func:`plan_prefix` decides what a request loads from the cache server and what it
 stores after prefill (:func:`plan_recompute` when the server cannot be asked), for the engine's
-query capture; :func:`follow` applies that decision to the request.
+query capture; :func:`follow` applies that decision to the request. (Which query rows a request
+keeps was decided at submission: :mod:`kvdrop_engine.plan`.)
 
 Admission takes the blocks of a request's prompt; each decode step grows it by the block its
 next token needs (:meth:`Scheduler.grow`), and when the budget runs out the newest running
@@ -26,7 +27,6 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from kvdrop_engine.capture import WindowCapture
 from kvdrop_engine.connectors.base import KVConnector
 from kvdrop_engine.errors import EngineError, RequestTooLargeError
 from kvdrop_engine.paged import BlockAllocator, SeqStep, blocks_needed
@@ -74,14 +74,13 @@ class PrefixPlan:
     """What admission does with a prompt: copy ``kv`` (its first ``num_loaded`` tokens, or None)
     into the request's blocks; after prefill store the first ``store_upto`` prompt tokens (0 =
     nothing new to store), with chunk queries captured from token ``query_offset`` on when
-    ``capture_queries`` (full mode); keep a query window when ``capture_window``."""
+    ``capture_queries`` (full mode)."""
 
     kv: Tensor | None
     num_loaded: int
     store_upto: int = 0
     capture_queries: bool = False
     query_offset: int = 0
-    capture_window: bool = False
 
 
 def plan_prefix(
@@ -98,14 +97,13 @@ def plan_prefix(
     n = min(cached, len(prompt) - 1)
     loaded = kv[:, :, :n] if kv is not None and n > 0 else None
     aligned = len(prompt) // conn.chunk_size * conn.chunk_size
-    window, full = _query_modes(conn, capture)
     if aligned <= cached:
-        return PrefixPlan(loaded, n, capture_window=window)
+        return PrefixPlan(loaded, n)
     # Chunk queries (full mode) are captured for the computed tokens; a loaded prefix (shared
     # with an earlier prompt) must have its queries cached too, or the query cache would hold a
     # hole. After a modify the kept tokens have none: their prompt stores KV only.
-    if not conn.transfer_query or not full:
-        return PrefixPlan(loaded, n, store_upto=aligned, capture_window=window)
+    if not conn.transfer_query or not capture.full:
+        return PrefixPlan(loaded, n, store_upto=aligned)
     try:
         q_cached = conn.lookup_queries(prompt, cache_salt) if n else 0
     except Exception as exc:
@@ -117,7 +115,6 @@ def plan_prefix(
         store_upto=aligned,
         capture_queries=capture,
         query_offset=n,
-        capture_window=window,
     )
 
 
@@ -125,36 +122,23 @@ def plan_recompute(conn: KVConnector, capture: QueryCapture, prompt: list[int]) 
     """Admission's plan when the server cannot be asked (down, slow, failing): compute the whole
     prompt, then store its whole chunks (with queries when the connector stores them)."""
     aligned = len(prompt) // conn.chunk_size * conn.chunk_size
-    window, full = _query_modes(conn, capture)
     return PrefixPlan(
         None,
         0,
         store_upto=aligned,
-        capture_queries=bool(conn.transfer_query) and full and aligned > 0,
-        capture_window=window,
+        capture_queries=bool(conn.transfer_query) and capture.full and aligned > 0,
     )
 
 
-def _query_modes(conn: KVConnector, capture: QueryCapture) -> tuple[bool, bool]:
-    """(keep a query window, store every prompt query in chunks) for ``capture`` on ``conn``."""
-    # Windows need a connector that can store them (kvdrop's); others (an LMCache server's) are
-    # built for the full queries in chunks, the upstream layout.
-    window = conn.transfer_query and conn.stores_windows and capture.enabled
-    return window, capture.full
-
-
-def follow(req: Request, plan: PrefixPlan, capture: QueryCapture | None) -> None:
+def follow(req: Request, plan: PrefixPlan) -> None:
     """Make ``req`` take admission's decision: ``plan.num_loaded`` tokens are in its blocks
-    already; it keeps a query window of ``capture``'s sizes when the plan says so. A scoring
-    request only loads: it stores and captures nothing."""
+    already. A scoring request only loads: it stores and captures nothing."""
     req.num_computed = plan.num_loaded
     if req.scoring:
         return
     req.store_upto = plan.store_upto
     req.capture_queries = plan.capture_queries
     req.query_offset = plan.query_offset
-    if plan.capture_window and capture is not None:
-        req.window = WindowCapture(len(req.prompt), capture.window, capture.stride)
 
 
 def decoded_store_upto(req: Request, chunk_size: int, store_decoded: bool) -> int:

@@ -344,13 +344,13 @@ class Transfers:
                 self.io_failed("load failed:", f"{type(exc).__name__}: {exc}", exc)
                 self.recompute(req)
                 continue
-            follow(req, plan, self.capture)
+            follow(req, plan)
             with self._counters() as st:
                 st.tokens_loaded += plan.num_loaded
 
     def recompute(self, req: Request) -> None:
         """The request computes its whole prompt (the server could not be asked)."""
-        follow(req, plan_recompute(self.connector, self.capture, req.prompt), self.capture)
+        follow(req, plan_recompute(self.connector, self.capture, req.prompt))
         with self._counters() as st:
             st.connector_fallbacks += 1
 

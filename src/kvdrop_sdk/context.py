@@ -37,7 +37,7 @@ from kvdrop_sdk.layout import CacheLayout, dtype_name
 from kvdrop_sdk.protocol import RpcClient, RpcError, check_salt, server_hint
 from kvdrop_sdk.query_capture import UPSTREAM_CAPTURE, QueryCapture
 from kvdrop_sdk.transport.contiguous import MODES, ContiguousTransferWrapper
-from kvdrop_sdk.validate import is_number, tensor_problem
+from kvdrop_sdk.validate import edit_device, is_number, tensor_problem
 
 __all__ = ["Context", "ModifyFnType", "connect"]
 
@@ -302,7 +302,7 @@ class Context(StreamContext, CheapLookup, StoresRecords, TransfersToDevice):
         if whole == 0:
             return None
         fields = self._fields(cache_salt)
-        where = None if device is None else torch.device(device)
+        where = edit_device(device)
         return self._retry(
             lambda: self.transfer_ctx.retrieve(
                 fields, raw[:whole], layout, self.kind, self._lease_s, where

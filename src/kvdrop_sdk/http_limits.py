@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
 
+from kvdrop_sdk.validate import json_surrogate
+
 __all__ = [
     "HTTPLimitError",
     "HTTPLimits",
@@ -133,7 +135,8 @@ def json_cost(raw: bytes, limits: HTTPLimits) -> tuple[int, int, int]:
 
 def loads_bounded(raw: bytes, limits: HTTPLimits) -> Any:
     """Parse a JSON body within ``limits``; ``HTTPLimitError`` (413 for too many containers or
-    values, 400 for too deep or not JSON) names what was over and the limit."""
+    values, 400 for too deep, not JSON, or text with a lone UTF-16 surrogate) names what was
+    over and the limit."""
     containers, values, depth = json_cost(raw, limits)
     if containers > limits.max_json_containers:
         raise HTTPLimitError(
@@ -151,11 +154,15 @@ def loads_bounded(raw: bytes, limits: HTTPLimits) -> Any:
             400, f"the JSON body is nested over {limits.max_json_depth} levels deep"
         )
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except RecursionError:
         raise HTTPLimitError(400, "the JSON body is nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit
         raise HTTPLimitError(400, f"the request body is not valid JSON: {exc}") from None
+    problem = json_surrogate(raw, value)
+    if problem is not None:  # e.g. "\ud800": no store, hash or tokenizer could encode it
+        raise HTTPLimitError(400, problem)
+    return value
 
 
 # -- logs -----------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from kvdrop_sdk.validate import check_fields
 
 __all__ = [
     "CAPTURE_CHOICES",
+    "CAPTURE_FLAG_CHOICES",
     "DEFAULT_QUERY_STRIDE",
     "DEFAULT_QUERY_WINDOW",
     "UPSTREAM_CAPTURE",
@@ -42,9 +43,12 @@ __all__ = [
 DEFAULT_QUERY_WINDOW = 64
 #: Default S of the strided sample (H2O's queries): ``T / 64`` rows over a ``T``-token sequence.
 DEFAULT_QUERY_STRIDE = 64
-#: What a user may ask of :meth:`QueryCapture.for_policies` (``--query-capture``): ``auto`` and
-#: ``window`` are the least capture that serves the policies; ``full`` stores every query.
+#: What a user may ask of :meth:`QueryCapture.for_policies`: ``auto`` and ``window`` are the
+#: least capture that serves the policies; ``full`` stores every query. The one list of capture
+#: modes: ``--query-capture`` offers the named ones (:data:`CAPTURE_FLAG_CHOICES`).
 CAPTURE_CHOICES = ("auto", "window", "full")
+#: ``--query-capture``'s choices (``auto`` is the default of the Python API only).
+CAPTURE_FLAG_CHOICES = tuple(m for m in CAPTURE_CHOICES if m != "auto")
 
 
 class QueryNeed(str, enum.Enum):

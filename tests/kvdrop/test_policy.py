@@ -83,16 +83,22 @@ def test_a_scorer_that_asks_gets_the_selection_of_its_own_budget() -> None:
     assert SEEN[-1].budget == 16, "a composition part sees its share"
 
 
-def test_nan_scores_are_an_input_error_naming_the_policy() -> None:
+@pytest.mark.parametrize("name", ["knorm", "lagkv"])
+@pytest.mark.parametrize("where", [(0, 0, 5, 0), (1, 0, 20, 3)])
+def test_nan_kv_is_an_input_error_naming_the_policy(
+    name: str, where: tuple[int, int, int, int]
+) -> None:
+    """NaN keys and values are refused before scoring, like NaN scores (``lagkv`` ranked a NaN
+    key as an ordinary token and dropped it silently)."""
     kv = torch.randn(2, 1, 32, 8)
-    kv[0, 0, 5, 0] = float("nan")
+    kv[where] = float("nan")
     with pytest.raises(
         kvdrop.PolicyInputError,
-        match=r"knorm: 1 non-finite value\(s\) \(NaN or inf\) in its scores",
+        match=rf"{name}: 1 non-finite value\(s\) \(NaN or inf\) in its cached KV",
     ):
-        kvdrop.get("knorm", keep_tokens=8, chunk_size=8)({CacheKind.KV: kv}, list(range(32)))
+        kvdrop.get(name, keep_tokens=8, chunk_size=8)({CacheKind.KV: kv}, list(range(32)))
     # Within budget nothing is scored, so nothing is wrong.
-    kvdrop.get("knorm", keep_tokens=32, chunk_size=8)({CacheKind.KV: kv}, list(range(32)))
+    kvdrop.get(name, keep_tokens=32, chunk_size=8)({CacheKind.KV: kv}, list(range(32)))
 
 
 @dataclass

@@ -153,6 +153,36 @@ def test_overrides_and_threshold(model: Transformer) -> None:
         assert kept(engine, {"kvdrop": {"policy": "streaming", "keep_ratio": 0.5}}) == 100
 
 
+def test_a_spec_keep_ratio_is_the_engines_one_rule(model: Transformer) -> None:
+    """``--policy 'knorm(keep_ratio=0.3)'`` keeps 0.3 (not the 0.5 default); an explicit
+    different ``--keep-ratio`` beside it fails at start; a request's different keep_ratio
+    beside a spec's own is refused, while the engine's ratio is only the requests' default."""
+    dropper = PromptDropper(model.config, "knorm(keep_ratio=0.3)")
+    assert dropper.default is not None and str(dropper.default.budget) == "0.3 (the spec's)"
+    with pytest.raises(EngineSetupError, match=r"sets keep_ratio=0\.3 and keep_ratio 0\.5"):
+        PromptDropper(model.config, "knorm(keep_ratio=0.3)", keep_ratio=0.5)
+    assert PromptDropper(model.config, "knorm(keep_ratio=0.3)", keep_ratio=0.3).default
+    params = {"max_tokens": 2, **GREEDY}
+    engine = Engine(
+        model, num_blocks=64, dropper=PromptDropper(model.config, "knorm", keep_ratio=0.5)
+    )
+    with engine:
+        first = next(iter(engine.post_completion(prompt_of(200), params)))
+        assert first.kept_prompt_tokens == 100
+        ask = {"policy": "knorm(keep_ratio=0.25)"}  # the engine's 0.5 is only a default
+        first = next(iter(engine.post_completion(prompt_of(200), {**params, "kvdrop": ask})))
+        assert first.kept_prompt_tokens == 50
+        with pytest.raises(
+            InvalidRequestError, match=r"sets keep_ratio=0\.25 and keep_ratio 0\.75"
+        ):
+            engine.post_completion(
+                prompt_of(200), {**params, "kvdrop": {**ask, "keep_ratio": 0.75}}
+            )
+    with Engine(model, num_blocks=64, dropper=dropper) as engine:
+        first = next(iter(engine.post_completion(prompt_of(200), params)))
+    assert first.kept_prompt_tokens == 60
+
+
 @pytest.mark.parametrize(
     ("value", "fragment"),
     [

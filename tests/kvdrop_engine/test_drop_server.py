@@ -166,7 +166,10 @@ def _label(text: str) -> str:
     [
         (["--policy", "no-such-policy"], "--policy no-such-policy: policy 'no-such-policy'"),
         (["--policy", "kvzip"], "--policy kvzip: policy 'kvzip' reads the engine's reconstruction"),
-        (["--keep-ratio", "0"], "--keep-ratio must be in (0, 1], got 0.0"),
+        (
+            ["--policy", "snapkv(keep_ratio=0.3)", "--keep-ratio", "0.5"],
+            "sets keep_ratio=0.3 and keep_ratio 0.5 was given beside it",
+        ),
         (["--min-drop-tokens", "0"], "--min-drop-tokens must be a positive integer"),
     ],
 )
@@ -176,6 +179,14 @@ def test_engine_cli_refuses_bad_drop_flags(
     assert main(["engine", "--random-preset", "tiny", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("kvdrop engine: error: ") and fragment in err, err
+
+
+def test_engine_cli_refuses_a_keep_ratio_out_of_range(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["engine", "--random-preset", "tiny", "--keep-ratio", "0"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --keep-ratio: expected a number in (0, 1], got '0'" in err, err
 
 
 PASSKEY = (

@@ -173,6 +173,13 @@ class HostRegistration:
         if mode == "off":
             return "off (KVDROP_CUDA_HOST_REGISTER=off)"
         if not torch.cuda.is_available():
+            if "KVDROP_CUDA_HOST_REGISTER" in os.environ:  # asked for: say why not, once
+                log.warning(
+                    "KVDROP_CUDA_HOST_REGISTER=%s, but CUDA is not available: the server's "
+                    "shared memory is not page-locked for this mapping; transfers take the host "
+                    "path",
+                    os.environ["KVDROP_CUDA_HOST_REGISTER"],
+                )
             return "CUDA is not available"
         try:
             self._runtime = TorchRuntime(fail=mode == "fail")

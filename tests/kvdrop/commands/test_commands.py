@@ -24,12 +24,18 @@ def test_server_bad_port_says_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--port" in line and "65535" in line
 
 
+@pytest.mark.parametrize("value", ["inf", "nan", "-0.5", "1.5", "half"])
+def test_keep_ratio_flags_must_be_in_range(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--keep-ratio", value])
+    assert exc.value.code == 2
+    line = _one_error(capsys.readouterr().err, "kvdrop demo: error:")
+    assert "--keep-ratio: expected a number in (0, 1]" in line and value in line
+
+
 @pytest.mark.parametrize(
     "argv",
     [
-        ["demo", "--keep-ratio", "inf"],
-        ["demo", "--keep-ratio", "nan"],
-        ["demo", "--keep-ratio", "-0.5"],
         ["eval", "--keep-ratios", "0.5", "inf"],
         ["eval", "--keep-ratios", "nan"],
     ],

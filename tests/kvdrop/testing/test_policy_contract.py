@@ -103,3 +103,27 @@ def test_the_explicit_examples_cover_every_parameter_value_and_the_budget_extrem
     assert any(c.params.get("keep_tokens") == 1 for c in cases)
     assert any(c.params.get("keep_ratio") == 0.01 for c in cases)
     assert any(c.params.get("chunk_size", 0) > c.kv.shape[2] for c in cases)
+
+
+@dataclass(frozen=True)
+class FailsOnShortPrompts(Scorer):
+    """Indexes the fifth token: fine on the 48-token examples, an IndexError on 2-4 tokens (as
+    ``cap`` did with its four sinks)."""
+
+    def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
+        norms = kv[0].float().norm(dim=-1).mean(0)
+        return norms - norms[4]
+
+
+def test_a_policy_that_fails_on_short_prompts_fails_the_kit() -> None:
+    factory = ScorerFactory("short-bug", FailsOnShortPrompts, "planted bug")
+    with pytest.raises(AssertionError, match=r"on T=2,.*raised IndexError"):
+        check_policy(factory)
+    lengths = {c.kv.shape[2] for c in explicit_cases(factory)}
+    assert set(range(1, 9)) <= lengths
+
+
+def test_cap_runs_on_prompts_of_sinks_only() -> None:
+    """``cap`` (four sinks) raised IndexError on 2-4-token prompts in the engine and in
+    ``KVDropPress``; the kit passed it. The kit now tries 1-8 tokens and ``cap`` passes it."""
+    check_policy("cap", max_examples=5)
