@@ -68,6 +68,9 @@ class Request:
     #: once it ran, the prompt tokens it kept (the first event reports them).
     cut: Any = None
     kept_prompt: int | None = None
+    #: The structured output's grammar matcher (``xgrammar.GrammarMatcher``; None: free text):
+    #: it masks the request's logits each step and is fed each token (:mod:`structured`).
+    guide: Any = None
     #: A scoring request (teacher-forced log-probs, no sampling) keeps the log-softmax rows of
     #: positions ``score_from..`` of its prompt; -1 for a request that generates.
     score_from: int = -1
