@@ -83,10 +83,20 @@ UNSET: Any = _Unset()
 
 @dataclass(frozen=True)
 class Override:
-    """A request's ``"kvdrop"`` field: ``policy`` and ``keep_ratio`` (None: the engine's)."""
+    """A request's ``"kvdrop"`` field: ``policy`` and ``keep_ratio`` of its prompt cut (None:
+    the engine's), and ``decode``, its cut while decoding (``UNSET``: not sent; None: none; a
+    :class:`~kvdrop_engine.decode_cut.DecodeOverride`). ``prompt`` says whether it spoke of the
+    prompt cut at all (a value with only ``"decode"`` leaves the engine's default in place)."""
 
     policy: str | None = None
     keep_ratio: float | None = None
+    decode: Any = UNSET
+    prompt: bool = True
+
+    @property
+    def prompt_cut(self) -> Override | Any:
+        """The prompt cut's part (``UNSET`` when the field gave only ``"decode"``)."""
+        return self if self.prompt else UNSET
 
 
 def parse_override(value: Any) -> Override | None:
@@ -99,15 +109,22 @@ def parse_override(value: Any) -> Override | None:
             "'kvdrop' must be null (no dropping) or an object like "
             f'{{"policy": "snapkv", "keep_ratio": 0.5}}, got {type(value).__name__}'
         )
-    unknown = sorted(set(value) - {"policy", "keep_ratio"})
+    unknown = sorted(set(value) - {"policy", "keep_ratio", "decode"})
     if unknown:
-        raise ValueError(f"'kvdrop' has unknown key(s) {unknown}; expected policy, keep_ratio")
+        raise ValueError(
+            f"'kvdrop' has unknown key(s) {unknown}; expected policy, keep_ratio, decode"
+        )
+    decode: Any = UNSET
+    if "decode" in value:  # the cut while decoding: its own validator
+        from kvdrop_engine.decode_cut import parse_decode
+
+        decode = parse_decode(value["decode"])
     policy, ratio = value.get("policy"), value.get("keep_ratio")
     if policy is not None and (not isinstance(policy, str) or not policy.strip()):
         raise ValueError(f"'kvdrop.policy' must be a policy name or spec string, got {policy!r}")
     if ratio is not None:
         ratio = checked_ratio(ratio, "'kvdrop.keep_ratio'")
-    return Override(policy, ratio)
+    return Override(policy, ratio, decode, prompt=set(value) != {"decode"})
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,17 @@ class RequestOptions:
             )
 
     @property
+    def prompt_cut(self) -> Override | Any | None:
+        """The prompt cut's override (``UNSET``: none sent, or only a decode cut; None: off)."""
+        return self.cut.prompt_cut if isinstance(self.cut, Override) else self.cut
+
+    @property
+    def decode_cut(self) -> Any:
+        """The cut while decoding's override (``UNSET``: none sent; None: off, as ``"kvdrop":
+        null`` turns both off; else a ``DecodeOverride``)."""
+        return self.cut.decode if isinstance(self.cut, Override) else self.cut
+
+    @property
     def asks_cut(self) -> bool:
         """Whether the request asks for a cut of its own (an override that is not None)."""
         return self.cut is not UNSET and self.cut is not None
