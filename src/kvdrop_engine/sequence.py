@@ -68,6 +68,15 @@ class Request:
     #: once it ran, the prompt tokens it kept (the first event reports them).
     cut: Any = None
     kept_prompt: int | None = None
+    #: The cut while its policy runs off the loop (a ``kvdrop_engine.drop.PendingCut``: the
+    #: request is not stepped meanwhile), and once applied the prompt before it and the kept
+    #: indices (a preempted cut request recomputes the whole prompt and keeps the same rows).
+    cutting: Any = None
+    uncut_prompt: list[int] | None = None
+    kept_index: Tensor | None = None
+    #: Preempted after its cut: it prefills ``uncut_prompt`` again, keeps ``kept_index`` of
+    #: it (no policy call), then recomputes its generated tokens after the kept rows.
+    recut: bool = False
     #: A scoring request (teacher-forced log-probs, no sampling) keeps the log-softmax rows of
     #: positions ``score_from..`` of its prompt; -1 for a request that generates.
     score_from: int = -1
@@ -95,6 +104,14 @@ class Request:
         return len(self.prompt) + self.params.max_tokens - 1
 
     @property
+    def recut_tokens(self) -> int:
+        """KV tokens a preempted cut request holds once its prompt is cut again: the kept rows
+        and its generated tokens but the last (what its recompute needs at most, beside the
+        whole prompt)."""
+        assert self.kept_index is not None
+        return int(self.kept_index.numel()) + max(0, len(self.output) - 1)
+
+    @property
     def prefilling(self) -> bool:
         """Whether prompt tokens (or, after a preemption, generated ones) are to be computed."""
         return self.num_computed < len(self.prompt) + max(0, len(self.output) - 1)
@@ -104,6 +121,13 @@ class Request:
         its query capture restarted so that it keeps the same rows (vLLM's recompute)."""
         self.num_computed, self.preempted = 0, True
         self.query_parts, self.query_offset, self.score_parts = [], 0, []
+        if self.kept_index is not None and self.uncut_prompt is not None:
+            # Cut already: the kept rows need the whole prompt's context, so the prompt is
+            # prefilled whole and the same rows kept again (``Engine._recut``), not prefilled
+            # as the kept tokens alone (another cache: another answer).
+            self.prompt, self.recut, self.window = self.uncut_prompt, True, None
+            self.capture_queries = False  # the prompt's chunk queries were stored already
+            return
         if self.output:
             self.capture_queries = False  # the prompt's chunk queries were stored already
         if self.window is not None:
