@@ -48,6 +48,7 @@ from kvdrop_engine.scheduler import (
 )
 from kvdrop_engine.sequence import Request, TokenStream, new_request, scored_rows
 from kvdrop_engine.stats import EngineStats
+from kvdrop_engine.structured import Grammars, accept, guide_of, mask_logits
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
 from kvdrop_engine.transfer import ScoresJob, StoreJob, Transfers, WindowJob, check_seconds
 from kvdrop_sdk.events import TokenEvent
@@ -166,6 +167,7 @@ class Engine:
         )
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._grammars: Grammars | None = None  # structured outputs, on the first guided request
 
     def _bind(self, connector: KVConnector) -> Transfers:
         """Bind ``connector`` to the model and build the server I/O over it."""
@@ -273,9 +275,14 @@ class Engine:
         """
         detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
         override: tuple[Any, ...] = ()  # the request's "kvdrop" key, when it sent one
-        if isinstance(sampling_params, Mapping) and "kvdrop" in sampling_params:
+        guide = None  # its "structured_outputs" key, when it sent one
+        if isinstance(sampling_params, Mapping) and (
+            "kvdrop" in sampling_params or "structured_outputs" in sampling_params
+        ):
             sampling_params = dict(sampling_params)
-            override = (sampling_params.pop("kvdrop"),)
+            if "kvdrop" in sampling_params:
+                override = (sampling_params.pop("kvdrop"),)
+            guide = sampling_params.pop("structured_outputs", None)
         req = new_request(
             next(self._ids),
             prompt_token_ids,
@@ -288,6 +295,8 @@ class Engine:
         req.window = window_for(
             len(req.prompt), None if req.cut is None else req.cut.capture, self._store
         )
+        if guide is not None:
+            req.guide = self._matcher(guide, req)
         if req.params.reconstruct and (self.reconstruction is None or self._transfers is None):
             raise InvalidRequestError(
                 "reconstruct=true needs an engine built with reconstruction=ReconstructionPrompt"
@@ -298,6 +307,23 @@ class Engine:
         return TokenStream(req, self._wake, None if transfers is None else transfers.await_stores)
 
     __call__ = post_completion
+
+    def _matcher(self, guide: Any, req: Request) -> Any:
+        """A structured output's matcher, compiled on the caller's thread (the grammars of this
+        engine's tokenizer are built on the first guided request): :mod:`structured`."""
+        if self.tokenizer is None or not hasattr(self.tokenizer, "backend"):
+            raise InvalidRequestError("structured outputs need an engine with a tokenizer")
+        if req.params.ignore_eos:
+            raise InvalidRequestError(
+                "structured outputs end at the end-of-sequence token; leave 'ignore_eos' out"
+            )
+        with self._cv:
+            if self._grammars is None:
+                self._grammars = Grammars(
+                    self.tokenizer, self.config.vocab_size, self.eos_token_ids
+                )
+            grammars = self._grammars
+        return grammars.matcher(guide_of(guide))
 
     def post_scoring(
         self, token_ids: Sequence[int], score_from: int, cache_salt: str = ""
@@ -410,6 +436,9 @@ class Engine:
             out = self.runner.forward(plan)
             hist = [(r.params, r.prompt, r.output) for r in plan.sampled]
             edited = edit_logits(out.logits, hist, self.eos_token_ids)
+            guided = [(i, r.guide) for i, r in enumerate(plan.sampled) if r.guide is not None]
+            if guided and self._grammars is not None:  # structured outputs: one batched mask
+                edited = mask_logits(edited, guided, self._grammars)
             same = edited is out.logits  # nothing to edit: the graph's argmax stands
             picked = pick_tokens(edited, out.greedy if same else None, raw=out.logits)
         except Exception as exc:
@@ -426,6 +455,7 @@ class Engine:
                 self._recut(req)
         self._count(plan, out, started)
         sampled = self._sample(plan, out, picked, edited)
+        self._feed_guides(plan, sampled)
         with self._cv:
             ended = self._sched.postprocess(plan, {rid: tok for rid, (tok, _) in sampled.items()})
         shipping = time.perf_counter()  # window_seconds is a part of ship_seconds
@@ -435,6 +465,18 @@ class Engine:
             self._ship(req, tok, lp, reason, windows)
         with self._cv:
             self._stats.ship_seconds += time.perf_counter() - shipping
+
+    def _feed_guides(
+        self, plan: StepPlan, sampled: dict[int, tuple[int, TokenLogprobs | None]]
+    ) -> None:
+        """Each guided request's sampled token into its matcher (a failure is its own)."""
+        for req in plan.sampled:
+            if req.guide is not None and req.rid in sampled:
+                try:
+                    accept(req.guide, sampled[req.rid][0])
+                except Exception as exc:
+                    sampled.pop(req.rid)
+                    self._fail(req, exc)
 
     def _advance(self, plan: StepPlan, out: Forward) -> None:
         """Each request's computed tokens, captured query rows and scored rows of this step."""

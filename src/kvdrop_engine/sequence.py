@@ -77,6 +77,9 @@ class Request:
     #: Preempted after its cut: it prefills ``uncut_prompt`` again, keeps ``kept_index`` of
     #: it (no policy call), then recomputes its generated tokens after the kept rows.
     recut: bool = False
+    #: The structured output's grammar matcher (``xgrammar.GrammarMatcher``; None: free text):
+    #: it masks the request's logits each step and is fed each token (:mod:`structured`).
+    guide: Any = None
     #: A scoring request (teacher-forced log-probs, no sampling) keeps the log-softmax rows of
     #: positions ``score_from..`` of its prompt; -1 for a request that generates.
     score_from: int = -1

@@ -98,3 +98,6 @@ def test_a_real_runs_decode_parts_are_never_negative_and_sum_to_the_phase() -> N
         parts = {k: v for k, v in phases.items() if k != "decode_s"}
         assert all(v >= 0 for v in parts.values()), (row["run"], parts)
         assert sum(parts.values()) == pytest.approx(phases["decode_s"])
+        assert row["job_failed"] == 0 and row["job_s"] > 0  # the pipelined job ran whole
+    e2e = report["end_to_end"]
+    assert e2e[1]["e2e_gain"] == pytest.approx(e2e[0]["job_s"] / e2e[1]["job_s"])

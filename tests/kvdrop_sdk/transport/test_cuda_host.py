@@ -249,3 +249,29 @@ def test_retrieve_to_a_device_returns_the_same_bytes(
         out = ctx.retrieve(tokens, device=device)
         assert out is not None and out.device.type == device and out.is_contiguous()
         assert torch.equal(out.cpu().view(torch.int16), data[:, :, :512].view(torch.int16))
+
+
+def test_contexts_of_one_process_share_one_mapping_of_the_segment(
+    kv_server: ServerHandle, model_name: str
+) -> None:
+    """Page-locking is paid once per process: every context of one server shares the mapping
+    (and its registration); it is unmapped when the last one closes."""
+    from kvdrop_sdk.transport import contiguous
+
+    layout = CacheLayout(3, 2, 8, torch.bfloat16)
+    connect = sdk.kvcache.connect
+    a = connect(kv_server.url, kv_server.http_url, model_name, 30, layout=layout, transport="shm")
+    b = connect(kv_server.url, kv_server.http_url, model_name, 30, layout=layout, transport="shm")
+    try:
+        mapping = a.transfer_ctx._mapping
+        assert mapping is not None and b.transfer_ctx._mapping is mapping and mapping.users == 2
+        a.close()
+        data = torch.randn(layout.shape(CacheKind.KV, 256)).to(torch.bfloat16)
+        assert b.store(data, list(range(256)))  # still mapped for b
+        out = b.retrieve(list(range(256)))
+        assert out is not None and torch.equal(out.view(torch.int16), data.view(torch.int16))
+        assert mapping.users == 1
+    finally:
+        a.close()
+        b.close()
+    assert mapping.users == 0 and mapping.key not in contiguous._SHARED
