@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from kvdrop_engine.connectors.base import KVConnector
 from kvdrop_engine.decode_cut import DecodeCompressor, KVSwap, decode_capture, prepare_decode
 from kvdrop_engine.draw import draw_tokens
-from kvdrop_engine.drop import PromptDropper, prepare_cut
+from kvdrop_engine.drop import PendingCut, PromptDropper, prepare_cut
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
@@ -403,6 +403,7 @@ class Engine:
                 if self._stopping:
                     return
                 sched.drop_cancelled()
+                cuts = sched.cuts_ready(time.monotonic())
                 st = self._stats
                 for victim, computed in sched.grow():
                     st.preemptions += 1
@@ -428,6 +429,8 @@ class Engine:
                             self._fail(req, exc)
                 with self._cv:
                     self._stats.load_apply_seconds += time.perf_counter() - applying
+            for req in cuts:
+                self._finish_cut(req)
             with self._cv:
                 batch = sched.runnable()
             try:
@@ -464,6 +467,9 @@ class Engine:
                         self._step([req])
             return
         self._advance(plan, out)
+        for req, _ in plan.stepped:
+            if req.recut and req.num_computed >= len(req.prompt) and not req.cancelled:
+                self._recut(req)
         self._count(plan, out, started)
         sampled = self._sample(plan, out, picked, edited)
         self._feed_guides(plan, sampled)
@@ -564,8 +570,10 @@ class Engine:
                 transfers = self._transfers
                 if len(req.output) == 1 and req.store_upto and transfers is not None:
                     transfers.submit(req, self._prompt_job(req))
-                if len(req.output) == 1 and req.cut is not None and reason is None:
-                    self._cut(req)  # postprocess after prefill: kvdrop_engine.drop
+                if len(req.output) == 1 and req.cut is not None and req.kept_index is None:
+                    if reason is None:  # postprocess after prefill, off the loop: the first
+                        self._start_cut(req, tok, logprobs)  # event follows it (_finish_cut)
+                        return
                 text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
                 lp, top = (None, ()) if logprobs is None else logprobs
                 kept, req.kept_prompt = req.kept_prompt, None  # on the first event only
@@ -593,11 +601,53 @@ class Engine:
                 self._sched.finish(req)
                 self._stats.requests_finished += 1
 
-    def _cut(self, req: Request) -> None:
-        """(after prefill) Cut the prompt's cache by its policy (:mod:`kvdrop_engine.drop`); the
-        first event reports the kept prompt tokens."""
+    def _recut(self, req: Request) -> None:
+        """(a preempted cut request whose whole prompt is computed again) Keep the same rows
+        as its cut did (:meth:`~kvdrop_engine.drop.PromptDropper.recut`), so its answer is
+        the one it would have had without the preemption."""
         assert self.dropper is not None
-        done = self.dropper.cut(self.cache, req, req.cut)
+        with self._cv:
+            if self._sched.running.get(req.rid) is not req:
+                return
+        try:
+            self.dropper.recut(self.cache, req)
+            req.window = window_after_cut(
+                len(req.prompt), self._stored_window(req), decode_capture(req)
+            )
+        except Exception as exc:
+            self._fail(req, exc)
+
+    def _start_cut(self, req: Request, tok: int, logprobs: TokenLogprobs | None) -> None:
+        """(after prefill) Start cutting the prompt's cache by its policy on a thread of its own
+        (:class:`~kvdrop_engine.drop.PendingCut`): the loop steps the other requests
+        meanwhile, and :meth:`_finish_cut` applies it once it ends or its deadline passes."""
+        assert self.dropper is not None
+        job = self.dropper.start(self.cache, req, req.cut)
+        pending = PendingCut(job, self.dropper.cut_timeout_s, self._wake, tok, logprobs)
+        with self._cv:
+            req.cutting = pending
+
+    def _finish_cut(self, req: Request) -> None:
+        """(on the loop) Apply a cut whose policy ended, then hand the first token over; a
+        failed or late cut fails its request only (its blocks were never changed)."""
+        pending, req.cutting = req.cutting, None
+        with self._cv:
+            running = self._sched.running.get(req.rid) is req
+        if not running or req.cancelled:
+            return  # freed meanwhile (cancelled): nothing to apply
+        try:
+            self._cut(req, pending)
+        except Exception as exc:
+            self._fail(req, exc)
+            return
+        self._ship(req, pending.token, pending.logprobs, None)
+
+    def _cut(self, req: Request, pending: PendingCut) -> None:
+        """Apply ``pending``'s kept rows (:meth:`~kvdrop_engine.drop.PromptDropper.apply`);
+        the first event reports the kept prompt tokens."""
+        assert self.dropper is not None
+        chosen = pending.result()
+        done = self.dropper.apply(self.cache, req, pending.job, chosen, pending.started)
         req.window = window_after_cut(done.num_kept, self._stored_window(req), decode_capture(req))
         req.kept_prompt = done.num_kept
         with self._cv:
@@ -622,7 +672,10 @@ class Engine:
         due = [
             r
             for r in stepped
-            if not r.cancelled and r.rid in self._sched.running and compressor.due(r)
+            if not r.cancelled
+            and r.cutting is None  # its prompt cut runs: decode cuts follow it
+            and r.rid in self._sched.running
+            and compressor.due(r)
         ]
         if not due:
             return
