@@ -116,6 +116,8 @@ class Override:
     keep_ratio: float | None = None
     decode: Any = UNSET
     prompt: bool = True
+    #: Prompts shorter than this are left whole (None: the engine's ``--min-drop-tokens``).
+    min_drop_tokens: int | None = None
 
     @property
     def prompt_cut(self) -> Override | Any:
@@ -124,12 +126,13 @@ class Override:
 
 
 #: The keys of a request's ``"kvdrop"`` object.
-OVERRIDE_KEYS = ("policy", "keep_ratio", "decode")
+OVERRIDE_KEYS = ("policy", "keep_ratio", "min_drop_tokens", "decode")
 
 
 def parse_override(value: Any) -> Override | None:
-    """``None`` (no cut) or ``{"policy": str, "keep_ratio": number in (0, 1], "decode":
-    {...}}``, each key optional; ``ValueError`` says what was wrong."""
+    """``None`` (no cut) or ``{"policy": str, "keep_ratio": number in (0, 1],
+    "min_drop_tokens": int >= 1, "decode": {...}}``, each key optional; ``ValueError`` says
+    what was wrong."""
     if value is None or isinstance(value, Override):
         return value
     if not isinstance(value, Mapping):
@@ -152,7 +155,10 @@ def parse_override(value: Any) -> Override | None:
         raise ValueError(f"'kvdrop.policy' must be a policy name or spec string, got {policy!r}")
     if ratio is not None:
         ratio = checked_ratio(ratio, "'kvdrop.keep_ratio'")
-    return Override(policy, ratio, decode, set(value) != {"decode"})
+    least = value.get("min_drop_tokens")
+    if least is not None and (not isinstance(least, int) or isinstance(least, bool) or least < 1):
+        raise ValueError(f"'kvdrop.min_drop_tokens' must be an int >= 1, got {least!r}")
+    return Override(policy, ratio, decode, set(value) != {"decode"}, least)
 
 
 @dataclass(frozen=True)
@@ -354,6 +360,8 @@ class PromptDropper:
                 )
             self.check_client(spec)
             cut = self._build(spec, parsed.keep_ratio, self.keep_ratio)
+            if parsed.min_drop_tokens is not None:
+                least = parsed.min_drop_tokens
         if cut is None or num_prompt < least:
             return None
         return cut
