@@ -38,6 +38,7 @@ from kvdrop_engine.sampling import (
     SamplingParams,
     TokenLogprobs,
     pick_tokens,
+    reduce_rows,
 )
 from kvdrop_engine.scheduler import (
     DEFAULT_BUDGET_TOKENS,
@@ -47,7 +48,7 @@ from kvdrop_engine.scheduler import (
     decoded_store_upto,
     plan_step,
 )
-from kvdrop_engine.sequence import Request, TokenStream, new_request, scored_rows
+from kvdrop_engine.sequence import Request, ScoreHandle, TokenStream, new_request, scored_rows
 from kvdrop_engine.stats import EngineStats
 from kvdrop_engine.structured import Grammars, accept, guide_of, mask_logits
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
@@ -55,6 +56,7 @@ from kvdrop_engine.transfer import ScoresJob, StoreJob, Transfers, WindowJob, ch
 from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.query_capture import QueryCapture
 from kvdrop_sdk.validate import positive_int
+from kvdrop_sdk.validate import token_ids as checked_ids
 
 __all__ = ["DEFAULT_BUDGET_TOKENS", "Engine", "EngineStats", "StepPlan", "plan_step"]
 
@@ -366,6 +368,34 @@ class Engine:
         self._submit(req)
         return functools.partial(scored_rows, req)
 
+    def post_prompt_scoring(
+        self, prompt: Sequence[int], top: int, cache_salt: str = ""
+    ) -> ScoreHandle:
+        """Submit ``prompt_logprobs``: each token of ``prompt`` after the first with its
+        log-probability, rank and ``top`` alternatives. Scored in slices of at most
+        :data:`~kvdrop_engine.scheduler.SCORE_ROWS_PER_STEP` rows per step, each reduced as it
+        is computed (memory ``O(slice x vocabulary)``, not ``O(tokens x vocabulary)``); the
+        handle waits for the scores, or cancels them (a client that left)."""
+        try:
+            tokens = checked_ids(prompt, "prompt", vocab_size=self.config.vocab_size)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(str(exc)) from None
+        if not isinstance(top, int) or isinstance(top, bool) or top < 0:
+            raise InvalidRequestError(f"top must be an int >= 0, got {top!r}")
+        if len(tokens) < 2:
+            return ScoreHandle(None, self._wake)
+        req = new_request(
+            next(self._ids),
+            tokens[:-1],
+            {"max_tokens": 1, "temperature": 0.0},
+            cache_salt,
+            vocab_size=self.config.vocab_size,
+            detok=None,
+        )
+        req.score_from, req.score_top, req.score_targets = 0, top, tokens[1:]
+        self._submit(req)
+        return ScoreHandle(req, self._wake)
+
     def _submit(self, req: Request) -> None:
         """Put a validated request in the waiting line (``RequestTooLargeError`` first)."""
         self._sched.check_fits(req)
@@ -507,7 +537,12 @@ class Engine:
                     req.take_queries(out.captured_rows(req.rid), out.capture[req.rid])
                 k = scored.get(req.rid, 0)
                 if k and out.scores is not None:
-                    req.score_parts.append(out.scores[row : row + k])
+                    rows = out.scores[row : row + k]
+                    if req.score_top is not None and req.score_targets is not None:
+                        done = sum(int(part[0].numel()) for part in req.score_parts)
+                        targets = req.score_targets[done : done + k]
+                        rows = reduce_rows(rows, targets, req.score_top)
+                    req.score_parts.append(rows)
                 row += k
             except Exception as exc:
                 self._fail(req, exc)
@@ -566,7 +601,8 @@ class Engine:
         request: its rows); an ended request's blocks are freed after its last reads."""
         try:
             if tok is None:
-                req.out.put(torch.cat(req.score_parts))
+                parts = req.score_parts
+                req.out.put(list(parts) if req.score_top is not None else torch.cat(parts))
             else:
                 transfers = self._transfers
                 if len(req.output) == 1 and req.store_upto and transfers is not None:
