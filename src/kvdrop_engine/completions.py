@@ -34,6 +34,7 @@ from kvdrop_engine.request_fields import (
     get_streaming,
     get_token_ids,
 )
+from kvdrop_engine.request_guides import guide_from_body
 from kvdrop_engine.request_prompts import (
     CHARS_PER_TOKEN_BOUND,
     DEFAULT_MAX_PROMPT_CHARS,
@@ -345,6 +346,9 @@ def parse_request(body: Any, route: Route, settings: Settings) -> CompletionRequ
     sent = _sent(params, values)
     if "kvdrop" in body:  # null (no cut) or {"policy", "keep_ratio"}: kvdrop_engine.drop
         sent["kvdrop"] = _kvdrop_override(body["kvdrop"])
+    guide = guide_from_body(body)  # response_format, guided_*: kvdrop_engine.structured
+    if guide is not None:
+        sent["structured_outputs"] = guide.to_dict()
     return CompletionRequest(
         prompt_token_ids=prompts[0],
         sampling_params=sent,

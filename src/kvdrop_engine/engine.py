@@ -24,8 +24,9 @@ import torch
 from torch import Tensor, nn
 
 from kvdrop_engine.connectors.base import KVConnector
+from kvdrop_engine.decode_cut import DecodeCompressor, KVSwap, decode_capture, prepare_decode
 from kvdrop_engine.draw import draw_tokens
-from kvdrop_engine.drop import PromptDropper, prepare_cut
+from kvdrop_engine.drop import PendingCut, PromptDropper, prepare_cut, split_override
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
@@ -48,9 +49,11 @@ from kvdrop_engine.scheduler import (
 )
 from kvdrop_engine.sequence import Request, TokenStream, new_request, scored_rows
 from kvdrop_engine.stats import EngineStats
+from kvdrop_engine.structured import Grammars, accept, guide_of, mask_logits
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
 from kvdrop_engine.transfer import ScoresJob, StoreJob, Transfers, WindowJob, check_seconds
 from kvdrop_sdk.events import TokenEvent
+from kvdrop_sdk.query_capture import QueryCapture
 from kvdrop_sdk.validate import positive_int
 
 __all__ = ["DEFAULT_BUDGET_TOKENS", "Engine", "EngineStats", "StepPlan", "plan_step"]
@@ -107,6 +110,7 @@ class Engine:
         connector_backoff_s: float = 30.0,
         reconstruction: ReconstructionPrompt | None = None,
         dropper: PromptDropper | None = None,
+        compressor: DecodeCompressor | None = None,
     ) -> None:
         cfg: ModelConfig = model.config
         try:
@@ -129,6 +133,10 @@ class Engine:
         #: Cuts each prompt's cache after its prefill (``kvdrop engine --policy``; a request's
         #: ``"kvdrop"`` sampling key overrides it): :mod:`kvdrop_engine.drop`.
         self.dropper = dropper
+        #: Keeps each decoding request's cache within a token budget (``kvdrop engine
+        #: --decode-policy``; a request's ``"kvdrop": {"decode": ...}`` overrides it):
+        #: :mod:`kvdrop_engine.decode_cut`.
+        self.compressor = compressor
         self.runner = ModelRunner(
             model,
             cfg,
@@ -162,10 +170,16 @@ class Engine:
             )
         load_lock = threading.Lock() if self._transfers is None else self._transfers.load_lock
         self._sched = Scheduler(
-            self.cache.allocator, block_size, max_batch_size, load_lock, self.eos_token_ids
+            self.cache.allocator,
+            block_size,
+            max_batch_size,
+            load_lock,
+            self.eos_token_ids,
+            swap=KVSwap(self.cache),
         )
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._grammars: Grammars | None = None  # structured outputs, on the first guided request
 
     def _bind(self, connector: KVConnector) -> Transfers:
         """Bind ``connector`` to the model and build the server I/O over it."""
@@ -273,9 +287,14 @@ class Engine:
         """
         detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
         override: tuple[Any, ...] = ()  # the request's "kvdrop" key, when it sent one
-        if isinstance(sampling_params, Mapping) and "kvdrop" in sampling_params:
+        guide = None  # its "structured_outputs" key, when it sent one
+        if isinstance(sampling_params, Mapping) and (
+            "kvdrop" in sampling_params or "structured_outputs" in sampling_params
+        ):
             sampling_params = dict(sampling_params)
-            override = (sampling_params.pop("kvdrop"),)
+            if "kvdrop" in sampling_params:
+                override = (sampling_params.pop("kvdrop"),)
+            guide = sampling_params.pop("structured_outputs", None)
         req = new_request(
             next(self._ids),
             prompt_token_ids,
@@ -284,10 +303,17 @@ class Engine:
             vocab_size=self.config.vocab_size,
             detok=detok,
         )
-        prepare_cut(self.dropper, req, override)
+        prompt_override, decode_override = split_override(override)
+        prepare_cut(self.dropper, req, prompt_override)
+        prepare_decode(self.compressor, req, decode_override)
         req.window = window_for(
-            len(req.prompt), None if req.cut is None else req.cut.capture, self._store
+            len(req.prompt),
+            None if req.cut is None else req.cut.capture,
+            self._stored_window(req),
+            decode_capture(req),
         )
+        if guide is not None:
+            req.guide = self._matcher(guide, req)
         if req.params.reconstruct and (self.reconstruction is None or self._transfers is None):
             raise InvalidRequestError(
                 "reconstruct=true needs an engine built with reconstruction=ReconstructionPrompt"
@@ -298,6 +324,23 @@ class Engine:
         return TokenStream(req, self._wake, None if transfers is None else transfers.await_stores)
 
     __call__ = post_completion
+
+    def _matcher(self, guide: Any, req: Request) -> Any:
+        """A structured output's matcher, compiled on the caller's thread (the grammars of this
+        engine's tokenizer are built on the first guided request): :mod:`structured`."""
+        if self.tokenizer is None or not hasattr(self.tokenizer, "backend"):
+            raise InvalidRequestError("structured outputs need an engine with a tokenizer")
+        if req.params.ignore_eos:
+            raise InvalidRequestError(
+                "structured outputs end at the end-of-sequence token; leave 'ignore_eos' out"
+            )
+        with self._cv:
+            if self._grammars is None:
+                self._grammars = Grammars(
+                    self.tokenizer, self.config.vocab_size, self.eos_token_ids
+                )
+            grammars = self._grammars
+        return grammars.matcher(guide_of(guide))
 
     def post_scoring(
         self, token_ids: Sequence[int], score_from: int, cache_salt: str = ""
@@ -361,10 +404,12 @@ class Engine:
                 if self._stopping:
                     return
                 sched.drop_cancelled()
+                cuts = sched.cuts_ready(time.monotonic())
                 st = self._stats
-                for _, computed in sched.grow():
+                for victim, computed in sched.grow():
                     st.preemptions += 1
                     st.recomputed_tokens += computed
+                    st.swaps += victim.swapped is not None
                 admitted = sched.admit()
                 st.requests_admitted += len(admitted)
                 st.peak_running = max(st.peak_running, len(sched.running))
@@ -385,6 +430,8 @@ class Engine:
                             self._fail(req, exc)
                 with self._cv:
                     self._stats.load_apply_seconds += time.perf_counter() - applying
+            for req in cuts:
+                self._finish_cut(req)
             with self._cv:
                 batch = sched.runnable()
             try:
@@ -407,6 +454,9 @@ class Engine:
             out = self.runner.forward(plan)
             hist = [(r.params, r.prompt, r.output) for r in plan.sampled]
             edited = edit_logits(out.logits, hist, self.eos_token_ids)
+            guided = [(i, r.guide) for i, r in enumerate(plan.sampled) if r.guide is not None]
+            if guided and self._grammars is not None:  # structured outputs: one batched mask
+                edited = mask_logits(edited, guided, self._grammars)
             same = edited is out.logits  # nothing to edit: the graph's argmax stands
             picked = pick_tokens(edited, out.greedy if same else None, raw=out.logits)
         except Exception as exc:
@@ -418,8 +468,12 @@ class Engine:
                         self._step([req])
             return
         self._advance(plan, out)
+        for req, _ in plan.stepped:
+            if req.recut and req.num_computed >= len(req.prompt) and not req.cancelled:
+                self._recut(req)
         self._count(plan, out, started)
         sampled = self._sample(plan, out, picked, edited)
+        self._feed_guides(plan, sampled)
         with self._cv:
             ended = self._sched.postprocess(plan, {rid: tok for rid, (tok, _) in sampled.items()})
         shipping = time.perf_counter()  # window_seconds is a part of ship_seconds
@@ -429,6 +483,19 @@ class Engine:
             self._ship(req, tok, lp, reason, windows)
         with self._cv:
             self._stats.ship_seconds += time.perf_counter() - shipping
+        self._decode_cut([req for req, tok, reason in ended if tok is not None and reason is None])
+
+    def _feed_guides(
+        self, plan: StepPlan, sampled: dict[int, tuple[int, TokenLogprobs | None]]
+    ) -> None:
+        """Each guided request's sampled token into its matcher (a failure is its own)."""
+        for req in plan.sampled:
+            if req.guide is not None and req.rid in sampled:
+                try:
+                    accept(req.guide, sampled[req.rid][0])
+                except Exception as exc:
+                    sampled.pop(req.rid)
+                    self._fail(req, exc)
 
     def _advance(self, plan: StepPlan, out: Forward) -> None:
         """Each request's computed tokens, captured query rows and scored rows of this step."""
@@ -436,8 +503,8 @@ class Engine:
         scored = dict((req.rid, k) for req, k in plan.scored)
         for req, n in plan.stepped:
             try:
-                if out.attn is not None and req.rid in out.capture:
-                    req.take_queries(out.attn.captured_rows(req.rid), out.capture[req.rid])
+                if req.rid in out.capture:
+                    req.take_queries(out.captured_rows(req.rid), out.capture[req.rid])
                 k = scored.get(req.rid, 0)
                 if k and out.scores is not None:
                     req.score_parts.append(out.scores[row : row + k])
@@ -457,6 +524,9 @@ class Engine:
                 st.decode_step_seconds += time.perf_counter() - started - out.capture_seconds
                 st.graph_capture_seconds += out.capture_seconds
                 st.decode_kv_tokens += sum(s.start + 1 for s in plan.seqs)
+            held = [s.start + 1 for s in plan.seqs if s.num_new == 1]
+            if held:
+                st.peak_decode_kv_tokens = max(st.peak_decode_kv_tokens, max(held))
             else:
                 st.prefill_step_seconds += time.perf_counter() - started
 
@@ -479,7 +549,7 @@ class Engine:
         if self._transfers is None:
             return {}
         started = time.perf_counter()
-        windows = self.runner.finished_windows(ended)
+        windows = self.runner.finished_windows([e for e in ended if e[0].decode_cut is None])
         with self._cv:
             self._stats.window_seconds += time.perf_counter() - started
         return windows
@@ -501,8 +571,10 @@ class Engine:
                 transfers = self._transfers
                 if len(req.output) == 1 and req.store_upto and transfers is not None:
                     transfers.submit(req, self._prompt_job(req))
-                if len(req.output) == 1 and req.cut is not None and reason is None:
-                    self._cut(req)  # postprocess after prefill: kvdrop_engine.drop
+                if len(req.output) == 1 and req.cut is not None and req.kept_index is None:
+                    if reason is None:  # postprocess after prefill, off the loop: the first
+                        self._start_cut(req, tok, logprobs)  # event follows it (_finish_cut)
+                        return
                 text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
                 lp, top = (None, ()) if logprobs is None else logprobs
                 kept, req.kept_prompt = req.kept_prompt, None  # on the first event only
@@ -530,12 +602,54 @@ class Engine:
                 self._sched.finish(req)
                 self._stats.requests_finished += 1
 
-    def _cut(self, req: Request) -> None:
-        """(after prefill) Cut the prompt's cache by its policy (:mod:`kvdrop_engine.drop`); the
-        first event reports the kept prompt tokens."""
+    def _recut(self, req: Request) -> None:
+        """(a preempted cut request whose whole prompt is computed again) Keep the same rows
+        as its cut did (:meth:`~kvdrop_engine.drop.PromptDropper.recut`), so its answer is
+        the one it would have had without the preemption."""
         assert self.dropper is not None
-        done = self.dropper.cut(self.cache, req, req.cut)
-        req.window = window_after_cut(done.num_kept, self._store)
+        with self._cv:
+            if self._sched.running.get(req.rid) is not req:
+                return
+        try:
+            self.dropper.recut(self.cache, req)
+            req.window = window_after_cut(
+                len(req.prompt), self._stored_window(req), decode_capture(req)
+            )
+        except Exception as exc:
+            self._fail(req, exc)
+
+    def _start_cut(self, req: Request, tok: int, logprobs: TokenLogprobs | None) -> None:
+        """(after prefill) Start cutting the prompt's cache by its policy on a thread of its own
+        (:class:`~kvdrop_engine.drop.PendingCut`): the loop steps the other requests
+        meanwhile, and :meth:`_finish_cut` applies it once it ends or its deadline passes."""
+        assert self.dropper is not None
+        job = self.dropper.start(self.cache, req, req.cut)
+        pending = PendingCut(job, self.dropper.cut_timeout_s, self._wake, tok, logprobs)
+        with self._cv:
+            req.cutting = pending
+
+    def _finish_cut(self, req: Request) -> None:
+        """(on the loop) Apply a cut whose policy ended, then hand the first token over; a
+        failed or late cut fails its request only (its blocks were never changed)."""
+        pending, req.cutting = req.cutting, None
+        with self._cv:
+            running = self._sched.running.get(req.rid) is req
+        if not running or req.cancelled:
+            return  # freed meanwhile (cancelled): nothing to apply
+        try:
+            self._cut(req, pending)
+        except Exception as exc:
+            self._fail(req, exc)
+            return
+        self._ship(req, pending.token, pending.logprobs, None)
+
+    def _cut(self, req: Request, pending: PendingCut) -> None:
+        """Apply ``pending``'s kept rows (:meth:`~kvdrop_engine.drop.PromptDropper.apply`);
+        the first event reports the kept prompt tokens."""
+        assert self.dropper is not None
+        chosen = pending.result()
+        done = self.dropper.apply(self.cache, req, pending.job, chosen, pending.started)
+        req.window = window_after_cut(done.num_kept, self._stored_window(req), decode_capture(req))
         req.kept_prompt = done.num_kept
         with self._cv:
             st = self._stats
@@ -543,6 +657,44 @@ class Engine:
             st.prompt_tokens_kept += done.num_kept
             st.prompt_tokens_dropped += done.num_prompt - done.num_kept
             st.cut_seconds += done.seconds
+
+    def _stored_window(self, req: Request) -> QueryCapture | None:
+        """The query window the connector stores for ``req`` when it ends (None for a request
+        cut while decoding: its cache no longer matches its tokens)."""
+        return None if req.decode_cut is not None else self._store
+
+    def _decode_cut(self, stepped: Sequence[Request]) -> None:
+        """(after a step) Cut every request of ``stepped`` whose cache passed its decode budget,
+        together (:meth:`DecodeCompressor.cut`); a failed batch is retried one by one, so a
+        failure reaches only its own request."""
+        compressor = self.compressor
+        if compressor is None:
+            return
+        due = [
+            r
+            for r in stepped
+            if not r.cancelled
+            and r.cutting is None  # its prompt cut runs: decode cuts follow it
+            and r.rid in self._sched.running
+            and compressor.due(r)
+        ]
+        if not due:
+            return
+        try:
+            done = [compressor.cut(self.cache, due)]
+        except Exception:
+            done = []
+            for req in due:
+                try:
+                    done.append(compressor.cut(self.cache, [req]))
+                except Exception as exc:
+                    self._fail(req, exc)
+        with self._cv:
+            st = self._stats
+            for d in done:
+                st.decode_cuts += d.num_requests
+                st.decode_tokens_dropped += d.tokens_before - d.tokens_kept
+                st.decode_cut_seconds += d.seconds
 
     def _prompt_job(self, req: Request) -> StoreJob:
         """(after prefill) The prompt's whole chunks of KV (and chunk queries) to store."""
@@ -560,6 +712,9 @@ class Engine:
         conn = self.connector
         assert conn is not None
         jobs: list[StoreJob | WindowJob] = []
+        if req.decode_cut is not None:  # its cache no longer matches its tokens
+            req.window = None
+            return jobs
         sequence = req.prompt + req.output
         computed = len(sequence) - 1  # the last generated token was never fed back
         upto = decoded_store_upto(req, conn.chunk_size, conn.store_decoded)

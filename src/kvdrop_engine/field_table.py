@@ -149,6 +149,12 @@ FIELDS: dict[str, Field] = {
     "cache_salt": Field(_S, "vLLM: separates prefix-cache entries"),
     "return_tokens_as_token_ids": Field(_S, "vLLM: logprobs tokens as 'token_id:N'"),
     "kvdrop": Field(_S, "kvdrop: the request's own drop policy, or null for none"),
+    "response_format": Field(_S, "structured output: text, json_object or json_schema"),
+    "guided_json": Field(_S, "vLLM: output held to a JSON schema"),
+    "guided_regex": Field(_S, "vLLM: output held to a regular expression"),
+    "guided_choice": Field(_S, "vLLM: output one of the strings listed"),
+    "guided_grammar": Field(_S, "vLLM: output held to an EBNF grammar (xgrammar's)"),
+    "structured_outputs": Field(_S, "vLLM: one of json, regex, choice, grammar, json_object"),
     # -- accepted and recorded nowhere ------------------------------------------------------
     "user": Field(_I, _PLATFORM, check=_string(256)),
     "safety_identifier": Field(_I, _PLATFORM, check=_string(128)),
@@ -185,14 +191,6 @@ FIELDS: dict[str, Field] = {
     "request_id": Field(_N, "the server names its requests"),
     "logits_processors": Field(_N, "no server-side code from requests"),
     "kv_transfer_params": Field(_N, "KV transfer is the connector's, not a request's"),
-    "response_format": Field(
-        _N, "structured outputs are not served yet", neutral=({"type": "text"},)
-    ),
-    "guided_json": Field(_N, "structured outputs are not served yet"),
-    "guided_regex": Field(_N, "structured outputs are not served yet"),
-    "guided_choice": Field(_N, "structured outputs are not served yet"),
-    "guided_grammar": Field(_N, "structured outputs are not served yet"),
-    "structured_outputs": Field(_N, "structured outputs are not served yet"),
     "add_special_tokens": Field(_N, "the tokenizer's own special tokens", _ALL, neutral=(True,)),
     "tools": Field(_N, _NO_TOOLS, neutral=([],)),
     "tool_choice": Field(_N, _NO_TOOLS, neutral=("none",)),

@@ -151,6 +151,11 @@ class JSONTokenizer:
         bos = None if self.bos_token is None else self._tk.token_to_id(self.bos_token)
         return [bos, *ids] if add_bos and bos is not None else ids
 
+    def backend(self) -> Any:
+        """The ``tokenizers.Tokenizer`` underneath (what structured outputs read the vocabulary
+        from)."""
+        return self._tk
+
     def render_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -274,6 +279,11 @@ class Tokenizer:
             dict.fromkeys(i for i in (eos, eot) if i is not None)
         )
         self.add_bos: bool = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+
+    def backend(self) -> Any:
+        """The ``tokenizers.Tokenizer`` built from the GGUF metadata (what structured outputs
+        read the vocabulary from)."""
+        return self._tk
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
