@@ -66,7 +66,6 @@ __all__ = [
     "PromptDropper",
     "parse_override",
     "prepare_cut",
-    "split_override",
 ]
 
 #: Prompts shorter than this are left whole: a short cache is cheap, and a policy's observation
@@ -107,10 +106,20 @@ UNSET: Any = _Unset()
 
 @dataclass(frozen=True)
 class Override:
-    """A request's ``"kvdrop"`` field: ``policy`` and ``keep_ratio`` (None: the engine's)."""
+    """A request's ``"kvdrop"`` field: ``policy`` and ``keep_ratio`` of its prompt cut (None:
+    the engine's), and ``decode``, its cut while decoding (``UNSET``: not sent; None: none; a
+    :class:`~kvdrop_engine.decode_cut.DecodeOverride`). ``prompt`` says whether it spoke of the
+    prompt cut at all (a value with only ``"decode"`` leaves the engine's default in place)."""
 
     policy: str | None = None
     keep_ratio: float | None = None
+    decode: Any = UNSET
+    prompt: bool = True
+
+    @property
+    def prompt_cut(self) -> Override | Any:
+        """The prompt cut's part (``UNSET`` when the field gave only ``"decode"``)."""
+        return self if self.prompt else UNSET
 
 
 def parse_override(value: Any) -> Override | None:
@@ -128,16 +137,17 @@ def parse_override(value: Any) -> Override | None:
         raise ValueError(
             f"'kvdrop' has unknown key(s) {unknown}; expected policy, keep_ratio, decode"
         )
+    decode: Any = UNSET
     if "decode" in value:  # the cut while decoding: its own validator
         from kvdrop_engine.decode_cut import parse_decode
 
-        parse_decode(value["decode"])
+        decode = parse_decode(value["decode"])
     policy, ratio = value.get("policy"), value.get("keep_ratio")
     if policy is not None and (not isinstance(policy, str) or not policy.strip()):
         raise ValueError(f"'kvdrop.policy' must be a policy name or spec string, got {policy!r}")
     if ratio is not None:
         ratio = checked_ratio(ratio, "'kvdrop.keep_ratio'")
-    return Override(policy, ratio)
+    return Override(policy, ratio, decode, prompt=set(value) != {"decode"})
 
 
 @dataclass(frozen=True)
@@ -320,16 +330,14 @@ class PromptDropper:
                 f"x {cfg.head_dim}): {_message(exc.__cause__ or exc)}"
             ) from None
 
-    def choose(self, num_prompt: int, override: Any = UNSET) -> PromptCut | None:
-        """The cut of a request with ``num_prompt`` tokens: its ``"kvdrop"`` override (left out:
-        none was sent; None: no cut) over the engine's default; None under the threshold."""
+    def choose(self, num_prompt: int, override: Override | Any | None = UNSET) -> PromptCut | None:
+        """The cut of a request with ``num_prompt`` tokens: its parsed ``"kvdrop"`` override
+        (``UNSET``: none was sent; None: no cut) over the engine's default; None under the
+        threshold."""
         if override is UNSET:
             cut = self.default
         else:
-            try:
-                parsed = parse_override(override)
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc)) from None
+            parsed: Override | None = override  # parsed once: RequestOptions
             if parsed is None:
                 return None
             spec = parsed.policy or (None if self.default is None else self.default.spec)
@@ -496,35 +504,20 @@ class PendingCut:
         return value
 
 
-def split_override(override: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
-    """A request's ``"kvdrop"`` value (``override``: a 1-tuple when it sent one) as the prompt
-    cut's override (the same shape) and the decode cut's (``UNSET``: none sent): ``null`` turns
-    both off, ``"decode"`` goes to :mod:`kvdrop_engine.decode_cut`, the other keys stay here."""
-    if not override:
-        return (), UNSET
-    value = override[0]
-    if value is None:
-        return (None,), None
-    if isinstance(value, Mapping) and "decode" in value:
-        rest = {k: v for k, v in value.items() if k != "decode"}
-        return ((rest,) if rest else ()), value["decode"]
-    return (value,), UNSET
-
-
-def prepare_cut(dropper: PromptDropper | None, req: Request, override: tuple[Any, ...]) -> None:
+def prepare_cut(dropper: PromptDropper | None, req: Request, override: Any = UNSET) -> None:
     """(at submission) ``req``'s cut (its ``capture`` says which query rows the prefill keeps
-    for it: :func:`kvdrop_engine.plan.window_for`). ``override`` holds the request's
-    ``"kvdrop"`` value when it sent one; asking for a cut from an engine without a dropper is an
+    for it: :func:`kvdrop_engine.plan.window_for`) for its parsed ``"kvdrop"`` ``override``
+    (``UNSET``: none sent); asking for a cut from an engine without a dropper is an
     ``InvalidRequestError``."""
     if dropper is None:
-        if override and override[0] is not None:
+        if override is not UNSET and override is not None:
             raise InvalidRequestError(
                 "'kvdrop' asks for dropping, but this engine was built without a dropper "
                 "(kvdrop engine --policy, or Engine(dropper=PromptDropper(...)))"
             )
         return
-    req.cut = dropper.choose(len(req.prompt), *override)
-    if override or dropper.default is not None:
+    req.cut = dropper.choose(len(req.prompt), override)
+    if override is not UNSET or dropper.default is not None:
         req.kept_prompt = len(req.prompt)  # reported as kept; the cut lowers it
     if req.params.max_tokens == 1:
         req.cut = None  # one token: nothing would decode from the cut cache

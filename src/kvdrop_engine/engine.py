@@ -26,13 +26,14 @@ from torch import Tensor, nn
 from kvdrop_engine.connectors.base import KVConnector
 from kvdrop_engine.decode_cut import DecodeCompressor, KVSwap, decode_capture, prepare_decode
 from kvdrop_engine.draw import draw_tokens
-from kvdrop_engine.drop import PendingCut, PromptDropper, prepare_cut, split_override
+from kvdrop_engine.drop import PendingCut, PromptDropper, prepare_cut
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.penalties import edit_logits
 from kvdrop_engine.plan import store_capture, window_after_cut, window_for
 from kvdrop_engine.reconstruct import ReconstructionPrompt
+from kvdrop_engine.request_options import RequestOptions, submission
 from kvdrop_engine.runner import Forward, ModelRunner, WindowRecord
 from kvdrop_engine.sampling import (
     SamplingParams,
@@ -59,6 +60,9 @@ from kvdrop_sdk.validate import positive_int
 from kvdrop_sdk.validate import token_ids as checked_ids
 
 __all__ = ["DEFAULT_BUDGET_TOKENS", "Engine", "EngineStats", "StepPlan", "plan_step"]
+
+#: A scoring request's sampling: one greedy token (never handed out).
+SCORING = SamplingParams(max_tokens=1, temperature=0.0)
 
 #: Engines whose loop thread runs; stopped at interpreter exit (see ``_stop_running_engines``).
 _RUNNING: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -277,46 +281,40 @@ class Engine:
         self,
         prompt_token_ids: Sequence[int],
         sampling_params: Mapping[str, Any] | SamplingParams | None = None,
-        cache_salt: str = "",
+        cache_salt: str | RequestOptions = "",
     ) -> Iterator[TokenEvent]:
         """Submit a request; iterate the returned generator for its tokens as they are produced.
 
-        Validation happens here (raising ``InvalidRequestError`` / ``RequestTooLargeError``);
-        failures while serving raise ``EngineError`` from the iterator. Closing the iterator (from
-        any thread, before or after its first token) or dropping it cancels the request and
-        frees its blocks at once (:class:`~kvdrop_engine.sequence.TokenStream`). Starts the
-        engine if needed.
+        ``sampling_params`` is a ``SamplingParams`` or a dict (which may carry the request
+        options ``"kvdrop"`` and ``"reconstruct"``); ``cache_salt`` is the salt, or the
+        request's whole :class:`~kvdrop_engine.request_options.RequestOptions` (the OpenAI
+        server's form, built once from the body). Validation happens here, once (raising
+        ``InvalidRequestError`` / ``RequestTooLargeError``); failures while serving raise
+        ``EngineError`` from the iterator. Closing the iterator (from any thread, before or
+        after its first token) or dropping it cancels the request and frees its blocks at once
+        (:class:`~kvdrop_engine.sequence.TokenStream`). Starts the engine if needed.
         """
+        params, options = submission(sampling_params, cache_salt)
         detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
-        override: tuple[Any, ...] = ()  # the request's "kvdrop" key, when it sent one
-        guide = None  # its "structured_outputs" key, when it sent one
-        if isinstance(sampling_params, Mapping) and (
-            "kvdrop" in sampling_params or "structured_outputs" in sampling_params
-        ):
-            sampling_params = dict(sampling_params)
-            if "kvdrop" in sampling_params:
-                override = (sampling_params.pop("kvdrop"),)
-            guide = sampling_params.pop("structured_outputs", None)
         req = new_request(
             next(self._ids),
             prompt_token_ids,
-            sampling_params,
-            cache_salt,
+            params,
+            options,
             vocab_size=self.config.vocab_size,
             detok=detok,
         )
-        prompt_override, decode_override = split_override(override)
-        prepare_cut(self.dropper, req, prompt_override)
-        prepare_decode(self.compressor, req, decode_override)
+        prepare_cut(self.dropper, req, options.prompt_cut)
+        prepare_decode(self.compressor, req, options.decode_cut)
         req.window = window_for(
             len(req.prompt),
             None if req.cut is None else req.cut.capture,
             self._stored_window(req),
             decode_capture(req),
         )
-        if guide is not None:
-            req.guide = self._matcher(guide, req)
-        if req.params.reconstruct and (self.reconstruction is None or self._transfers is None):
+        if options.guide is not None:
+            req.guide = self._matcher(options.guide, req)
+        if options.reconstruct and (self.reconstruction is None or self._transfers is None):
             raise InvalidRequestError(
                 "reconstruct=true needs an engine built with reconstruction=ReconstructionPrompt"
                 "(...) and a connector to store the scores in (kvdrop_engine.reconstruct)"
@@ -352,11 +350,12 @@ class Engine:
         sampled or stored. Returns a function that waits for its float32 log-softmax rows
         ``[len(token_ids) - score_from, V]`` (row ``i``: the distribution after position
         ``score_from + i``); :func:`kvdrop_engine.logprobs.continuation_logprobs` uses it."""
+        params, options = submission(SCORING, cache_salt)
         req = new_request(
             next(self._ids),
             token_ids,
-            {"max_tokens": 1, "temperature": 0.0},
-            cache_salt,
+            params,
+            options,
             vocab_size=self.config.vocab_size,
             detok=None,
         )
@@ -620,7 +619,7 @@ class Engine:
                 if reason is not None and transfers is not None and not req.cancelled:
                     for job in self._finish_jobs(req, windows or {}):
                         transfers.submit(req, job)
-                    if req.params.reconstruct:  # the end waits for the pass, run in pieces
+                    if req.options.reconstruct:  # the end waits for the pass, run in pieces
                         req.held = event
                         req.reconstruction = self.runner.reconstruction_pass(
                             req.prompt,

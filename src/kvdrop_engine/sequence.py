@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import queue
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -19,10 +19,10 @@ from torch import Tensor
 from kvdrop_engine.capture import WindowCapture
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.reconstruct import ReconstructionPass
+from kvdrop_engine.request_options import RequestOptions
 from kvdrop_engine.sampling import SamplingParams, make_generator
 from kvdrop_engine.tokenizer import IncrementalDetokenizer
 from kvdrop_sdk.events import TokenEvent
-from kvdrop_sdk.protocol import check_salt
 from kvdrop_sdk.validate import token_ids
 
 __all__ = [
@@ -34,6 +34,10 @@ __all__ = [
     "raise_failure",
     "scored_rows",
 ]
+
+
+#: The options of a request that asked for nothing beyond sampling.
+NO_OPTIONS = RequestOptions()
 
 
 class LoadState(enum.Enum):
@@ -104,6 +108,8 @@ class Request:
 
     #: Preempted (its blocks taken back) and waiting to recompute what it had computed.
     preempted: bool = False
+    #: What the request asked beyond sampling (its cut override, reconstruction, salt).
+    options: RequestOptions = NO_OPTIONS
     #: The cut while decoding (a ``kvdrop_engine.decode_cut.DecodeCut``; None: none), the cuts
     #: done, the tokens they dropped (the next token's RoPE position is its slot plus this), the
     #: true positions of the rows kept by the last one (slots ``0..k-1``), and the cache held in
@@ -232,26 +238,25 @@ class Request:
 def new_request(
     rid: int,
     prompt_token_ids: Sequence[int],
-    sampling_params: Mapping[str, Any] | SamplingParams | None,
-    cache_salt: str,
+    params: SamplingParams,
+    options: RequestOptions,
     *,
     vocab_size: int,
     detok: IncrementalDetokenizer | None,
 ) -> Request:
-    """A submitted request, validated once here: ``InvalidRequestError`` says what was wrong."""
-    params = SamplingParams.from_dict(sampling_params)
+    """A submitted request of validated ``params`` and ``options``
+    (:func:`~kvdrop_engine.request_options.submission`); its prompt and the vocabulary-bound
+    checks here: ``InvalidRequestError`` says what was wrong."""
     try:
         prompt = token_ids(prompt_token_ids, "prompt_token_ids", vocab_size=vocab_size)
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(str(exc)) from None
     if not prompt:
         raise InvalidRequestError("prompt_token_ids is empty; expected at least one token")
-    try:
-        check_salt(cache_salt)
-        params.check_vocab(vocab_size)
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequestError(str(exc)) from None
-    return Request(rid, prompt, params, cache_salt, queue.Queue(), make_generator(params), detok)
+    params.check_vocab(vocab_size)
+    generator = make_generator(params)
+    out: queue.Queue[Any] = queue.Queue()
+    return Request(rid, prompt, params, options.cache_salt, out, generator, detok, options=options)
 
 
 class ScoreHandle:

@@ -275,3 +275,40 @@ def test_contexts_of_one_process_share_one_mapping_of_the_segment(
         a.close()
         b.close()
     assert mapping.users == 0 and mapping.key not in contiguous._SHARED
+
+
+def test_concurrent_first_transfers_make_one_registration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first DMA transfers of a mapping often start at once (an engine's loads): they must
+    share one registration. Two registered the same regions twice (error 712 on an H200), and
+    the regions of the one that was dropped were never unregistered."""
+    import threading
+    import time
+
+    from kvdrop_sdk.transport import contiguous
+
+    made: list[HostRegistration] = []
+
+    class SlowRegistration(HostRegistration):
+        def __init__(self, pool: torch.Tensor) -> None:
+            time.sleep(0.05)  # finding the CUDA runtime takes a while
+            super().__init__(pool, RecordingRuntime(pool))
+            made.append(self)
+
+    monkeypatch.setattr(contiguous, "HostRegistration", SlowRegistration)
+    pool = torch.zeros(4 * REGION, dtype=torch.uint8)
+    mapping = contiguous._Mapping(mm=None, pool=pool, instance=None)  # type: ignore[arg-type]
+    start = threading.Barrier(6)
+    got: list[HostRegistration | None] = []
+
+    def first_transfer(i: int) -> None:
+        start.wait()
+        got.append(mapping.dma([HEADER + i * 64], 64))
+
+    threads = [threading.Thread(target=first_transfer, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and all(g is made[0] for g in got)
