@@ -350,6 +350,13 @@ class Engine:
         sampled or stored. Returns a function that waits for its float32 log-softmax rows
         ``[len(token_ids) - score_from, V]`` (row ``i``: the distribution after position
         ``score_from + i``); :func:`kvdrop_engine.logprobs.continuation_logprobs` uses it."""
+        req = self._scoring_request(token_ids, score_from, cache_salt)
+        self._submit(req)
+        return functools.partial(scored_rows, req)
+
+    def _scoring_request(
+        self, token_ids: Sequence[int], score_from: int, cache_salt: str
+    ) -> Request:
         params, options = submission(SCORING, cache_salt)
         req = new_request(
             next(self._ids),
@@ -364,8 +371,7 @@ class Engine:
                 f"score_from must be an int in 0..{len(req.prompt) - 1}, got {score_from!r}"
             )
         req.score_from = score_from
-        self._submit(req)
-        return functools.partial(scored_rows, req)
+        return req
 
     def post_prompt_scoring(
         self, prompt: Sequence[int], top: int, cache_salt: str = ""
@@ -383,15 +389,8 @@ class Engine:
             raise InvalidRequestError(f"top must be an int >= 0, got {top!r}")
         if len(tokens) < 2:
             return ScoreHandle(None, self._wake)
-        req = new_request(
-            next(self._ids),
-            tokens[:-1],
-            {"max_tokens": 1, "temperature": 0.0},
-            cache_salt,
-            vocab_size=self.config.vocab_size,
-            detok=None,
-        )
-        req.score_from, req.score_top, req.score_targets = 0, top, tokens[1:]
+        req = self._scoring_request(tokens[:-1], 0, cache_salt)
+        req.score_top, req.score_targets = top, tokens[1:]
         self._submit(req)
         return ScoreHandle(req, self._wake)
 
