@@ -54,6 +54,9 @@ from kvdrop_engine.sampling import (
     SamplingParamError,
     SamplingParams,
 )
+from kvdrop_engine.structured import MISSING as STRUCTURED_MISSING
+from kvdrop_engine.structured import available as structured_available
+from kvdrop_engine.tools import Tools, parse_tools
 from kvdrop_sdk.protocol import check_salt
 from kvdrop_sdk.validate import is_int, is_number
 
@@ -117,6 +120,9 @@ class CompletionRequest:
     min_tokens: int = 0
     #: Each prompt's text as sent (None for token ids): what ``echo`` repeats.
     prompt_texts: tuple[str | None, ...] = ()
+    #: A chat's tools when its choices may call them (``tool_choice`` not "none"): the reply's
+    #: text is parsed into ``tool_calls`` (:mod:`kvdrop_engine.tools`).
+    tools: Tools | None = None
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -179,8 +185,14 @@ def _chat_max_tokens(body: dict[str, Any], prompt: list[int], settings: Settings
     return settings.max_model_len - len(prompt)
 
 
-def _chat_prompts(body: dict[str, Any], settings: Settings) -> list[list[int]]:
-    return [chat_prompt(body, settings)]
+def _completion_prompts(
+    body: dict[str, Any], settings: Settings, tools: Tools | None
+) -> list[list[int]]:
+    return completion_prompts(body, settings)
+
+
+def _chat_prompts(body: dict[str, Any], settings: Settings, tools: Tools | None) -> list[list[int]]:
+    return [chat_prompt(body, settings, None if tools is None else tools.template())]
 
 
 def _max_tokens_name(body: dict[str, Any]) -> str:
@@ -194,7 +206,7 @@ class Route:
 
     chat: bool
     fields: frozenset[str]
-    prompts: Callable[[dict[str, Any], Settings], list[list[int]]]
+    prompts: Callable[[dict[str, Any], Settings, Tools | None], list[list[int]]]
     max_tokens: Callable[[dict[str, Any], list[int], Settings], Any]
     logprobs: Callable[[dict[str, Any]], Any]
     logprobs_name: str
@@ -203,7 +215,7 @@ class Route:
 COMPLETIONS = Route(
     False,
     COMPLETION_FIELDS,
-    completion_prompts,
+    _completion_prompts,
     _completion_max_tokens,
     _completion_logprobs,
     "logprobs",
@@ -339,7 +351,8 @@ def parse_request(body: Any, route: Route, settings: Settings) -> CompletionRequ
     include_stop = get_bool(body, "include_stop_str_in_output")
     values = _engine_values(body, settings)
     values["logprobs"] = route.logprobs(body)
-    prompts = route.prompts(body, settings)
+    tools = parse_tools(body) if route.chat else None
+    prompts = route.prompts(body, settings, tools)
     values["max_tokens"] = route.max_tokens(body, prompts[0], settings)
     params = _sampling(body, route, values, settings)
     _check_context(body, prompts, params.max_tokens, settings.max_model_len)
@@ -347,7 +360,17 @@ def parse_request(body: Any, route: Route, settings: Settings) -> CompletionRequ
     if "kvdrop" in body:  # null (no cut) or {"policy", "keep_ratio"}: kvdrop_engine.drop
         sent["kvdrop"] = _kvdrop_override(body["kvdrop"])
     guide = guide_from_body(body)  # response_format, guided_*: kvdrop_engine.structured
+    forced = None if tools is None else tools.guide()  # a required or named tool_choice
+    if guide is not None and forced is not None:
+        raise BadRequestError(
+            "a required or named 'tool_choice' sets the output's structure; leave out "
+            "'response_format' and the guided fields",
+            param="tool_choice",
+        )
+    guide = guide or forced
     if guide is not None:
+        if not structured_available():
+            raise BadRequestError(f"'tool_choice': {STRUCTURED_MISSING}", param="tool_choice")
         sent["structured_outputs"] = guide.to_dict()
     return CompletionRequest(
         prompt_token_ids=prompts[0],
@@ -368,6 +391,7 @@ def parse_request(body: Any, route: Route, settings: Settings) -> CompletionRequ
         echo=echo,
         prompt_logprobs=prompt_logprobs,
         min_tokens=params.min_tokens,
+        tools=None if tools is None or tools.choice == "none" else tools,
     )
 
 
