@@ -136,6 +136,33 @@ def _drop_arguments(parser: argparse.ArgumentParser) -> None:
         default=128,
         help="prompts shorter than this are left whole (default 128)",
     )
+    decode = parser.add_argument_group(
+        "compression while decoding (each request's cache kept within a token budget; a "
+        'request\'s "kvdrop": {"decode": {"policy": ..., "budget": ..., "every": ...}} or '
+        '{"decode": null} overrides it)'
+    )
+    decode.add_argument(
+        "--decode-policy",
+        default=None,
+        metavar="SPEC",
+        help="policy that cuts a decoding request's cache back to --decode-budget tokens, "
+        "e.g. rkv, snapkv, tova, knorm (default: none)",
+    )
+    decode.add_argument(
+        "--decode-budget",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="KV tokens a decoding request keeps after each cut (needed with --decode-policy)",
+    )
+    decode.add_argument(
+        "--decode-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="generated tokens between cuts: a request holds at most budget + N tokens "
+        "(default 128, R-KV's buffer)",
+    )
 
 
 def _connector_arguments(parser: argparse.ArgumentParser) -> None:
@@ -188,6 +215,12 @@ def _check_args(args: argparse.Namespace) -> None:
             f"(--block-size {args.block_size})"
         )
     _positive("--min-drop-tokens", args.min_drop_tokens)
+    if args.decode_every is not None:
+        _positive("--decode-every", args.decode_every)
+    if args.decode_budget is not None:
+        _positive("--decode-budget", args.decode_budget)
+    if args.decode_policy is not None and args.decode_budget is None:
+        raise EngineSetupError("--decode-policy needs --decode-budget TOKENS")
     if args.threads is not None:
         _positive("--threads", args.threads)
     _positive("--query-window", args.query_window)
@@ -326,6 +359,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         # Missing files, bad checkpoints, missing extras, an unavailable --device.
         raise EngineSetupError(str(exc)) from None
     dropper = _dropper(args, model.config)
+    compressor = _compressor(args, model.config)
     connector = connector_of(args, name)
     try:
         engine = Engine(
@@ -337,6 +371,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
             max_prefill_tokens=args.max_prefill_tokens,
             connector=connector,
             dropper=dropper,
+            compressor=compressor,
         )
     except Exception as exc:
         if connector is not None:
@@ -381,6 +416,20 @@ def _dropper(args: argparse.Namespace, config: Any) -> Any:
     )
 
 
+def _compressor(args: argparse.Namespace, config: Any) -> Any:
+    """The engine's :class:`~kvdrop_engine.decode_cut.DecodeCompressor`: ``--decode-policy``
+    checked against the model's layout now, so requests may also ask for a cut."""
+    from kvdrop_engine.decode_cut import DecodeCompressor
+
+    return DecodeCompressor(
+        config,
+        args.decode_policy,
+        budget=args.decode_budget,
+        every=args.decode_every,
+        query_window=args.query_window,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Start the engine (with its connector, when ``--url`` is given) and the HTTP server; block
     until SIGINT/SIGTERM; stop both cleanly."""
@@ -417,6 +466,11 @@ def _serve(args: argparse.Namespace, connector: Any, engine: Any, server: Any) -
         kv_note += (
             f", prompts of {args.min_drop_tokens}+ tokens cut by {default.spec} to keep "
             f"{default.budget}"
+        )
+    if args.decode_policy is not None:
+        kv_note += (
+            f", decoding requests cut by {args.decode_policy} to {args.decode_budget} tokens "
+            f"every {engine.compressor.every}"
         )
     print(
         f"kvdrop engine: serving {server.model_name!r} on {server.url} (KV budget "

@@ -61,6 +61,7 @@ __all__ = [
     "PromptDropper",
     "parse_override",
     "prepare_cut",
+    "split_override",
 ]
 
 #: Prompts shorter than this are left whole: a short cache is cheap, and a policy's observation
@@ -99,9 +100,15 @@ def parse_override(value: Any) -> Override | None:
             "'kvdrop' must be null (no dropping) or an object like "
             f'{{"policy": "snapkv", "keep_ratio": 0.5}}, got {type(value).__name__}'
         )
-    unknown = sorted(set(value) - {"policy", "keep_ratio"})
+    unknown = sorted(set(value) - {"policy", "keep_ratio", "decode"})
     if unknown:
-        raise ValueError(f"'kvdrop' has unknown key(s) {unknown}; expected policy, keep_ratio")
+        raise ValueError(
+            f"'kvdrop' has unknown key(s) {unknown}; expected policy, keep_ratio, decode"
+        )
+    if "decode" in value:  # the cut while decoding: its own validator
+        from kvdrop_engine.decode_cut import parse_decode
+
+        parse_decode(value["decode"])
     policy, ratio = value.get("policy"), value.get("keep_ratio")
     if policy is not None and (not isinstance(policy, str) or not policy.strip()):
         raise ValueError(f"'kvdrop.policy' must be a policy name or spec string, got {policy!r}")
@@ -318,6 +325,21 @@ class PromptDropper:
         req.num_computed = k
         req.store_upto = 0  # stored (with a connector) before the cut
         return CutResult(n, k, time.perf_counter() - started, index)
+
+
+def split_override(override: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
+    """A request's ``"kvdrop"`` value (``override``: a 1-tuple when it sent one) as the prompt
+    cut's override (the same shape) and the decode cut's (``UNSET``: none sent): ``null`` turns
+    both off, ``"decode"`` goes to :mod:`kvdrop_engine.decode_cut`, the other keys stay here."""
+    if not override:
+        return (), UNSET
+    value = override[0]
+    if value is None:
+        return (None,), None
+    if isinstance(value, Mapping) and "decode" in value:
+        rest = {k: v for k, v in value.items() if k != "decode"}
+        return ((rest,) if rest else ()), value["decode"]
+    return (value,), UNSET
 
 
 def prepare_cut(dropper: PromptDropper | None, req: Request, override: tuple[Any, ...]) -> None:

@@ -24,8 +24,9 @@ import torch
 from torch import Tensor, nn
 
 from kvdrop_engine.connectors.base import KVConnector
+from kvdrop_engine.decode_cut import DecodeCompressor, KVSwap, decode_capture, prepare_decode
 from kvdrop_engine.draw import draw_tokens
-from kvdrop_engine.drop import PromptDropper, prepare_cut
+from kvdrop_engine.drop import PromptDropper, prepare_cut, split_override
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
@@ -52,6 +53,7 @@ from kvdrop_engine.structured import Grammars, accept, guide_of, mask_logits
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
 from kvdrop_engine.transfer import ScoresJob, StoreJob, Transfers, WindowJob, check_seconds
 from kvdrop_sdk.events import TokenEvent
+from kvdrop_sdk.query_capture import QueryCapture
 from kvdrop_sdk.validate import positive_int
 
 __all__ = ["DEFAULT_BUDGET_TOKENS", "Engine", "EngineStats", "StepPlan", "plan_step"]
@@ -108,6 +110,7 @@ class Engine:
         connector_backoff_s: float = 30.0,
         reconstruction: ReconstructionPrompt | None = None,
         dropper: PromptDropper | None = None,
+        compressor: DecodeCompressor | None = None,
     ) -> None:
         cfg: ModelConfig = model.config
         try:
@@ -130,6 +133,10 @@ class Engine:
         #: Cuts each prompt's cache after its prefill (``kvdrop engine --policy``; a request's
         #: ``"kvdrop"`` sampling key overrides it): :mod:`kvdrop_engine.drop`.
         self.dropper = dropper
+        #: Keeps each decoding request's cache within a token budget (``kvdrop engine
+        #: --decode-policy``; a request's ``"kvdrop": {"decode": ...}`` overrides it):
+        #: :mod:`kvdrop_engine.decode_cut`.
+        self.compressor = compressor
         self.runner = ModelRunner(
             model,
             cfg,
@@ -163,7 +170,12 @@ class Engine:
             )
         load_lock = threading.Lock() if self._transfers is None else self._transfers.load_lock
         self._sched = Scheduler(
-            self.cache.allocator, block_size, max_batch_size, load_lock, self.eos_token_ids
+            self.cache.allocator,
+            block_size,
+            max_batch_size,
+            load_lock,
+            self.eos_token_ids,
+            swap=KVSwap(self.cache),
         )
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -291,9 +303,14 @@ class Engine:
             vocab_size=self.config.vocab_size,
             detok=detok,
         )
-        prepare_cut(self.dropper, req, override)
+        prompt_override, decode_override = split_override(override)
+        prepare_cut(self.dropper, req, prompt_override)
+        prepare_decode(self.compressor, req, decode_override)
         req.window = window_for(
-            len(req.prompt), None if req.cut is None else req.cut.capture, self._store
+            len(req.prompt),
+            None if req.cut is None else req.cut.capture,
+            self._stored_window(req),
+            decode_capture(req),
         )
         if guide is not None:
             req.guide = self._matcher(guide, req)
@@ -388,9 +405,10 @@ class Engine:
                     return
                 sched.drop_cancelled()
                 st = self._stats
-                for _, computed in sched.grow():
+                for victim, computed in sched.grow():
                     st.preemptions += 1
                     st.recomputed_tokens += computed
+                    st.swaps += victim.swapped is not None
                 admitted = sched.admit()
                 st.requests_admitted += len(admitted)
                 st.peak_running = max(st.peak_running, len(sched.running))
@@ -459,6 +477,7 @@ class Engine:
             self._ship(req, tok, lp, reason, windows)
         with self._cv:
             self._stats.ship_seconds += time.perf_counter() - shipping
+        self._decode_cut([req for req, tok, reason in ended if tok is not None and reason is None])
 
     def _feed_guides(
         self, plan: StepPlan, sampled: dict[int, tuple[int, TokenLogprobs | None]]
@@ -478,8 +497,8 @@ class Engine:
         scored = dict((req.rid, k) for req, k in plan.scored)
         for req, n in plan.stepped:
             try:
-                if out.attn is not None and req.rid in out.capture:
-                    req.take_queries(out.attn.captured_rows(req.rid), out.capture[req.rid])
+                if req.rid in out.capture:
+                    req.take_queries(out.captured_rows(req.rid), out.capture[req.rid])
                 k = scored.get(req.rid, 0)
                 if k and out.scores is not None:
                     req.score_parts.append(out.scores[row : row + k])
@@ -499,6 +518,9 @@ class Engine:
                 st.decode_step_seconds += time.perf_counter() - started - out.capture_seconds
                 st.graph_capture_seconds += out.capture_seconds
                 st.decode_kv_tokens += sum(s.start + 1 for s in plan.seqs)
+            held = [s.start + 1 for s in plan.seqs if s.num_new == 1]
+            if held:
+                st.peak_decode_kv_tokens = max(st.peak_decode_kv_tokens, max(held))
             else:
                 st.prefill_step_seconds += time.perf_counter() - started
 
@@ -521,7 +543,7 @@ class Engine:
         if self._transfers is None:
             return {}
         started = time.perf_counter()
-        windows = self.runner.finished_windows(ended)
+        windows = self.runner.finished_windows([e for e in ended if e[0].decode_cut is None])
         with self._cv:
             self._stats.window_seconds += time.perf_counter() - started
         return windows
@@ -577,7 +599,7 @@ class Engine:
         first event reports the kept prompt tokens."""
         assert self.dropper is not None
         done = self.dropper.cut(self.cache, req, req.cut)
-        req.window = window_after_cut(done.num_kept, self._store)
+        req.window = window_after_cut(done.num_kept, self._stored_window(req), decode_capture(req))
         req.kept_prompt = done.num_kept
         with self._cv:
             st = self._stats
@@ -585,6 +607,41 @@ class Engine:
             st.prompt_tokens_kept += done.num_kept
             st.prompt_tokens_dropped += done.num_prompt - done.num_kept
             st.cut_seconds += done.seconds
+
+    def _stored_window(self, req: Request) -> QueryCapture | None:
+        """The query window the connector stores for ``req`` when it ends (None for a request
+        cut while decoding: its cache no longer matches its tokens)."""
+        return None if req.decode_cut is not None else self._store
+
+    def _decode_cut(self, stepped: Sequence[Request]) -> None:
+        """(after a step) Cut every request of ``stepped`` whose cache passed its decode budget,
+        together (:meth:`DecodeCompressor.cut`); a failed batch is retried one by one, so a
+        failure reaches only its own request."""
+        compressor = self.compressor
+        if compressor is None:
+            return
+        due = [
+            r
+            for r in stepped
+            if not r.cancelled and r.rid in self._sched.running and compressor.due(r)
+        ]
+        if not due:
+            return
+        try:
+            done = [compressor.cut(self.cache, due)]
+        except Exception:
+            done = []
+            for req in due:
+                try:
+                    done.append(compressor.cut(self.cache, [req]))
+                except Exception as exc:
+                    self._fail(req, exc)
+        with self._cv:
+            st = self._stats
+            for d in done:
+                st.decode_cuts += d.num_requests
+                st.decode_tokens_dropped += d.tokens_before - d.tokens_kept
+                st.decode_cut_seconds += d.seconds
 
     def _prompt_job(self, req: Request) -> StoreJob:
         """(after prefill) The prompt's whole chunks of KV (and chunk queries) to store."""
@@ -602,6 +659,9 @@ class Engine:
         conn = self.connector
         assert conn is not None
         jobs: list[StoreJob | WindowJob] = []
+        if req.decode_cut is not None:  # its cache no longer matches its tokens
+            req.window = None
+            return jobs
         sequence = req.prompt + req.output
         computed = len(sequence) - 1  # the last generated token was never fed back
         upto = decoded_store_upto(req, conn.chunk_size, conn.store_decoded)

@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
@@ -33,6 +34,9 @@ from kvdrop_engine.sampling import finish_reason
 from kvdrop_engine.sequence import LoadState, Request
 from kvdrop_sdk.query_capture import QueryCapture
 from kvdrop_sdk.validate import positive_int
+
+if TYPE_CHECKING:
+    from kvdrop_engine.decode_cut import KVSwap
 
 __all__ = [
     "DEFAULT_BUDGET_TOKENS",
@@ -180,9 +184,9 @@ def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
     for req in batch:
         if req.prefilling or req.reconstruction is not None:
             continue
-        plan.seqs.append(SeqStep(req.rid, req.blocks, req.num_computed, 1))
+        plan.seqs.append(SeqStep(req.rid, req.blocks, req.num_computed, 1, req.dropped))
         plan.tokens.append(req.output[-1])
-        plan.positions.append(req.num_computed)
+        plan.positions.append(req.num_computed + req.dropped)
         plan.sample_rows.append(len(plan.tokens) - 1)
         plan.sampled.append(req)
         plan.stepped.append((req, 1))
@@ -222,6 +226,8 @@ class Scheduler:
     """The waiting line and the running set over one block allocator (see the module docstring).
 
     ``load_lock`` is the engine's lock over :attr:`Request.load_state` (shared with the loads).
+    ``swap`` (a :class:`~kvdrop_engine.decode_cut.KVSwap`) preempts the requests it holds by
+    moving their cache to host memory and back instead of recomputing them.
     """
 
     def __init__(
@@ -231,8 +237,10 @@ class Scheduler:
         max_batch_size: int,
         load_lock: threading.Lock,
         eos_token_ids: Collection[int] = (),
+        swap: KVSwap | None = None,
     ) -> None:
         self.allocator = allocator
+        self.swap = swap
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_size = block_size
         self.max_batch_size = max_batch_size
@@ -261,9 +269,9 @@ class Scheduler:
             )
 
     def _admission_blocks(self, req: Request) -> int:
-        """Blocks a request takes on admission: room for what it computes before its first
-        sample (its prompt; after a preemption, everything it had); decodes grow it later."""
-        return blocks_needed(len(req.prefill_tokens), self.block_size)
+        """Blocks a request takes on admission (:attr:`Request.admission_tokens`); decodes grow
+        it later."""
+        return blocks_needed(req.admission_tokens, self.block_size)
 
     def _head_fits(self) -> bool:
         return self._admission_blocks(self.waiting[0]) <= self.allocator.num_free
@@ -276,6 +284,9 @@ class Scheduler:
                 break  # FIFO: the head waits for blocks; later requests do not overtake it
             req = self.waiting.popleft()
             req.blocks = self.allocator.allocate(self._admission_blocks(req))
+            if req.swapped is not None:
+                assert self.swap is not None
+                self.swap.into(req)
             self.running[req.rid] = req
             admitted.append(req)
         return admitted
@@ -293,7 +304,8 @@ class Scheduler:
             need = blocks_needed(req.num_computed + 1, self.block_size) - len(req.blocks)
             while need > self.allocator.num_free:
                 victim = self._victim()
-                preempted.append((victim, victim.num_computed))
+                swapped = self.swap is not None and self.swap.holds(victim)
+                preempted.append((victim, 0 if swapped else victim.num_computed))
                 self._preempt(victim)
                 if victim is req:
                     break
@@ -321,6 +333,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.pop(req.rid)
+        if self.swap is not None and self.swap.holds(req):
+            self.swap.out(req)
         self.free(req)
         req.preempt()
         self.waiting.appendleft(req)

@@ -82,6 +82,15 @@ class Request:
 
     #: Preempted (its blocks taken back) and waiting to recompute what it had computed.
     preempted: bool = False
+    #: The cut while decoding (a ``kvdrop_engine.decode_cut.DecodeCut``; None: none), the cuts
+    #: done, the tokens they dropped (the next token's RoPE position is its slot plus this), the
+    #: true positions of the rows kept by the last one (slots ``0..k-1``), and the cache held in
+    #: host memory while preempted (such a request is swapped, never recomputed).
+    decode_cut: Any = None
+    decode_cuts: int = 0
+    dropped: int = 0
+    kept_positions: Tensor | None = None
+    swapped: Tensor | None = None
 
     @property
     def prefill_tokens(self) -> list[int]:
@@ -93,14 +102,36 @@ class Request:
     def peak_tokens(self) -> int:
         """KV tokens the request ever holds (what admission reserves): prompt and every generated
         token but the last, or less when its prompt is cut after prefill."""
+        n, max_tokens = len(self.prompt), self.params.max_tokens
+        peak = n + max_tokens - 1
+        start = n  # cached tokens when decoding starts
         if self.cut is not None:
-            return int(self.cut.peak_tokens(len(self.prompt), self.params.max_tokens))
-        return len(self.prompt) + self.params.max_tokens - 1
+            peak = int(self.cut.peak_tokens(n, max_tokens))
+            start = int(self.cut.kept_bound(n))
+        if self.decode_cut is not None:
+            peak = int(self.decode_cut.peak_tokens(n, start, max_tokens))
+        return peak
 
     @property
     def prefilling(self) -> bool:
         """Whether prompt tokens (or, after a preemption, generated ones) are to be computed."""
-        return self.num_computed < len(self.prompt) + max(0, len(self.output) - 1)
+        return self.num_computed + self.dropped < len(self.prompt) + max(0, len(self.output) - 1)
+
+    @property
+    def admission_tokens(self) -> int:
+        """Tokens the request's blocks must hold on admission: what it computes before its first
+        sample (its prompt; after a preemption everything it had), or its swapped cache and the
+        token it decodes next (it decodes at once: the blocks it grows by were given out)."""
+        if self.swapped is not None:
+            return int(self.swapped.shape[2]) + 1
+        return len(self.prefill_tokens)
+
+    def slot_positions(self, n: int) -> Tensor:
+        """True RoPE positions (CPU int64) of the rows in slots ``0..n-1``."""
+        kept = self.kept_positions
+        if kept is None:
+            return torch.arange(n)
+        return torch.cat([kept, torch.arange(kept.numel(), n) + self.dropped])[:n]
 
     def preempt(self) -> None:
         """Forget what is computed (its blocks are taken back): it is recomputed from token 0,
@@ -109,7 +140,7 @@ class Request:
         self.query_parts, self.query_offset, self.score_parts = [], 0, []
         if self.output:
             self.capture_queries = False  # the prompt's chunk queries were stored already
-        if self.window is not None:
+        if self.window is not None and self.swapped is None:  # a swapped one keeps its rows
             w = self.window
             self.window = WindowCapture(w.num_prompt, w.window, w.stride)
 
