@@ -136,6 +136,21 @@ def _drop_arguments(parser: argparse.ArgumentParser) -> None:
         default=128,
         help="prompts shorter than this are left whole (default 128)",
     )
+    drop.add_argument(
+        "--cut-timeout-s",
+        type=float,
+        default=30.0,
+        help="a prompt cut (its policy runs beside the loop, which steps other requests) still "
+        "running after this many seconds fails its request (default 30)",
+    )
+    drop.add_argument(
+        "--client-policies",
+        default="builtin",
+        metavar="WHICH",
+        help="which policies a request's \"kvdrop\" override may name: 'builtin' (the "
+        "server's own --policy and kvdrop's built-ins; default), 'all' (plugins too) or a "
+        "comma-separated list; parameters stay within their declared serving bounds",
+    )
     decode = parser.add_argument_group(
         "compression while decoding (each request's cache kept within a token budget; a "
         'request\'s "kvdrop": {"decode": {"policy": ..., "budget": ..., "every": ...}} or '
@@ -413,6 +428,8 @@ def _dropper(args: argparse.Namespace, config: Any) -> Any:
         min_prompt_tokens=args.min_drop_tokens,
         query_window=args.query_window,
         query_stride=args.query_stride,
+        client_policies=args.client_policies,
+        cut_timeout_s=args.cut_timeout_s,
     )
 
 

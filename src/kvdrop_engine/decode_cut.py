@@ -386,7 +386,7 @@ def prepare_decode(
     if req.decode_cut is None or req.params.max_tokens == 1:
         req.decode_cut = None
         return
-    if req.params.reconstruct:
+    if req.options.reconstruct:
         raise InvalidRequestError(
             "reconstruct=true scores the prompt's whole cache when the request ends, which a "
             "cut while decoding no longer holds; send 'kvdrop.decode': null with it"

@@ -26,13 +26,14 @@ from torch import Tensor, nn
 from kvdrop_engine.connectors.base import KVConnector
 from kvdrop_engine.decode_cut import DecodeCompressor, KVSwap, decode_capture, prepare_decode
 from kvdrop_engine.draw import draw_tokens
-from kvdrop_engine.drop import PromptDropper, prepare_cut, split_override
+from kvdrop_engine.drop import PendingCut, PromptDropper, prepare_cut
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.penalties import edit_logits
 from kvdrop_engine.plan import store_capture, window_after_cut, window_for
 from kvdrop_engine.reconstruct import ReconstructionPrompt
+from kvdrop_engine.request_options import RequestOptions, submission
 from kvdrop_engine.runner import Forward, ModelRunner, WindowRecord
 from kvdrop_engine.sampling import (
     SamplingParams,
@@ -57,6 +58,9 @@ from kvdrop_sdk.query_capture import QueryCapture
 from kvdrop_sdk.validate import positive_int
 
 __all__ = ["DEFAULT_BUDGET_TOKENS", "Engine", "EngineStats", "StepPlan", "plan_step"]
+
+#: A scoring request's sampling: one greedy token (never handed out).
+SCORING = SamplingParams(max_tokens=1, temperature=0.0)
 
 #: Engines whose loop thread runs; stopped at interpreter exit (see ``_stop_running_engines``).
 _RUNNING: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -275,46 +279,40 @@ class Engine:
         self,
         prompt_token_ids: Sequence[int],
         sampling_params: Mapping[str, Any] | SamplingParams | None = None,
-        cache_salt: str = "",
+        cache_salt: str | RequestOptions = "",
     ) -> Iterator[TokenEvent]:
         """Submit a request; iterate the returned generator for its tokens as they are produced.
 
-        Validation happens here (raising ``InvalidRequestError`` / ``RequestTooLargeError``);
-        failures while serving raise ``EngineError`` from the iterator. Closing the iterator (from
-        any thread, before or after its first token) or dropping it cancels the request and
-        frees its blocks at once (:class:`~kvdrop_engine.sequence.TokenStream`). Starts the
-        engine if needed.
+        ``sampling_params`` is a ``SamplingParams`` or a dict (which may carry the request
+        options ``"kvdrop"`` and ``"reconstruct"``); ``cache_salt`` is the salt, or the
+        request's whole :class:`~kvdrop_engine.request_options.RequestOptions` (the OpenAI
+        server's form, built once from the body). Validation happens here, once (raising
+        ``InvalidRequestError`` / ``RequestTooLargeError``); failures while serving raise
+        ``EngineError`` from the iterator. Closing the iterator (from any thread, before or
+        after its first token) or dropping it cancels the request and frees its blocks at once
+        (:class:`~kvdrop_engine.sequence.TokenStream`). Starts the engine if needed.
         """
+        params, options = submission(sampling_params, cache_salt)
         detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
-        override: tuple[Any, ...] = ()  # the request's "kvdrop" key, when it sent one
-        guide = None  # its "structured_outputs" key, when it sent one
-        if isinstance(sampling_params, Mapping) and (
-            "kvdrop" in sampling_params or "structured_outputs" in sampling_params
-        ):
-            sampling_params = dict(sampling_params)
-            if "kvdrop" in sampling_params:
-                override = (sampling_params.pop("kvdrop"),)
-            guide = sampling_params.pop("structured_outputs", None)
         req = new_request(
             next(self._ids),
             prompt_token_ids,
-            sampling_params,
-            cache_salt,
+            params,
+            options,
             vocab_size=self.config.vocab_size,
             detok=detok,
         )
-        prompt_override, decode_override = split_override(override)
-        prepare_cut(self.dropper, req, prompt_override)
-        prepare_decode(self.compressor, req, decode_override)
+        prepare_cut(self.dropper, req, options.prompt_cut)
+        prepare_decode(self.compressor, req, options.decode_cut)
         req.window = window_for(
             len(req.prompt),
             None if req.cut is None else req.cut.capture,
             self._stored_window(req),
             decode_capture(req),
         )
-        if guide is not None:
-            req.guide = self._matcher(guide, req)
-        if req.params.reconstruct and (self.reconstruction is None or self._transfers is None):
+        if options.guide is not None:
+            req.guide = self._matcher(options.guide, req)
+        if options.reconstruct and (self.reconstruction is None or self._transfers is None):
             raise InvalidRequestError(
                 "reconstruct=true needs an engine built with reconstruction=ReconstructionPrompt"
                 "(...) and a connector to store the scores in (kvdrop_engine.reconstruct)"
@@ -350,11 +348,12 @@ class Engine:
         sampled or stored. Returns a function that waits for its float32 log-softmax rows
         ``[len(token_ids) - score_from, V]`` (row ``i``: the distribution after position
         ``score_from + i``); :func:`kvdrop_engine.logprobs.continuation_logprobs` uses it."""
+        params, options = submission(SCORING, cache_salt)
         req = new_request(
             next(self._ids),
             token_ids,
-            {"max_tokens": 1, "temperature": 0.0},
-            cache_salt,
+            params,
+            options,
             vocab_size=self.config.vocab_size,
             detok=None,
         )
@@ -404,6 +403,7 @@ class Engine:
                 if self._stopping:
                     return
                 sched.drop_cancelled()
+                cuts = sched.cuts_ready(time.monotonic())
                 st = self._stats
                 for victim, computed in sched.grow():
                     st.preemptions += 1
@@ -429,6 +429,8 @@ class Engine:
                             self._fail(req, exc)
                 with self._cv:
                     self._stats.load_apply_seconds += time.perf_counter() - applying
+            for req in cuts:
+                self._finish_cut(req)
             with self._cv:
                 batch = sched.runnable()
             try:
@@ -465,6 +467,9 @@ class Engine:
                         self._step([req])
             return
         self._advance(plan, out)
+        for req, _ in plan.stepped:
+            if req.recut and req.num_computed >= len(req.prompt) and not req.cancelled:
+                self._recut(req)
         self._count(plan, out, started)
         sampled = self._sample(plan, out, picked, edited)
         self._feed_guides(plan, sampled)
@@ -565,8 +570,10 @@ class Engine:
                 transfers = self._transfers
                 if len(req.output) == 1 and req.store_upto and transfers is not None:
                     transfers.submit(req, self._prompt_job(req))
-                if len(req.output) == 1 and req.cut is not None and reason is None:
-                    self._cut(req)  # postprocess after prefill: kvdrop_engine.drop
+                if len(req.output) == 1 and req.cut is not None and req.kept_index is None:
+                    if reason is None:  # postprocess after prefill, off the loop: the first
+                        self._start_cut(req, tok, logprobs)  # event follows it (_finish_cut)
+                        return
                 text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
                 lp, top = (None, ()) if logprobs is None else logprobs
                 kept, req.kept_prompt = req.kept_prompt, None  # on the first event only
@@ -576,7 +583,7 @@ class Engine:
                 if reason is not None and transfers is not None and not req.cancelled:
                     for job in self._finish_jobs(req, windows or {}):
                         transfers.submit(req, job)
-                    if req.params.reconstruct:  # the end waits for the pass, run in pieces
+                    if req.options.reconstruct:  # the end waits for the pass, run in pieces
                         req.held = event
                         req.reconstruction = self.runner.reconstruction_pass(
                             req.prompt,
@@ -594,11 +601,53 @@ class Engine:
                 self._sched.finish(req)
                 self._stats.requests_finished += 1
 
-    def _cut(self, req: Request) -> None:
-        """(after prefill) Cut the prompt's cache by its policy (:mod:`kvdrop_engine.drop`); the
-        first event reports the kept prompt tokens."""
+    def _recut(self, req: Request) -> None:
+        """(a preempted cut request whose whole prompt is computed again) Keep the same rows
+        as its cut did (:meth:`~kvdrop_engine.drop.PromptDropper.recut`), so its answer is
+        the one it would have had without the preemption."""
         assert self.dropper is not None
-        done = self.dropper.cut(self.cache, req, req.cut)
+        with self._cv:
+            if self._sched.running.get(req.rid) is not req:
+                return
+        try:
+            self.dropper.recut(self.cache, req)
+            req.window = window_after_cut(
+                len(req.prompt), self._stored_window(req), decode_capture(req)
+            )
+        except Exception as exc:
+            self._fail(req, exc)
+
+    def _start_cut(self, req: Request, tok: int, logprobs: TokenLogprobs | None) -> None:
+        """(after prefill) Start cutting the prompt's cache by its policy on a thread of its own
+        (:class:`~kvdrop_engine.drop.PendingCut`): the loop steps the other requests
+        meanwhile, and :meth:`_finish_cut` applies it once it ends or its deadline passes."""
+        assert self.dropper is not None
+        job = self.dropper.start(self.cache, req, req.cut)
+        pending = PendingCut(job, self.dropper.cut_timeout_s, self._wake, tok, logprobs)
+        with self._cv:
+            req.cutting = pending
+
+    def _finish_cut(self, req: Request) -> None:
+        """(on the loop) Apply a cut whose policy ended, then hand the first token over; a
+        failed or late cut fails its request only (its blocks were never changed)."""
+        pending, req.cutting = req.cutting, None
+        with self._cv:
+            running = self._sched.running.get(req.rid) is req
+        if not running or req.cancelled:
+            return  # freed meanwhile (cancelled): nothing to apply
+        try:
+            self._cut(req, pending)
+        except Exception as exc:
+            self._fail(req, exc)
+            return
+        self._ship(req, pending.token, pending.logprobs, None)
+
+    def _cut(self, req: Request, pending: PendingCut) -> None:
+        """Apply ``pending``'s kept rows (:meth:`~kvdrop_engine.drop.PromptDropper.apply`);
+        the first event reports the kept prompt tokens."""
+        assert self.dropper is not None
+        chosen = pending.result()
+        done = self.dropper.apply(self.cache, req, pending.job, chosen, pending.started)
         req.window = window_after_cut(done.num_kept, self._stored_window(req), decode_capture(req))
         req.kept_prompt = done.num_kept
         with self._cv:
@@ -623,7 +672,10 @@ class Engine:
         due = [
             r
             for r in stepped
-            if not r.cancelled and r.rid in self._sched.running and compressor.due(r)
+            if not r.cancelled
+            and r.cutting is None  # its prompt cut runs: decode cuts follow it
+            and r.rid in self._sched.running
+            and compressor.due(r)
         ]
         if not due:
             return

@@ -133,7 +133,10 @@ class CompletionHTTPServer:
     ``PostCompletion``.
 
     ``post_completion`` must be safe to call from many threads at once (each HTTP request runs in
-    its own thread). ``tokenizer`` enables text prompts, and chat when it has a chat template
+    its own thread). It is called as ``post_completion(prompt, params, options)``: the request's
+    ``SamplingParams`` and ``RequestOptions``, built and validated once from the body
+    (:mod:`kvdrop_engine.request_options`), which ``Engine.post_completion`` takes as they are.
+    ``tokenizer`` enables text prompts, and chat when it has a chat template
     (``apply_chat_template``); with ``detokenize`` the server computes each token's text itself
     instead of using ``TokenEvent.text``. Errors the engine raises before its first token as
     ``ValueError``/``TypeError`` are answered with 400, others with 500;
@@ -514,7 +517,7 @@ class _Handler(LimitedHandler):
         build.scored = scored
         try:
             for i in range(req.num_choices):
-                events = app.post_completion(req.prompt_of(i), req.choice_params(i), req.cache_salt)
+                events = app.post_completion(req.prompt_of(i), req.choice_params(i), req.options)
                 opened.append(iter(events))
             streams = ChoiceStreams(opened)
             pairs = iter(streams)

@@ -168,7 +168,7 @@ class Choice:
         stop_reason: str | int | None = stop
         if stop is not None:
             finish = "stop"
-        elif finish == "stop" and event.token_id in req.sampling_params.get("stop_token_ids", ()):
+        elif finish == "stop" and event.token_id in req.params.stop_set:
             stop_reason = event.token_id
         token, top = self._logprob_tokens(event)
         offset = self._offset + (len(self.prefix) if not self.pieces else 0)

@@ -148,7 +148,6 @@ BOUNDS: dict[str, Bound] = {
     "ignore_eos": Bound("bool"),
     "stop_token_ids": Bound("ids"),
     "logprobs": Bound("int", 0, MAX_LOGPROBS, optional=True),
-    "reconstruct": Bound("bool"),
 }
 
 
@@ -184,9 +183,6 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
-    #: kvdrop's extension: score this prompt with KVzip's reconstruction pass when the request
-    #: ends (needs an engine built with ``reconstruction``; the ``kvzip`` policy reads them).
-    reconstruct: bool = False
     stop_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -211,6 +207,20 @@ class SamplingParams:
             or self.logit_bias
             or self.min_tokens
         )
+
+    def changed(self) -> dict[str, Any]:
+        """``max_tokens`` and every value that is not the default, as plain JSON values (what a
+        log line or a test compares; :meth:`from_dict` reads it back)."""
+        default = SamplingParams()
+        out: dict[str, Any] = {"max_tokens": self.max_tokens}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not f.init or f.name == "max_tokens" or value == getattr(default, f.name):
+                continue
+            if f.name == "logit_bias":
+                value = {str(t): float(b) for t, b in value}
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | SamplingParams | None) -> SamplingParams:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import queue
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -19,13 +19,17 @@ from torch import Tensor
 from kvdrop_engine.capture import WindowCapture
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.reconstruct import ReconstructionPass
+from kvdrop_engine.request_options import RequestOptions
 from kvdrop_engine.sampling import SamplingParams, make_generator
 from kvdrop_engine.tokenizer import IncrementalDetokenizer
 from kvdrop_sdk.events import TokenEvent
-from kvdrop_sdk.protocol import check_salt
 from kvdrop_sdk.validate import token_ids
 
 __all__ = ["LoadState", "Request", "TokenStream", "new_request", "raise_failure", "scored_rows"]
+
+
+#: The options of a request that asked for nothing beyond sampling.
+NO_OPTIONS = RequestOptions()
 
 
 class LoadState(enum.Enum):
@@ -68,6 +72,15 @@ class Request:
     #: once it ran, the prompt tokens it kept (the first event reports them).
     cut: Any = None
     kept_prompt: int | None = None
+    #: The cut while its policy runs off the loop (a ``kvdrop_engine.drop.PendingCut``: the
+    #: request is not stepped meanwhile), and once applied the prompt before it and the kept
+    #: indices (a preempted cut request recomputes the whole prompt and keeps the same rows).
+    cutting: Any = None
+    uncut_prompt: list[int] | None = None
+    kept_index: Tensor | None = None
+    #: Preempted after its cut: it prefills ``uncut_prompt`` again, keeps ``kept_index`` of
+    #: it (no policy call), then recomputes its generated tokens after the kept rows.
+    recut: bool = False
     #: The structured output's grammar matcher (``xgrammar.GrammarMatcher``; None: free text):
     #: it masks the request's logits each step and is fed each token (:mod:`structured`).
     guide: Any = None
@@ -82,6 +95,8 @@ class Request:
 
     #: Preempted (its blocks taken back) and waiting to recompute what it had computed.
     preempted: bool = False
+    #: What the request asked beyond sampling (its cut override, reconstruction, salt).
+    options: RequestOptions = NO_OPTIONS
     #: The cut while decoding (a ``kvdrop_engine.decode_cut.DecodeCut``; None: none), the cuts
     #: done, the tokens they dropped (the next token's RoPE position is its slot plus this), the
     #: true positions of the rows kept by the last one (slots ``0..k-1``), and the cache held in
@@ -113,6 +128,14 @@ class Request:
         return peak
 
     @property
+    def recut_tokens(self) -> int:
+        """KV tokens a preempted cut request holds once its prompt is cut again: the kept rows
+        and its generated tokens but the last (what its recompute needs at most, beside the
+        whole prompt)."""
+        assert self.kept_index is not None
+        return int(self.kept_index.numel()) + max(0, len(self.output) - 1)
+
+    @property
     def prefilling(self) -> bool:
         """Whether prompt tokens (or, after a preemption, generated ones) are to be computed."""
         return self.num_computed + self.dropped < len(self.prompt) + max(0, len(self.output) - 1)
@@ -120,10 +143,13 @@ class Request:
     @property
     def admission_tokens(self) -> int:
         """Tokens the request's blocks must hold on admission: what it computes before its first
-        sample (its prompt; after a preemption everything it had), or its swapped cache and the
-        token it decodes next (it decodes at once: the blocks it grows by were given out)."""
+        sample (its prompt; after a preemption everything it had; a cut one its whole prompt
+        first), or its swapped cache and the token it decodes next (it decodes at once: the
+        blocks it grows by were given out)."""
         if self.swapped is not None:
             return int(self.swapped.shape[2]) + 1
+        if self.recut:  # its whole prompt, or its kept rows and generated tokens if more
+            return max(len(self.prompt), self.recut_tokens)
         return len(self.prefill_tokens)
 
     def slot_positions(self, n: int) -> Tensor:
@@ -138,6 +164,14 @@ class Request:
         its query capture restarted so that it keeps the same rows (vLLM's recompute)."""
         self.num_computed, self.preempted = 0, True
         self.query_parts, self.query_offset, self.score_parts = [], 0, []
+        cut = self.kept_index is not None and self.uncut_prompt is not None
+        if cut and self.swapped is None:  # (a swapped one keeps its cache: nothing to redo)
+            # Cut already: the kept rows need the whole prompt's context, so the prompt is
+            # prefilled whole and the same rows kept again (``Engine._recut``), not prefilled
+            # as the kept tokens alone (another cache: another answer).
+            self.prompt, self.recut, self.window = self.uncut_prompt, True, None
+            self.capture_queries = False  # the prompt's chunk queries were stored already
+            return
         if self.output:
             self.capture_queries = False  # the prompt's chunk queries were stored already
         if self.window is not None and self.swapped is None:  # a swapped one keeps its rows
@@ -191,26 +225,25 @@ class Request:
 def new_request(
     rid: int,
     prompt_token_ids: Sequence[int],
-    sampling_params: Mapping[str, Any] | SamplingParams | None,
-    cache_salt: str,
+    params: SamplingParams,
+    options: RequestOptions,
     *,
     vocab_size: int,
     detok: IncrementalDetokenizer | None,
 ) -> Request:
-    """A submitted request, validated once here: ``InvalidRequestError`` says what was wrong."""
-    params = SamplingParams.from_dict(sampling_params)
+    """A submitted request of validated ``params`` and ``options``
+    (:func:`~kvdrop_engine.request_options.submission`); its prompt and the vocabulary-bound
+    checks here: ``InvalidRequestError`` says what was wrong."""
     try:
         prompt = token_ids(prompt_token_ids, "prompt_token_ids", vocab_size=vocab_size)
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(str(exc)) from None
     if not prompt:
         raise InvalidRequestError("prompt_token_ids is empty; expected at least one token")
-    try:
-        check_salt(cache_salt)
-        params.check_vocab(vocab_size)
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequestError(str(exc)) from None
-    return Request(rid, prompt, params, cache_salt, queue.Queue(), make_generator(params), detok)
+    params.check_vocab(vocab_size)
+    generator = make_generator(params)
+    out: queue.Queue[Any] = queue.Queue()
+    return Request(rid, prompt, params, options.cache_salt, out, generator, detok, options=options)
 
 
 def scored_rows(req: Request) -> Tensor:

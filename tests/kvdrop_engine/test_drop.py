@@ -95,15 +95,15 @@ def test_kept_keys_sit_at_contiguous_positions(model: Transformer) -> None:
     dropper = PromptDropper(model.config, "snapkv", keep_ratio=0.5)
     engine = Engine(model, num_blocks=64, dropper=dropper)
     req = None
-    original = engine.dropper.cut  # type: ignore[union-attr]
+    original = engine.dropper.apply  # type: ignore[union-attr]
 
-    def spy(cache, r, cut):  # type: ignore[no-untyped-def]
+    def spy(cache, r, *args):  # type: ignore[no-untyped-def]
         nonlocal req
-        done = original(cache, r, cut)
+        done = original(cache, r, *args)
         req = (list(r.prompt), cache.keys(r.blocks, 0, r.num_computed).clone())
         return done
 
-    engine.dropper.cut = spy  # type: ignore[method-assign,union-attr]
+    engine.dropper.apply = spy  # type: ignore[method-assign,union-attr]
     with engine:
         engine.generate(prompt, {"max_tokens": 2, **GREEDY})
     assert req is not None
@@ -139,7 +139,9 @@ def test_overrides_and_threshold(model: Transformer) -> None:
     def kept(engine: Engine, extra: dict, tokens: list[int] = prompt) -> int | None:
         return next(iter(engine.post_completion(tokens, {**params, **extra}))).kept_prompt_tokens
 
-    dropper = PromptDropper(model.config, "snapkv", keep_ratio=0.5, min_prompt_tokens=150)
+    dropper = PromptDropper(
+        model.config, "snapkv", keep_ratio=0.5, min_prompt_tokens=150, client_policies="all"
+    )
     with Engine(model, num_blocks=64, dropper=dropper) as engine:
         assert kept(engine, {}) == 100
         assert kept(engine, {"kvdrop": None}) == 200  # no cut

@@ -76,13 +76,13 @@ def spy_rows(engine: Engine) -> list[int]:
     seen: list[int] = []
     dropper = engine.dropper
     assert dropper is not None
-    original = dropper.cut
+    original = dropper.start  # the loop gathers the cut's inputs here
 
-    def cut(cache, req, c):  # type: ignore[no-untyped-def]
+    def start(cache, req, c):  # type: ignore[no-untyped-def]
         seen.append(0 if req.window is None else req.window.num_rows)
         return original(cache, req, c)
 
-    dropper.cut = cut  # type: ignore[method-assign]
+    dropper.start = start  # type: ignore[method-assign]
     return seen
 
 
@@ -138,14 +138,14 @@ def test_snapkv_window_128_cut_equals_the_policy_offline(model: Transformer) -> 
     spec = "snapkv(window=128)"
     dropper = PromptDropper(cfg, spec, keep_ratio=0.5, query_window=128)
     kept: list[list[int]] = []
-    original = dropper.cut
+    original = dropper.apply  # the loop writes the kept rows back here
 
-    def cut(cache, req, c):  # type: ignore[no-untyped-def]
-        done = original(cache, req, c)
+    def apply(cache, req, *args):  # type: ignore[no-untyped-def]
+        done = original(cache, req, *args)
         kept.append(list(req.prompt[: req.num_computed]))
         return done
 
-    dropper.cut = cut  # type: ignore[method-assign]
+    dropper.apply = apply  # type: ignore[method-assign]
     with Engine(model, num_blocks=64, dropper=dropper) as engine:
         engine.generate(prompt, {"max_tokens": 2, **GREEDY})
     n = len(prompt)
