@@ -322,6 +322,12 @@ def run(
         for c in ctxs:
             c.close()
     log(f"{name}: done (decode graphs captured: {engine.graphs and engine.graphs.captured})")
+    mod = None if res.modify is None else float(res.modify["duration"])
+    log(
+        f"{name}: prefill {float(res.prefill['duration']):.2f} s, modify {mod} s, decode "
+        f"{float(res.decode['duration']):.2f} s ({res.decode_tput:.1f} tok/s), loads "
+        f"{res.engine['tokens_loaded']} tokens in {res.engine['prefix_load_seconds']:.2f} s"
+    )
     recon_s = float(res.prefill_engine.get("reconstruction_seconds", 0.0))
     prefill_s = float(res.prefill["duration"])
     return {
@@ -407,6 +413,7 @@ def job(
         for c in ctxs:
             c.close()
     stats = engine.stats()
+    log(f"{name}: job {float(report['duration']):.2f} s, {failed} failed")
     return {
         "job_s": float(report["duration"]),
         "job_tok_s": float(report["output_tput"]),

@@ -57,6 +57,9 @@ from kvdrop_engine.sampling import (
     SamplingParamError,
     SamplingParams,
 )
+from kvdrop_engine.structured import MISSING as STRUCTURED_MISSING
+from kvdrop_engine.structured import available as structured_available
+from kvdrop_engine.tools import Tools, parse_tools
 from kvdrop_sdk.validate import is_int, is_number
 
 __all__ = [
@@ -119,6 +122,9 @@ class CompletionRequest:
     min_tokens: int = 0
     #: Each prompt's text as sent (None for token ids): what ``echo`` repeats.
     prompt_texts: tuple[str | None, ...] = ()
+    #: A chat's tools when its choices may call them (``tool_choice`` not "none"): the reply's
+    #: text is parsed into ``tool_calls`` (:mod:`kvdrop_engine.tools`).
+    tools: Tools | None = None
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -185,8 +191,14 @@ def _chat_max_tokens(body: dict[str, Any], prompt: list[int], settings: Settings
     return settings.max_model_len - len(prompt)
 
 
-def _chat_prompts(body: dict[str, Any], settings: Settings) -> list[list[int]]:
-    return [chat_prompt(body, settings)]
+def _completion_prompts(
+    body: dict[str, Any], settings: Settings, tools: Tools | None
+) -> list[list[int]]:
+    return completion_prompts(body, settings)
+
+
+def _chat_prompts(body: dict[str, Any], settings: Settings, tools: Tools | None) -> list[list[int]]:
+    return [chat_prompt(body, settings, None if tools is None else tools.template())]
 
 
 def _max_tokens_name(body: dict[str, Any]) -> str:
@@ -200,7 +212,7 @@ class Route:
 
     chat: bool
     fields: frozenset[str]
-    prompts: Callable[[dict[str, Any], Settings], list[list[int]]]
+    prompts: Callable[[dict[str, Any], Settings, Tools | None], list[list[int]]]
     max_tokens: Callable[[dict[str, Any], list[int], Settings], Any]
     logprobs: Callable[[dict[str, Any]], Any]
     logprobs_name: str
@@ -209,7 +221,7 @@ class Route:
 COMPLETIONS = Route(
     False,
     COMPLETION_FIELDS,
-    completion_prompts,
+    _completion_prompts,
     _completion_max_tokens,
     _completion_logprobs,
     "logprobs",
@@ -240,13 +252,24 @@ def _engine_values(body: dict[str, Any], settings: Settings) -> dict[str, Any]:
     return params
 
 
-def _options(body: dict[str, Any]) -> RequestOptions:
+def _options(body: dict[str, Any], tools: Tools | None) -> RequestOptions:
     """The request's options (``cache_salt``, the ``"kvdrop"`` override: null for no cut or
     ``{"policy", "keep_ratio"}``, the structured output its ``response_format`` / ``guided_*``
-    asks for), built once; 400 naming the field when one is malformed."""
+    or a required or named ``tool_choice`` asks for), built once; 400 naming the field when one
+    is malformed."""
     salt = body.get("cache_salt")
     cut = body["kvdrop"] if "kvdrop" in body else UNSET
     guide = guide_from_body(body)  # response_format, guided_*: kvdrop_engine.structured
+    forced = None if tools is None else tools.guide()  # kvdrop_engine.tools
+    if guide is not None and forced is not None:
+        raise BadRequestError(
+            "a required or named 'tool_choice' sets the output's structure; leave out "
+            "'response_format' and the guided fields",
+            param="tool_choice",
+        )
+    if forced is not None and not structured_available():
+        raise BadRequestError(f"'tool_choice': {STRUCTURED_MISSING}", param="tool_choice")
+    guide = guide or forced
     try:
         return RequestOptions("" if salt is None else salt, cut, guide=guide)
     except RequestOptionError as exc:
@@ -324,13 +347,14 @@ def parse_request(body: Any, route: Route, settings: Settings) -> CompletionRequ
     echo, prompt_logprobs = _echo_options(body, route)
     if echo and settings.tokenizer is None:
         raise BadRequestError("'echo' needs text output and this server has no tokenizer")
-    options = _options(body)
+    tools = parse_tools(body) if route.chat else None
+    options = _options(body, tools)
     as_ids = get_bool(body, "return_tokens_as_token_ids")
     skip_special = get_bool(body, "skip_special_tokens")
     include_stop = get_bool(body, "include_stop_str_in_output")
     values = _engine_values(body, settings)
     values["logprobs"] = route.logprobs(body)
-    prompts = route.prompts(body, settings)
+    prompts = route.prompts(body, settings, tools)
     values["max_tokens"] = route.max_tokens(body, prompts[0], settings)
     params = _sampling(body, route, values, settings)
     _check_context(body, prompts, params.max_tokens, settings.max_model_len)
@@ -353,6 +377,7 @@ def parse_request(body: Any, route: Route, settings: Settings) -> CompletionRequ
         echo=echo,
         prompt_logprobs=prompt_logprobs,
         min_tokens=params.min_tokens,
+        tools=None if tools is None or tools.choice == "none" else tools,
     )
 
 

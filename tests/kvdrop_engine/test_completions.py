@@ -175,12 +175,12 @@ def test_chat_max_tokens_default_is_the_rest_of_the_context() -> None:
             "only text parts",
         ),
         (
-            {"messages": [{"role": "assistant", "content": "", "tool_calls": []}]},
-            "tool calls are not supported",
+            {"messages": [{"role": "assistant", "content": "", "tool_calls": "x"}]},
+            "messages[0].tool_calls must be a list of calls",
         ),
         (
             {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-            "'tools' is not supported",
+            "tools[0].function must hold 'name'",
         ),
         ({"messages": [{"role": "user", "content": "x"}], "toolz": []}, "unknown field(s)"),
         ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "unknown field(s)"),

@@ -148,6 +148,7 @@ def test_a_slot_across_a_boundary_is_copied_in_two_pieces() -> None:
     out = reg.read([off], (1, 1, 256, 1), torch.float32, torch.device("cpu"))
     assert out is not None and bool((out.view(torch.uint8) == 1).all())
     assert rt.copies == [(off, REGION), (REGION, off + slot_bytes)]
+    assert reg.write([], [])  # a store whose every chunk was a duplicate: nothing to move
 
 
 def test_a_refused_registration_clears_the_error_and_every_later_call_says_no(
@@ -275,3 +276,76 @@ def test_contexts_of_one_process_share_one_mapping_of_the_segment(
         a.close()
         b.close()
     assert mapping.users == 0 and mapping.key not in contiguous._SHARED
+
+
+def test_concurrent_first_transfers_make_one_registration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first DMA transfers of a mapping often start at once (an engine's loads): they must
+    share one registration. Two registered the same regions twice (error 712 on an H200), and
+    the regions of the one that was dropped were never unregistered."""
+    import threading
+    import time
+
+    from kvdrop_sdk.transport import contiguous
+
+    made: list[HostRegistration] = []
+
+    class SlowRegistration(HostRegistration):
+        def __init__(self, pool: torch.Tensor) -> None:
+            time.sleep(0.05)  # finding the CUDA runtime takes a while
+            super().__init__(pool, RecordingRuntime(pool))
+            made.append(self)
+
+    monkeypatch.setattr(contiguous, "HostRegistration", SlowRegistration)
+    pool = torch.zeros(4 * REGION, dtype=torch.uint8)
+    mapping = contiguous._Mapping(mm=None, pool=pool, instance=None)  # type: ignore[arg-type]
+    start = threading.Barrier(6)
+    got: list[HostRegistration | None] = []
+
+    def first_transfer(i: int) -> None:
+        start.wait()
+        got.append(mapping.dma([HEADER + i * 64], 64))
+
+    threads = [threading.Thread(target=first_transfer, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and all(g is made[0] for g in got)
+
+
+def test_a_registration_in_progress_holds_up_only_the_transfers_that_need_it() -> None:
+    """Registering a GiB of fresh pages takes about 0.4 s: a transfer whose regions are
+    registered goes on meanwhile, and two that need the same region make one call."""
+    import threading
+
+    pool = torch.zeros(4 * REGION, dtype=torch.uint8)
+    release = threading.Event()
+    entered = threading.Event()
+
+    class SlowRuntime(RecordingRuntime):
+        def register(self, address: int, nbytes: int) -> int:
+            if address == self.base + REGION:
+                entered.set()
+                assert release.wait(30)
+            return super().register(address, nbytes)
+
+    rt = SlowRuntime(pool)
+    reg = HostRegistration(pool, rt)
+    assert reg.ensure(0, 10)  # region 0
+    results: list[bool] = []
+    waiters = [
+        threading.Thread(target=lambda: results.append(reg.ensure(REGION + 5, 10)))
+        for _ in range(2)
+    ]
+    for t in waiters:
+        t.start()
+    assert entered.wait(30)
+    assert reg.ensure(100, 10)  # region 0 is registered: no waiting behind region 1
+    release.set()
+    for t in waiters:
+        t.join()
+    assert results == [True, True] and rt.calls == 2  # region 1 was registered once
+    reg.close()
+    assert not rt.regions
