@@ -288,6 +288,8 @@ class HostRegistration:
     def write(self, parts: Sequence[torch.Tensor], offsets: Sequence[int]) -> bool:
         """Device chunk ``parts[i]`` ``(lead, L, c, W)`` into the slot at ``offsets[i]``,
         complete on return; False when the DMA failed (the caller takes its host path)."""
+        if not parts:
+            return True
         try:
             with _on_side_stream(parts[0].device, wait=True):
                 for part, off in zip(parts, offsets, strict=True):

@@ -148,6 +148,7 @@ def test_a_slot_across_a_boundary_is_copied_in_two_pieces() -> None:
     out = reg.read([off], (1, 1, 256, 1), torch.float32, torch.device("cpu"))
     assert out is not None and bool((out.view(torch.uint8) == 1).all())
     assert rt.copies == [(off, REGION), (REGION, off + slot_bytes)]
+    assert reg.write([], [])  # a store whose every chunk was a duplicate: nothing to move
 
 
 def test_a_refused_registration_clears_the_error_and_every_later_call_says_no(
