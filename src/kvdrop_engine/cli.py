@@ -293,19 +293,11 @@ def _max_model_len(args: argparse.Namespace, cfg: Any) -> int:
 
 
 def prompt_scorer(engine: Any) -> Any:
-    """``(prompt, top, salt) -> PromptScores`` for ``prompt_logprobs`` and ``echo``: the
+    """``(prompt, top, salt) -> ScoreHandle`` for ``prompt_logprobs`` and ``echo``: the
     model's teacher-forced log-probabilities of each prompt token after the first, as a scoring
-    request through the engine (batched with the others, its cached prefix loaded)."""
-    from kvdrop_engine.logprobs import continuation_logprobs
-    from kvdrop_engine.sampling import prompt_scores
-
-    def score(prompt: list[int], top: int, cache_salt: str) -> Any:
-        if len(prompt) < 2:
-            return []
-        logp = continuation_logprobs(engine, [(prompt[:1], prompt[1:])], cache_salt=cache_salt)
-        return prompt_scores(logp[0], prompt[1:], top)
-
-    return score
+    request through the engine (batched with the others, its cached prefix loaded, scored in
+    bounded slices: ``Engine.post_prompt_scoring``)."""
+    return engine.post_prompt_scoring
 
 
 def _fail(message: str) -> int:

@@ -39,6 +39,7 @@ from kvdrop_engine.sampling import (
     SamplingParams,
     TokenLogprobs,
     pick_tokens,
+    reduce_rows,
 )
 from kvdrop_engine.scheduler import (
     DEFAULT_BUDGET_TOKENS,
@@ -48,7 +49,7 @@ from kvdrop_engine.scheduler import (
     decoded_store_upto,
     plan_step,
 )
-from kvdrop_engine.sequence import Request, TokenStream, new_request, scored_rows
+from kvdrop_engine.sequence import Request, ScoreHandle, TokenStream, new_request, scored_rows
 from kvdrop_engine.stats import EngineStats
 from kvdrop_engine.structured import Grammars, accept, guide_of, mask_logits
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
@@ -56,6 +57,7 @@ from kvdrop_engine.transfer import ScoresJob, StoreJob, Transfers, WindowJob, ch
 from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.query_capture import QueryCapture
 from kvdrop_sdk.validate import positive_int
+from kvdrop_sdk.validate import token_ids as checked_ids
 
 __all__ = ["DEFAULT_BUDGET_TOKENS", "Engine", "EngineStats", "StepPlan", "plan_step"]
 
@@ -348,6 +350,13 @@ class Engine:
         sampled or stored. Returns a function that waits for its float32 log-softmax rows
         ``[len(token_ids) - score_from, V]`` (row ``i``: the distribution after position
         ``score_from + i``); :func:`kvdrop_engine.logprobs.continuation_logprobs` uses it."""
+        req = self._scoring_request(token_ids, score_from, cache_salt)
+        self._submit(req)
+        return functools.partial(scored_rows, req)
+
+    def _scoring_request(
+        self, token_ids: Sequence[int], score_from: int, cache_salt: str
+    ) -> Request:
         params, options = submission(SCORING, cache_salt)
         req = new_request(
             next(self._ids),
@@ -362,8 +371,28 @@ class Engine:
                 f"score_from must be an int in 0..{len(req.prompt) - 1}, got {score_from!r}"
             )
         req.score_from = score_from
+        return req
+
+    def post_prompt_scoring(
+        self, prompt: Sequence[int], top: int, cache_salt: str = ""
+    ) -> ScoreHandle:
+        """Submit ``prompt_logprobs``: each token of ``prompt`` after the first with its
+        log-probability, rank and ``top`` alternatives. Scored in slices of at most
+        :data:`~kvdrop_engine.scheduler.SCORE_ROWS_PER_STEP` rows per step, each reduced as it
+        is computed (memory ``O(slice x vocabulary)``, not ``O(tokens x vocabulary)``); the
+        handle waits for the scores, or cancels them (a client that left)."""
+        try:
+            tokens = checked_ids(prompt, "prompt", vocab_size=self.config.vocab_size)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(str(exc)) from None
+        if not isinstance(top, int) or isinstance(top, bool) or top < 0:
+            raise InvalidRequestError(f"top must be an int >= 0, got {top!r}")
+        if len(tokens) < 2:
+            return ScoreHandle(None, self._wake)
+        req = self._scoring_request(tokens[:-1], 0, cache_salt)
+        req.score_top, req.score_targets = top, tokens[1:]
         self._submit(req)
-        return functools.partial(scored_rows, req)
+        return ScoreHandle(req, self._wake)
 
     def _submit(self, req: Request) -> None:
         """Put a validated request in the waiting line (``RequestTooLargeError`` first)."""
@@ -506,7 +535,12 @@ class Engine:
                     req.take_queries(out.captured_rows(req.rid), out.capture[req.rid])
                 k = scored.get(req.rid, 0)
                 if k and out.scores is not None:
-                    req.score_parts.append(out.scores[row : row + k])
+                    rows = out.scores[row : row + k]
+                    if req.score_top is not None and req.score_targets is not None:
+                        done = sum(int(part[0].numel()) for part in req.score_parts)
+                        targets = req.score_targets[done : done + k]
+                        rows = reduce_rows(rows, targets, req.score_top)
+                    req.score_parts.append(rows)
                 row += k
             except Exception as exc:
                 self._fail(req, exc)
@@ -565,7 +599,8 @@ class Engine:
         request: its rows); an ended request's blocks are freed after its last reads."""
         try:
             if tok is None:
-                req.out.put(torch.cat(req.score_parts))
+                parts = req.score_parts
+                req.out.put(list(parts) if req.score_top is not None else torch.cat(parts))
             else:
                 transfers = self._transfers
                 if len(req.output) == 1 and req.store_upto and transfers is not None:

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_BUDGET_TOKENS",
+    "SCORE_ROWS_PER_STEP",
     "PrefixPlan",
     "Scheduler",
     "StepPlan",
@@ -51,6 +52,10 @@ __all__ = [
     "plan_step",
 ]
 
+#: Rows of log-probabilities (each ``[V]`` floats) scoring requests compute per step, all
+#: together: prompt scoring's memory is this slice times the vocabulary, whatever the prompt
+#: (a 3,001-token ``prompt_logprobs`` request grew the server by 2.4 GB when scored whole).
+SCORE_ROWS_PER_STEP = 256
 #: The engine's KV budget when it is given neither ``num_blocks`` nor ``kv_budget_tokens``.
 DEFAULT_BUDGET_TOKENS = 65536
 
@@ -191,7 +196,7 @@ def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
         plan.sampled.append(req)
         plan.stepped.append((req, 1))
         plan.num_decode += 1
-    budget = max_prefill_tokens
+    budget, score_budget = max_prefill_tokens, SCORE_ROWS_PER_STEP
     for req in batch:
         if budget <= 0:
             break
@@ -206,6 +211,12 @@ def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
         n = min(len(known) - start, budget)
         if req.recut:  # the whole prompt first: it is cut again before the rest is computed
             n = min(n, len(req.prompt) - start)
+        if req.scoring:  # its scored rows are [rows, V] floats: a bounded slice per step
+            first = max(start, req.score_from)
+            n = min(n, first - start + score_budget)
+            score_budget -= max(0, start + n - first)
+            if n <= 0:
+                continue
         budget -= n
         plan.seqs.append(SeqStep(req.rid, req.blocks, start, n))
         plan.tokens.extend(known[start : start + n])

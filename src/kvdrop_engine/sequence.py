@@ -25,7 +25,15 @@ from kvdrop_engine.tokenizer import IncrementalDetokenizer
 from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.validate import token_ids
 
-__all__ = ["LoadState", "Request", "TokenStream", "new_request", "raise_failure", "scored_rows"]
+__all__ = [
+    "LoadState",
+    "Request",
+    "ScoreHandle",
+    "TokenStream",
+    "new_request",
+    "raise_failure",
+    "scored_rows",
+]
 
 
 #: The options of a request that asked for nothing beyond sampling.
@@ -87,7 +95,12 @@ class Request:
     #: A scoring request (teacher-forced log-probs, no sampling) keeps the log-softmax rows of
     #: positions ``score_from..`` of its prompt; -1 for a request that generates.
     score_from: int = -1
-    score_parts: list[Tensor] = field(default_factory=list)
+    score_parts: list[Any] = field(default_factory=list)
+    #: Prompt scoring (``prompt_logprobs``): each slice of rows is reduced as it is computed
+    #: to the log-probability of its ``score_targets`` token, its rank and the ``score_top``
+    #: best (``kvdrop_engine.sampling.reduce_rows``), so ``[T, V]`` rows never exist at once.
+    score_top: int | None = None
+    score_targets: list[int] | None = None
     #: KVzip's pass over the prompt, run in pieces after the last token; that token's event is
     #: ``held`` until the pass ends (its scores are stored before the caller sees the end).
     reconstruction: ReconstructionPass | None = None
@@ -244,6 +257,34 @@ def new_request(
     generator = make_generator(params)
     out: queue.Queue[Any] = queue.Queue()
     return Request(rid, prompt, params, options.cache_salt, out, generator, detok, options=options)
+
+
+class ScoreHandle:
+    """A prompt-scoring request in flight (``Engine.post_prompt_scoring``): :meth:`result`
+    waits for its :data:`~kvdrop_engine.sampling.PromptScores`; :meth:`close` (from any thread:
+    a client that left) cancels it, and the loop drops it on its next turn."""
+
+    def __init__(self, req: Request | None, wake: Callable[[], None]) -> None:
+        self.req, self._wake = req, wake
+
+    def result(self) -> Any:
+        from kvdrop_engine.sampling import scores_of
+
+        if self.req is None:
+            return []  # a one-token prompt: nothing to score
+        item = self.req.out.get()
+        if item is _CLOSED:
+            raise EngineError("the prompt scoring was cancelled (its client left)")
+        if isinstance(item, BaseException):
+            raise_failure(item)
+        assert self.req.score_targets is not None
+        return scores_of(item, self.req.score_targets)
+
+    def close(self) -> None:
+        if self.req is not None and not self.req.cancelled:
+            self.req.cancelled = True
+            self.req.out.put(_CLOSED)
+            self._wake()
 
 
 def scored_rows(req: Request) -> Tensor:
