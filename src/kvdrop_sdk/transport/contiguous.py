@@ -117,11 +117,15 @@ class _Mapping:
         (registering them), or None: they take the host path. One per mapping, made under a
         lock: two made by concurrent first transfers registered the same regions twice (error
         712 on the H200) and left regions the mapping never unregistered."""
+        registration = self.registered()
+        return registration if registration.ready(offsets, nbytes) else None
+
+    def registered(self) -> HostRegistration:
+        """This mapping's one registration (made under a lock on first use)."""
         with self.registration_lock:
             if self.registration is None:
                 self.registration = HostRegistration(self.pool)
-            registration = self.registration
-        return registration if registration.ready(offsets, nbytes) else None
+            return self.registration
 
     def unregister(self) -> None:
         if self.registration is not None:
@@ -195,6 +199,15 @@ class ContiguousTransferWrapper:
             _release(old)  # the same mapping again (same instance) was counted twice
             if old is not self._mapping:
                 log.info("re-mapped the server's shared memory (instance %s)", self.instance)
+
+    def prepare_dma(self) -> bool:
+        """Page-lock the whole shared segment for DMA now (see
+        :meth:`~kvdrop_sdk.transport.cuda_host.HostRegistration.register_all`); False when
+        there is none to lock (the socket transport) or registration is off or impossible
+        (then transfers take the host path, as they would anyway)."""
+        if self.mode != "shm":
+            return False
+        return self._current().registered().register_all()
 
     def _current(self) -> _Mapping:
         mapping = self._mapping

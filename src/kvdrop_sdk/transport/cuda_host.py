@@ -241,6 +241,15 @@ class HostRegistration:
                 self._pending.pop(region, None)
             done.set()
 
+    def register_all(self) -> bool:
+        """Page-lock every region now (skipping those done), in order: a process that will
+        move most of the segment to and from a GPU pays the registration (about 0.4 s per GiB
+        of pages this process has not touched, on an H200 host) before its first transfers
+        rather than inside them. True when every region is registered."""
+        return all(
+            self.ensure(region * REGION_BYTES, 1) for region in range(-(-self.size // REGION_BYTES))
+        )
+
     def ready(self, offsets: Sequence[int], nbytes: int) -> bool:
         """Whether slots of ``nbytes`` at ``offsets`` can go by DMA (registering them)."""
         return all(self.ensure(int(off), nbytes) for off in offsets)

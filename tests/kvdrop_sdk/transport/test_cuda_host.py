@@ -349,3 +349,35 @@ def test_a_registration_in_progress_holds_up_only_the_transfers_that_need_it() -
     assert results == [True, True] and rt.calls == 2  # region 1 was registered once
     reg.close()
     assert not rt.regions
+
+
+def test_register_all_locks_every_region_once_ahead_of_the_transfers() -> None:
+    pool = torch.zeros(3 * REGION + 100, dtype=torch.uint8)
+    rt = RecordingRuntime(pool)
+    reg = HostRegistration(pool, rt)
+    assert reg.ensure(REGION + 1, 10)  # one region done already
+    assert reg.register_all() and reg.register_all()  # the second call has nothing to do
+    assert rt.regions == {
+        rt.base: REGION,
+        rt.base + REGION: REGION,
+        rt.base + 2 * REGION: REGION,
+        rt.base + 3 * REGION: 100,  # the short last region
+    }
+    assert rt.calls == 4
+    refused = RecordingRuntime(pool, fail_at=2)
+    assert not HostRegistration(pool, refused).register_all() and refused.last_error == 0
+
+
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_prepare_dma_without_a_gpu_says_no_and_transfers_still_work(
+    kv_server: ServerHandle, model_name: str, transport: str
+) -> None:
+    layout = CacheLayout(3, 2, 8, torch.bfloat16)
+    with sdk.kvcache.connect(
+        kv_server.url, kv_server.http_url, model_name, 30, layout=layout, transport=transport
+    ) as ctx:
+        assert ctx.prepare_dma() is (torch.cuda.is_available() and transport == "shm")
+        data = torch.randn(layout.shape(CacheKind.KV, 256)).to(torch.bfloat16)
+        assert ctx.store(data, list(range(256)))
+        out = ctx.retrieve(list(range(256)))
+        assert out is not None and torch.equal(out.view(torch.int16), data.view(torch.int16))
