@@ -66,6 +66,7 @@ __all__ = [
     "PromptDropper",
     "parse_override",
     "prepare_cut",
+    "serving_policy",
 ]
 
 #: Prompts shorter than this are left whole: a short cache is cheap, and a policy's observation
@@ -190,6 +191,33 @@ class CutResult:
     index: torch.Tensor | None = None
 
 
+def serving_policy(
+    spec: str, keep_ratio: float | None, default: float | None = None
+) -> tuple[KeepBudget, Policy]:
+    """``spec`` built as the engine serves it: its budget (:func:`kvdrop.spec.keep_budget`),
+    ``chunk_size=1`` where it takes one (the paged cache has no chunk constraint), and not one
+    that reads KVzip's reconstruction scores. Needs no model, so ``kvdrop engine`` checks its
+    ``--policy`` with it before loading one; ``InvalidRequestError`` saying what is wrong."""
+    from kvdrop.errors import PolicyNotFoundError  # the policy library, on first use
+    from kvdrop.spec import describe, get, keep_budget
+
+    try:
+        budget = keep_budget(spec, keep_ratio, default=default)
+        names = {p.name for p in describe(spec).params}
+        params: dict[str, Any] = budget.params
+        if "chunk_size" in names:
+            params["chunk_size"] = 1
+        policy = get(spec, **params)
+    except (PolicyNotFoundError, ValueError, TypeError) as exc:
+        raise InvalidRequestError(f"policy {spec!r}: {_message(exc)}") from None
+    if policy.token_scores:
+        raise InvalidRequestError(
+            f"policy {spec!r} reads the engine's reconstruction scores (KVzip), which the "
+            "engine does not compute while serving; pick another policy"
+        )
+    return budget, policy
+
+
 class PromptDropper:
     """The engine's drop policies: the ``--policy`` default and per-request overrides.
 
@@ -279,26 +307,13 @@ class PromptDropper:
         """The cut of ``spec`` with an explicit ``keep_ratio`` (or None) over ``default``."""
         key = (spec, keep_ratio, default)
         if key not in self._built:
-            from kvdrop.errors import PolicyNotFoundError  # the policy library, on first use
-            from kvdrop.spec import describe, get, keep_budget
-
+            budget, policy = serving_policy(spec, keep_ratio, default)
             try:
-                budget = keep_budget(spec, keep_ratio, default=default)
-                names = {p.name for p in describe(spec).params}
-                params: dict[str, Any] = budget.params
-                if "chunk_size" in names:
-                    params["chunk_size"] = 1
-                policy = get(spec, **params)
                 capture = QueryCapture.for_policies(
                     [policy], window=self.sizes.window, stride=self.sizes.stride
                 )
-            except (PolicyNotFoundError, ValueError, TypeError) as exc:
+            except ValueError as exc:
                 raise InvalidRequestError(f"policy {spec!r}: {_message(exc)}") from None
-            if policy.token_scores:
-                raise InvalidRequestError(
-                    f"policy {spec!r} reads the engine's reconstruction scores (KVzip), which the "
-                    "engine does not compute while serving; pick another policy"
-                )
             cut = PromptCut(spec, budget, policy, capture)
             self.check(cut)
             if len(self._built) >= _MAX_BUILT:  # requests choose the keys: keep the cache small
