@@ -322,6 +322,12 @@ def run(
         for c in ctxs:
             c.close()
     log(f"{name}: done (decode graphs captured: {engine.graphs and engine.graphs.captured})")
+    mod = None if res.modify is None else float(res.modify["duration"])
+    log(
+        f"{name}: prefill {float(res.prefill['duration']):.2f} s, modify {mod} s, decode "
+        f"{float(res.decode['duration']):.2f} s ({res.decode_tput:.1f} tok/s), loads "
+        f"{res.engine['tokens_loaded']} tokens in {res.engine['prefix_load_seconds']:.2f} s"
+    )
     recon_s = float(res.prefill_engine.get("reconstruction_seconds", 0.0))
     prefill_s = float(res.prefill["duration"])
     return {
@@ -407,6 +413,7 @@ def job(
         for c in ctxs:
             c.close()
     stats = engine.stats()
+    log(f"{name}: job {float(report['duration']):.2f} s, {failed} failed")
     return {
         "job_s": float(report["duration"]),
         "job_tok_s": float(report["output_tput"]),
@@ -513,6 +520,19 @@ def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
         # --share-prefill their prefill loads the baseline's KV (salt "shared").
         connector, engine = engine_for(False)
         token_bytes = engine.cache.bytes_per_token
+        # Holds this process's one mapping of the server's segment for the whole measurement
+        # (both engines' connectors and every run's contexts share it): its page-locking for
+        # the GPU is paid once, here, before any phase is timed.
+        holder = connect(CacheKind.KV, server.url, server.http_url, model_name)
+        if device.type == "cuda":
+            started = time.perf_counter()
+            locked = holder.prepare_dma()
+            log(
+                f"page-locked the server's {gb:.1f} GiB for DMA in "
+                f"{time.perf_counter() - started:.1f} s"
+                if locked
+                else "the server's memory is not page-locked: GPU transfers go through the host"
+            )
         with engine:
             if not args.no_warmup:
                 warm_up(engine, args, cfg.vocab_size)
@@ -571,6 +591,7 @@ def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
                             )
                         )
             connector.close()
+        holder.close()
     base = rows[0]
     outputs = [r.pop("outputs") for r in rows]
     wbytes = weight_bytes(model)

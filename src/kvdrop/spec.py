@@ -59,6 +59,7 @@ __all__ = [
     "keep_budget",
     "parse_spec",
     "source",
+    "spec_terms",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -263,6 +264,24 @@ def parse_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
         if nxt != "+":
             raise r.fail(f"unexpected {r.spec[r.pos :].split()[0]!r}")
         r.pos += 1
+
+
+def spec_terms(spec: str) -> list[tuple[str, dict[str, Any]]]:
+    """Every policy term ``spec`` builds, nested ones included (a combinator's ``policy=`` and
+    ``policies=``), depth first: what a spec asks to run, for whoever bounds it
+    (:mod:`kvdrop.limits`). PolicyParamError on bad syntax."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    todo = list(reversed(parse_spec(spec)))
+    while todo:
+        name, params = todo.pop()
+        out.append((name, params))
+        inner: list[tuple[str, dict[str, Any]]] = []
+        for key in ("policy", "policies"):
+            value = params.get(key)
+            if isinstance(value, str) or (key == "policies" and isinstance(value, (list, tuple))):
+                inner.extend(_part_list(value))
+        todo.extend(reversed(inner))
+    return out
 
 
 class SpecFactory(PolicyFactory):

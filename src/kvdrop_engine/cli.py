@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvdrop_engine.errors import EngineSetupError
+from kvdrop_engine.errors import EngineSetupError, InvalidRequestError
 from kvdrop_engine.options import (
     add_connector_arguments,
     add_keep_ratio_argument,
@@ -136,6 +136,21 @@ def _drop_arguments(parser: argparse.ArgumentParser) -> None:
         default=128,
         help="prompts shorter than this are left whole (default 128)",
     )
+    drop.add_argument(
+        "--cut-timeout-s",
+        type=float,
+        default=30.0,
+        help="a prompt cut (its policy runs beside the loop, which steps other requests) still "
+        "running after this many seconds fails its request (default 30)",
+    )
+    drop.add_argument(
+        "--client-policies",
+        default="builtin",
+        metavar="WHICH",
+        help="which policies a request's \"kvdrop\" override may name: 'builtin' (the "
+        "server's own --policy and kvdrop's built-ins; default), 'all' (plugins too) or a "
+        "comma-separated list; parameters stay within their declared serving bounds",
+    )
     decode = parser.add_argument_group(
         "compression while decoding (each request's cache kept within a token budget; a "
         'request\'s "kvdrop": {"decode": {"policy": ..., "budget": ..., "every": ...}} or '
@@ -197,6 +212,19 @@ def _connector_arguments(parser: argparse.ArgumentParser) -> None:
 def _positive(name: str, value: int) -> None:
     if value <= 0:
         raise EngineSetupError(f"{name} must be a positive integer, got {value}")
+
+
+def _check_policy(args: argparse.Namespace) -> None:
+    """``--policy`` built without a model (a typo fails in a second, not after the model's
+    load); what needs the model's layout is checked once it is loaded."""
+    if args.policy is None:
+        return
+    from kvdrop_engine.drop import serving_policy
+
+    try:
+        serving_policy(args.policy, args.keep_ratio)
+    except InvalidRequestError as exc:
+        raise EngineSetupError(f"--policy {args.policy}: {exc}") from None
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -278,19 +306,11 @@ def _max_model_len(args: argparse.Namespace, cfg: Any) -> int:
 
 
 def prompt_scorer(engine: Any) -> Any:
-    """``(prompt, top, salt) -> PromptScores`` for ``prompt_logprobs`` and ``echo``: the
+    """``(prompt, top, salt) -> ScoreHandle`` for ``prompt_logprobs`` and ``echo``: the
     model's teacher-forced log-probabilities of each prompt token after the first, as a scoring
-    request through the engine (batched with the others, its cached prefix loaded)."""
-    from kvdrop_engine.logprobs import continuation_logprobs
-    from kvdrop_engine.sampling import prompt_scores
-
-    def score(prompt: list[int], top: int, cache_salt: str) -> Any:
-        if len(prompt) < 2:
-            return []
-        logp = continuation_logprobs(engine, [(prompt[:1], prompt[1:])], cache_salt=cache_salt)
-        return prompt_scores(logp[0], prompt[1:], top)
-
-    return score
+    request through the engine (batched with the others, its cached prefix loaded, scored in
+    bounded slices: ``Engine.post_prompt_scoring``)."""
+    return engine.post_prompt_scoring
 
 
 def _fail(message: str) -> int:
@@ -413,6 +433,8 @@ def _dropper(args: argparse.Namespace, config: Any) -> Any:
         min_prompt_tokens=args.min_drop_tokens,
         query_window=args.query_window,
         query_stride=args.query_stride,
+        client_policies=args.client_policies,
+        cut_timeout_s=args.cut_timeout_s,
     )
 
 
@@ -435,6 +457,7 @@ def run(args: argparse.Namespace) -> int:
     until SIGINT/SIGTERM; stop both cleanly."""
     try:
         _check_args(args)
+        _check_policy(args)
     except EngineSetupError as exc:
         return _fail(str(exc))
     bound_heap()  # freed request bodies are reused, not kept per thread (kvdrop_sdk.http_limits)

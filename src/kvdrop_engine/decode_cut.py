@@ -50,7 +50,6 @@ from kvdrop_engine.drop import UNSET
 from kvdrop_engine.errors import EngineSetupError, InvalidRequestError
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.paged import PagedKVCache, blocks_needed
-from kvdrop_engine.plan import window_after_cut
 from kvdrop_sdk import CacheKind
 from kvdrop_sdk.edit import EditContext
 from kvdrop_sdk.query_capture import DEFAULT_QUERY_WINDOW, QueryCapture, QueryNeed
@@ -373,7 +372,7 @@ class DecodeCompressor:
         req.dropped += n - k
         req.num_computed = k
         req.decode_cuts += 1
-        req.window = window_after_cut(k, None, decode_capture(req))  # the rows moved
+        req.restart_window(k)  # the rows moved
         need = blocks_needed(k + 1, cache.block_size)
         if need < len(req.blocks):
             cache.allocator.free(req.blocks[need:])
@@ -382,9 +381,9 @@ class DecodeCompressor:
 
 def prepare_decode(
     compressor: DecodeCompressor | None, req: Request, override: Any = UNSET
-) -> None:
-    """(at submission) ``req``'s decode cut (its ``capture`` says which query rows the request
-    keeps for it: :func:`kvdrop_engine.plan.window_for`). ``override`` is the request's
+) -> DecodeCut | None:
+    """(at submission, for :func:`kvdrop_engine.plan.plan_request`) ``req``'s decode cut (its
+    ``capture`` says which query rows the request keeps for it). ``override`` is the request's
     ``"kvdrop.decode"`` value (UNSET: it sent none); asking for a cut from an engine without a
     compressor is an ``InvalidRequestError``."""
     if compressor is None:
@@ -394,16 +393,16 @@ def prepare_decode(
                 "without one (kvdrop engine --decode-policy, or "
                 "Engine(compressor=DecodeCompressor(...)))"
             )
-        return
-    req.decode_cut = compressor.choose(override)
-    if req.decode_cut is None or req.params.max_tokens == 1:
-        req.decode_cut = None
-        return
-    if req.params.reconstruct:
+        return None
+    cut = compressor.choose(override)
+    if cut is None or req.params.max_tokens == 1:
+        return None
+    if req.options.reconstruct:
         raise InvalidRequestError(
             "reconstruct=true scores the prompt's whole cache when the request ends, which a "
             "cut while decoding no longer holds; send 'kvdrop.decode': null with it"
         )
+    return cut
 
 
 def decode_capture(req: Request) -> QueryCapture | None:

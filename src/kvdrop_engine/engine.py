@@ -24,39 +24,43 @@ import torch
 from torch import Tensor, nn
 
 from kvdrop_engine.connectors.base import KVConnector
-from kvdrop_engine.decode_cut import DecodeCompressor, KVSwap, decode_capture, prepare_decode
+from kvdrop_engine.decode_cut import DecodeCompressor, KVSwap
 from kvdrop_engine.draw import draw_tokens
-from kvdrop_engine.drop import PromptDropper, prepare_cut, split_override
+from kvdrop_engine.drop import PendingCut, PromptDropper
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.penalties import edit_logits
-from kvdrop_engine.plan import store_capture, window_after_cut, window_for
+from kvdrop_engine.plan import RequestPlan, Shipped, plan_request, store_capture
 from kvdrop_engine.reconstruct import ReconstructionPrompt
+from kvdrop_engine.request_options import RequestOptions, submission
 from kvdrop_engine.runner import Forward, ModelRunner, WindowRecord
 from kvdrop_engine.sampling import (
     SamplingParams,
     TokenLogprobs,
     pick_tokens,
+    reduce_rows,
 )
 from kvdrop_engine.scheduler import (
     DEFAULT_BUDGET_TOKENS,
     Scheduler,
     StepPlan,
     budget_blocks,
-    decoded_store_upto,
     plan_step,
 )
-from kvdrop_engine.sequence import Request, TokenStream, new_request, scored_rows
+from kvdrop_engine.sequence import Request, ScoreHandle, TokenStream, new_request, scored_rows
 from kvdrop_engine.stats import EngineStats
 from kvdrop_engine.structured import Grammars, accept, guide_of, mask_logits
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
-from kvdrop_engine.transfer import ScoresJob, StoreJob, Transfers, WindowJob, check_seconds
+from kvdrop_engine.transfer import ScoresJob, Transfers, check_seconds
 from kvdrop_sdk.events import TokenEvent
-from kvdrop_sdk.query_capture import QueryCapture
 from kvdrop_sdk.validate import positive_int
+from kvdrop_sdk.validate import token_ids as checked_ids
 
 __all__ = ["DEFAULT_BUDGET_TOKENS", "Engine", "EngineStats", "StepPlan", "plan_step"]
+
+#: A scoring request's sampling: one greedy token (never handed out).
+SCORING = SamplingParams(max_tokens=1, temperature=0.0)
 
 #: Engines whose loop thread runs; stopped at interpreter exit (see ``_stop_running_engines``).
 _RUNNING: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -275,55 +279,69 @@ class Engine:
         self,
         prompt_token_ids: Sequence[int],
         sampling_params: Mapping[str, Any] | SamplingParams | None = None,
-        cache_salt: str = "",
+        cache_salt: str | RequestOptions = "",
     ) -> Iterator[TokenEvent]:
         """Submit a request; iterate the returned generator for its tokens as they are produced.
 
-        Validation happens here (raising ``InvalidRequestError`` / ``RequestTooLargeError``);
-        failures while serving raise ``EngineError`` from the iterator. Closing the iterator (from
-        any thread, before or after its first token) or dropping it cancels the request and
-        frees its blocks at once (:class:`~kvdrop_engine.sequence.TokenStream`). Starts the
-        engine if needed.
+        ``sampling_params`` is a ``SamplingParams`` or a dict (which may carry the request
+        options ``"kvdrop"`` and ``"reconstruct"``); ``cache_salt`` is the salt, or the
+        request's whole :class:`~kvdrop_engine.request_options.RequestOptions` (the OpenAI
+        server's form, built once from the body). Validation happens here, once (raising
+        ``InvalidRequestError`` / ``RequestTooLargeError``); failures while serving raise
+        ``EngineError`` from the iterator. Closing the iterator (from any thread, before or
+        after its first token) or dropping it cancels the request and frees its blocks at once
+        (:class:`~kvdrop_engine.sequence.TokenStream`). Starts the engine if needed.
         """
-        detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
-        override: tuple[Any, ...] = ()  # the request's "kvdrop" key, when it sent one
-        guide = None  # its "structured_outputs" key, when it sent one
-        if isinstance(sampling_params, Mapping) and (
-            "kvdrop" in sampling_params or "structured_outputs" in sampling_params
-        ):
-            sampling_params = dict(sampling_params)
-            if "kvdrop" in sampling_params:
-                override = (sampling_params.pop("kvdrop"),)
-            guide = sampling_params.pop("structured_outputs", None)
-        req = new_request(
-            next(self._ids),
-            prompt_token_ids,
-            sampling_params,
-            cache_salt,
-            vocab_size=self.config.vocab_size,
-            detok=detok,
-        )
-        prompt_override, decode_override = split_override(override)
-        prepare_cut(self.dropper, req, prompt_override)
-        prepare_decode(self.compressor, req, decode_override)
-        req.window = window_for(
-            len(req.prompt),
-            None if req.cut is None else req.cut.capture,
-            self._stored_window(req),
-            decode_capture(req),
-        )
-        if guide is not None:
-            req.guide = self._matcher(guide, req)
-        if req.params.reconstruct and (self.reconstruction is None or self._transfers is None):
-            raise InvalidRequestError(
-                "reconstruct=true needs an engine built with reconstruction=ReconstructionPrompt"
-                "(...) and a connector to store the scores in (kvdrop_engine.reconstruct)"
-            )
+        req = self._request(prompt_token_ids, sampling_params, cache_salt)
         self._submit(req)
         transfers = self._transfers
         return TokenStream(req, self._wake, None if transfers is None else transfers.await_stores)
 
     __call__ = post_completion
+
+    def plan(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | SamplingParams | None = None,
+        cache_salt: str | RequestOptions = "",
+    ) -> RequestPlan:
+        """The :class:`~kvdrop_engine.plan.RequestPlan` this request would get (validated as
+        :meth:`post_completion` validates it; nothing is submitted)."""
+        return self._request(prompt_token_ids, sampling_params, cache_salt).plan
+
+    def _request(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | SamplingParams | None,
+        cache_salt: str | RequestOptions,
+    ) -> Request:
+        """A validated, planned request (not submitted)."""
+        params, options = submission(sampling_params, cache_salt)
+        detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
+        req = new_request(
+            next(self._ids),
+            prompt_token_ids,
+            params,
+            options,
+            vocab_size=self.config.vocab_size,
+            detok=detok,
+        )
+        if options.reconstruct and (self.reconstruction is None or self._transfers is None):
+            raise InvalidRequestError(
+                "reconstruct=true needs an engine built with reconstruction=ReconstructionPrompt"
+                "(...) and a connector to store the scores in (kvdrop_engine.reconstruct)"
+            )
+        req.plan = plan_request(
+            req,
+            dropper=self.dropper,
+            compressor=self.compressor,
+            connector=self.connector,
+            store=self._store,
+        )
+        req.restart_window(len(req.prompt))
+        if options.guide is not None:
+            req.guide = self._matcher(options.guide, req)
+        return req
 
     def _matcher(self, guide: Any, req: Request) -> Any:
         """A structured output's matcher, compiled on the caller's thread (the grammars of this
@@ -350,11 +368,19 @@ class Engine:
         sampled or stored. Returns a function that waits for its float32 log-softmax rows
         ``[len(token_ids) - score_from, V]`` (row ``i``: the distribution after position
         ``score_from + i``); :func:`kvdrop_engine.logprobs.continuation_logprobs` uses it."""
+        req = self._scoring_request(token_ids, score_from, cache_salt)
+        self._submit(req)
+        return functools.partial(scored_rows, req)
+
+    def _scoring_request(
+        self, token_ids: Sequence[int], score_from: int, cache_salt: str
+    ) -> Request:
+        params, options = submission(SCORING, cache_salt)
         req = new_request(
             next(self._ids),
             token_ids,
-            {"max_tokens": 1, "temperature": 0.0},
-            cache_salt,
+            params,
+            options,
             vocab_size=self.config.vocab_size,
             detok=None,
         )
@@ -363,8 +389,28 @@ class Engine:
                 f"score_from must be an int in 0..{len(req.prompt) - 1}, got {score_from!r}"
             )
         req.score_from = score_from
+        return req
+
+    def post_prompt_scoring(
+        self, prompt: Sequence[int], top: int, cache_salt: str = ""
+    ) -> ScoreHandle:
+        """Submit ``prompt_logprobs``: each token of ``prompt`` after the first with its
+        log-probability, rank and ``top`` alternatives. Scored in slices of at most
+        :data:`~kvdrop_engine.scheduler.SCORE_ROWS_PER_STEP` rows per step, each reduced as it
+        is computed (memory ``O(slice x vocabulary)``, not ``O(tokens x vocabulary)``); the
+        handle waits for the scores, or cancels them (a client that left)."""
+        try:
+            tokens = checked_ids(prompt, "prompt", vocab_size=self.config.vocab_size)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(str(exc)) from None
+        if not isinstance(top, int) or isinstance(top, bool) or top < 0:
+            raise InvalidRequestError(f"top must be an int >= 0, got {top!r}")
+        if len(tokens) < 2:
+            return ScoreHandle(None, self._wake)
+        req = self._scoring_request(tokens[:-1], 0, cache_salt)
+        req.score_top, req.score_targets = top, tokens[1:]
         self._submit(req)
-        return functools.partial(scored_rows, req)
+        return ScoreHandle(req, self._wake)
 
     def _submit(self, req: Request) -> None:
         """Put a validated request in the waiting line (``RequestTooLargeError`` first)."""
@@ -404,6 +450,7 @@ class Engine:
                 if self._stopping:
                     return
                 sched.drop_cancelled()
+                cuts = sched.cuts_ready(time.monotonic())
                 st = self._stats
                 for victim, computed in sched.grow():
                     st.preemptions += 1
@@ -429,6 +476,8 @@ class Engine:
                             self._fail(req, exc)
                 with self._cv:
                     self._stats.load_apply_seconds += time.perf_counter() - applying
+            for req in cuts:
+                self._finish_cut(req)
             with self._cv:
                 batch = sched.runnable()
             try:
@@ -465,6 +514,9 @@ class Engine:
                         self._step([req])
             return
         self._advance(plan, out)
+        for req, _ in plan.stepped:
+            if req.recut and req.num_computed >= len(req.prompt) and not req.cancelled:
+                self._recut(req)
         self._count(plan, out, started)
         sampled = self._sample(plan, out, picked, edited)
         self._feed_guides(plan, sampled)
@@ -501,7 +553,12 @@ class Engine:
                     req.take_queries(out.captured_rows(req.rid), out.capture[req.rid])
                 k = scored.get(req.rid, 0)
                 if k and out.scores is not None:
-                    req.score_parts.append(out.scores[row : row + k])
+                    rows = out.scores[row : row + k]
+                    if req.score_top is not None and req.score_targets is not None:
+                        done = sum(int(part[0].numel()) for part in req.score_parts)
+                        targets = req.score_targets[done : done + k]
+                        rows = reduce_rows(rows, targets, req.score_top)
+                    req.score_parts.append(rows)
                 row += k
             except Exception as exc:
                 self._fail(req, exc)
@@ -538,12 +595,12 @@ class Engine:
         self, ended: Sequence[tuple[Request, int | None, str | None]]
     ) -> dict[int, WindowRecord | None]:
         """The query windows of the requests this step ends, in one batched call
-        (:meth:`ModelRunner.finished_windows`); ``_finish_jobs`` reads them. Counted as
+        (:meth:`ModelRunner.finished_windows`); the plan's ``StoreWindow`` reads them. Counted as
         ``window_seconds``."""
         if self._transfers is None:
             return {}
         started = time.perf_counter()
-        windows = self.runner.finished_windows([e for e in ended if e[0].decode_cut is None])
+        windows = self.runner.finished_windows([e for e in ended if e[0].plan.stores_window])
         with self._cv:
             self._stats.window_seconds += time.perf_counter() - started
         return windows
@@ -556,50 +613,117 @@ class Engine:
         reason: str | None,
         windows: Mapping[int, WindowRecord | None] | None = None,
     ) -> None:
-        """Hand a request's step result over: the stores it starts, then its event (a scoring
-        request: its rows); an ended request's blocks are freed after its last reads."""
+        """Hand a request's step result over by walking its plan (:mod:`kvdrop_engine.plan`):
+        after its prefill the ``after_prefill`` actions (store the prompt, cut it: a cut holds
+        the first event until it is applied), then its event, and before the last one the
+        ``after_finish`` actions (stores, kvzip's pass, which holds the event). A scoring
+        request hands over its rows."""
         try:
             if tok is None:
-                req.out.put(torch.cat(req.score_parts))
-            else:
-                transfers = self._transfers
-                if len(req.output) == 1 and req.store_upto and transfers is not None:
-                    transfers.submit(req, self._prompt_job(req))
-                if len(req.output) == 1 and req.cut is not None and reason is None:
-                    self._cut(req)  # postprocess after prefill: kvdrop_engine.drop
-                text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
-                lp, top = (None, ()) if logprobs is None else logprobs
-                kept, req.kept_prompt = req.kept_prompt, None  # on the first event only
-                event = TokenEvent(
-                    tok, text, reason, logprob=lp, top_logprobs=top, kept_prompt_tokens=kept
-                )
-                if reason is not None and transfers is not None and not req.cancelled:
-                    for job in self._finish_jobs(req, windows or {}):
-                        transfers.submit(req, job)
-                    if req.params.reconstruct:  # the end waits for the pass, run in pieces
-                        req.held = event
-                        req.reconstruction = self.runner.reconstruction_pass(
-                            req.prompt,
-                            req.blocks,
-                            len(req.prompt + req.output) - 1,
-                            self.reconstruction,
-                        )
-                        return
-                req.out.put(event)
+                parts = req.score_parts
+                self._finish(req, list(parts) if req.score_top is not None else torch.cat(parts))
+                return
+            step = Shipped(tok, logprobs, reason, windows or {})
+            if len(req.output) == 1:
+                for action in req.plan.after_prefill:
+                    if action.run(self, req, step):
+                        return  # held: the action hands the event over later
+            text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
+            lp, top = (None, ()) if logprobs is None else logprobs
+            kept, req.kept_prompt = req.kept_prompt, None  # on the first event only
+            step.event = TokenEvent(
+                tok, text, reason, logprob=lp, top_logprobs=top, kept_prompt_tokens=kept
+            )
+            if reason is None:
+                req.out.put(step.event)
+                return
+            if not req.cancelled:
+                for action in req.plan.after_finish:
+                    if action.run(self, req, step):
+                        return  # held (kvzip's pass): ``_reconstruct`` finishes it
         except Exception as exc:
             self._fail(req, exc)
             return
-        if reason is not None:
+        self._finish(req, step.event)
+
+    def _finish(self, req: Request, item: TokenEvent | Tensor | list | BaseException) -> None:
+        """The one place a request ends: its last item (its last event, a scoring request's
+        rows, or its failure) handed over and its blocks freed (a failure's first, so nothing
+        of it runs on)."""
+        if isinstance(item, BaseException):
             with self._cv:
                 self._sched.finish(req)
-                self._stats.requests_finished += 1
+            req.out.put(
+                item
+                if isinstance(item, EngineError)
+                else EngineError(f"engine step failed: {item!r}")
+            )
+            return
+        req.out.put(item)
+        with self._cv:
+            self._sched.finish(req)
+            self._stats.requests_finished += 1
 
-    def _cut(self, req: Request) -> None:
-        """(after prefill) Cut the prompt's cache by its policy (:mod:`kvdrop_engine.drop`); the
-        first event reports the kept prompt tokens."""
+    @property
+    def transfers(self) -> Transfers | None:
+        """The server I/O (None without a connector); the plan's store actions submit to it."""
+        return self._transfers
+
+    def start_cut(self, req: Request, tok: int, logprobs: TokenLogprobs | None) -> None:
+        """(the plan's :class:`~kvdrop_engine.drop.CutPrompt`) Start the prompt cut."""
+        self._start_cut(req, tok, logprobs)
+
+    def add_seconds(self, counter: str, seconds: float) -> None:
+        """Add ``seconds`` to the counter ``counter`` of :class:`EngineStats`."""
+        with self._cv:
+            setattr(self._stats, counter, getattr(self._stats, counter) + seconds)
+
+    def _recut(self, req: Request) -> None:
+        """(a preempted cut request whose whole prompt is computed again) Keep the same rows
+        as its cut did (:meth:`~kvdrop_engine.drop.PromptDropper.recut`), so its answer is
+        the one it would have had without the preemption."""
         assert self.dropper is not None
-        done = self.dropper.cut(self.cache, req, req.cut)
-        req.window = window_after_cut(done.num_kept, self._stored_window(req), decode_capture(req))
+        with self._cv:
+            if self._sched.running.get(req.rid) is not req:
+                return
+        try:
+            self.dropper.recut(self.cache, req)
+            req.restart_window(len(req.prompt))
+        except Exception as exc:
+            self._fail(req, exc)
+
+    def _start_cut(self, req: Request, tok: int, logprobs: TokenLogprobs | None) -> None:
+        """(after prefill) Start cutting the prompt's cache by its policy on a thread of its own
+        (:class:`~kvdrop_engine.drop.PendingCut`): the loop steps the other requests
+        meanwhile, and :meth:`_finish_cut` applies it once it ends or its deadline passes."""
+        assert self.dropper is not None
+        job = self.dropper.start(self.cache, req, req.cut)
+        pending = PendingCut(job, self.dropper.cut_timeout_s, self._wake, tok, logprobs)
+        with self._cv:
+            req.cutting = pending
+
+    def _finish_cut(self, req: Request) -> None:
+        """(on the loop) Apply a cut whose policy ended, then hand the first token over; a
+        failed or late cut fails its request only (its blocks were never changed)."""
+        pending, req.cutting = req.cutting, None
+        with self._cv:
+            running = self._sched.running.get(req.rid) is req
+        if not running or req.cancelled:
+            return  # freed meanwhile (cancelled): nothing to apply
+        try:
+            self._cut(req, pending)
+        except Exception as exc:
+            self._fail(req, exc)
+            return
+        self._ship(req, pending.token, pending.logprobs, None)
+
+    def _cut(self, req: Request, pending: PendingCut) -> None:
+        """Apply ``pending``'s kept rows (:meth:`~kvdrop_engine.drop.PromptDropper.apply`);
+        the first event reports the kept prompt tokens."""
+        assert self.dropper is not None
+        chosen = pending.result()
+        done = self.dropper.apply(self.cache, req, pending.job, chosen, pending.started)
+        req.restart_window(done.num_kept)
         req.kept_prompt = done.num_kept
         with self._cv:
             st = self._stats
@@ -607,11 +731,6 @@ class Engine:
             st.prompt_tokens_kept += done.num_kept
             st.prompt_tokens_dropped += done.num_prompt - done.num_kept
             st.cut_seconds += done.seconds
-
-    def _stored_window(self, req: Request) -> QueryCapture | None:
-        """The query window the connector stores for ``req`` when it ends (None for a request
-        cut while decoding: its cache no longer matches its tokens)."""
-        return None if req.decode_cut is not None else self._store
 
     def _decode_cut(self, stepped: Sequence[Request]) -> None:
         """(after a step) Cut every request of ``stepped`` whose cache passed its decode budget,
@@ -623,7 +742,10 @@ class Engine:
         due = [
             r
             for r in stepped
-            if not r.cancelled and r.rid in self._sched.running and compressor.due(r)
+            if not r.cancelled
+            and r.cutting is None  # its prompt cut runs: decode cuts follow it
+            and r.rid in self._sched.running
+            and compressor.due(r)
         ]
         if not due:
             return
@@ -642,42 +764,6 @@ class Engine:
                 st.decode_cuts += d.num_requests
                 st.decode_tokens_dropped += d.tokens_before - d.tokens_kept
                 st.decode_cut_seconds += d.seconds
-
-    def _prompt_job(self, req: Request) -> StoreJob:
-        """(after prefill) The prompt's whole chunks of KV (and chunk queries) to store."""
-        kv = self.runner.read_kv(req.blocks, req.store_upto)
-        queries = req.take_chunk_queries()
-        return StoreJob(kv, queries, req.prompt[: req.store_upto], req.cache_salt, req.query_offset)
-
-    def _finish_jobs(
-        self, req: Request, windows: Mapping[int, WindowRecord | None]
-    ) -> list[StoreJob | WindowJob]:
-        """(before the last token) What a finished request leaves in the server, keyed by prompt
-        + every generated token: the KV of whole chunks its generated tokens completed
-        (``store_decoded``) and its query window (from ``windows`` when the step computed it;
-        kvzip's scores follow its pass)."""
-        conn = self.connector
-        assert conn is not None
-        jobs: list[StoreJob | WindowJob] = []
-        if req.decode_cut is not None:  # its cache no longer matches its tokens
-            req.window = None
-            return jobs
-        sequence = req.prompt + req.output
-        computed = len(sequence) - 1  # the last generated token was never fed back
-        upto = decoded_store_upto(req, conn.chunk_size, conn.store_decoded)
-        if upto:
-            kv = self.runner.read_kv(req.blocks, upto)
-            jobs.append(StoreJob(kv, None, sequence[:upto], req.cache_salt))
-        window, req.window = req.window, None
-        record = windows.get(req.rid)
-        if window is not None:
-            started = time.perf_counter()
-            record = self.runner.window_record(req.blocks, computed, window)
-            with self._cv:
-                self._stats.window_seconds += time.perf_counter() - started
-        if record is not None:
-            jobs.append(WindowJob(*record, sequence, req.cache_salt))
-        return jobs
 
     def _reconstruct(self, plan: StepPlan) -> None:
         """This step's pieces of kvzip's passes; a pass that ends stores its scores (before the
@@ -701,14 +787,7 @@ class Engine:
                     self._stats.reconstruction_tokens += len(req.prompt)
             if scores is not None:
                 req.reconstruction = None
-                req.out.put(req.held)
-                with self._cv:
-                    self._sched.finish(req)
-                    self._stats.requests_finished += 1
+                self._finish(req, req.held)
 
     def _fail(self, req: Request, exc: BaseException) -> None:
-        with self._cv:
-            self._sched.finish(req)
-        req.out.put(
-            exc if isinstance(exc, EngineError) else EngineError(f"engine step failed: {exc!r}")
-        )
+        self._finish(req, exc)

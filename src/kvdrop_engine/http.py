@@ -59,7 +59,7 @@ from kvdrop_engine.responses import (
     models_body,
     tokenize_body,
 )
-from kvdrop_engine.sampling import PromptScores
+from kvdrop_engine.sequence import ScoreHandle
 from kvdrop_engine.tokenizer import TextTokenizer
 from kvdrop_sdk.events import PostCompletion, TokenEvent
 from kvdrop_sdk.http_limits import (
@@ -72,9 +72,13 @@ from kvdrop_sdk.http_limits import (
 
 __all__ = ["ROUTES", "CompletionHTTPServer", "ScorePrompt", "check_api_key"]
 
-#: ``(prompt, top, cache_salt) -> scores``: the log-probability, rank and ``top`` alternatives of
-#: each prompt token after the first (``prompt_logprobs``; the CLI builds it from the model).
-ScorePrompt = Callable[[list[int], int, str], PromptScores]
+#: ``(prompt, top, cache_salt) -> handle``: the log-probability, rank and ``top`` alternatives
+#: of each prompt token after the first (``prompt_logprobs``; the CLI builds it from the
+#: engine): ``handle.result()`` waits for them, ``handle.close()`` cancels them.
+ScorePrompt = Callable[[list[int], int, str], ScoreHandle]
+#: Most log-probabilities one answer lists (prompt and sampled tokens, alternatives included):
+#: 64 prompts of 1,000 ids with prompt_logprobs 20 made a 97.2 MB answer (vLLM bounds them too).
+MAX_LOGPROB_ENTRIES = 1 << 18
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +137,10 @@ class CompletionHTTPServer:
     ``PostCompletion``.
 
     ``post_completion`` must be safe to call from many threads at once (each HTTP request runs in
-    its own thread). ``tokenizer`` enables text prompts, and chat when it has a chat template
+    its own thread). It is called as ``post_completion(prompt, params, options)``: the request's
+    ``SamplingParams`` and ``RequestOptions``, built and validated once from the body
+    (:mod:`kvdrop_engine.request_options`), which ``Engine.post_completion`` takes as they are.
+    ``tokenizer`` enables text prompts, and chat when it has a chat template
     (``apply_chat_template``); with ``detokenize`` the server computes each token's text itself
     instead of using ``TokenEvent.text``. Errors the engine raises before its first token as
     ``ValueError``/``TypeError`` are answered with 400, others with 500;
@@ -290,21 +297,33 @@ class CompletionHTTPServer:
             token.strip().encode(), self.api_key.encode()
         )
 
-    def scores_for(self, req: CompletionRequest) -> list[PromptScores] | None:
-        """Each prompt's scored tokens when the request asks for prompt logprobs (or echoes
-        with logprobs); ``BadRequestError`` when this server cannot score prompts."""
+    def scoring_top(self, req: CompletionRequest) -> int | None:
+        """The alternatives each prompt token lists when the request asks for prompt logprobs
+        (or echoes with logprobs), else None; ``BadRequestError`` when this server cannot
+        score prompts or the answer would list more than :data:`MAX_LOGPROB_ENTRIES`
+        log-probabilities (checked before anything runs)."""
         top = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
             top = max(top or 0, req.logprobs)
-        if top is None:
-            return None
-        if self.score_prompt is None:
+        param = "prompt_logprobs" if req.prompt_logprobs is not None else "echo"
+        if top is not None and self.score_prompt is None:
             raise BadRequestError(
                 "this server cannot score prompts ('prompt_logprobs', or 'echo' with "
                 "'logprobs'); leave them out",
-                param="prompt_logprobs" if req.prompt_logprobs is not None else "echo",
+                param=param,
             )
-        return [self.score_prompt(p, top, req.cache_salt) for p in req.prompts]
+        scored = 0 if top is None else sum(max(0, len(p) - 1) for p in req.prompts) * (top + 1)
+        sampled = 0 if req.logprobs is None else req.num_choices * req.max_tokens
+        entries = scored + sampled * ((req.logprobs or 0) + 1)
+        if entries > MAX_LOGPROB_ENTRIES:
+            raise BadRequestError(
+                f"the answer would list {entries:,} log-probabilities (prompt tokens x "
+                f"(prompt_logprobs + 1) + choices x max_tokens x (logprobs + 1)); at most "
+                f"{MAX_LOGPROB_ENTRIES:,} are answered: ask for fewer alternatives, tokens or "
+                "prompts",
+                param=param if scored else "logprobs",
+            )
+        return top
 
 
 class _Handler(LimitedHandler):
@@ -473,7 +492,7 @@ class _Handler(LimitedHandler):
                 self._send_json(200, app.token_payload(path, body))
                 return
             req = parse_request(body, _POST_ROUTES[path], app.settings)
-            scored = app.scores_for(req)
+            top = app.scoring_top(req)
         except BadRequestError as exc:
             self.close_connection = exc.status in (408, 411, 413) or self.close_connection
             self._send_error(exc.status, str(exc), exc.param)
@@ -481,19 +500,17 @@ class _Handler(LimitedHandler):
         if app.closing:
             self._send_error(503, "the server is shutting down")
             return
-        self._complete(app, req, scored)
+        self._complete(app, req, top)
 
     # ---- completions ---------------------------------------------------------------------
 
-    def _complete(
-        self, app: CompletionHTTPServer, req: CompletionRequest, scored: list[PromptScores] | None
-    ) -> None:
+    def _complete(self, app: CompletionHTTPServer, req: CompletionRequest, top: int | None) -> None:
         """Serve one completion while a watcher cancels it the moment its client goes (during a
         prefix load or prefill too, with or without bytes to write)."""
         opened: list[Iterator[TokenEvent]] = []
         watch = ClientWatch(self._client_gone, lambda: close_all(opened))
         try:
-            self._complete_watched(app, req, scored, opened, watch)
+            self._complete_watched(app, req, top, opened, watch)
         finally:
             watch.stop()
             if watch.gone:  # also the choices posted after the watcher fired
@@ -503,30 +520,42 @@ class _Handler(LimitedHandler):
         self,
         app: CompletionHTTPServer,
         req: CompletionRequest,
-        scored: list[PromptScores] | None,
-        opened: list[Iterator[TokenEvent]],
+        top: int | None,
+        opened: list[Any],
         watch: ClientWatch,
     ) -> None:
-        """Call the engine (once per choice of each prompt); answer 400/500 if it fails before
-        its first token, else stream or collect; account the request in ``/metrics``."""
+        """Score the prompts when asked (``top``: prompt logprobs; cancelled with the rest when
+        the client leaves), call the engine (once per choice of each prompt); answer 400/500 if
+        it fails before its first token, else stream or collect; account the request in
+        ``/metrics``."""
         started = time.monotonic()
         build = self._builder(app, req)
-        build.scored = scored
         try:
+            if top is not None:
+                assert app.score_prompt is not None
+                handles = [app.score_prompt(p, top, req.cache_salt) for p in req.prompts]
+                opened.extend(handles)  # the watch closes them when the client leaves
+                build.scored = [h.result() for h in handles]
+                if watch.gone:
+                    raise ConnectionAbortedError("the client closed the connection")
+            opened.clear()
             for i in range(req.num_choices):
-                events = app.post_completion(req.prompt_of(i), req.choice_params(i), req.cache_salt)
+                events = app.post_completion(req.prompt_of(i), req.choice_params(i), req.options)
                 opened.append(iter(events))
             streams = ChoiceStreams(opened)
             pairs = iter(streams)
             first = next(pairs, None)
             first_token_s = time.monotonic() - started
-        except (ValueError, TypeError) as exc:
-            close_all(opened)
-            self._send_error(400, f"the engine rejected the request: {exc}")
-            return
         except Exception as exc:
-            logger.exception("engine failed before its first token")
             close_all(opened)
+            if watch.gone or isinstance(exc, ConnectionAbortedError):  # nobody to answer
+                self.close_connection = True
+                logger.info("client %s disconnected; request cancelled", self.address_string())
+                return
+            if isinstance(exc, (ValueError, TypeError)):
+                self._send_error(400, f"the engine rejected the request: {exc}")
+                return
+            logger.error("engine failed before its first token", exc_info=exc)
             self._send_error(500, f"the engine failed: {type(exc).__name__}: {exc}")
             return
         finish = "abort"

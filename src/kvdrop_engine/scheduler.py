@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_BUDGET_TOKENS",
+    "SCORE_ROWS_PER_STEP",
     "PrefixPlan",
     "Scheduler",
     "StepPlan",
@@ -51,6 +52,10 @@ __all__ = [
     "plan_step",
 ]
 
+#: Rows of log-probabilities (each ``[V]`` floats) scoring requests compute per step, all
+#: together: prompt scoring's memory is this slice times the vocabulary, whatever the prompt
+#: (a 3,001-token ``prompt_logprobs`` request grew the server by 2.4 GB when scored whole).
+SCORE_ROWS_PER_STEP = 256
 #: The engine's KV budget when it is given neither ``num_blocks`` nor ``kv_budget_tokens``.
 DEFAULT_BUDGET_TOKENS = 65536
 
@@ -191,7 +196,7 @@ def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
         plan.sampled.append(req)
         plan.stepped.append((req, 1))
         plan.num_decode += 1
-    budget = max_prefill_tokens
+    budget, score_budget = max_prefill_tokens, SCORE_ROWS_PER_STEP
     for req in batch:
         if budget <= 0:
             break
@@ -204,6 +209,14 @@ def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
             continue
         start, known = req.num_computed, req.prefill_tokens
         n = min(len(known) - start, budget)
+        if req.recut:  # the whole prompt first: it is cut again before the rest is computed
+            n = min(n, len(req.prompt) - start)
+        if req.scoring:  # its scored rows are [rows, V] floats: a bounded slice per step
+            first = max(start, req.score_from)
+            n = min(n, first - start + score_budget)
+            score_budget -= max(0, start + n - first)
+            if n <= 0:
+                continue
         budget -= n
         plan.seqs.append(SeqStep(req.rid, req.blocks, start, n))
         plan.tokens.extend(known[start : start + n])
@@ -318,6 +331,7 @@ class Scheduler:
     def _decoding(req: Request) -> bool:
         return (
             not req.cancelled
+            and req.cutting is None
             and req.loading is None
             and req.reconstruction is None
             and not req.prefilling
@@ -327,7 +341,12 @@ class Scheduler:
     def _victim(self) -> Request:
         """The newest running request that may be preempted (a decoding one always may)."""
         for req in reversed(self.running.values()):
-            if req.loading is None and req.reconstruction is None and not req.cancelled:
+            if (
+                req.loading is None
+                and req.reconstruction is None
+                and req.cutting is None
+                and not req.cancelled
+            ):
                 return req
         raise AssertionError("a decoding request is always preemptible")
 
@@ -358,6 +377,10 @@ class Scheduler:
         """Something to step, admit or drop, or a load to finish (not just loads in flight)."""
         now = time.monotonic()
         for req in self.running.values():
+            if req.cutting is not None:
+                if req.cutting.ready(now):
+                    return True
+                continue  # its policy runs: nothing to step for it yet
             if req.loading is None or req.loading.done():
                 return True
             if req.load_state is LoadState.QUEUED and (req.cancelled or not io_ok):
@@ -369,19 +392,29 @@ class Scheduler:
         return False
 
     def wait_s(self) -> float | None:
-        """How long the loop may sleep: until the first load deadline (loads notify when done)."""
+        """How long the loop may sleep: until the first load or cut deadline (loads and cuts
+        notify when done)."""
         deadlines = [
             r.load_deadline
             for r in self.running.values()
             if r.loading is not None
             and r.load_state is LoadState.IO
             and r.load_deadline < float("inf")
-        ]
+        ] + [r.cutting.deadline for r in self.running.values() if r.cutting is not None]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def runnable(self) -> list[Request]:
-        """The running requests this step computes (not cancelled, prefix loaded)."""
-        return [r for r in self.running.values() if not r.cancelled and r.loading is None]
+        """The running requests this step computes (not cancelled, prefix loaded, no cut
+        running)."""
+        return [
+            r
+            for r in self.running.values()
+            if not r.cancelled and r.loading is None and r.cutting is None
+        ]
+
+    def cuts_ready(self, now: float) -> list[Request]:
+        """The running requests whose cut ended (or ran past its deadline) by ``now``."""
+        return [r for r in self.running.values() if r.cutting is not None and r.cutting.ready(now)]
 
     def loading(self) -> list[Request]:
         """The running requests whose prefix load is in flight."""

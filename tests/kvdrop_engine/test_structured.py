@@ -10,10 +10,11 @@ import json
 import re
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import pydantic
 import pytest
+import requests
 import torch
 
 from kvdrop_engine import request_guides
@@ -197,3 +198,124 @@ def test_the_mask_edits_only_the_guided_rows(served: tuple[CompletionHTTPServer,
     allowed = torch.isfinite(masked[1]).nonzero().flatten().tolist()
     tokenizer = engine.tokenizer
     assert allowed and all("yes".startswith(tokenizer.decode([t])) for t in allowed), allowed
+
+
+# ---- tools ----------------------------------------------------------------------------------
+
+
+class Weather(pydantic.BaseModel):
+    city: str
+    unit: Literal["celsius", "fahrenheit"]
+
+
+def _tool(name: str, params: type[pydantic.BaseModel]) -> dict[str, Any]:
+    schema = params.model_json_schema()
+    return {"type": "function", "function": {"name": name, "parameters": schema}}
+
+
+class Time(pydantic.BaseModel):
+    timezone: str
+
+
+TOOLS = [_tool("get_weather", Weather), _tool("get_time", Time)]
+ASK = "What is the weather in Paris?"
+
+
+def test_a_named_tool_choice_is_a_call_with_arguments_its_schema_accepts(client: Any) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    reply = _chat(client, ASK, tools=TOOLS, tool_choice=choice)
+    message = reply.choices[0].message
+    (call,) = message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    Weather.model_validate_json(call.function.arguments)
+    assert message.content is None and reply.choices[0].finish_reason == "stop"
+
+
+def test_required_calls_name_listed_tools_streamed_or_not(client: Any) -> None:
+    reply = _chat(client, ASK, tools=TOOLS, tool_choice="required", max_tokens=80)
+    calls = reply.choices[0].message.tool_calls
+    assert calls and reply.choices[0].finish_reason == "tool_calls", reply
+    for call in calls:
+        model = {"get_weather": Weather, "get_time": Time}[call.function.name]
+        model.model_validate_json(call.function.arguments)
+    stream = _chat(client, ASK, tools=TOOLS, tool_choice="required", max_tokens=80, stream=True)
+    deltas = [c.choices[0] for c in stream if c.choices]
+    streamed = [t for d in deltas for t in (d.delta.tool_calls or [])]
+    assert [t.function.name for t in streamed] == [c.function.name for c in calls]
+    assert [t.function.arguments for t in streamed] == [c.function.arguments for c in calls]
+    assert deltas[-1].finish_reason == "tool_calls"
+
+
+def test_auto_parses_hermes_calls_and_leaves_text_alone(client: Any) -> None:
+    from kvdrop_engine.tools import parse_tool_calls, parse_tools
+
+    tools = parse_tools({"tools": TOOLS})
+    assert tools is not None and tools.choice == "auto"
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    text = f"Let me check.\n<tool_call>\n{call}\n</tool_call>"
+    content, calls = parse_tool_calls(tools, text)
+    assert content == "Let me check." and [c.name for c in calls] == ["get_weather"]
+    assert json.loads(calls[0].arguments) == {"city": "Paris"}
+    smol = '<tool_call>[{"name": "get_time", "arguments": {"timezone": "UTC"}}]</tool_call>'
+    assert [c.name for c in parse_tool_calls(tools, smol)[1]] == ["get_time"]
+    assert parse_tool_calls(tools, "<tool_call>not json</tool_call>") == (
+        "<tool_call>not json</tool_call>", [],
+    )  # fmt: skip
+    reply = _chat(client, "Say hello.", tools=TOOLS, max_tokens=12)  # SmolLM2 answers in text
+    message = reply.choices[0].message
+    assert message.tool_calls is None and message.content
+
+
+def test_a_tool_round_trip_and_continue_final_message(client: Any, served: Any) -> None:
+    """The assistant's calls and the tool's answer go back through the template; a chat can
+    continue the assistant's own words."""
+    arguments = '{"city": "Paris", "unit": "celsius"}'
+    function = {"name": "get_weather", "arguments": arguments}
+    call = {"id": "call_1", "type": "function", "function": function}
+    messages = [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"},
+    ]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, max_tokens=8, temperature=0
+    )
+    assert reply.choices[0].message.content
+    start = [{"role": "user", "content": "Name a colour."},
+             {"role": "assistant", "content": "My favourite colour is"}]  # fmt: skip
+    url = served[0].url
+    body = {"messages": start, "continue_final_message": True, "add_generation_prompt": False}
+    cont = requests.post(url + "/tokenize", json=body, timeout=30)
+    ids = cont.json()["tokens"]
+    text = requests.post(url + "/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+    assert text.endswith("My favourite colour is"), text
+    more = client.chat.completions.create(
+        model=MODEL, messages=start, max_tokens=4, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )  # fmt: skip
+    assert more.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError, match="cannot be combined"):
+        _chat(
+            client, "x", extra_body={"continue_final_message": True, "add_generation_prompt": True}
+        )
+    with pytest.raises(openai.BadRequestError, match="must be the assistant's"):
+        _chat(
+            client, "x", extra_body={"continue_final_message": True, "add_generation_prompt": False}
+        )
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        ({"tool_choice": "required"}, "'tool_choice' needs 'tools'"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "names 'nope', which is not among the tools"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "letters, digits"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "sets the output's structure"),
+        ({"chat_template_kwargs": {"messages": []}}, "may not set messages"),
+    ],
+)  # fmt: skip
+def test_bad_tool_requests_are_400s(client: Any, extra: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(openai.BadRequestError, match=re.escape(fragment)):
+        _chat(client, "x", extra_body=extra)

@@ -17,9 +17,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvdrop.commands.args import add_model_arguments, finite_positive
+from kvdrop.commands.args import add_model_arguments
 from kvdrop.experiments.eval import FULL, PRESETS, EvalConfig, EvalError, EvalReport
 from kvdrop.experiments.tasks import SETTINGS, TASKS
+from kvdrop_engine.options import ratio_arg
 
 __all__ = ["add_arguments", "config_from_args", "format_report", "plot_report", "run"]
 
@@ -60,9 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grid.add_argument(
         "--keep-ratios",
         nargs="+",
-        type=finite_positive,
+        type=ratio_arg,
         metavar="R",
-        help=f"in (0, 1) (default: {_default('keep_ratios')})",
+        help=f"keep ratios in (0, 1] (default: {_default('keep_ratios')})",
     )
     grid.add_argument(
         "--lengths",

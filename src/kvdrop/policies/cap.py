@@ -78,6 +78,7 @@ class CapScorer(Scorer):
         "future positions the anchor's RoPE rotation is averaged over",
         allowed="an int >= 1",
         check=lambda n: n >= 1,
+        serve_max=8192,  # one rotated copy per position (400,000: +230 MB)
     )
     epsilon: float = param(
         1e-6,

@@ -67,6 +67,7 @@ class NonCausalAttnScorer(Scorer):
         "tokens per non-causal attention chunk",
         allowed="an int >= 1",
         check=lambda n: n >= 1,
+        serve_max=4096,  # attention memory grows with its square
     )
     head_agg: str = head_agg_param("mean", "how the KV heads of a layer combine")
     layer_agg: str = layer_agg_param("mean", "how layers combine")

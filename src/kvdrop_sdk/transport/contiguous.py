@@ -110,13 +110,22 @@ class _Mapping:
     populated_lock: threading.Lock = field(default_factory=threading.Lock)
     #: Page-locked regions for DMA to and from a GPU (made on the first CUDA transfer).
     registration: HostRegistration | None = None
+    registration_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def dma(self, offsets: list[Any], nbytes: int) -> HostRegistration | None:
         """The registration through which slots at ``offsets`` go to or from a GPU by DMA
-        (registering them), or None: they take the host path."""
-        if self.registration is None:
-            self.registration = HostRegistration(self.pool)
-        return self.registration if self.registration.ready(offsets, nbytes) else None
+        (registering them), or None: they take the host path. One per mapping, made under a
+        lock: two made by concurrent first transfers registered the same regions twice (error
+        712 on the H200) and left regions the mapping never unregistered."""
+        registration = self.registered()
+        return registration if registration.ready(offsets, nbytes) else None
+
+    def registered(self) -> HostRegistration:
+        """This mapping's one registration (made under a lock on first use)."""
+        with self.registration_lock:
+            if self.registration is None:
+                self.registration = HostRegistration(self.pool)
+            return self.registration
 
     def unregister(self) -> None:
         if self.registration is not None:
@@ -186,9 +195,19 @@ class ContiguousTransferWrapper:
             self._mapping = None
             self.mode = "socket"
             tune_malloc()
-        if old is not None and old is not self._mapping:
-            _release(old)
-            log.info("re-mapped the server's shared memory (instance %s)", self.instance)
+        if old is not None:
+            _release(old)  # the same mapping again (same instance) was counted twice
+            if old is not self._mapping:
+                log.info("re-mapped the server's shared memory (instance %s)", self.instance)
+
+    def prepare_dma(self) -> bool:
+        """Page-lock the whole shared segment for DMA now (see
+        :meth:`~kvdrop_sdk.transport.cuda_host.HostRegistration.register_all`); False when
+        there is none to lock (the socket transport) or registration is off or impossible
+        (then transfers take the host path, as they would anyway)."""
+        if self.mode != "shm":
+            return False
+        return self._current().registered().register_all()
 
     def _current(self) -> _Mapping:
         mapping = self._mapping

@@ -157,10 +157,17 @@ class HostRegistration:
         self.pool = pool
         self.base, self.size = pool.data_ptr(), pool.numel()
         self._regions: set[int] = set()
+        #: Regions being registered by some thread, each with the event that says it is done.
+        self._pending: dict[int, threading.Event] = {}
+        #: Regions the runtime refused (a locked-memory limit, say): transfers touching them
+        #: take the host path; the other regions keep their DMA.
+        self._refused: set[int] = set()
         self._lock = threading.Lock()
         self._dma_failures = 0
-        #: Why registration is not used (None while it works); set once, then every call says no.
+        #: Why registration is not used at all (None while it may be); set once, then every
+        #: call says no. ``refused``: why the first region was refused, if one was.
         self.failed: str | None = None
+        self.refused: str | None = None
         self._runtime: CudaRuntime | None = runtime
         if runtime is None:
             self.failed = self._default_runtime()
@@ -189,28 +196,73 @@ class HostRegistration:
 
     def ensure(self, offset: int, nbytes: int) -> bool:
         """Page-lock the regions covering ``[offset, offset + nbytes)``; False (the reason in
-        ``failed``, logged once, the runtime's error cleared) when that is impossible."""
+        ``failed`` or ``refused``, logged once, the runtime's error cleared) when that is
+        impossible. A region the runtime refused stays refused; the others keep their DMA.
+
+        A region is registered by the first caller that needs it, outside the lock (a GiB of
+        fresh pages takes about 0.4 s): callers whose regions are registered already never
+        wait for it; callers that need the same region wait for that one call."""
         first, last = offset // REGION_BYTES, (offset + nbytes - 1) // REGION_BYTES
-        with self._lock:
-            for region in range(first, last + 1):
+        for region in range(first, last + 1):
+            with self._lock:
                 if self.failed is not None or self._runtime is None:
                     return False
                 if region in self._regions:
                     continue
-                start = region * REGION_BYTES
-                length = min(REGION_BYTES, self.size - start)
-                err = self._runtime.register(self.base + start, length)
-                if err != 0:
-                    self._runtime.clear_error()
-                    self.failed = f"cudaHostRegister of {length} bytes returned error {err}"
-                    log.warning(
-                        "the server's shared memory cannot be page-locked for the GPU (%s): "
-                        "GPU transfers go through host staging copies instead",
-                        self.failed,
-                    )
+                if region in self._refused:
                     return False
-                self._regions.add(region)
+                pending = self._pending.get(region)
+                mine = pending is None
+                if mine:
+                    pending = self._pending[region] = threading.Event()
+            assert pending is not None
+            if mine:
+                self._register_region(region, pending)
+            else:
+                pending.wait()
+            with self._lock:
+                if region not in self._regions:
+                    return False
         return True
+
+    def _register_region(self, region: int, done: threading.Event) -> None:
+        """Register ``region`` (this thread claimed it), then wake whoever waits for it."""
+        assert self._runtime is not None
+        start = region * REGION_BYTES
+        length = min(REGION_BYTES, self.size - start)
+        try:
+            err = self._runtime.register(self.base + start, length)
+            if err != 0:
+                self._runtime.clear_error()  # the last error is this thread's: cleared here
+            with self._lock:
+                if err == 0:
+                    self._regions.add(region)
+                else:
+                    self._refused.add(region)
+                    first = self.refused is None
+                    if first:
+                        self.refused = f"cudaHostRegister of {length} bytes returned error {err}"
+            if err != 0 and first:
+                log.warning(
+                    "the server's shared memory cannot be page-locked for the GPU (%s): GPU "
+                    "transfers touching that region (and any other refused) go through host "
+                    "staging copies instead",
+                    self.refused,
+                )
+        finally:
+            with self._lock:
+                self._pending.pop(region, None)
+            done.set()
+
+    def register_all(self) -> bool:
+        """Page-lock every region now (skipping those done), in order: a process that will
+        move most of the segment to and from a GPU pays the registration (about 0.4 s per GiB
+        of pages this process has not touched, on an H200 host) before its first transfers
+        rather than inside them. True when every region is registered; it stops at the first
+        region the runtime refuses (the ones before it stay registered)."""
+        return all(
+            self.ensure(region * REGION_BYTES, 1) for region in range(-(-self.size // REGION_BYTES))
+        )
 
     def ready(self, offsets: Sequence[int], nbytes: int) -> bool:
         """Whether slots of ``nbytes`` at ``offsets`` can go by DMA (registering them)."""
@@ -259,6 +311,8 @@ class HostRegistration:
     def write(self, parts: Sequence[torch.Tensor], offsets: Sequence[int]) -> bool:
         """Device chunk ``parts[i]`` ``(lead, L, c, W)`` into the slot at ``offsets[i]``,
         complete on return; False when the DMA failed (the caller takes its host path)."""
+        if not parts:
+            return True
         try:
             with _on_side_stream(parts[0].device, wait=True):
                 for part, off in zip(parts, offsets, strict=True):
@@ -287,7 +341,12 @@ class HostRegistration:
             log.warning("GPU transfers from shared memory go through the host: %s", self.failed)
 
     def close(self) -> None:
-        """Unregister every region (before the mapping is closed)."""
+        """Unregister every region (before the mapping is closed), once the registrations in
+        progress are done."""
+        with self._lock:
+            pending = list(self._pending.values())
+        for event in pending:
+            event.wait()
         with self._lock:
             if self._runtime is not None:
                 for region in sorted(self._regions):

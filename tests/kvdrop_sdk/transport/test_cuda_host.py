@@ -148,11 +148,14 @@ def test_a_slot_across_a_boundary_is_copied_in_two_pieces() -> None:
     out = reg.read([off], (1, 1, 256, 1), torch.float32, torch.device("cpu"))
     assert out is not None and bool((out.view(torch.uint8) == 1).all())
     assert rt.copies == [(off, REGION), (REGION, off + slot_bytes)]
+    assert reg.write([], [])  # a store whose every chunk was a duplicate: nothing to move
 
 
-def test_a_refused_registration_clears_the_error_and_every_later_call_says_no(
+def test_a_refused_registration_clears_the_error_and_only_its_region_loses_dma(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """A refusal (a locked-memory limit, say) sends the transfers touching that region through
+    the host; regions registered before keep their DMA, and a refused one is not retried."""
     pool = torch.zeros(4 * REGION, dtype=torch.uint8)
     rt = RecordingRuntime(pool, fail_at=1)
     reg = HostRegistration(pool, rt)
@@ -160,11 +163,13 @@ def test_a_refused_registration_clears_the_error_and_every_later_call_says_no(
     with caplog.at_level(logging.WARNING, logger=cuda_host.__name__):
         assert not reg.ensure(REGION, 10)
         assert rt.last_error == 0  # cleared: the next launch does not see it
+        assert not reg.ensure(REGION + 100, 10)  # refused once, not asked again
+        assert not reg.ensure(REGION - 5, 10)  # a slot across into the refused region
         assert not reg.ensure(2 * REGION, 10)
-        assert not reg.ensure(0, 10)  # even a registered region: the caller falls back whole
+        assert reg.ensure(0, 10)  # region 0 keeps its DMA
     warnings = [r for r in caplog.records if "page-locked" in r.getMessage()]
     assert len(warnings) == 1 and "error 2" in warnings[0].getMessage()
-    assert rt.calls == 2 and reg.failed is not None
+    assert rt.calls == 3 and reg.failed is None and "error 2" in (reg.refused or "")
 
 
 def test_a_failed_dma_falls_back_for_that_transfer_and_clears_the_error(
@@ -275,3 +280,108 @@ def test_contexts_of_one_process_share_one_mapping_of_the_segment(
         a.close()
         b.close()
     assert mapping.users == 0 and mapping.key not in contiguous._SHARED
+
+
+def test_concurrent_first_transfers_make_one_registration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first DMA transfers of a mapping often start at once (an engine's loads): they must
+    share one registration. Two registered the same regions twice (error 712 on an H200), and
+    the regions of the one that was dropped were never unregistered."""
+    import threading
+    import time
+
+    from kvdrop_sdk.transport import contiguous
+
+    made: list[HostRegistration] = []
+
+    class SlowRegistration(HostRegistration):
+        def __init__(self, pool: torch.Tensor) -> None:
+            time.sleep(0.05)  # finding the CUDA runtime takes a while
+            super().__init__(pool, RecordingRuntime(pool))
+            made.append(self)
+
+    monkeypatch.setattr(contiguous, "HostRegistration", SlowRegistration)
+    pool = torch.zeros(4 * REGION, dtype=torch.uint8)
+    mapping = contiguous._Mapping(mm=None, pool=pool, instance=None)  # type: ignore[arg-type]
+    start = threading.Barrier(6)
+    got: list[HostRegistration | None] = []
+
+    def first_transfer(i: int) -> None:
+        start.wait()
+        got.append(mapping.dma([HEADER + i * 64], 64))
+
+    threads = [threading.Thread(target=first_transfer, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and all(g is made[0] for g in got)
+
+
+def test_a_registration_in_progress_holds_up_only_the_transfers_that_need_it() -> None:
+    """Registering a GiB of fresh pages takes about 0.4 s: a transfer whose regions are
+    registered goes on meanwhile, and two that need the same region make one call."""
+    import threading
+
+    pool = torch.zeros(4 * REGION, dtype=torch.uint8)
+    release = threading.Event()
+    entered = threading.Event()
+
+    class SlowRuntime(RecordingRuntime):
+        def register(self, address: int, nbytes: int) -> int:
+            if address == self.base + REGION:
+                entered.set()
+                assert release.wait(30)
+            return super().register(address, nbytes)
+
+    rt = SlowRuntime(pool)
+    reg = HostRegistration(pool, rt)
+    assert reg.ensure(0, 10)  # region 0
+    results: list[bool] = []
+    waiters = [
+        threading.Thread(target=lambda: results.append(reg.ensure(REGION + 5, 10)))
+        for _ in range(2)
+    ]
+    for t in waiters:
+        t.start()
+    assert entered.wait(30)
+    assert reg.ensure(100, 10)  # region 0 is registered: no waiting behind region 1
+    release.set()
+    for t in waiters:
+        t.join()
+    assert results == [True, True] and rt.calls == 2  # region 1 was registered once
+    reg.close()
+    assert not rt.regions
+
+
+def test_register_all_locks_every_region_once_ahead_of_the_transfers() -> None:
+    pool = torch.zeros(3 * REGION + 100, dtype=torch.uint8)
+    rt = RecordingRuntime(pool)
+    reg = HostRegistration(pool, rt)
+    assert reg.ensure(REGION + 1, 10)  # one region done already
+    assert reg.register_all() and reg.register_all()  # the second call has nothing to do
+    assert rt.regions == {
+        rt.base: REGION,
+        rt.base + REGION: REGION,
+        rt.base + 2 * REGION: REGION,
+        rt.base + 3 * REGION: 100,  # the short last region
+    }
+    assert rt.calls == 4
+    refused = RecordingRuntime(pool, fail_at=2)
+    assert not HostRegistration(pool, refused).register_all() and refused.last_error == 0
+
+
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_prepare_dma_without_a_gpu_says_no_and_transfers_still_work(
+    kv_server: ServerHandle, model_name: str, transport: str
+) -> None:
+    layout = CacheLayout(3, 2, 8, torch.bfloat16)
+    with sdk.kvcache.connect(
+        kv_server.url, kv_server.http_url, model_name, 30, layout=layout, transport=transport
+    ) as ctx:
+        assert ctx.prepare_dma() is (torch.cuda.is_available() and transport == "shm")
+        data = torch.randn(layout.shape(CacheKind.KV, 256)).to(torch.bfloat16)
+        assert ctx.store(data, list(range(256)))
+        out = ctx.retrieve(list(range(256)))
+        assert out is not None and torch.equal(out.view(torch.int16), data.view(torch.int16))
