@@ -51,6 +51,7 @@ from kvdrop_engine.errors import EngineSetupError, InvalidRequestError
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.paged import PagedKVCache, blocks_needed
 from kvdrop_sdk import CacheKind
+from kvdrop_sdk.dry_run import dry_run_inputs
 from kvdrop_sdk.edit import EditContext
 from kvdrop_sdk.query_capture import DEFAULT_QUERY_WINDOW, QueryCapture, QueryNeed
 
@@ -217,19 +218,10 @@ class DecodeCompressor:
         """Rank a random cache of the model's layout with ``policy`` once (with query rows when
         it reads them), so a policy that cannot run on this model fails at start."""
         cfg = self.config
-        n = _CHECK_TOKENS
-        gen = torch.Generator().manual_seed(0)
-        kv = torch.randn(2, cfg.num_layers, n, cfg.num_kv_heads * cfg.head_dim, generator=gen)
-        tensors: dict[Any, torch.Tensor] = {CacheKind.KV: kv}
-        qpos = None
-        if policy.queries is not QueryNeed.NONE:
-            rows = min(n, self.query_window)
-            qpos = torch.arange(n - rows, n)
-            dq = cfg.num_heads * cfg.head_dim
-            tensors[CacheKind.QUERY] = torch.randn(1, cfg.num_layers, rows, dq, generator=gen)
-        context = self._context(torch.arange(n), qpos, "cpu")
+        sizes = QueryCapture(QueryNeed.WINDOW, self.query_window, 0)
+        run = dry_run_inputs(cfg, _CHECK_TOKENS, policy.needs, sizes, rope=self.rope_json)
         try:
-            policy.select_indices(tensors, list(range(n)), context=context)
+            policy.select_indices(run.tensors, run.tokens, context=run.context)
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise InvalidRequestError(

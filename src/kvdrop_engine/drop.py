@@ -39,6 +39,7 @@ from kvdrop_engine.errors import EngineSetupError, InvalidRequestError, PolicyFa
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.paged import BlockAllocator, PagedKVCache, blocks_needed
 from kvdrop_sdk import CacheKind
+from kvdrop_sdk.dry_run import dry_run_inputs
 from kvdrop_sdk.edit import EditContext
 from kvdrop_sdk.query_capture import (
     DEFAULT_QUERY_STRIDE,
@@ -336,20 +337,10 @@ class PromptDropper:
         """Run ``cut`` once on a random prompt of the model's layout, so a policy that cannot
         run on this model fails at start (``InvalidRequestError``), not on the first request."""
         cfg = self.config
-        n = _CHECK_TOKENS
-        gen = torch.Generator().manual_seed(0)
-        kv = torch.randn(2, cfg.num_layers, n, cfg.num_kv_heads * cfg.head_dim, generator=gen)
-        tensors = {CacheKind.KV: kv}
-        qpos = None
-        if cut.capture.enabled:
-            rows = n if cut.capture.full else min(n, cut.capture.window)
-            qpos = torch.arange(n - rows, n)
-            dq = cfg.num_heads * cfg.head_dim
-            tensors[CacheKind.QUERY] = torch.randn(1, cfg.num_layers, rows, dq, generator=gen)
-        context = self._context(n, qpos, None, "cpu")
-        tokens = list(range(n))
+        run = dry_run_inputs(cfg, _CHECK_TOKENS, cut.policy.needs, cut.capture, rope=self.rope_json)
+        kv, tokens = run.tensors[CacheKind.KV], run.tokens
         try:
-            _kept(cut, kv, tokens, _chosen(cut, tensors, tokens, context), context)
+            _kept(cut, kv, tokens, _chosen(cut, run.tensors, tokens, run.context), run.context)
         except PolicyFailedError as exc:
             raise InvalidRequestError(
                 f"cannot run on this model ({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads "
