@@ -29,9 +29,10 @@ def test_a_partial_last_chunk_is_padded_as_kvpress_pads_it() -> None:
     k = torch.tensor([[[0.0, 0.0], [1.0, 0.0], [1.0, 0.0]]])
     sums = chunk_column_sums(q, k, 2)
     p = torch.softmax(torch.tensor([0.0, 10.0]), 0)
-    last = torch.softmax(torch.tensor([5.0, -1e-9]), 0)[0] + torch.softmax(
-        torch.tensor([0.0, -1e-9]), 0
-    )[0]
+    last = (
+        torch.softmax(torch.tensor([5.0, -1e-9]), 0)[0]
+        + torch.softmax(torch.tensor([0.0, -1e-9]), 0)[0]
+    )
     torch.testing.assert_close(sums, torch.tensor([[p[0] + 0.5, p[1] + 0.5, float(last)]]))
     whole = chunk_column_sums(q[:, :2], k[:, :2], 2)  # no partial chunk: both ways agree
     torch.testing.assert_close(whole, chunk_column_sums(q[:, :2], k[:, :2], 2, partial="mask"))
