@@ -86,16 +86,17 @@ def decode(
 ) -> list[int]:
     """Greedy tokens after feeding ``then`` at positions ``start...`` on ``cache``."""
     out: list[int] = []
-    step, pos = torch.tensor([then]), start
+    device = model.device
+    step, pos = torch.tensor([then], device=device), start
     for _ in range(max_tokens):
-        positions = torch.arange(pos, pos + step.shape[1])[None]
+        positions = torch.arange(pos, pos + step.shape[1], device=device)[None]
         logits = model(input_ids=step, past_key_values=cache, position_ids=positions).logits
         tok = int(logits[0, -1].argmax())
         if tok == eos:
             break
         out.append(tok)
         pos += step.shape[1]
-        step = torch.tensor([[tok]])
+        step = torch.tensor([[tok]], device=device)
     return out
 
 
@@ -141,10 +142,11 @@ def kvpress_answers(
     from transformers import DynamicCache
 
     eos = args.eos
+    ids = torch.tensor([prefill], device=model.device)
     cache = DynamicCache()
     capture = LayerCapture(model)
     try:
-        model(input_ids=torch.tensor([prefill]), past_key_values=cache)
+        model(input_ids=ids, past_key_values=cache)
     finally:
         capture.close()
     layers = [(layer.keys, layer.values) for layer in cache.layers]
@@ -158,9 +160,11 @@ def kvpress_answers(
             smaller = DynamicCache()
             if name == "kvzip":
                 with press(model):
-                    model(input_ids=torch.tensor([prefill]), past_key_values=smaller)
+                    model(input_ids=ids, past_key_values=smaller)
             else:
-                press.post_init_from_model(model)
+                press.post_init_from_model(model)  # what ``with press(model):`` sets up
+                for layer in model.model.layers:
+                    layer.self_attn.rotary_emb = model.model.rotary_emb
                 for i, (keys, values) in enumerate(layers):
                     hidden, kwargs = capture.inputs[i]
                     module = model.model.layers[i].self_attn
@@ -188,7 +192,7 @@ def kvdrop_answers(
     selection from it."""
     from kvdrop.integrations.transformers import KVDropPress
 
-    ids = torch.tensor([prefill + then])
+    ids = torch.tensor([prefill + then], device=model.device)
     tail = len(then)
     shared = KVDropPress("kvzip", tail=tail, tokenizer=tokenizer).prefill(model, ids)
     answers = {}
@@ -218,14 +222,14 @@ def run(args: argparse.Namespace) -> None:
     import kvpress_compare
 
     torch.set_num_threads(args.threads)
-    model, tokenizer, name = load_model(ModelSpec())
+    model, tokenizer, name = load_model(ModelSpec(model=args.model))
     done = set()
     if args.results.exists():
         for line in args.results.read_text().splitlines():
             r = json.loads(line)
             done.add((r["seed"], r["task"], r["index"], r["setting"]))
     with tempfile.TemporaryDirectory() as tmp:
-        hf = kvpress_compare.hf_model(model, tokenizer, Path(tmp))
+        hf = kvpress_compare.hf_model(model, tokenizer, Path(tmp)).to(args.device)
         hf_tok = PreTrainedTokenizerFast.from_pretrained(tmp)
         args.eos = int(hf_tok.convert_tokens_to_ids(tokenizer.eos_token))
         grid = {
@@ -233,44 +237,51 @@ def run(args: argparse.Namespace) -> None:
             for seed in args.seeds
             for task in args.tasks
         }
-        for index in range(args.num_samples):  # depth-major: a stopped run stays balanced
-            for (seed, task), samples in grid.items():
-                sample = samples[index]
-                for setting in args.settings:
-                    if (seed, task, index, setting) in done:
-                        continue
-                    t0 = time.perf_counter()
-                    prefill, then = split(sample, setting)
-                    window = question_length(sample, setting)
-                    texts = kvpress_answers(hf, prefill, then, window, args)
-                    texts |= kvdrop_answers(hf, hf_tok, prefill, then, window, args)
-                    decoded = {k: tokenizer.decode(v) for k, v in texts.items()}
-                    record = {
-                        "seed": seed,
-                        "task": task,
-                        "index": index,
-                        "setting": setting,
-                        "length": args.length,
-                        "model": name,
-                        "seconds": round(time.perf_counter() - t0, 1),
-                        "correct": {k: sample.is_correct(v) for k, v in decoded.items()},
-                        "answers": decoded,
-                    }
-                    with args.results.open("a") as f:
-                        f.write(json.dumps(record) + "\n")
-                    print(f"seed {seed} {task} {index} {setting}: {record['seconds']} s",
-                          file=sys.stderr, flush=True)  # fmt: skip
+        order = [
+            (index, seed, task, setting)
+            for index in range(args.num_samples)  # depth-major: a stopped run stays balanced
+            for seed, task in grid
+            for setting in args.settings
+        ]
+        part, parts = args.shard
+        for index, seed, task, setting in order[part::parts]:
+            sample = grid[(seed, task)][index]
+            if (seed, task, index, setting) in done:
+                continue
+            t0 = time.perf_counter()
+            prefill, then = split(sample, setting)
+            window = question_length(sample, setting)
+            texts = kvpress_answers(hf, prefill, then, window, args)
+            texts |= kvdrop_answers(hf, hf_tok, prefill, then, window, args)
+            decoded = {k: tokenizer.decode(v) for k, v in texts.items()}
+            record = {
+                "seed": seed,
+                "task": task,
+                "index": index,
+                "setting": setting,
+                "length": args.length,
+                "num_samples": args.num_samples,
+                "model": name,
+                "seconds": round(time.perf_counter() - t0, 1),
+                "correct": {k: sample.is_correct(v) for k, v in decoded.items()},
+                "answers": decoded,
+            }
+            with args.results.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            print(f"seed {seed} {task} {index} {setting}: {record['seconds']} s",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
 
-def load_eval(paths: Sequence[Path], length: int) -> dict[tuple[Any, ...], bool]:
-    """``kvdrop eval`` answers ``{(column key, seed, task, index, setting): correct}``."""
+def load_eval(paths: Sequence[Path], length: int, num_samples: int) -> dict[tuple[Any, ...], bool]:
+    """``kvdrop eval`` answers ``{(column key, seed, task, index, setting): correct}`` of runs
+    with ``num_samples`` prompts a task (the same prompts as the side-by-side's)."""
     out = {}
     for path in paths:
         for line in path.read_text().splitlines():
             if not line.strip():
                 continue
             r = json.loads(line)
-            if int(r["length"]) != length:
+            if int(r["length"]) != length or int(r["config"]["num_samples"]) != num_samples:
                 continue
             key = (
                 "full" if r["policy"] == "full" else f"kvdrop c256:{r['policy']}:{r['keep_ratio']}"
@@ -341,6 +352,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--model", default=None, help="a .gguf file (default: the installed SmolLM2)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--shard",
+        type=int,
+        nargs=2,
+        default=[0, 1],
+        metavar=("I", "N"),
+        help="run only the I-th of N interleaved parts of the prompts (parallel runs)",
+    )
     p.add_argument("--results", type=Path, default=Path("kvpress-side.jsonl"))
     p.add_argument("--table", type=Path, nargs="+", help="print the table of these records")
     p.add_argument("--eval-results", type=Path, nargs="*", default=[])
@@ -351,7 +372,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.table:
         records = [json.loads(x) for p in args.table for x in p.read_text().splitlines() if x]
-        for line in table(records, load_eval(args.eval_results, args.length)):
+        evals = load_eval(args.eval_results, args.length, args.num_samples)
+        for line in table(records, evals):
             print(line)
         return 0
     run(args)
