@@ -8,17 +8,18 @@ queries, as upstream's do), unless its factory declares it.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from kvdrop.errors import PolicyInputError, PolicyWarning
+from kvdrop.errors import PolicyInputError, PolicyOutputError, PolicyWarning
 from kvdrop.inputs import edit_inputs
 from kvdrop.policy import NeedsPolicy, Policy, warn_no_rope
 from kvdrop_sdk.edit import EditContext, ModifyFnType, takes_edit_context
-from kvdrop_sdk.query_capture import Needs, QueryNeed, needs_of
+from kvdrop_sdk.query_capture import KVNeed, Needs, QueryNeed, needs_of
 
 __all__ = ["FunctionPolicy", "as_policy"]
 
@@ -36,7 +37,8 @@ class FunctionPolicy(NeedsPolicy):
     def __init__(self, name: str, fn: ModifyFnType, needs: Needs | None = None) -> None:
         self.name = name
         self.fn = fn
-        self._needs = needs_of(fn) if needs is None else needs
+        # Its bytes are the function's own (and matched by value): it always reads the whole KV.
+        self._needs = dataclasses.replace(needs_of(fn) if needs is None else needs, kv=KVNeed.ALL)
         self._takes_context = takes_edit_context(fn)
 
     def __repr__(self) -> str:
@@ -59,14 +61,39 @@ class FunctionPolicy(NeedsPolicy):
     def _match(
         self, kv: torch.Tensor, tokens: Sequence[int], out: torch.Tensor, kept: Sequence[int]
     ) -> torch.Tensor:
+        """The input row of each kept row, in order: greedy on the token id and the value rows
+        of every layer (values carry no position, so a function that re-rotated its kept keys
+        is matched too). More rows than the input, or rows that are no input row after the
+        previous kept one (a duplicate, out of order, changed), are a ``PolicyOutputError``
+        (``PolicyInputError`` for changed rows, which ``__call__`` passes on with a warning)."""
+        n, k = len(tokens), len(kept)
+        rows = out.shape[2] if isinstance(out, torch.Tensor) and out.dim() == 4 else None
+        if rows != k:
+            shown = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise PolicyOutputError(
+                f"policy {self.name!r} returned KV {shown} with {k} token ids; expected "
+                "[2, L, k, D] KV with one token id per kept row"
+            )
+        if k > n:
+            raise PolicyOutputError(
+                f"policy {self.name!r} returned {k} rows for a {n}-token input; a policy keeps "
+                "each input row at most once"
+            )
+        values, got = kv[1].transpose(0, 1), out[1].transpose(0, 1)  # [T, L, D]
+        ids = [int(t) for t in tokens]
         found: list[int] = []
         i = 0
         for j, tok in enumerate(kept):
-            while i < len(tokens) and not (
-                int(tokens[i]) == int(tok) and torch.equal(kv[0, 0, i], out[0, 0, j])
-            ):
+            tok = int(tok)
+            while i < n and not (ids[i] == tok and torch.equal(values[i], got[j])):
                 i += 1
-            if i == len(tokens):
+            if i == n:
+                if any(ids[e] == tok and torch.equal(values[e], got[j]) for e in range(n)):
+                    raise PolicyOutputError(
+                        f"policy {self.name!r} returned kept row {j} (token {tok}) that repeats "
+                        "or precedes an earlier kept row; expected input rows in order, each "
+                        "kept at most once"
+                    )
                 raise PolicyInputError(
                     f"{self.name}: kept row {j} (token {tok}) is not an input row at a later "
                     "index; expected a policy that keeps input rows in order"

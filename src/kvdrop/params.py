@@ -31,6 +31,10 @@ class Param:
     allowed: str = ""  # human description of the valid range, e.g. "0 < r <= 1"
     check: Callable[[Any], bool] | None = None
     choices: tuple[Any, ...] | None = None
+    #: The largest value a serving client may ask for (``kvdrop.limits``): the policy's cost
+    #: grows with this parameter. None: no client cap. Library calls and the operator's own
+    #: ``--policy`` are not capped.
+    serve_max: float | None = None
 
     @property
     def type_name(self) -> str:
@@ -70,6 +74,7 @@ class Param:
             "default": self.default if _jsonable(self.default) else repr(self.default),
             "allowed": allowed,
             "help": self.help,
+            **({} if self.serve_max is None else {"serve_max": self.serve_max}),
         }
 
 
@@ -80,13 +85,16 @@ def param(
     allowed: str = "",
     check: Callable[[Any], bool] | None = None,
     choices: Sequence[Any] | None = None,
+    serve_max: float | None = None,
 ) -> Any:
-    """Declare a scorer dataclass field as a documented, validated policy parameter."""
+    """Declare a scorer dataclass field as a documented, validated policy parameter;
+    ``serve_max`` bounds what a serving client may ask for (see :class:`Param`)."""
     meta = {
         "help": help,
         "allowed": allowed,
         "check": check,
         "choices": tuple(choices or ()) or None,
+        "serve_max": serve_max,
     }
     return dataclasses.field(default=default, metadata={"kvdrop": meta})
 

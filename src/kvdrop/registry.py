@@ -31,6 +31,7 @@ __all__ = [
     "available",
     "describe",
     "factory",
+    "is_builtin",
     "register",
     "source",
 ]
@@ -138,6 +139,14 @@ def register(name: str, factory: Factory, *, replace: bool = False) -> None:
                 f"again from {source} (pass replace=True to override)"
             )
         entries[name] = _Entry(name, source, factory=wrapped)
+
+
+def is_builtin(name: str) -> bool:
+    """Whether ``name`` is one of kvdrop's own policies (an entry point of the ``kvdrop``
+    distribution), not a plugin's or a ``register()`` call's."""
+    entry = _discover().get(name)
+    ep = None if entry is None or entry.conflicts else entry.entry_point
+    return ep is not None and ep.dist is not None and ep.dist.name == "kvdrop"
 
 
 def available() -> list[str]:

@@ -39,7 +39,11 @@ from kvdrop.params import Param, param, params_of_dataclass
 from kvdrop_rope import RopeConfig
 from kvdrop_sdk.query_capture import QueryNeed
 
-__all__ = ["SELECTOR_PARAMS", "Selection", "Selector"]
+__all__ = ["DEFAULT_KEEP_RATIO", "SELECTOR_PARAMS", "Selection", "Selector"]
+
+#: The fraction kept when neither ``keep_ratio`` nor ``keep_tokens`` is given (by a policy's
+#: parameters, its spec string or a command's ``--keep-ratio``: :func:`kvdrop.spec.keep_budget`).
+DEFAULT_KEEP_RATIO = 0.5
 
 
 def _positive(x: int) -> bool:
@@ -59,7 +63,7 @@ class Selector:
 
     keep_ratio: float | None = param(
         None,
-        "fraction of tokens to keep (default 0.5 when keep_tokens is not given)",
+        f"fraction of tokens to keep (default {DEFAULT_KEEP_RATIO} when keep_tokens is not given)",
         allowed="0 < r <= 1",
         check=lambda r: 0 < r <= 1,
     )
@@ -102,7 +106,7 @@ class Selector:
                 f"keep_tokens={self.keep_tokens})"
             )
         if self.keep_ratio is None and self.keep_tokens is None:
-            object.__setattr__(self, "keep_ratio", 0.5)
+            object.__setattr__(self, "keep_ratio", DEFAULT_KEEP_RATIO)
 
     def requested(self, num_tokens: int, prompt_tokens: int | None = None) -> float:
         """Tokens of the whole prompt this selector is asked to keep (unaligned):

@@ -40,10 +40,12 @@ from kvdrop.errors import PolicyParamError
 from kvdrop.factories import PolicyFactory, PolicyInfo
 from kvdrop.params import Param, validate_params
 from kvdrop.policy import Policy, QueryNeed
-from kvdrop.selector import SELECTOR_PARAMS
+from kvdrop.selector import DEFAULT_KEEP_RATIO, SELECTOR_PARAMS
 from kvdrop_sdk.query_capture import needs_of
+from kvdrop_sdk.validate import keep_ratio as checked_ratio
 
 __all__ = [
+    "KeepBudget",
     "SpecFactory",
     "block",
     "budget",
@@ -54,8 +56,10 @@ __all__ = [
     "factory",
     "get",
     "is_spec",
+    "keep_budget",
     "parse_spec",
     "source",
+    "spec_terms",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -104,6 +108,57 @@ def source(name: str) -> str:
         factory(name)
         return "spec string (kvdrop.spec)"
     return registry.source(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepBudget:
+    """How much a policy built from a spec keeps: ``keep_ratio`` or ``keep_tokens``, and whose
+    value it is (``"spec"``: the spec's own, ``"given"``: the caller's, ``"default"``)."""
+
+    keep_ratio: float | None
+    keep_tokens: int | None
+    source: str
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """What to build the spec with (nothing when the spec carries its own budget)."""
+        return {} if self.source == "spec" else {"keep_ratio": self.keep_ratio}
+
+    def __str__(self) -> str:
+        tokens = self.keep_tokens
+        value = f"{tokens} tokens" if tokens is not None else f"{self.keep_ratio:g}"
+        return {"given": value, "spec": f"{value} (the spec's)"}.get(
+            self.source, f"{value} (default)"
+        )
+
+
+def keep_budget(
+    spec: str, keep_ratio: float | None = None, *, default: float | None = None
+) -> KeepBudget:
+    """The one keep-ratio rule: a spec's own ``keep_ratio``/``keep_tokens``
+    (``"snapkv(keep_ratio=0.3)"``) wins over ``default`` (a command's or engine's; None:
+    :data:`~kvdrop.selector.DEFAULT_KEEP_RATIO`); an explicit ``keep_ratio`` (a flag, a
+    request's field) is used when the spec has none, and beside a different value of the
+    spec's own it is a :class:`PolicyParamError` -- never silently one or the other. A
+    composition's parts' budgets are ignored (its own is shared), so only a single term's count."""
+    if keep_ratio is not None:
+        keep_ratio = checked_ratio(keep_ratio)
+    terms = parse_spec(spec)
+    own = terms[0][1] if len(terms) == 1 else {}
+    own_ratio, own_tokens = own.get("keep_ratio"), own.get("keep_tokens")
+    if own_ratio is None and own_tokens is None:
+        if keep_ratio is not None:
+            return KeepBudget(keep_ratio, None, "given")
+        if default is not None:
+            return KeepBudget(checked_ratio(default), None, "default")
+        return KeepBudget(DEFAULT_KEEP_RATIO, None, "default")
+    if keep_ratio is not None and (own_tokens is not None or own_ratio != keep_ratio):
+        mine = f"keep_tokens={own_tokens}" if own_tokens is not None else f"keep_ratio={own_ratio}"
+        raise PolicyParamError(
+            f"policy {spec!r} sets {mine} and keep_ratio {keep_ratio:g} was given beside it; "
+            "give the budget once (in the spec, or as --keep-ratio / the request's keep_ratio)"
+        )
+    return KeepBudget(own_ratio, own_tokens, "spec")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,6 +266,24 @@ def parse_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
         r.pos += 1
 
 
+def spec_terms(spec: str) -> list[tuple[str, dict[str, Any]]]:
+    """Every policy term ``spec`` builds, nested ones included (a combinator's ``policy=`` and
+    ``policies=``), depth first: what a spec asks to run, for whoever bounds it
+    (:mod:`kvdrop.limits`). PolicyParamError on bad syntax."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    todo = list(reversed(parse_spec(spec)))
+    while todo:
+        name, params = todo.pop()
+        out.append((name, params))
+        inner: list[tuple[str, dict[str, Any]]] = []
+        for key in ("policy", "policies"):
+            value = params.get(key)
+            if isinstance(value, str) or (key == "policies" and isinstance(value, (list, tuple))):
+                inner.extend(_part_list(value))
+        todo.extend(reversed(inner))
+    return out
+
+
 class SpecFactory(PolicyFactory):
     """The factory of a spec string: call-time params go over the spec's own.
 
@@ -229,6 +302,11 @@ class SpecFactory(PolicyFactory):
             info = dataclasses.replace(
                 base,
                 name=spec,
+                # ``kvdrop describe`` shows what the spec builds with: its bound values.
+                params=tuple(
+                    dataclasses.replace(p, default=bound[p.name]) if p.name in bound else p
+                    for p in base.params
+                ),
                 example={**base.example, **bound},
                 details=f"{name} with {bound}\n\n{base.details}".strip(),
             )

@@ -23,8 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvdrop_engine.errors import EngineSetupError
-from kvdrop_engine.options import add_connector_arguments, add_model_arguments
+from kvdrop_engine.errors import EngineSetupError, InvalidRequestError
+from kvdrop_engine.options import (
+    add_connector_arguments,
+    add_keep_ratio_argument,
+    add_model_arguments,
+)
 from kvdrop_engine.request_fields import MAX_BODY_BYTES
 from kvdrop_sdk.http_limits import HTTPLimits, bound_heap
 from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
@@ -125,17 +129,54 @@ def _drop_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="drop policy: a registered name or spec string, plugins included (default: none)",
     )
-    drop.add_argument(
-        "--keep-ratio",
-        type=float,
-        default=0.5,
-        help="fraction of each prompt's tokens the cut keeps (default 0.5)",
-    )
+    add_keep_ratio_argument(drop)
     drop.add_argument(
         "--min-drop-tokens",
         type=int,
         default=128,
         help="prompts shorter than this are left whole (default 128)",
+    )
+    drop.add_argument(
+        "--cut-timeout-s",
+        type=float,
+        default=30.0,
+        help="a prompt cut (its policy runs beside the loop, which steps other requests) still "
+        "running after this many seconds fails its request (default 30)",
+    )
+    drop.add_argument(
+        "--client-policies",
+        default="builtin",
+        metavar="WHICH",
+        help="which policies a request's \"kvdrop\" override may name: 'builtin' (the "
+        "server's own --policy and kvdrop's built-ins; default), 'all' (plugins too) or a "
+        "comma-separated list; parameters stay within their declared serving bounds",
+    )
+    decode = parser.add_argument_group(
+        "compression while decoding (each request's cache kept within a token budget; a "
+        'request\'s "kvdrop": {"decode": {"policy": ..., "budget": ..., "every": ...}} or '
+        '{"decode": null} overrides it)'
+    )
+    decode.add_argument(
+        "--decode-policy",
+        default=None,
+        metavar="SPEC",
+        help="policy that cuts a decoding request's cache back to --decode-budget tokens, "
+        "e.g. rkv, snapkv, tova, knorm (default: none)",
+    )
+    decode.add_argument(
+        "--decode-budget",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="KV tokens a decoding request keeps after each cut (needed with --decode-policy)",
+    )
+    decode.add_argument(
+        "--decode-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="generated tokens between cuts: a request holds at most budget + N tokens "
+        "(default 128, R-KV's buffer)",
     )
 
 
@@ -173,6 +214,19 @@ def _positive(name: str, value: int) -> None:
         raise EngineSetupError(f"{name} must be a positive integer, got {value}")
 
 
+def _check_policy(args: argparse.Namespace) -> None:
+    """``--policy`` built without a model (a typo fails in a second, not after the model's
+    load); what needs the model's layout is checked once it is loaded."""
+    if args.policy is None:
+        return
+    from kvdrop_engine.drop import serving_policy
+
+    try:
+        serving_policy(args.policy, args.keep_ratio)
+    except InvalidRequestError as exc:
+        raise EngineSetupError(f"--policy {args.policy}: {exc}") from None
+
+
 def _check_args(args: argparse.Namespace) -> None:
     """Validate flags before anything heavy is loaded."""
     if args.model is not None and args.random_preset is not None:
@@ -188,9 +242,13 @@ def _check_args(args: argparse.Namespace) -> None:
             f"--kv-budget-tokens ({args.kv_budget_tokens}) must be at least one block "
             f"(--block-size {args.block_size})"
         )
-    if not 0 < args.keep_ratio <= 1:
-        raise EngineSetupError(f"--keep-ratio must be in (0, 1], got {args.keep_ratio}")
     _positive("--min-drop-tokens", args.min_drop_tokens)
+    if args.decode_every is not None:
+        _positive("--decode-every", args.decode_every)
+    if args.decode_budget is not None:
+        _positive("--decode-budget", args.decode_budget)
+    if args.decode_policy is not None and args.decode_budget is None:
+        raise EngineSetupError("--decode-policy needs --decode-budget TOKENS")
     if args.threads is not None:
         _positive("--threads", args.threads)
     _positive("--query-window", args.query_window)
@@ -198,8 +256,13 @@ def _check_args(args: argparse.Namespace) -> None:
         raise EngineSetupError(f"--query-stride must be >= 0, got {args.query_stride}")
     if args.max_model_len is not None:
         _positive("--max-model-len", args.max_model_len)
-    if args.api_key is not None and not args.api_key.strip():
-        raise EngineSetupError("--api-key must not be empty")
+    if args.api_key is not None:
+        from kvdrop_engine.http import check_api_key
+
+        try:
+            check_api_key(args.api_key, "--api-key")
+        except ValueError as exc:
+            raise EngineSetupError(str(exc)) from None
     try:
         _limits_of(args)
     except ValueError as exc:
@@ -243,19 +306,11 @@ def _max_model_len(args: argparse.Namespace, cfg: Any) -> int:
 
 
 def prompt_scorer(engine: Any) -> Any:
-    """``(prompt, top, salt) -> PromptScores`` for ``prompt_logprobs`` and ``echo``: the
+    """``(prompt, top, salt) -> ScoreHandle`` for ``prompt_logprobs`` and ``echo``: the
     model's teacher-forced log-probabilities of each prompt token after the first, as a scoring
-    request through the engine (batched with the others, its cached prefix loaded)."""
-    from kvdrop_engine.logprobs import continuation_logprobs
-    from kvdrop_engine.sampling import prompt_scores
-
-    def score(prompt: list[int], top: int, cache_salt: str) -> Any:
-        if len(prompt) < 2:
-            return []
-        logp = continuation_logprobs(engine, [(prompt[:1], prompt[1:])], cache_salt=cache_salt)
-        return prompt_scores(logp[0], prompt[1:], top)
-
-    return score
+    request through the engine (batched with the others, its cached prefix loaded, scored in
+    bounded slices: ``Engine.post_prompt_scoring``)."""
+    return engine.post_prompt_scoring
 
 
 def _fail(message: str) -> int:
@@ -324,6 +379,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         # Missing files, bad checkpoints, missing extras, an unavailable --device.
         raise EngineSetupError(str(exc)) from None
     dropper = _dropper(args, model.config)
+    compressor = _compressor(args, model.config)
     connector = connector_of(args, name)
     try:
         engine = Engine(
@@ -335,6 +391,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
             max_prefill_tokens=args.max_prefill_tokens,
             connector=connector,
             dropper=dropper,
+            compressor=compressor,
         )
     except Exception as exc:
         if connector is not None:
@@ -370,7 +427,28 @@ def _dropper(args: argparse.Namespace, config: Any) -> Any:
     from kvdrop_engine.drop import PromptDropper
 
     return PromptDropper(
-        config, args.policy, keep_ratio=args.keep_ratio, min_prompt_tokens=args.min_drop_tokens
+        config,
+        args.policy,
+        keep_ratio=args.keep_ratio,
+        min_prompt_tokens=args.min_drop_tokens,
+        query_window=args.query_window,
+        query_stride=args.query_stride,
+        client_policies=args.client_policies,
+        cut_timeout_s=args.cut_timeout_s,
+    )
+
+
+def _compressor(args: argparse.Namespace, config: Any) -> Any:
+    """The engine's :class:`~kvdrop_engine.decode_cut.DecodeCompressor`: ``--decode-policy``
+    checked against the model's layout now, so requests may also ask for a cut."""
+    from kvdrop_engine.decode_cut import DecodeCompressor
+
+    return DecodeCompressor(
+        config,
+        args.decode_policy,
+        budget=args.decode_budget,
+        every=args.decode_every,
+        query_window=args.query_window,
     )
 
 
@@ -379,6 +457,7 @@ def run(args: argparse.Namespace) -> int:
     until SIGINT/SIGTERM; stop both cleanly."""
     try:
         _check_args(args)
+        _check_policy(args)
     except EngineSetupError as exc:
         return _fail(str(exc))
     bound_heap()  # freed request bodies are reused, not kept per thread (kvdrop_sdk.http_limits)
@@ -405,10 +484,16 @@ def _serve(args: argparse.Namespace, connector: Any, engine: Any, server: Any) -
     engine.start()
     server.start()
     kv_note = f", {args.cache_server} KV store {args.kvdrop_url}" if connector is not None else ""
-    if args.policy is not None:
+    default = engine.dropper.default if engine.dropper is not None else None
+    if default is not None:
         kv_note += (
-            f", prompts of {args.min_drop_tokens}+ tokens cut by {args.policy} to keep "
-            f"{args.keep_ratio:g}"
+            f", prompts of {args.min_drop_tokens}+ tokens cut by {default.spec} to keep "
+            f"{default.budget}"
+        )
+    if args.decode_policy is not None:
+        kv_note += (
+            f", decoding requests cut by {args.decode_policy} to {args.decode_budget} tokens "
+            f"every {engine.compressor.every}"
         )
     print(
         f"kvdrop engine: serving {server.model_name!r} on {server.url} (KV budget "

@@ -11,17 +11,21 @@ and parts before templating), ``stop`` and ``stop_token_ids`` by count. Bad inpu
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvdrop_engine.drop import UNSET
 from kvdrop_engine.errors import InvalidRequestError
 from kvdrop_engine.request_fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
+    DETOKENIZE_FIELDS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     SAMPLING_FIELDS,
+    TOKENIZE_FIELDS,
     BadRequestError,
     check_body,
     check_neutral,
@@ -32,6 +36,8 @@ from kvdrop_engine.request_fields import (
     get_streaming,
     get_token_ids,
 )
+from kvdrop_engine.request_guides import guide_from_body
+from kvdrop_engine.request_options import RequestOptionError, RequestOptions
 from kvdrop_engine.request_prompts import (
     CHARS_PER_TOKEN_BOUND,
     DEFAULT_MAX_PROMPT_CHARS,
@@ -51,7 +57,9 @@ from kvdrop_engine.sampling import (
     SamplingParamError,
     SamplingParams,
 )
-from kvdrop_sdk.protocol import check_salt
+from kvdrop_engine.structured import MISSING as STRUCTURED_MISSING
+from kvdrop_engine.structured import available as structured_available
+from kvdrop_engine.tools import Tools, parse_tools
 from kvdrop_sdk.validate import is_int, is_number
 
 __all__ = [
@@ -96,8 +104,8 @@ class CompletionRequest:
     """
 
     prompt_token_ids: list[int]
-    sampling_params: dict[str, Any]
-    cache_salt: str
+    params: SamplingParams
+    options: RequestOptions
     max_tokens: int
     stream: bool
     include_usage: bool
@@ -114,6 +122,9 @@ class CompletionRequest:
     min_tokens: int = 0
     #: Each prompt's text as sent (None for token ids): what ``echo`` repeats.
     prompt_texts: tuple[str | None, ...] = ()
+    #: A chat's tools when its choices may call them (``tool_choice`` not "none"): the reply's
+    #: text is parsed into ``tool_calls`` (:mod:`kvdrop_engine.tools`).
+    tools: Tools | None = None
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -128,14 +139,18 @@ class CompletionRequest:
         """The prompt of choice ``index``."""
         return self.prompts[index // self.n]
 
-    def choice_params(self, index: int) -> dict[str, Any]:
+    @property
+    def cache_salt(self) -> str:
+        """The request's cache salt (one of its options)."""
+        return self.options.cache_salt
+
+    def choice_params(self, index: int) -> SamplingParams:
         """The sampling parameters of choice ``index`` (its own seed when one was given; the
         choices of each prompt use the same seeds, as separate requests would)."""
-        params = dict(self.sampling_params)
         offset = index % self.n
-        if offset and "seed" in params:
-            params["seed"] = (params["seed"] + offset) % 2**64
-        return params
+        if not offset or self.params.seed is None:
+            return self.params
+        return dataclasses.replace(self.params, seed=(self.params.seed + offset) % 2**64)
 
 
 def _completion_logprobs(body: dict[str, Any]) -> Any:
@@ -176,8 +191,14 @@ def _chat_max_tokens(body: dict[str, Any], prompt: list[int], settings: Settings
     return settings.max_model_len - len(prompt)
 
 
-def _chat_prompts(body: dict[str, Any], settings: Settings) -> list[list[int]]:
-    return [chat_prompt(body, settings)]
+def _completion_prompts(
+    body: dict[str, Any], settings: Settings, tools: Tools | None
+) -> list[list[int]]:
+    return completion_prompts(body, settings)
+
+
+def _chat_prompts(body: dict[str, Any], settings: Settings, tools: Tools | None) -> list[list[int]]:
+    return [chat_prompt(body, settings, None if tools is None else tools.template())]
 
 
 def _max_tokens_name(body: dict[str, Any]) -> str:
@@ -191,7 +212,7 @@ class Route:
 
     chat: bool
     fields: frozenset[str]
-    prompts: Callable[[dict[str, Any], Settings], list[list[int]]]
+    prompts: Callable[[dict[str, Any], Settings, Tools | None], list[list[int]]]
     max_tokens: Callable[[dict[str, Any], list[int], Settings], Any]
     logprobs: Callable[[dict[str, Any]], Any]
     logprobs_name: str
@@ -200,7 +221,7 @@ class Route:
 COMPLETIONS = Route(
     False,
     COMPLETION_FIELDS,
-    completion_prompts,
+    _completion_prompts,
     _completion_max_tokens,
     _completion_logprobs,
     "logprobs",
@@ -231,16 +252,28 @@ def _engine_values(body: dict[str, Any], settings: Settings) -> dict[str, Any]:
     return params
 
 
-def _kvdrop_override(value: Any) -> Any:
-    """The ``"kvdrop"`` field as the engine takes it (its shape checked here, the policy by the
-    engine): 400 naming the field when it is malformed."""
-    from kvdrop_engine.drop import parse_override
-
+def _options(body: dict[str, Any], tools: Tools | None) -> RequestOptions:
+    """The request's options (``cache_salt``, the ``"kvdrop"`` override: null for no cut or
+    ``{"policy", "keep_ratio"}``, the structured output its ``response_format`` / ``guided_*``
+    or a required or named ``tool_choice`` asks for), built once; 400 naming the field when one
+    is malformed."""
+    salt = body.get("cache_salt")
+    cut = body["kvdrop"] if "kvdrop" in body else UNSET
+    guide = guide_from_body(body)  # response_format, guided_*: kvdrop_engine.structured
+    forced = None if tools is None else tools.guide()  # kvdrop_engine.tools
+    if guide is not None and forced is not None:
+        raise BadRequestError(
+            "a required or named 'tool_choice' sets the output's structure; leave out "
+            "'response_format' and the guided fields",
+            param="tool_choice",
+        )
+    if forced is not None and not structured_available():
+        raise BadRequestError(f"'tool_choice': {STRUCTURED_MISSING}", param="tool_choice")
+    guide = guide or forced
     try:
-        parsed = parse_override(value)
-    except ValueError as exc:
-        raise BadRequestError(str(exc), param="kvdrop") from None
-    return None if parsed is None else dict(value)
+        return RequestOptions("" if salt is None else salt, cut, guide=guide)
+    except RequestOptionError as exc:
+        raise BadRequestError(str(exc), param=exc.field) from None
 
 
 def _sampling(
@@ -260,18 +293,6 @@ def _sampling(
     except InvalidRequestError as exc:
         raise BadRequestError(str(exc)) from None
     return params
-
-
-def _sent(params: SamplingParams, values: dict[str, Any]) -> dict[str, Any]:
-    """What the engine is sent: ``max_tokens`` and every value that is not the default."""
-    default = SamplingParams()
-    out: dict[str, Any] = {"max_tokens": params.max_tokens}
-    for name, value in values.items():
-        if name != "max_tokens" and getattr(params, name) != getattr(default, name):
-            out[name] = value
-    if params.logit_bias:
-        out["logit_bias"] = {str(t): float(b) for t, b in params.logit_bias}
-    return out
 
 
 def _check_context(
@@ -326,27 +347,21 @@ def parse_request(body: Any, route: Route, settings: Settings) -> CompletionRequ
     echo, prompt_logprobs = _echo_options(body, route)
     if echo and settings.tokenizer is None:
         raise BadRequestError("'echo' needs text output and this server has no tokenizer")
-    salt = body.get("cache_salt")
-    try:
-        cache_salt = check_salt("" if salt is None else salt, "'cache_salt'")
-    except (TypeError, ValueError) as exc:
-        raise BadRequestError(str(exc), param="cache_salt") from None
+    tools = parse_tools(body) if route.chat else None
+    options = _options(body, tools)
     as_ids = get_bool(body, "return_tokens_as_token_ids")
     skip_special = get_bool(body, "skip_special_tokens")
     include_stop = get_bool(body, "include_stop_str_in_output")
     values = _engine_values(body, settings)
     values["logprobs"] = route.logprobs(body)
-    prompts = route.prompts(body, settings)
+    prompts = route.prompts(body, settings, tools)
     values["max_tokens"] = route.max_tokens(body, prompts[0], settings)
     params = _sampling(body, route, values, settings)
     _check_context(body, prompts, params.max_tokens, settings.max_model_len)
-    sent = _sent(params, values)
-    if "kvdrop" in body:  # null (no cut) or {"policy", "keep_ratio"}: kvdrop_engine.drop
-        sent["kvdrop"] = _kvdrop_override(body["kvdrop"])
     return CompletionRequest(
         prompt_token_ids=prompts[0],
-        sampling_params=sent,
-        cache_salt=cache_salt,
+        params=params,
+        options=options,
         max_tokens=params.max_tokens,
         stream=stream,
         include_usage=include_usage,
@@ -362,6 +377,7 @@ def parse_request(body: Any, route: Route, settings: Settings) -> CompletionRequ
         echo=echo,
         prompt_logprobs=prompt_logprobs,
         min_tokens=params.min_tokens,
+        tools=None if tools is None or tools.choice == "none" else tools,
     )
 
 
@@ -379,14 +395,7 @@ def parse_tokenize_request(body: Any, settings: Settings) -> tuple[list[int], bo
     """vLLM's ``POST /tokenize``: ``{"prompt": text}`` or ``{"messages": [...]}`` (with
     ``add_generation_prompt``, default true) to token ids, bounded as the routes bound them,
     and whether ``return_token_strs`` asks for each token's text too."""
-    known = frozenset(
-        {
-            "model", "prompt", "messages", "add_generation_prompt", "add_special_tokens",
-            "return_token_strs", "continue_final_message", "chat_template",
-            "chat_template_kwargs",
-        }
-    )  # fmt: skip
-    body = check_body(body, known, settings.model_name)
+    body = check_body(body, TOKENIZE_FIELDS, settings.model_name)
     check_neutral(body, 1)
     with_strs = bool(get_bool(body, "return_token_strs"))
     if ("prompt" in body) == ("messages" in body):
@@ -399,7 +408,7 @@ def parse_tokenize_request(body: Any, settings: Settings) -> tuple[list[int], bo
 
 def parse_detokenize_request(body: Any, settings: Settings) -> list[int]:
     """vLLM's ``POST /detokenize``: ``{"tokens": [ids]}``, ids in the vocabulary."""
-    body = check_body(body, frozenset({"model", "tokens"}), settings.model_name)
+    body = check_body(body, DETOKENIZE_FIELDS, settings.model_name)
     if settings.tokenizer is None:
         raise BadRequestError("this server has no tokenizer", param="tokens")
     return get_token_ids(body.get("tokens"), settings.vocab_size, "tokens", settings.max_model_len)

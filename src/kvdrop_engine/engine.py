@@ -24,35 +24,43 @@ import torch
 from torch import Tensor, nn
 
 from kvdrop_engine.connectors.base import KVConnector
+from kvdrop_engine.decode_cut import DecodeCompressor, KVSwap
 from kvdrop_engine.draw import draw_tokens
-from kvdrop_engine.drop import PromptDropper, prepare_cut
+from kvdrop_engine.drop import PendingCut, PromptDropper
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.penalties import edit_logits
+from kvdrop_engine.plan import RequestPlan, Shipped, plan_request, store_capture
 from kvdrop_engine.reconstruct import ReconstructionPrompt
+from kvdrop_engine.request_options import RequestOptions, submission
 from kvdrop_engine.runner import Forward, ModelRunner, WindowRecord
 from kvdrop_engine.sampling import (
     SamplingParams,
     TokenLogprobs,
     pick_tokens,
+    reduce_rows,
 )
 from kvdrop_engine.scheduler import (
     DEFAULT_BUDGET_TOKENS,
     Scheduler,
     StepPlan,
     budget_blocks,
-    decoded_store_upto,
     plan_step,
 )
-from kvdrop_engine.sequence import Request, TokenStream, new_request, scored_rows
+from kvdrop_engine.sequence import Request, ScoreHandle, TokenStream, new_request, scored_rows
 from kvdrop_engine.stats import EngineStats
+from kvdrop_engine.structured import Grammars, accept, guide_of, mask_logits
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
-from kvdrop_engine.transfer import ScoresJob, StoreJob, Transfers, WindowJob, check_seconds
+from kvdrop_engine.transfer import ScoresJob, Transfers, check_seconds
 from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.validate import positive_int
+from kvdrop_sdk.validate import token_ids as checked_ids
 
 __all__ = ["DEFAULT_BUDGET_TOKENS", "Engine", "EngineStats", "StepPlan", "plan_step"]
+
+#: A scoring request's sampling: one greedy token (never handed out).
+SCORING = SamplingParams(max_tokens=1, temperature=0.0)
 
 #: Engines whose loop thread runs; stopped at interpreter exit (see ``_stop_running_engines``).
 _RUNNING: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -106,6 +114,7 @@ class Engine:
         connector_backoff_s: float = 30.0,
         reconstruction: ReconstructionPrompt | None = None,
         dropper: PromptDropper | None = None,
+        compressor: DecodeCompressor | None = None,
     ) -> None:
         cfg: ModelConfig = model.config
         try:
@@ -128,6 +137,10 @@ class Engine:
         #: Cuts each prompt's cache after its prefill (``kvdrop engine --policy``; a request's
         #: ``"kvdrop"`` sampling key overrides it): :mod:`kvdrop_engine.drop`.
         self.dropper = dropper
+        #: Keeps each decoding request's cache within a token budget (``kvdrop engine
+        #: --decode-policy``; a request's ``"kvdrop": {"decode": ...}`` overrides it):
+        #: :mod:`kvdrop_engine.decode_cut`.
+        self.compressor = compressor
         self.runner = ModelRunner(
             model,
             cfg,
@@ -153,12 +166,24 @@ class Engine:
         self._cv = threading.Condition()
         self.connector = connector
         self._transfers = None if connector is None else self._bind(connector)
+        #: The query window the connector stores per request (None: none), once it is bound.
+        self._store = None
+        if connector is not None:
+            self._store = store_capture(
+                connector.queries, connector.stores_windows, connector.transfer_query
+            )
         load_lock = threading.Lock() if self._transfers is None else self._transfers.load_lock
         self._sched = Scheduler(
-            self.cache.allocator, block_size, max_batch_size, load_lock, self.eos_token_ids
+            self.cache.allocator,
+            block_size,
+            max_batch_size,
+            load_lock,
+            self.eos_token_ids,
+            swap=KVSwap(self.cache),
         )
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._grammars: Grammars | None = None  # structured outputs, on the first guided request
 
     def _bind(self, connector: KVConnector) -> Transfers:
         """Bind ``connector`` to the model and build the server I/O over it."""
@@ -236,7 +261,9 @@ class Engine:
     def stats(self) -> EngineStats:
         """A snapshot of the counters."""
         with self._cv:
-            return EngineStats(**asdict(self._stats))
+            snapshot = EngineStats(**asdict(self._stats))
+            snapshot.seconds = time.perf_counter() - self._stats_since
+            return snapshot
 
     def reset_stats(self) -> None:
         """Zero the counters (e.g. between the phases of a benchmark)."""
@@ -252,40 +279,86 @@ class Engine:
         self,
         prompt_token_ids: Sequence[int],
         sampling_params: Mapping[str, Any] | SamplingParams | None = None,
-        cache_salt: str = "",
+        cache_salt: str | RequestOptions = "",
     ) -> Iterator[TokenEvent]:
         """Submit a request; iterate the returned generator for its tokens as they are produced.
 
-        Validation happens here (raising ``InvalidRequestError`` / ``RequestTooLargeError``);
-        failures while serving raise ``EngineError`` from the iterator. Closing the iterator (from
-        any thread, before or after its first token) or dropping it cancels the request and
-        frees its blocks at once (:class:`~kvdrop_engine.sequence.TokenStream`). Starts the
-        engine if needed.
+        ``sampling_params`` is a ``SamplingParams`` or a dict (which may carry the request
+        options ``"kvdrop"`` and ``"reconstruct"``); ``cache_salt`` is the salt, or the
+        request's whole :class:`~kvdrop_engine.request_options.RequestOptions` (the OpenAI
+        server's form, built once from the body). Validation happens here, once (raising
+        ``InvalidRequestError`` / ``RequestTooLargeError``); failures while serving raise
+        ``EngineError`` from the iterator. Closing the iterator (from any thread, before or
+        after its first token) or dropping it cancels the request and frees its blocks at once
+        (:class:`~kvdrop_engine.sequence.TokenStream`). Starts the engine if needed.
         """
-        detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
-        override: tuple[Any, ...] = ()  # the request's "kvdrop" key, when it sent one
-        if isinstance(sampling_params, Mapping) and "kvdrop" in sampling_params:
-            sampling_params = dict(sampling_params)
-            override = (sampling_params.pop("kvdrop"),)
-        req = new_request(
-            next(self._ids),
-            prompt_token_ids,
-            sampling_params,
-            cache_salt,
-            vocab_size=self.config.vocab_size,
-            detok=detok,
-        )
-        prepare_cut(self.dropper, req, override)
-        if req.params.reconstruct and (self.reconstruction is None or self._transfers is None):
-            raise InvalidRequestError(
-                "reconstruct=true needs an engine built with reconstruction=ReconstructionPrompt"
-                "(...) and a connector to store the scores in (kvdrop_engine.reconstruct)"
-            )
+        req = self._request(prompt_token_ids, sampling_params, cache_salt)
         self._submit(req)
         transfers = self._transfers
         return TokenStream(req, self._wake, None if transfers is None else transfers.await_stores)
 
     __call__ = post_completion
+
+    def plan(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | SamplingParams | None = None,
+        cache_salt: str | RequestOptions = "",
+    ) -> RequestPlan:
+        """The :class:`~kvdrop_engine.plan.RequestPlan` this request would get (validated as
+        :meth:`post_completion` validates it; nothing is submitted)."""
+        return self._request(prompt_token_ids, sampling_params, cache_salt).plan
+
+    def _request(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | SamplingParams | None,
+        cache_salt: str | RequestOptions,
+    ) -> Request:
+        """A validated, planned request (not submitted)."""
+        params, options = submission(sampling_params, cache_salt)
+        detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
+        req = new_request(
+            next(self._ids),
+            prompt_token_ids,
+            params,
+            options,
+            vocab_size=self.config.vocab_size,
+            detok=detok,
+        )
+        if options.reconstruct and (self.reconstruction is None or self._transfers is None):
+            raise InvalidRequestError(
+                "reconstruct=true needs an engine built with reconstruction=ReconstructionPrompt"
+                "(...) and a connector to store the scores in (kvdrop_engine.reconstruct)"
+            )
+        req.plan = plan_request(
+            req,
+            dropper=self.dropper,
+            compressor=self.compressor,
+            connector=self.connector,
+            store=self._store,
+        )
+        req.restart_window(len(req.prompt))
+        if options.guide is not None:
+            req.guide = self._matcher(options.guide, req)
+        return req
+
+    def _matcher(self, guide: Any, req: Request) -> Any:
+        """A structured output's matcher, compiled on the caller's thread (the grammars of this
+        engine's tokenizer are built on the first guided request): :mod:`structured`."""
+        if self.tokenizer is None or not hasattr(self.tokenizer, "backend"):
+            raise InvalidRequestError("structured outputs need an engine with a tokenizer")
+        if req.params.ignore_eos:
+            raise InvalidRequestError(
+                "structured outputs end at the end-of-sequence token; leave 'ignore_eos' out"
+            )
+        with self._cv:
+            if self._grammars is None:
+                self._grammars = Grammars(
+                    self.tokenizer, self.config.vocab_size, self.eos_token_ids
+                )
+            grammars = self._grammars
+        return grammars.matcher(guide_of(guide))
 
     def post_scoring(
         self, token_ids: Sequence[int], score_from: int, cache_salt: str = ""
@@ -295,11 +368,19 @@ class Engine:
         sampled or stored. Returns a function that waits for its float32 log-softmax rows
         ``[len(token_ids) - score_from, V]`` (row ``i``: the distribution after position
         ``score_from + i``); :func:`kvdrop_engine.logprobs.continuation_logprobs` uses it."""
+        req = self._scoring_request(token_ids, score_from, cache_salt)
+        self._submit(req)
+        return functools.partial(scored_rows, req)
+
+    def _scoring_request(
+        self, token_ids: Sequence[int], score_from: int, cache_salt: str
+    ) -> Request:
+        params, options = submission(SCORING, cache_salt)
         req = new_request(
             next(self._ids),
             token_ids,
-            {"max_tokens": 1, "temperature": 0.0},
-            cache_salt,
+            params,
+            options,
             vocab_size=self.config.vocab_size,
             detok=None,
         )
@@ -308,8 +389,28 @@ class Engine:
                 f"score_from must be an int in 0..{len(req.prompt) - 1}, got {score_from!r}"
             )
         req.score_from = score_from
+        return req
+
+    def post_prompt_scoring(
+        self, prompt: Sequence[int], top: int, cache_salt: str = ""
+    ) -> ScoreHandle:
+        """Submit ``prompt_logprobs``: each token of ``prompt`` after the first with its
+        log-probability, rank and ``top`` alternatives. Scored in slices of at most
+        :data:`~kvdrop_engine.scheduler.SCORE_ROWS_PER_STEP` rows per step, each reduced as it
+        is computed (memory ``O(slice x vocabulary)``, not ``O(tokens x vocabulary)``); the
+        handle waits for the scores, or cancels them (a client that left)."""
+        try:
+            tokens = checked_ids(prompt, "prompt", vocab_size=self.config.vocab_size)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(str(exc)) from None
+        if not isinstance(top, int) or isinstance(top, bool) or top < 0:
+            raise InvalidRequestError(f"top must be an int >= 0, got {top!r}")
+        if len(tokens) < 2:
+            return ScoreHandle(None, self._wake)
+        req = self._scoring_request(tokens[:-1], 0, cache_salt)
+        req.score_top, req.score_targets = top, tokens[1:]
         self._submit(req)
-        return functools.partial(scored_rows, req)
+        return ScoreHandle(req, self._wake)
 
     def _submit(self, req: Request) -> None:
         """Put a validated request in the waiting line (``RequestTooLargeError`` first)."""
@@ -349,10 +450,12 @@ class Engine:
                 if self._stopping:
                     return
                 sched.drop_cancelled()
+                cuts = sched.cuts_ready(time.monotonic())
                 st = self._stats
-                for _, computed in sched.grow():
+                for victim, computed in sched.grow():
                     st.preemptions += 1
                     st.recomputed_tokens += computed
+                    st.swaps += victim.swapped is not None
                 admitted = sched.admit()
                 st.requests_admitted += len(admitted)
                 st.peak_running = max(st.peak_running, len(sched.running))
@@ -373,6 +476,8 @@ class Engine:
                             self._fail(req, exc)
                 with self._cv:
                     self._stats.load_apply_seconds += time.perf_counter() - applying
+            for req in cuts:
+                self._finish_cut(req)
             with self._cv:
                 batch = sched.runnable()
             try:
@@ -395,6 +500,9 @@ class Engine:
             out = self.runner.forward(plan)
             hist = [(r.params, r.prompt, r.output) for r in plan.sampled]
             edited = edit_logits(out.logits, hist, self.eos_token_ids)
+            guided = [(i, r.guide) for i, r in enumerate(plan.sampled) if r.guide is not None]
+            if guided and self._grammars is not None:  # structured outputs: one batched mask
+                edited = mask_logits(edited, guided, self._grammars)
             same = edited is out.logits  # nothing to edit: the graph's argmax stands
             picked = pick_tokens(edited, out.greedy if same else None, raw=out.logits)
         except Exception as exc:
@@ -406,17 +514,34 @@ class Engine:
                         self._step([req])
             return
         self._advance(plan, out)
+        for req, _ in plan.stepped:
+            if req.recut and req.num_computed >= len(req.prompt) and not req.cancelled:
+                self._recut(req)
         self._count(plan, out, started)
         sampled = self._sample(plan, out, picked, edited)
+        self._feed_guides(plan, sampled)
         with self._cv:
             ended = self._sched.postprocess(plan, {rid: tok for rid, (tok, _) in sampled.items()})
+        shipping = time.perf_counter()  # window_seconds is a part of ship_seconds
         windows = self._finished_windows(ended)
-        shipping = time.perf_counter()
         for req, tok, reason in ended:
             lp = sampled[req.rid][1] if tok is not None else None
             self._ship(req, tok, lp, reason, windows)
         with self._cv:
             self._stats.ship_seconds += time.perf_counter() - shipping
+        self._decode_cut([req for req, tok, reason in ended if tok is not None and reason is None])
+
+    def _feed_guides(
+        self, plan: StepPlan, sampled: dict[int, tuple[int, TokenLogprobs | None]]
+    ) -> None:
+        """Each guided request's sampled token into its matcher (a failure is its own)."""
+        for req in plan.sampled:
+            if req.guide is not None and req.rid in sampled:
+                try:
+                    accept(req.guide, sampled[req.rid][0])
+                except Exception as exc:
+                    sampled.pop(req.rid)
+                    self._fail(req, exc)
 
     def _advance(self, plan: StepPlan, out: Forward) -> None:
         """Each request's computed tokens, captured query rows and scored rows of this step."""
@@ -424,11 +549,16 @@ class Engine:
         scored = dict((req.rid, k) for req, k in plan.scored)
         for req, n in plan.stepped:
             try:
-                if out.attn is not None and req.rid in out.capture:
-                    req.take_queries(out.attn.captured_rows(req.rid), out.capture[req.rid])
+                if req.rid in out.capture:
+                    req.take_queries(out.captured_rows(req.rid), out.capture[req.rid])
                 k = scored.get(req.rid, 0)
                 if k and out.scores is not None:
-                    req.score_parts.append(out.scores[row : row + k])
+                    rows = out.scores[row : row + k]
+                    if req.score_top is not None and req.score_targets is not None:
+                        done = sum(int(part[0].numel()) for part in req.score_parts)
+                        targets = req.score_targets[done : done + k]
+                        rows = reduce_rows(rows, targets, req.score_top)
+                    req.score_parts.append(rows)
                 row += k
             except Exception as exc:
                 self._fail(req, exc)
@@ -445,6 +575,9 @@ class Engine:
                 st.decode_step_seconds += time.perf_counter() - started - out.capture_seconds
                 st.graph_capture_seconds += out.capture_seconds
                 st.decode_kv_tokens += sum(s.start + 1 for s in plan.seqs)
+            held = [s.start + 1 for s in plan.seqs if s.num_new == 1]
+            if held:
+                st.peak_decode_kv_tokens = max(st.peak_decode_kv_tokens, max(held))
             else:
                 st.prefill_step_seconds += time.perf_counter() - started
 
@@ -462,12 +595,12 @@ class Engine:
         self, ended: Sequence[tuple[Request, int | None, str | None]]
     ) -> dict[int, WindowRecord | None]:
         """The query windows of the requests this step ends, in one batched call
-        (:meth:`ModelRunner.finished_windows`); ``_finish_jobs`` reads them. Counted as
+        (:meth:`ModelRunner.finished_windows`); the plan's ``StoreWindow`` reads them. Counted as
         ``window_seconds``."""
         if self._transfers is None:
             return {}
         started = time.perf_counter()
-        windows = self.runner.finished_windows(ended)
+        windows = self.runner.finished_windows([e for e in ended if e[0].plan.stores_window])
         with self._cv:
             self._stats.window_seconds += time.perf_counter() - started
         return windows
@@ -480,49 +613,117 @@ class Engine:
         reason: str | None,
         windows: Mapping[int, WindowRecord | None] | None = None,
     ) -> None:
-        """Hand a request's step result over: the stores it starts, then its event (a scoring
-        request: its rows); an ended request's blocks are freed after its last reads."""
+        """Hand a request's step result over by walking its plan (:mod:`kvdrop_engine.plan`):
+        after its prefill the ``after_prefill`` actions (store the prompt, cut it: a cut holds
+        the first event until it is applied), then its event, and before the last one the
+        ``after_finish`` actions (stores, kvzip's pass, which holds the event). A scoring
+        request hands over its rows."""
         try:
             if tok is None:
-                req.out.put(torch.cat(req.score_parts))
-            else:
-                transfers = self._transfers
-                if len(req.output) == 1 and req.store_upto and transfers is not None:
-                    transfers.submit(req, self._prompt_job(req))
-                if len(req.output) == 1 and req.cut is not None and reason is None:
-                    self._cut(req)  # postprocess after prefill: kvdrop_engine.drop
-                text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
-                lp, top = (None, ()) if logprobs is None else logprobs
-                kept, req.kept_prompt = req.kept_prompt, None  # on the first event only
-                event = TokenEvent(
-                    tok, text, reason, logprob=lp, top_logprobs=top, kept_prompt_tokens=kept
-                )
-                if reason is not None and transfers is not None and not req.cancelled:
-                    for job in self._finish_jobs(req, windows or {}):
-                        transfers.submit(req, job)
-                    if req.params.reconstruct:  # the end waits for the pass, run in pieces
-                        req.held = event
-                        req.reconstruction = self.runner.reconstruction_pass(
-                            req.prompt,
-                            req.blocks,
-                            len(req.prompt + req.output) - 1,
-                            self.reconstruction,
-                        )
-                        return
-                req.out.put(event)
+                parts = req.score_parts
+                self._finish(req, list(parts) if req.score_top is not None else torch.cat(parts))
+                return
+            step = Shipped(tok, logprobs, reason, windows or {})
+            if len(req.output) == 1:
+                for action in req.plan.after_prefill:
+                    if action.run(self, req, step):
+                        return  # held: the action hands the event over later
+            text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
+            lp, top = (None, ()) if logprobs is None else logprobs
+            kept, req.kept_prompt = req.kept_prompt, None  # on the first event only
+            step.event = TokenEvent(
+                tok, text, reason, logprob=lp, top_logprobs=top, kept_prompt_tokens=kept
+            )
+            if reason is None:
+                req.out.put(step.event)
+                return
+            if not req.cancelled:
+                for action in req.plan.after_finish:
+                    if action.run(self, req, step):
+                        return  # held (kvzip's pass): ``_reconstruct`` finishes it
         except Exception as exc:
             self._fail(req, exc)
             return
-        if reason is not None:
+        self._finish(req, step.event)
+
+    def _finish(self, req: Request, item: TokenEvent | Tensor | list | BaseException) -> None:
+        """The one place a request ends: its last item (its last event, a scoring request's
+        rows, or its failure) handed over and its blocks freed (a failure's first, so nothing
+        of it runs on)."""
+        if isinstance(item, BaseException):
             with self._cv:
                 self._sched.finish(req)
-                self._stats.requests_finished += 1
+            req.out.put(
+                item
+                if isinstance(item, EngineError)
+                else EngineError(f"engine step failed: {item!r}")
+            )
+            return
+        req.out.put(item)
+        with self._cv:
+            self._sched.finish(req)
+            self._stats.requests_finished += 1
 
-    def _cut(self, req: Request) -> None:
-        """(after prefill) Cut the prompt's cache by its policy (:mod:`kvdrop_engine.drop`); the
-        first event reports the kept prompt tokens."""
+    @property
+    def transfers(self) -> Transfers | None:
+        """The server I/O (None without a connector); the plan's store actions submit to it."""
+        return self._transfers
+
+    def start_cut(self, req: Request, tok: int, logprobs: TokenLogprobs | None) -> None:
+        """(the plan's :class:`~kvdrop_engine.drop.CutPrompt`) Start the prompt cut."""
+        self._start_cut(req, tok, logprobs)
+
+    def add_seconds(self, counter: str, seconds: float) -> None:
+        """Add ``seconds`` to the counter ``counter`` of :class:`EngineStats`."""
+        with self._cv:
+            setattr(self._stats, counter, getattr(self._stats, counter) + seconds)
+
+    def _recut(self, req: Request) -> None:
+        """(a preempted cut request whose whole prompt is computed again) Keep the same rows
+        as its cut did (:meth:`~kvdrop_engine.drop.PromptDropper.recut`), so its answer is
+        the one it would have had without the preemption."""
         assert self.dropper is not None
-        done = self.dropper.cut(self.cache, req, req.cut)
+        with self._cv:
+            if self._sched.running.get(req.rid) is not req:
+                return
+        try:
+            self.dropper.recut(self.cache, req)
+            req.restart_window(len(req.prompt))
+        except Exception as exc:
+            self._fail(req, exc)
+
+    def _start_cut(self, req: Request, tok: int, logprobs: TokenLogprobs | None) -> None:
+        """(after prefill) Start cutting the prompt's cache by its policy on a thread of its own
+        (:class:`~kvdrop_engine.drop.PendingCut`): the loop steps the other requests
+        meanwhile, and :meth:`_finish_cut` applies it once it ends or its deadline passes."""
+        assert self.dropper is not None
+        job = self.dropper.start(self.cache, req, req.cut)
+        pending = PendingCut(job, self.dropper.cut_timeout_s, self._wake, tok, logprobs)
+        with self._cv:
+            req.cutting = pending
+
+    def _finish_cut(self, req: Request) -> None:
+        """(on the loop) Apply a cut whose policy ended, then hand the first token over; a
+        failed or late cut fails its request only (its blocks were never changed)."""
+        pending, req.cutting = req.cutting, None
+        with self._cv:
+            running = self._sched.running.get(req.rid) is req
+        if not running or req.cancelled:
+            return  # freed meanwhile (cancelled): nothing to apply
+        try:
+            self._cut(req, pending)
+        except Exception as exc:
+            self._fail(req, exc)
+            return
+        self._ship(req, pending.token, pending.logprobs, None)
+
+    def _cut(self, req: Request, pending: PendingCut) -> None:
+        """Apply ``pending``'s kept rows (:meth:`~kvdrop_engine.drop.PromptDropper.apply`);
+        the first event reports the kept prompt tokens."""
+        assert self.dropper is not None
+        chosen = pending.result()
+        done = self.dropper.apply(self.cache, req, pending.job, chosen, pending.started)
+        req.restart_window(done.num_kept)
         req.kept_prompt = done.num_kept
         with self._cv:
             st = self._stats
@@ -531,38 +732,38 @@ class Engine:
             st.prompt_tokens_dropped += done.num_prompt - done.num_kept
             st.cut_seconds += done.seconds
 
-    def _prompt_job(self, req: Request) -> StoreJob:
-        """(after prefill) The prompt's whole chunks of KV (and chunk queries) to store."""
-        kv = self.runner.read_kv(req.blocks, req.store_upto)
-        queries = req.take_chunk_queries()
-        return StoreJob(kv, queries, req.prompt[: req.store_upto], req.cache_salt, req.query_offset)
-
-    def _finish_jobs(
-        self, req: Request, windows: Mapping[int, WindowRecord | None]
-    ) -> list[StoreJob | WindowJob]:
-        """(before the last token) What a finished request leaves in the server, keyed by prompt
-        + every generated token: the KV of whole chunks its generated tokens completed
-        (``store_decoded``) and its query window (from ``windows`` when the step computed it;
-        kvzip's scores follow its pass)."""
-        conn = self.connector
-        assert conn is not None
-        jobs: list[StoreJob | WindowJob] = []
-        sequence = req.prompt + req.output
-        computed = len(sequence) - 1  # the last generated token was never fed back
-        upto = decoded_store_upto(req, conn.chunk_size, conn.store_decoded)
-        if upto:
-            kv = self.runner.read_kv(req.blocks, upto)
-            jobs.append(StoreJob(kv, None, sequence[:upto], req.cache_salt))
-        window, req.window = req.window, None
-        record = windows.get(req.rid)
-        if window is not None:
-            started = time.perf_counter()
-            record = self.runner.window_record(req.blocks, computed, window)
-            with self._cv:
-                self._stats.window_seconds += time.perf_counter() - started
-        if record is not None:
-            jobs.append(WindowJob(*record, sequence, req.cache_salt))
-        return jobs
+    def _decode_cut(self, stepped: Sequence[Request]) -> None:
+        """(after a step) Cut every request of ``stepped`` whose cache passed its decode budget,
+        together (:meth:`DecodeCompressor.cut`); a failed batch is retried one by one, so a
+        failure reaches only its own request."""
+        compressor = self.compressor
+        if compressor is None:
+            return
+        due = [
+            r
+            for r in stepped
+            if not r.cancelled
+            and r.cutting is None  # its prompt cut runs: decode cuts follow it
+            and r.rid in self._sched.running
+            and compressor.due(r)
+        ]
+        if not due:
+            return
+        try:
+            done = [compressor.cut(self.cache, due)]
+        except Exception:
+            done = []
+            for req in due:
+                try:
+                    done.append(compressor.cut(self.cache, [req]))
+                except Exception as exc:
+                    self._fail(req, exc)
+        with self._cv:
+            st = self._stats
+            for d in done:
+                st.decode_cuts += d.num_requests
+                st.decode_tokens_dropped += d.tokens_before - d.tokens_kept
+                st.decode_cut_seconds += d.seconds
 
     def _reconstruct(self, plan: StepPlan) -> None:
         """This step's pieces of kvzip's passes; a pass that ends stores its scores (before the
@@ -586,14 +787,7 @@ class Engine:
                     self._stats.reconstruction_tokens += len(req.prompt)
             if scores is not None:
                 req.reconstruction = None
-                req.out.put(req.held)
-                with self._cv:
-                    self._sched.finish(req)
-                    self._stats.requests_finished += 1
+                self._finish(req, req.held)
 
     def _fail(self, req: Request, exc: BaseException) -> None:
-        with self._cv:
-            self._sched.finish(req)
-        req.out.put(
-            exc if isinstance(exc, EngineError) else EngineError(f"engine step failed: {exc!r}")
-        )
+        self._finish(req, exc)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["EngineError", "EngineSetupError", "InvalidRequestError", "RequestTooLargeError"]
+__all__ = [
+    "EngineError",
+    "EngineSetupError",
+    "InvalidRequestError",
+    "PolicyFailedError",
+    "RequestTooLargeError",
+]
 
 
 class EngineError(RuntimeError):
@@ -15,6 +21,11 @@ class InvalidRequestError(EngineError, ValueError):
 
 class RequestTooLargeError(InvalidRequestError):
     """A request needs more KV blocks than the engine's whole budget; it could never be admitted."""
+
+
+class PolicyFailedError(EngineError):
+    """A drop policy failed on one request's prompt (it raised, or chose rows that cannot be
+    kept); the message names the policy. Only that request fails, before its blocks change."""
 
 
 class EngineSetupError(ValueError):

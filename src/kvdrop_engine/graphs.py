@@ -86,6 +86,16 @@ class DecodeGraphs:
         self.max_batch_size = max_batch_size
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        cfg = model.config
+        #: Every graph writes its rows' queries here (one buffer: graphs replay one at a time).
+        self._queries = torch.empty(
+            cfg.num_layers,
+            self.bucket(max_batch_size),
+            cfg.num_heads,
+            cfg.head_dim,
+            dtype=cache.dtype,
+            device=cache.device,
+        )
         self.capture_seconds = 0.0  # mid-run captures (inside measured steps)
         self.precapture_seconds = 0.0  # :meth:`precapture` (at engine start)
 
@@ -127,19 +137,25 @@ class DecodeGraphs:
             self._fill_table(g, seqs, width)
             g.seq_ids = seq_ids
         pad = g.host_ids.shape[1] - n
-        positions = [s.start for s in seqs]
-        slots = [int(s.block_table[p // bs]) * bs + p % bs for s, p in zip(seqs, positions)]
+        starts = [s.start for s in seqs]
+        slots = [int(s.block_table[p // bs]) * bs + p % bs for s, p in zip(seqs, starts)]
         rows = [
             [*tokens, *[0] * pad],
-            [*positions, *[0] * pad],
+            [*(s.start + s.pos_offset for s in seqs), *[0] * pad],
             [*slots, *[self.cache.scratch_block * bs] * pad],
-            [*(p + 1 for p in positions), *[1] * pad],
+            [*(p + 1 for p in starts), *[1] * pad],
         ]
         host = g.host_ids
         host.copy_(torch.tensor(rows, dtype=torch.long))
         g.ids.copy_(host, non_blocking=True)
         g.graph.replay()
         return g.logits[:n], g.greedy[:n]
+
+    def queries(self, n: int) -> Tensor:
+        """The post-RoPE queries ``[L, n, Hq, d]`` of the last replay's first ``n`` rows (a view
+        of the graphs' shared buffer, valid until the next ``run``): the engine keeps the query
+        windows of decode-time cuts from them."""
+        return self._queries[:, :n]
 
     def _fill_table(self, g: _Graph, seqs: Sequence[SeqStep], width: int) -> None:
         table = torch.full(tuple(g.table.shape), self.cache.scratch_block, dtype=torch.int32)
@@ -155,7 +171,7 @@ class DecodeGraphs:
         ids[3] = 1
         table = torch.full((batch, width), self.cache.scratch_block, dtype=torch.int32, device=dev)
         host_ids = torch.empty(4, batch, dtype=torch.long, pin_memory=True)
-        backend = PagedDecode(self.cache, ids[2], table, ids[3])
+        backend = PagedDecode(self.cache, ids[2], table, ids[3], queries=self._queries[:, :batch])
 
         def step() -> tuple[Tensor, Tensor]:
             logits = self.model(ids[0], ids[1], backend)

@@ -2,12 +2,12 @@
 
 Serves ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or server-sent events;
 ``n`` choices, batched prompts), vLLM's ``POST /tokenize`` and ``/detokenize``, ``GET /metrics``
-(:mod:`kvdrop_engine.metrics`), ``GET /v1/models``, ``/health``, ``/ping``, ``/version`` and
-optionally ``/stats``, one thread per request so the engine batches concurrent ones. What a
-request may hold is :mod:`kvdrop_engine.completions`, a response :mod:`kvdrop_engine.responses`;
-with ``return_tokens_as_token_ids`` logprobs tokens carry ids (what
-``kvdrop_sdk.adapters.openai.make_post_completion`` reads). With ``api_key`` every route but
-the probes needs ``Authorization: Bearer KEY``.
+(:mod:`kvdrop_engine.metrics`), ``GET /v1/models`` and ``/v1/models/{id}``, ``/health``,
+``/ping``, ``/version`` and optionally ``/stats``, one thread per request so the engine batches
+concurrent ones. What a request may hold is :mod:`kvdrop_engine.completions`, a response
+:mod:`kvdrop_engine.responses`; with ``return_tokens_as_token_ids`` logprobs tokens carry ids
+(what ``kvdrop_sdk.adapters.openai.make_post_completion`` reads). With ``api_key`` every route
+but the probes needs ``Authorization: Bearer KEY``.
 
 What one client may cost is :mod:`kvdrop_sdk.http_limits`' rule, shared with the cache server:
 the body size checked before reading (413), the JSON's containers, values and depth before
@@ -26,6 +26,7 @@ import logging
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -54,10 +55,11 @@ from kvdrop_engine.responses import (
     CompletionBuilder,
     detokenize_body,
     error_body,
+    model_card,
     models_body,
     tokenize_body,
 )
-from kvdrop_engine.sampling import PromptScores
+from kvdrop_engine.sequence import ScoreHandle
 from kvdrop_engine.tokenizer import TextTokenizer
 from kvdrop_sdk.events import PostCompletion, TokenEvent
 from kvdrop_sdk.http_limits import (
@@ -68,11 +70,15 @@ from kvdrop_sdk.http_limits import (
     log_field,
 )
 
-__all__ = ["ROUTES", "CompletionHTTPServer", "ScorePrompt"]
+__all__ = ["ROUTES", "CompletionHTTPServer", "ScorePrompt", "check_api_key"]
 
-#: ``(prompt, top, cache_salt) -> scores``: the log-probability, rank and ``top`` alternatives of
-#: each prompt token after the first (``prompt_logprobs``; the CLI builds it from the model).
-ScorePrompt = Callable[[list[int], int, str], PromptScores]
+#: ``(prompt, top, cache_salt) -> handle``: the log-probability, rank and ``top`` alternatives
+#: of each prompt token after the first (``prompt_logprobs``; the CLI builds it from the
+#: engine): ``handle.result()`` waits for them, ``handle.close()`` cancels them.
+ScorePrompt = Callable[[list[int], int, str], ScoreHandle]
+#: Most log-probabilities one answer lists (prompt and sampled tokens, alternatives included):
+#: 64 prompts of 1,000 ids with prompt_logprobs 20 made a 97.2 MB answer (vLLM bounds them too).
+MAX_LOGPROB_ENTRIES = 1 << 18
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +92,7 @@ _OPEN_ROUTES = frozenset({"/health", "/ping", "/version", "/metrics"})
 #: What the server answers, for its start-up line and its 404s.
 ROUTES = (
     "POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize, "
-    "GET /v1/models, GET /health, GET /metrics, GET /version, GET|POST /ping"
+    "GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics, GET /version, GET|POST /ping"
 )
 
 
@@ -106,12 +112,35 @@ class _Server(LimitedHTTPServer):
             logger.exception("request from %s failed", client)
 
 
+def check_api_key(key: object, what: str = "api_key") -> str:
+    """``key`` if it can be sent as ``Authorization: Bearer KEY``: a non-empty string of
+    printable ASCII without surrounding whitespace. A key read with its newline (``$(cat
+    file)`` keeps none, ``KEY="k\n"`` does) would otherwise start a server that refuses every
+    client; ``ValueError`` names ``what`` and the problem."""
+    if not isinstance(key, str) or not key.strip():
+        raise ValueError(f"{what} must not be empty (leave it out to serve without a key)")
+    if key != key.strip():
+        raise ValueError(
+            f"{what} has leading or trailing whitespace (a newline from a file or an echo?); "
+            "clients cannot send it in an Authorization header: strip it"
+        )
+    bad = next((c for c in key if not (c.isascii() and c.isprintable())), None)
+    if bad is not None:
+        raise ValueError(
+            f"{what} holds {bad!r}; expected printable ASCII (what an Authorization header carries)"
+        )
+    return key
+
+
 class CompletionHTTPServer:
     """OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions`` server for one
     ``PostCompletion``.
 
     ``post_completion`` must be safe to call from many threads at once (each HTTP request runs in
-    its own thread). ``tokenizer`` enables text prompts, and chat when it has a chat template
+    its own thread). It is called as ``post_completion(prompt, params, options)``: the request's
+    ``SamplingParams`` and ``RequestOptions``, built and validated once from the body
+    (:mod:`kvdrop_engine.request_options`), which ``Engine.post_completion`` takes as they are.
+    ``tokenizer`` enables text prompts, and chat when it has a chat template
     (``apply_chat_template``); with ``detokenize`` the server computes each token's text itself
     instead of using ``TokenEvent.text``. Errors the engine raises before its first token as
     ``ValueError``/``TypeError`` are answered with 400, others with 500;
@@ -174,9 +203,7 @@ class CompletionHTTPServer:
         self.gauges = gauges
         self.metrics = ServerMetrics(model_name, gauges)
         self.score_prompt = score_prompt
-        if api_key is not None and not api_key:
-            raise ValueError("api_key must be a non-empty string (or None: no key)")
-        self.api_key = api_key
+        self.api_key = None if api_key is None else check_api_key(api_key)
         self.settings = Settings(
             model_name=model_name,
             tokenizer=tokenizer,
@@ -270,21 +297,33 @@ class CompletionHTTPServer:
             token.strip().encode(), self.api_key.encode()
         )
 
-    def scores_for(self, req: CompletionRequest) -> list[PromptScores] | None:
-        """Each prompt's scored tokens when the request asks for prompt logprobs (or echoes
-        with logprobs); ``BadRequestError`` when this server cannot score prompts."""
+    def scoring_top(self, req: CompletionRequest) -> int | None:
+        """The alternatives each prompt token lists when the request asks for prompt logprobs
+        (or echoes with logprobs), else None; ``BadRequestError`` when this server cannot
+        score prompts or the answer would list more than :data:`MAX_LOGPROB_ENTRIES`
+        log-probabilities (checked before anything runs)."""
         top = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
             top = max(top or 0, req.logprobs)
-        if top is None:
-            return None
-        if self.score_prompt is None:
+        param = "prompt_logprobs" if req.prompt_logprobs is not None else "echo"
+        if top is not None and self.score_prompt is None:
             raise BadRequestError(
                 "this server cannot score prompts ('prompt_logprobs', or 'echo' with "
                 "'logprobs'); leave them out",
-                param="prompt_logprobs" if req.prompt_logprobs is not None else "echo",
+                param=param,
             )
-        return [self.score_prompt(p, top, req.cache_salt) for p in req.prompts]
+        scored = 0 if top is None else sum(max(0, len(p) - 1) for p in req.prompts) * (top + 1)
+        sampled = 0 if req.logprobs is None else req.num_choices * req.max_tokens
+        entries = scored + sampled * ((req.logprobs or 0) + 1)
+        if entries > MAX_LOGPROB_ENTRIES:
+            raise BadRequestError(
+                f"the answer would list {entries:,} log-probabilities (prompt tokens x "
+                f"(prompt_logprobs + 1) + choices x max_tokens x (logprobs + 1)); at most "
+                f"{MAX_LOGPROB_ENTRIES:,} are answered: ask for fewer alternatives, tokens or "
+                "prompts",
+                param=param if scored else "logprobs",
+            )
+        return top
 
 
 class _Handler(LimitedHandler):
@@ -344,6 +383,8 @@ class _Handler(LimitedHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:  # say so, or a keep-alive client sends its next one into it
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
@@ -413,10 +454,22 @@ class _Handler(LimitedHandler):
             self._send_json(200, app.stats())
         elif path == "/v1/models":
             self._send_json(200, app.models_payload())
+        elif path.startswith("/v1/models/"):
+            self._send_model(app, urllib.parse.unquote(path[len("/v1/models/") :]))
         elif path in _POST_ROUTES or path in _TOKEN_ROUTES:
             self._send_error(405, f"use POST for {path}")
         else:
             self._send_error(404, f"no route {path or '/'}; this server answers {ROUTES}")
+
+    def _send_model(self, app: CompletionHTTPServer, model_id: str) -> None:
+        """``GET /v1/models/{id}`` (``client.models.retrieve``): the card, or OpenAI's 404."""
+        if model_id == app.model_name:
+            self._send_json(200, model_card(app.model_name, app.created, app.max_model_len))
+        else:
+            served = app.model_name
+            self._send_error(
+                404, f"the model {model_id!r} does not exist; served: {served!r}", "model"
+            )
 
     def do_POST(self) -> None:
         app = self.server.app
@@ -429,7 +482,8 @@ class _Handler(LimitedHandler):
             return
         if path not in _POST_ROUTES and path not in _TOKEN_ROUTES:
             self._drain()
-            status = 405 if path in ("/health", "/v1/models", "/metrics") else 404
+            gets = ("/health", "/v1/models", "/metrics")
+            status = 405 if path in gets or path.startswith("/v1/models/") else 404
             self._send_error(status, f"no POST route {path or '/'}; this server answers {ROUTES}")
             return
         try:
@@ -438,7 +492,7 @@ class _Handler(LimitedHandler):
                 self._send_json(200, app.token_payload(path, body))
                 return
             req = parse_request(body, _POST_ROUTES[path], app.settings)
-            scored = app.scores_for(req)
+            top = app.scoring_top(req)
         except BadRequestError as exc:
             self.close_connection = exc.status in (408, 411, 413) or self.close_connection
             self._send_error(exc.status, str(exc), exc.param)
@@ -446,19 +500,17 @@ class _Handler(LimitedHandler):
         if app.closing:
             self._send_error(503, "the server is shutting down")
             return
-        self._complete(app, req, scored)
+        self._complete(app, req, top)
 
     # ---- completions ---------------------------------------------------------------------
 
-    def _complete(
-        self, app: CompletionHTTPServer, req: CompletionRequest, scored: list[PromptScores] | None
-    ) -> None:
+    def _complete(self, app: CompletionHTTPServer, req: CompletionRequest, top: int | None) -> None:
         """Serve one completion while a watcher cancels it the moment its client goes (during a
         prefix load or prefill too, with or without bytes to write)."""
         opened: list[Iterator[TokenEvent]] = []
         watch = ClientWatch(self._client_gone, lambda: close_all(opened))
         try:
-            self._complete_watched(app, req, scored, opened, watch)
+            self._complete_watched(app, req, top, opened, watch)
         finally:
             watch.stop()
             if watch.gone:  # also the choices posted after the watcher fired
@@ -468,30 +520,42 @@ class _Handler(LimitedHandler):
         self,
         app: CompletionHTTPServer,
         req: CompletionRequest,
-        scored: list[PromptScores] | None,
-        opened: list[Iterator[TokenEvent]],
+        top: int | None,
+        opened: list[Any],
         watch: ClientWatch,
     ) -> None:
-        """Call the engine (once per choice of each prompt); answer 400/500 if it fails before
-        its first token, else stream or collect; account the request in ``/metrics``."""
+        """Score the prompts when asked (``top``: prompt logprobs; cancelled with the rest when
+        the client leaves), call the engine (once per choice of each prompt); answer 400/500 if
+        it fails before its first token, else stream or collect; account the request in
+        ``/metrics``."""
         started = time.monotonic()
         build = self._builder(app, req)
-        build.scored = scored
         try:
+            if top is not None:
+                assert app.score_prompt is not None
+                handles = [app.score_prompt(p, top, req.cache_salt) for p in req.prompts]
+                opened.extend(handles)  # the watch closes them when the client leaves
+                build.scored = [h.result() for h in handles]
+                if watch.gone:
+                    raise ConnectionAbortedError("the client closed the connection")
+            opened.clear()
             for i in range(req.num_choices):
-                events = app.post_completion(req.prompt_of(i), req.choice_params(i), req.cache_salt)
+                events = app.post_completion(req.prompt_of(i), req.choice_params(i), req.options)
                 opened.append(iter(events))
             streams = ChoiceStreams(opened)
             pairs = iter(streams)
             first = next(pairs, None)
             first_token_s = time.monotonic() - started
-        except (ValueError, TypeError) as exc:
-            close_all(opened)
-            self._send_error(400, f"the engine rejected the request: {exc}")
-            return
         except Exception as exc:
-            logger.exception("engine failed before its first token")
             close_all(opened)
+            if watch.gone or isinstance(exc, ConnectionAbortedError):  # nobody to answer
+                self.close_connection = True
+                logger.info("client %s disconnected; request cancelled", self.address_string())
+                return
+            if isinstance(exc, (ValueError, TypeError)):
+                self._send_error(400, f"the engine rejected the request: {exc}")
+                return
+            logger.error("engine failed before its first token", exc_info=exc)
             self._send_error(500, f"the engine failed: {type(exc).__name__}: {exc}")
             return
         finish = "abort"

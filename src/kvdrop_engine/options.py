@@ -10,14 +10,45 @@ from __future__ import annotations
 import argparse
 
 from kvdrop_engine.connectors.factory import CONNECTOR_KINDS
+from kvdrop_sdk.query_capture import CAPTURE_FLAG_CHOICES
+from kvdrop_sdk.validate import keep_ratio
 
-__all__ = ["DTYPES", "QUERY_CAPTURE_MODES", "add_connector_arguments", "add_model_arguments"]
+__all__ = [
+    "DTYPES",
+    "QUERY_CAPTURE_MODES",
+    "add_connector_arguments",
+    "add_keep_ratio_argument",
+    "add_model_arguments",
+    "ratio_arg",
+]
 
 #: Weight and KV dtypes the engine runs in.
 DTYPES = ("float32", "bfloat16", "float16")
 #: ``--query-capture``: the lean window (the last tokens' queries and a strided sample, where
-#: the server keeps queries) or every prompt token's (upstream's layout).
-QUERY_CAPTURE_MODES = ("window", "full")
+#: the server keeps queries) or every prompt token's (upstream's layout); the SDK's one list.
+QUERY_CAPTURE_MODES = CAPTURE_FLAG_CHOICES
+
+
+def ratio_arg(text: str) -> float:
+    """An argparse ``type``: a keep ratio in (0, 1] (the SDK's one check, in one line)."""
+    try:
+        return keep_ratio(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+
+
+def add_keep_ratio_argument(group: argparse._ArgumentGroup) -> None:
+    """``--keep-ratio``: explicit or None, so that :func:`kvdrop.spec.keep_budget` can tell it
+    from the default (a spec's own ``keep_ratio`` wins over the default; a different explicit
+    one beside it is an error)."""
+    group.add_argument(
+        "--keep-ratio",
+        type=ratio_arg,
+        default=None,
+        metavar="R",
+        help="fraction of each prompt's tokens the cut keeps, in (0, 1] (default: the policy "
+        "spec's own keep_ratio, else 0.5; a different one beside the spec's is an error)",
+    )
 
 
 def add_model_arguments(

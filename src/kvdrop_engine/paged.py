@@ -207,7 +207,12 @@ class PagedKVCache:
     def read(self, block_table: Sequence[int], num_tokens: int) -> Tensor:
         """KV of tokens ``0 .. num_tokens-1`` in the server layout ``[2, L, T, Hkv*d]``, on the
         cache's device."""
-        slots = self.slots(block_table, 0, num_tokens)
+        return self.read_slots(self.slots(block_table, 0, num_tokens))
+
+    def read_slots(self, slots: Tensor) -> Tensor:
+        """KV at flat ``slots`` ``[T]`` (of any sequences) as ``[2, L, T, Hkv*d]``, a copy on the
+        cache's device."""
+        num_tokens = slots.numel()
         flat = (self.num_layers, -1, self.num_kv_heads, self.head_dim)
         out = torch.empty(
             2,
@@ -221,6 +226,14 @@ class PagedKVCache:
         torch.index_select(self.k.view(flat), 1, slots, out=out[0])
         torch.index_select(self.v.view(flat), 1, slots, out=out[1])
         return out.view(2, self.num_layers, num_tokens, -1)
+
+    def write_slots(self, slots: Tensor, kv: Tensor) -> None:
+        """Write ``kv`` ``[2, L, T, Hkv*d]`` (on the cache's device) at flat ``slots`` ``[T]``."""
+        n = slots.numel()
+        kv = kv.to(self.dtype).view(2, self.num_layers, n, self.num_kv_heads, self.head_dim)
+        flat = (self.num_layers, -1, self.num_kv_heads, self.head_dim)
+        self.k.view(flat).index_copy_(1, slots, kv[0])
+        self.v.view(flat).index_copy_(1, slots, kv[1])
 
     def read_cpu(self, block_table: Sequence[int], num_tokens: int) -> Tensor:
         """:meth:`read` copied to host memory. From a GPU the copy goes through page-locked
@@ -325,12 +338,15 @@ class SeqStep:
 
     ``start`` tokens of the sequence are already in its blocks; this step brings ``num_new`` more
     (their q/k/v are rows ``offset .. offset+num_new-1`` of the forward, in sequence order).
+    ``pos_offset``: what the tokens' RoPE positions add to their slots (the tokens a cut while
+    decoding dropped, :mod:`kvdrop_engine.decode_cut`); attention reads slots only.
     """
 
     seq_id: Hashable
     block_table: Sequence[int]
     start: int
     num_new: int
+    pos_offset: int = 0
 
 
 class _Group:
@@ -548,7 +564,8 @@ class PagedDecode:
     ``lens [B]`` (int32, the new token included) what each row attends to. Nothing here reads a
     host value, so a step built on it can be captured once in a CUDA graph and replayed with the
     tensors refilled in place. ``rows`` (optional) are the forward rows it serves inside a mixed
-    step (:class:`PagedAttention` writes k/v itself then).
+    step (:class:`PagedAttention` writes k/v itself then). ``queries`` (optional, ``[L, B, Hq,
+    d]``) receives each layer's queries (a graph's decode rows keep their query windows there).
     """
 
     def __init__(
@@ -560,12 +577,14 @@ class PagedDecode:
         *,
         splits: int | None = None,
         rows: Tensor | None = None,
+        queries: Tensor | None = None,
     ) -> None:
         self.cache = cache
         self.slots = slots
         self.table = table
         self.lens = lens
         self.rows = rows
+        self.queries = queries
         self.splits = splits or kernels.decode_splits(
             table.shape[0], cache.num_kv_heads, cache.device
         )
@@ -597,4 +616,6 @@ class PagedDecode:
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Store this step's k/v for ``layer`` and return attention output ``[B, Hq, d]``."""
         self.cache.write(layer, self.slots, k, v)
+        if self.queries is not None:
+            self.queries[layer].copy_(q)
         return self.attend(layer, q)

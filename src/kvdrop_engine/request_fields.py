@@ -4,11 +4,11 @@ OpenAI routes (:mod:`kvdrop_engine.completions`) and their helpers."""
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from typing import Any
 
+from kvdrop_engine import field_table
 from kvdrop_sdk.validate import is_int, is_number, token_ids
 
 #: Most ``stop`` strings, the longest one, and most ``stop_token_ids`` per request.
@@ -19,12 +19,13 @@ MAX_STOP_TOKEN_IDS = 1024
 __all__ = [
     "CHAT_FIELDS",
     "COMPLETION_FIELDS",
-    "KVDROP_FIELDS",
+    "DETOKENIZE_FIELDS",
     "MAX_STOP_CHARS",
     "MAX_STOP_STRINGS",
     "MAX_STOP_TOKEN_IDS",
     "NEUTRAL_FIELDS",
     "SAMPLING_FIELDS",
+    "TOKENIZE_FIELDS",
     "BadRequestError",
     "check_body",
     "check_neutral",
@@ -111,13 +112,6 @@ def get_token_ids(value: Any, vocab_size: int | None, name: str, max_len: int | 
         raise BadRequestError(str(exc), param=name) from None
 
 
-#: Fields both routes read (others are rejected so that a typo does not pass silently).
-SHARED_FIELDS = frozenset(
-    {
-        "model", "max_tokens", "stop", "stream", "stream_options", "logprobs", "n", "best_of",
-        "user", "skip_special_tokens", "include_stop_str_in_output",
-    }
-)  # fmt: skip
 #: Sampling fields, passed to :class:`~kvdrop_engine.sampling.SamplingParams` (the one validator
 #: of their values) under the same names.
 SAMPLING_FIELDS = (
@@ -129,76 +123,23 @@ SAMPLING_FIELDS = (
 #: prompt as JSON ids is about 0.7 MB, 64 batched prompts of 8K tokens about 3.5 MB. Larger is a
 #: 413 before a byte is read, so a hostile body never costs the engine's heap its size.
 MAX_BODY_BYTES = 8 << 20
-#: kvdrop's own request fields (a per-request drop policy joins them here).
-KVDROP_FIELDS = frozenset({"cache_salt", "return_tokens_as_token_ids", "kvdrop"})
-#: OpenAI/vLLM fields accepted at their neutral values only (null always is): what they would
-#: change is not served here, and a client that sends every field at its default must work.
-NEUTRAL_FIELDS: dict[str, tuple[Any, ...]] = {
-    "suffix": ("",),
-    "use_beam_search": (False,),
-    "length_penalty": (1, 1.0),
-    "truncate_prompt_tokens": (),
-    "allowed_token_ids": (),
-    "bad_words": ((), []),
-    "spaces_between_special_tokens": (True,),
-    "priority": (0,),
-    "request_id": (),
-    "logits_processors": (),
-    "kv_transfer_params": (),
-    "response_format": ({"type": "text"},),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "structured_outputs": (),
-    "add_special_tokens": (True,),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (True, False),
-    "functions": ([],),
-    "function_call": ("none",),
-    "store": (False,),
-    "metadata": ({},),
-    "service_tier": ("auto", "default"),
-    "modalities": (["text"],),
-    "audio": (),
-    "prediction": (),
-    "reasoning_effort": (),
-    "web_search_options": (),
-    "continue_final_message": (False,),
-    "documents": (),
-    "chat_template": (),
-    "chat_template_kwargs": ({},),
-    "mm_processor_kwargs": ({},),
-}
-COMMON_FIELDS = (
-    SHARED_FIELDS | frozenset(SAMPLING_FIELDS) | KVDROP_FIELDS | frozenset(NEUTRAL_FIELDS)
-)
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "prompt_logprobs"}
-CHAT_FIELDS = COMMON_FIELDS | {
-    "messages",
-    "max_completion_tokens",
-    "top_logprobs",
-    "add_generation_prompt",
-    "echo",
-    "prompt_logprobs",
-}
+COMPLETION_FIELDS = field_table.accepted(field_table.COMPLETIONS)
+CHAT_FIELDS = field_table.accepted(field_table.CHAT)
+TOKENIZE_FIELDS = field_table.accepted(field_table.TOKENIZE)
+DETOKENIZE_FIELDS = field_table.accepted(field_table.DETOKENIZE)
+#: Fields accepted at their neutral values only (:mod:`kvdrop_engine.field_table` owns them).
+NEUTRAL_FIELDS = field_table.neutral_fields()
 
 
 def check_neutral(body: dict[str, Any], n: int) -> None:
-    """Fields accepted only at a neutral value (or, for ``best_of``, equal to ``n``)."""
+    """Fields accepted only at a neutral value or of a checked shape (the table's rule), and
+    ``best_of`` equal to ``n``."""
     best_of = get_int(body, "best_of", minimum=1)
     if best_of not in (None, n):
         raise BadRequestError(f"'best_of' must equal 'n' ({n}), got {best_of}", param="best_of")
-    for name, neutral in NEUTRAL_FIELDS.items():
-        value = body.get(name)
-        if value is not None and not any(value == v and type(value) is type(v) for v in neutral):
-            allowed = ", ".join(json.dumps(v) for v in (None, *neutral))
-            raise BadRequestError(
-                f"'{name}' is not supported by this server; send one of {allowed} or leave it out",
-                param=name,
-            )
-    get_str(body, "user")
+    problem = field_table.check_accepted(body)
+    if problem is not None:
+        raise BadRequestError(problem[1], param=problem[0])
 
 
 def get_stop_strings(body: Mapping[str, Any], has_tokenizer: bool) -> tuple[str, ...]:
@@ -249,9 +190,11 @@ def check_body(body: Any, known: frozenset[str], model_name: str) -> dict[str, A
         raise BadRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - known)
     if unknown:
+        served, neutral = field_table.listed(known)
+        more = f"; accepted at their neutral values only: {', '.join(neutral)}" if neutral else ""
         raise BadRequestError(
-            f"unknown field(s) {', '.join(map(repr, unknown))}; supported: "
-            + ", ".join(sorted(known)),
+            f"unknown field(s) {', '.join(map(repr, unknown))}; supported: {', '.join(served)}"
+            + more,
             param=unknown[0],
         )
     model = body.get("model")

@@ -10,6 +10,7 @@ against. Bad input raises :class:`BadRequestError` naming the field.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -28,6 +29,7 @@ __all__ = [
     "chat_prompt",
     "completion_prompts",
     "max_prompt_chars_for",
+    "template_options",
     "text_ids",
 ]
 
@@ -51,7 +53,10 @@ class ChatTemplate(Protocol):
     (``kvdrop_engine.tokenizer.Tokenizer`` and ``JSONTokenizer``)."""
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
     ) -> list[int]: ...
 
 
@@ -208,11 +213,11 @@ def _messages(body: dict[str, Any], settings: Settings) -> list[dict[str, str]]:
             raise BadRequestError(
                 f"{where} must be an object with a string 'role' and a 'content'", param="messages"
             )
-        extra = sorted(set(message) - {"role", "content", "name"})
+        extra = sorted(set(message) - _MESSAGE_FIELDS)
         if extra:
             raise BadRequestError(
-                f"{where} has unsupported field(s) {', '.join(map(repr, extra))} (tool calls "
-                "are not supported); send 'role' and 'content'",
+                f"{where} has unsupported field(s) {', '.join(map(repr, extra))}; send 'role', "
+                "'content' and, for tools, 'tool_calls' or 'tool_call_id'",
                 param="messages",
             )
         if not isinstance(message.get("role"), str):
@@ -221,15 +226,106 @@ def _messages(body: dict[str, Any], settings: Settings) -> list[dict[str, str]]:
             )
         role = get_str(message, "role", MAX_ROLE_CHARS) or ""
         get_str(message, "name", MAX_ROLE_CHARS)
-        content, used = _content(message.get("content"), where, limit - parts)
+        calls = message.get("tool_calls")
+        bare = calls and message.get("content") is None  # an assistant turn of calls only
+        content, used = ("", 0) if bare else _content(message.get("content"), where, limit - parts)
         parts += used
+        entry: dict[str, Any] = {"role": role, "content": content}
+        if calls:
+            entry["tool_calls"], used = _tool_calls(calls, where, limit - parts)
+            parts += used
+            chars += sum(len(c["function"]["name"]) + c["length"] for c in entry["tool_calls"])
+        if message.get("tool_call_id") is not None:
+            entry["tool_call_id"] = get_str(message, "tool_call_id", MAX_ROLE_CHARS)
         chars += len(content) + len(role)
         _too_long(chars, settings.prompt_chars, "the chat's text", "messages")
-        out.append({"role": role, "content": content})
+        out.append(entry)
+    for entry in out:
+        for call in entry.get("tool_calls", ()):
+            call.pop("length")
     return out
 
 
-def chat_prompt(body: dict[str, Any], settings: Settings) -> list[int]:
+def _tool_calls(calls: Any, where: str, left: int) -> tuple[list[dict[str, Any]], int]:
+    """An assistant message's ``tool_calls`` as templates read them (each call's ``arguments``
+    a dict when it is JSON, as transformers passes them), with its text length."""
+    if not isinstance(calls, list) or len(calls) > left:
+        raise BadRequestError(f"{where}.tool_calls must be a list of calls", param="messages")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not isinstance(arguments, str) or len(name) > 64:
+            raise BadRequestError(
+                f"{where}.tool_calls[{j}] must be {{'id': ..., 'type': 'function', 'function': "
+                "{'name': ..., 'arguments': JSON text}}",
+                param="messages",
+            )
+        try:
+            parsed: Any = json.loads(arguments)
+        except json.JSONDecodeError:
+            parsed = arguments
+        entry = {"id": str(call.get("id", "")), "type": "function", "length": len(arguments)}
+        entry["function"] = {"name": name, "arguments": parsed}
+        out.append(entry)
+    return out, len(calls)
+
+
+#: What a chat message may hold.
+_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
+#: Most ``chat_template_kwargs`` entries, and what they may not name (the server sets those).
+MAX_TEMPLATE_KWARGS = 32
+_RESERVED_KWARGS = frozenset(
+    {
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "continue_final_message",
+        "bos_token",
+        "eos_token",
+    }
+)
+
+
+def template_options(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """What the chat template is given beside the messages: ``add_generation_prompt`` (default
+    true, false with ``continue_final_message``), ``continue_final_message``, the request's
+    ``tools`` and its ``chat_template_kwargs`` (a small object of JSON values, e.g.
+    ``{"enable_thinking": false}``)."""
+    cont = bool(get_bool(body, "continue_final_message"))
+    add = get_bool(body, "add_generation_prompt")
+    if cont and add:
+        raise BadRequestError(
+            "'continue_final_message' continues the last message; it cannot be combined with "
+            "'add_generation_prompt': true",
+            param="continue_final_message",
+        )
+    extra = body.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict) or len(extra) > MAX_TEMPLATE_KWARGS:
+        raise BadRequestError(
+            f"'chat_template_kwargs' must be an object of at most {MAX_TEMPLATE_KWARGS} entries",
+            param="chat_template_kwargs",
+        )
+    clash = sorted(set(extra) & _RESERVED_KWARGS)
+    if clash:
+        raise BadRequestError(
+            f"'chat_template_kwargs' may not set {', '.join(clash)} (the request's own fields do)",
+            param="chat_template_kwargs",
+        )
+    options: dict[str, Any] = {**extra, "add_generation_prompt": not cont and add is not False}
+    if cont:
+        options["continue_final_message"] = True
+    if tools:
+        options["tools"] = tools
+    return options
+
+
+def chat_prompt(
+    body: dict[str, Any], settings: Settings, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """A chat body's messages through the model's chat template (with :func:`template_options`:
+    the generation prompt, continuing the last message, ``tools``, ``chat_template_kwargs``)."""
     messages = _messages(body, settings)
     tokenizer = settings.tokenizer
     if not isinstance(tokenizer, ChatTemplate):
@@ -238,9 +334,20 @@ def chat_prompt(body: dict[str, Any], settings: Settings) -> list[int]:
             "ids or text",
             param="messages",
         )
-    add_generation_prompt = get_bool(body, "add_generation_prompt") is not False
+    options = template_options(body, tools)
+    if options.get("continue_final_message") and messages[-1]["role"] != "assistant":
+        raise BadRequestError(
+            "'continue_final_message' continues the last message, which must be the assistant's",
+            param="continue_final_message",
+        )
+    add_generation_prompt = options.pop("add_generation_prompt")
     try:
-        ids = [int(t) for t in tokenizer.apply_chat_template(messages, add_generation_prompt)]
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt, **options)
+        ids = [int(t) for t in rendered]
     except ValueError as exc:  # TokenizerError: no template, or the template refused them
         raise BadRequestError(f"cannot apply the chat template: {exc}", param="messages") from None
+    except TypeError as exc:  # a chat_template_kwargs value the template cannot use
+        raise BadRequestError(
+            f"cannot apply the chat template: {exc}", param="chat_template_kwargs"
+        ) from None
     return _in_vocab(ids, settings.vocab_size, "the chat template", "messages")

@@ -25,6 +25,7 @@ from kvdrop_engine.completions import (
 )
 from kvdrop_engine.sampling import PromptScores
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, SpecialTokens, TextTokenizer
+from kvdrop_engine.tools import parse_tool_calls
 from kvdrop_sdk.adapters.openai import token_id_text
 from kvdrop_sdk.events import TokenEvent
 
@@ -48,8 +49,9 @@ def error_body(message: str, status: int, param: str | None = None) -> dict[str,
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def models_body(model_name: str, created: int, max_model_len: int | None) -> dict[str, Any]:
-    """Body of ``GET /v1/models`` for a server of one model."""
+def model_card(model_name: str, created: int, max_model_len: int | None) -> dict[str, Any]:
+    """The served model as ``GET /v1/models/{id}`` answers it (OpenAI's model object, with
+    vLLM's ``root`` and ``max_model_len``)."""
     card: dict[str, Any] = {
         "id": model_name,
         "object": "model",
@@ -59,7 +61,12 @@ def models_body(model_name: str, created: int, max_model_len: int | None) -> dic
     }
     if max_model_len is not None:
         card["max_model_len"] = max_model_len
-    return {"object": "list", "data": [card]}
+    return card
+
+
+def models_body(model_name: str, created: int, max_model_len: int | None) -> dict[str, Any]:
+    """Body of ``GET /v1/models`` for a server of one model."""
+    return {"object": "list", "data": [model_card(model_name, created, max_model_len)]}
 
 
 def tokenize_body(body: Any, settings: Settings) -> dict[str, Any]:
@@ -161,7 +168,7 @@ class Choice:
         stop_reason: str | int | None = stop
         if stop is not None:
             finish = "stop"
-        elif finish == "stop" and event.token_id in req.sampling_params.get("stop_token_ids", ()):
+        elif finish == "stop" and event.token_id in req.params.stop_set:
             stop_reason = event.token_id
         token, top = self._logprob_tokens(event)
         offset = self._offset + (len(self.prefix) if not self.pieces else 0)
@@ -340,17 +347,22 @@ class CompletionBuilder:
 
     def usage(self) -> dict[str, int]:
         """Prompt (each prompt once), completion (all choices) and total token counts;
-        ``kept_prompt_tokens`` (the first choice's prompt tokens its cache kept) when the engine
-        drops while serving."""
+        ``kept_prompt_tokens`` when the engine drops while serving: the prompt tokens the cache
+        kept, summed over every prompt once as ``prompt_tokens`` is (each prompt's first choice:
+        its ``n`` choices cut the same prompt alike; ``/metrics`` counts every choice)."""
         n_prompt = sum(len(p) for p in self.request.prompts)
         usage = {
             "prompt_tokens": n_prompt,
             "completion_tokens": self.count,
             "total_tokens": n_prompt + self.count,
         }
-        kept = self.choices[0].kept_prompt_tokens
-        if kept is not None:
-            usage["kept_prompt_tokens"] = kept
+        n = self.request.n
+        kept = [self.choices[p * n].kept_prompt_tokens for p in range(len(self.request.prompts))]
+        if any(k is not None for k in kept):
+            prompts = self.request.prompts  # a prompt not cut kept all its tokens
+            usage["kept_prompt_tokens"] = sum(
+                len(p) if k is None else k for p, k in zip(prompts, kept, strict=True)
+            )
         return usage
 
     def usage_chunk(self) -> dict[str, Any]:
@@ -433,15 +445,43 @@ class ChatCompletionBuilder(CompletionBuilder):
         self, piece: Piece | None = None, *, finish: str | None = None, index: int = 0
     ) -> dict[str, Any]:
         """One streamed ``chat.completion.chunk`` of choice ``index``: ``piece``'s content delta
-        and logprobs, or an empty delta ending with ``finish``."""
+        and logprobs, or an empty delta ending with ``finish``. With tools the text is held
+        until the choice ends, then sent as its content or its ``tool_calls``."""
+        delta: dict[str, Any] = {} if piece is None else {"content": piece.text}
+        ends = finish if piece is None else piece.finish
+        if self.request.tools is not None:
+            delta, ends = self._tool_delta(index, ends)
         choice: dict[str, Any] = {
             "index": index,
-            "delta": {} if piece is None else {"content": piece.text},
+            "delta": delta,
             "logprobs": None if piece is None else self._logprobs([piece]),
-            "finish_reason": finish if piece is None else piece.finish,
+            "finish_reason": ends,
             "stop_reason": None if piece is None else piece.stop_reason,
         }
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
+    def _tool_delta(self, index: int, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """A tool-using choice's delta: nothing until it ends, then its content or calls."""
+        if finish is None:
+            return {}, None
+        message, finish = self._message(self.choices[index], finish)
+        delta = {k: v for k, v in message.items() if k != "role" and v is not None}
+        if "tool_calls" in delta:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
+        return delta, finish
+
+    def _message(self, choice: Choice, finish: str) -> tuple[dict[str, Any], str]:
+        """The assistant message of ``choice`` and its finish reason: with tools, the calls
+        its text holds (:func:`kvdrop_engine.tools.parse_tool_calls`)."""
+        tools = self.request.tools
+        if tools is None:
+            return {"role": "assistant", "content": choice.text}, finish
+        content, calls = parse_tool_calls(tools, choice.text)
+        if not calls:
+            return {"role": "assistant", "content": choice.text}, finish
+        message = {"role": "assistant", "content": content}
+        message["tool_calls"] = [c.to_dict() for c in calls]
+        return message, tools.finish if finish == "stop" else finish
 
     def usage_chunk(self) -> dict[str, Any]:
         """The last streamed chunk of ``stream_options.include_usage``: no choices, the usage."""
@@ -449,11 +489,12 @@ class ChatCompletionBuilder(CompletionBuilder):
 
     def _choice_body(self, choice: Choice) -> dict[str, Any]:
         last = choice.pieces[-1] if choice.pieces else None
+        message, finish = self._message(choice, choice.finish or "stop")
         return {
             "index": choice.index,
-            "message": {"role": "assistant", "content": choice.text},
+            "message": message,
             "logprobs": self._logprobs(choice.pieces),
-            "finish_reason": choice.finish or "stop",
+            "finish_reason": finish,
             "stop_reason": None if last is None else last.stop_reason,
         }
 

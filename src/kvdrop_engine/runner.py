@@ -46,7 +46,8 @@ class Forward:
     """What one forward gives: ``logits [R, V]`` of the sampled rows, their ``greedy`` argmax
     when a graph computed it, ``scores`` (float32 log-softmax rows of the plan's ``score_rows``,
     on the host), the attention (None for a graph replay) with the ``capture`` offsets it kept
-    queries for, and the seconds spent capturing a new graph."""
+    queries for (a replay: ``queries [L, B, Hq, d]``, one row per decode, in ``rows`` order),
+    and the seconds spent capturing a new graph."""
 
     logits: Tensor
     greedy: Tensor | None = None
@@ -54,6 +55,16 @@ class Forward:
     attn: PagedAttention | None = None
     capture: dict[int, list[int]] = field(default_factory=dict)
     capture_seconds: float = 0.0
+    queries: Tensor | None = None
+    rows: dict[int, int] = field(default_factory=dict)
+
+    def captured_rows(self, rid: int) -> Tensor:
+        """The query rows ``[L, r, Hq, d]`` kept for request ``rid`` (in ``capture``)."""
+        if self.attn is not None:
+            return self.attn.captured_rows(rid)
+        assert self.queries is not None
+        row = self.rows[rid]
+        return self.queries[:, row : row + 1]
 
 
 class ModelRunner:
@@ -93,17 +104,22 @@ class ModelRunner:
 
     def forward(self, plan: StepPlan) -> Forward:
         """Run the model over ``plan``: a graph replay for a decode-only step when graphs are
-        on (it captures no queries: a query window then ends with the prompt), else one eager
-        forward that keeps the query rows each request's capture wants."""
-        if plan.num_prefill == 0 and self.graphs is not None:
-            before = self.graphs.capture_seconds
-            logits, greedy = self.graphs.run(plan.seqs, plan.tokens)
-            return Forward(logits, greedy, capture_seconds=self.graphs.capture_seconds - before)
+        on (its decode rows' queries come from the graphs' buffer), else one eager forward that
+        keeps the query rows each request's capture wants."""
         capture: dict[int, list[int]] = {}
         for req, n in plan.stepped:
             offsets = req.capture_offsets(n)
             if offsets:
                 capture[req.rid] = offsets
+        if plan.num_prefill == 0 and self.graphs is not None:
+            before = self.graphs.capture_seconds
+            logits, greedy = self.graphs.run(plan.seqs, plan.tokens)
+            out = Forward(logits, greedy, capture_seconds=self.graphs.capture_seconds - before)
+            if capture:  # a decode's one row: its query, from the graphs' buffer
+                out.capture = capture
+                out.queries = self.graphs.queries(len(plan.seqs))
+                out.rows = {req.rid: i for i, (req, _) in enumerate(plan.stepped)}
+            return out
         attn = PagedAttention(self.cache, plan.seqs, capture_rows=capture)
         dev = self.device
         rows = plan.sample_rows + plan.score_rows
@@ -144,8 +160,6 @@ class ModelRunner:
             records = self.window_records(jobs)  # type: ignore[arg-type]
         except Exception:
             return {}
-        for req in taking:
-            req.window = None
         return {req.rid: rec for req, rec in zip(taking, records, strict=True)}
 
     def window_records(

@@ -29,13 +29,16 @@ __all__ = [
     "PromptScores",
     "SamplingParamError",
     "SamplingParams",
+    "ScoreSlice",
     "TokenLogprobs",
     "finish_reason",
     "make_generator",
     "pick_tokens",
     "prompt_scores",
+    "reduce_rows",
     "sample",
     "sample_row",
+    "scores_of",
     "token_logprobs",
 ]
 
@@ -140,13 +143,14 @@ BOUNDS: dict[str, Bound] = {
     "min_p": Bound("number", 0, 1),
     "presence_penalty": Bound("number", -2, 2),
     "frequency_penalty": Bound("number", -2, 2),
-    "repetition_penalty": Bound("number", 0, low_open=True),
+    # Logits are divided or multiplied by it in float32: 1e-300 is 0 there (inf logits, NaN
+    # probabilities); HF and vLLM users pick values near 1.
+    "repetition_penalty": Bound("number", 0.01, 100),
     "logit_bias": Bound("bias"),
     "seed": Bound("int", -(2**63), 2**64 - 1, optional=True),
     "ignore_eos": Bound("bool"),
     "stop_token_ids": Bound("ids"),
     "logprobs": Bound("int", 0, MAX_LOGPROBS, optional=True),
-    "reconstruct": Bound("bool"),
 }
 
 
@@ -182,9 +186,6 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
-    #: kvdrop's extension: score this prompt with KVzip's reconstruction pass when the request
-    #: ends (needs an engine built with ``reconstruction``; the ``kvzip`` policy reads them).
-    reconstruct: bool = False
     stop_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -209,6 +210,20 @@ class SamplingParams:
             or self.logit_bias
             or self.min_tokens
         )
+
+    def changed(self) -> dict[str, Any]:
+        """``max_tokens`` and every value that is not the default, as plain JSON values (what a
+        log line or a test compares; :meth:`from_dict` reads it back)."""
+        default = SamplingParams()
+        out: dict[str, Any] = {"max_tokens": self.max_tokens}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not f.init or f.name == "max_tokens" or value == getattr(default, f.name):
+                continue
+            if f.name == "logit_bias":
+                value = {str(t): float(b) for t, b in value}
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | SamplingParams | None) -> SamplingParams:
@@ -373,15 +388,38 @@ def prompt_scores(logprobs: Tensor, tokens: Sequence[int], top: int) -> PromptSc
     """Each of ``tokens`` (a prompt after its first token) with its log-probability, rank and
     ``top`` alternatives, from ``logprobs [len(tokens), V]`` (row ``i`` predicts ``tokens[i]``):
     one ``gather``, one comparison and one ``topk`` for the whole prompt."""
+    return scores_of([reduce_rows(logprobs, tokens, top)], tokens)
+
+
+#: One slice of a prompt's scores, reduced as it is computed (:func:`reduce_rows`): each row's
+#: log-probability of its token, its rank, and the ``top`` best ``(logprobs, ids)``.
+ScoreSlice = tuple[Tensor, Tensor, Tensor, Tensor]
+
+
+def reduce_rows(logprobs: Tensor, tokens: Sequence[int], top: int) -> ScoreSlice:
+    """``logprobs [k, V]`` (row ``i`` predicts ``tokens[i]``) reduced to ``O(k * top)``: what
+    ``prompt_logprobs`` answers, so a prompt's ``[T, V]`` rows never exist at once."""
     if len(tokens) != logprobs.shape[0]:
         raise ValueError(f"{len(tokens)} tokens for {logprobs.shape[0]} rows of logprobs")
     logp = logprobs.float()
     index = torch.tensor(list(tokens), dtype=torch.long, device=logp.device)[:, None]
     chosen = logp.gather(1, index)
-    ranks = ((logp > chosen).sum(dim=-1) + 1).cpu().tolist()
-    top_lp, top_ids = (t.cpu().tolist() for t in torch.topk(logp, top, dim=-1)) if top else ([], [])
+    ranks = (logp > chosen).sum(dim=-1) + 1
+    if top:
+        top_lp, top_ids = torch.topk(logp, top, dim=-1)
+    else:
+        top_lp = top_ids = torch.empty(len(tokens), 0)
+    return chosen[:, 0].cpu(), ranks.cpu(), top_lp.cpu(), top_ids.cpu()
+
+
+def scores_of(slices: Sequence[ScoreSlice], tokens: Sequence[int]) -> PromptScores:
+    """The :data:`PromptScores` of ``tokens`` from their reduced slices, in order."""
     out: PromptScores = []
-    for i, (tok, lp) in enumerate(zip(tokens, chosen[:, 0].cpu().tolist(), strict=True)):
-        alts = tuple(zip(top_ids[i], top_lp[i], strict=True)) if top else ()
-        out.append((int(tok), (float(lp), int(ranks[i])), alts))
+    for chosen, ranks, top_lp, top_ids in slices:
+        alts_lp, alts_ids = top_lp.tolist(), top_ids.tolist()
+        for i, (lp, rank) in enumerate(zip(chosen.tolist(), ranks.tolist(), strict=True)):
+            alts = tuple((int(t), float(v)) for t, v in zip(alts_ids[i], alts_lp[i], strict=True))
+            out.append((int(tokens[len(out)]), (float(lp), int(rank)), alts))
+    if len(out) != len(tokens):
+        raise ValueError(f"{len(out)} scored rows for {len(tokens)} tokens")
     return out

@@ -2,7 +2,8 @@
 
 On admission :func:`plan_prefix` decides what a request loads from the cache server and what it
 stores after prefill (:func:`plan_recompute` when the server cannot be asked), for the engine's
-query capture; :func:`follow` applies that decision to the request.
+query capture; :func:`follow` applies that decision to the request. (Which query rows a request
+keeps was decided at submission: :mod:`kvdrop_engine.plan`.)
 
 Admission takes the blocks of a request's prompt; each decode step grows it by the block its
 next token needs (:meth:`Scheduler.grow`), and when the budget runs out the newest running
@@ -22,10 +23,10 @@ import time
 from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from kvdrop_engine.capture import WindowCapture
 from kvdrop_engine.connectors.base import KVConnector
 from kvdrop_engine.errors import EngineError, RequestTooLargeError
 from kvdrop_engine.paged import BlockAllocator, SeqStep, blocks_needed
@@ -34,8 +35,12 @@ from kvdrop_engine.sequence import LoadState, Request
 from kvdrop_sdk.query_capture import QueryCapture
 from kvdrop_sdk.validate import positive_int
 
+if TYPE_CHECKING:
+    from kvdrop_engine.decode_cut import KVSwap
+
 __all__ = [
     "DEFAULT_BUDGET_TOKENS",
+    "SCORE_ROWS_PER_STEP",
     "PrefixPlan",
     "Scheduler",
     "StepPlan",
@@ -47,6 +52,10 @@ __all__ = [
     "plan_step",
 ]
 
+#: Rows of log-probabilities (each ``[V]`` floats) scoring requests compute per step, all
+#: together: prompt scoring's memory is this slice times the vocabulary, whatever the prompt
+#: (a 3,001-token ``prompt_logprobs`` request grew the server by 2.4 GB when scored whole).
+SCORE_ROWS_PER_STEP = 256
 #: The engine's KV budget when it is given neither ``num_blocks`` nor ``kv_budget_tokens``.
 DEFAULT_BUDGET_TOKENS = 65536
 
@@ -70,14 +79,13 @@ class PrefixPlan:
     """What admission does with a prompt: copy ``kv`` (its first ``num_loaded`` tokens, or None)
     into the request's blocks; after prefill store the first ``store_upto`` prompt tokens (0 =
     nothing new to store), with chunk queries captured from token ``query_offset`` on when
-    ``capture_queries`` (full mode); keep a query window when ``capture_window``."""
+    ``capture_queries`` (full mode)."""
 
     kv: Tensor | None
     num_loaded: int
     store_upto: int = 0
     capture_queries: bool = False
     query_offset: int = 0
-    capture_window: bool = False
 
 
 def plan_prefix(
@@ -94,14 +102,13 @@ def plan_prefix(
     n = min(cached, len(prompt) - 1)
     loaded = kv[:, :, :n] if kv is not None and n > 0 else None
     aligned = len(prompt) // conn.chunk_size * conn.chunk_size
-    window, full = _query_modes(conn, capture)
     if aligned <= cached:
-        return PrefixPlan(loaded, n, capture_window=window)
+        return PrefixPlan(loaded, n)
     # Chunk queries (full mode) are captured for the computed tokens; a loaded prefix (shared
     # with an earlier prompt) must have its queries cached too, or the query cache would hold a
     # hole. After a modify the kept tokens have none: their prompt stores KV only.
-    if not conn.transfer_query or not full:
-        return PrefixPlan(loaded, n, store_upto=aligned, capture_window=window)
+    if not conn.transfer_query or not capture.full:
+        return PrefixPlan(loaded, n, store_upto=aligned)
     try:
         q_cached = conn.lookup_queries(prompt, cache_salt) if n else 0
     except Exception as exc:
@@ -113,7 +120,6 @@ def plan_prefix(
         store_upto=aligned,
         capture_queries=capture,
         query_offset=n,
-        capture_window=window,
     )
 
 
@@ -121,36 +127,23 @@ def plan_recompute(conn: KVConnector, capture: QueryCapture, prompt: list[int]) 
     """Admission's plan when the server cannot be asked (down, slow, failing): compute the whole
     prompt, then store its whole chunks (with queries when the connector stores them)."""
     aligned = len(prompt) // conn.chunk_size * conn.chunk_size
-    window, full = _query_modes(conn, capture)
     return PrefixPlan(
         None,
         0,
         store_upto=aligned,
-        capture_queries=bool(conn.transfer_query) and full and aligned > 0,
-        capture_window=window,
+        capture_queries=bool(conn.transfer_query) and capture.full and aligned > 0,
     )
 
 
-def _query_modes(conn: KVConnector, capture: QueryCapture) -> tuple[bool, bool]:
-    """(keep a query window, store every prompt query in chunks) for ``capture`` on ``conn``."""
-    # Windows need a connector that can store them (kvdrop's); others (an LMCache server's) are
-    # built for the full queries in chunks, the upstream layout.
-    window = conn.transfer_query and conn.stores_windows and capture.enabled
-    return window, capture.full
-
-
-def follow(req: Request, plan: PrefixPlan, capture: QueryCapture | None) -> None:
+def follow(req: Request, plan: PrefixPlan) -> None:
     """Make ``req`` take admission's decision: ``plan.num_loaded`` tokens are in its blocks
-    already; it keeps a query window of ``capture``'s sizes when the plan says so. A scoring
-    request only loads: it stores and captures nothing."""
+    already. A scoring request only loads: it stores and captures nothing."""
     req.num_computed = plan.num_loaded
     if req.scoring:
         return
     req.store_upto = plan.store_upto
     req.capture_queries = plan.capture_queries
     req.query_offset = plan.query_offset
-    if plan.capture_window and capture is not None:
-        req.window = WindowCapture(len(req.prompt), capture.window, capture.stride)
 
 
 def decoded_store_upto(req: Request, chunk_size: int, store_decoded: bool) -> int:
@@ -196,14 +189,14 @@ def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
     for req in batch:
         if req.prefilling or req.reconstruction is not None:
             continue
-        plan.seqs.append(SeqStep(req.rid, req.blocks, req.num_computed, 1))
+        plan.seqs.append(SeqStep(req.rid, req.blocks, req.num_computed, 1, req.dropped))
         plan.tokens.append(req.output[-1])
-        plan.positions.append(req.num_computed)
+        plan.positions.append(req.num_computed + req.dropped)
         plan.sample_rows.append(len(plan.tokens) - 1)
         plan.sampled.append(req)
         plan.stepped.append((req, 1))
         plan.num_decode += 1
-    budget = max_prefill_tokens
+    budget, score_budget = max_prefill_tokens, SCORE_ROWS_PER_STEP
     for req in batch:
         if budget <= 0:
             break
@@ -216,6 +209,14 @@ def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
             continue
         start, known = req.num_computed, req.prefill_tokens
         n = min(len(known) - start, budget)
+        if req.recut:  # the whole prompt first: it is cut again before the rest is computed
+            n = min(n, len(req.prompt) - start)
+        if req.scoring:  # its scored rows are [rows, V] floats: a bounded slice per step
+            first = max(start, req.score_from)
+            n = min(n, first - start + score_budget)
+            score_budget -= max(0, start + n - first)
+            if n <= 0:
+                continue
         budget -= n
         plan.seqs.append(SeqStep(req.rid, req.blocks, start, n))
         plan.tokens.extend(known[start : start + n])
@@ -238,6 +239,8 @@ class Scheduler:
     """The waiting line and the running set over one block allocator (see the module docstring).
 
     ``load_lock`` is the engine's lock over :attr:`Request.load_state` (shared with the loads).
+    ``swap`` (a :class:`~kvdrop_engine.decode_cut.KVSwap`) preempts the requests it holds by
+    moving their cache to host memory and back instead of recomputing them.
     """
 
     def __init__(
@@ -247,8 +250,10 @@ class Scheduler:
         max_batch_size: int,
         load_lock: threading.Lock,
         eos_token_ids: Collection[int] = (),
+        swap: KVSwap | None = None,
     ) -> None:
         self.allocator = allocator
+        self.swap = swap
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_size = block_size
         self.max_batch_size = max_batch_size
@@ -277,9 +282,9 @@ class Scheduler:
             )
 
     def _admission_blocks(self, req: Request) -> int:
-        """Blocks a request takes on admission: room for what it computes before its first
-        sample (its prompt; after a preemption, everything it had); decodes grow it later."""
-        return blocks_needed(len(req.prefill_tokens), self.block_size)
+        """Blocks a request takes on admission (:attr:`Request.admission_tokens`); decodes grow
+        it later."""
+        return blocks_needed(req.admission_tokens, self.block_size)
 
     def _head_fits(self) -> bool:
         return self._admission_blocks(self.waiting[0]) <= self.allocator.num_free
@@ -292,6 +297,9 @@ class Scheduler:
                 break  # FIFO: the head waits for blocks; later requests do not overtake it
             req = self.waiting.popleft()
             req.blocks = self.allocator.allocate(self._admission_blocks(req))
+            if req.swapped is not None:
+                assert self.swap is not None
+                self.swap.into(req)
             self.running[req.rid] = req
             admitted.append(req)
         return admitted
@@ -309,7 +317,8 @@ class Scheduler:
             need = blocks_needed(req.num_computed + 1, self.block_size) - len(req.blocks)
             while need > self.allocator.num_free:
                 victim = self._victim()
-                preempted.append((victim, victim.num_computed))
+                swapped = self.swap is not None and self.swap.holds(victim)
+                preempted.append((victim, 0 if swapped else victim.num_computed))
                 self._preempt(victim)
                 if victim is req:
                     break
@@ -322,6 +331,7 @@ class Scheduler:
     def _decoding(req: Request) -> bool:
         return (
             not req.cancelled
+            and req.cutting is None
             and req.loading is None
             and req.reconstruction is None
             and not req.prefilling
@@ -331,12 +341,19 @@ class Scheduler:
     def _victim(self) -> Request:
         """The newest running request that may be preempted (a decoding one always may)."""
         for req in reversed(self.running.values()):
-            if req.loading is None and req.reconstruction is None and not req.cancelled:
+            if (
+                req.loading is None
+                and req.reconstruction is None
+                and req.cutting is None
+                and not req.cancelled
+            ):
                 return req
         raise AssertionError("a decoding request is always preemptible")
 
     def _preempt(self, req: Request) -> None:
         self.running.pop(req.rid)
+        if self.swap is not None and self.swap.holds(req):
+            self.swap.out(req)
         self.free(req)
         req.preempt()
         self.waiting.appendleft(req)
@@ -360,6 +377,10 @@ class Scheduler:
         """Something to step, admit or drop, or a load to finish (not just loads in flight)."""
         now = time.monotonic()
         for req in self.running.values():
+            if req.cutting is not None:
+                if req.cutting.ready(now):
+                    return True
+                continue  # its policy runs: nothing to step for it yet
             if req.loading is None or req.loading.done():
                 return True
             if req.load_state is LoadState.QUEUED and (req.cancelled or not io_ok):
@@ -371,19 +392,29 @@ class Scheduler:
         return False
 
     def wait_s(self) -> float | None:
-        """How long the loop may sleep: until the first load deadline (loads notify when done)."""
+        """How long the loop may sleep: until the first load or cut deadline (loads and cuts
+        notify when done)."""
         deadlines = [
             r.load_deadline
             for r in self.running.values()
             if r.loading is not None
             and r.load_state is LoadState.IO
             and r.load_deadline < float("inf")
-        ]
+        ] + [r.cutting.deadline for r in self.running.values() if r.cutting is not None]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def runnable(self) -> list[Request]:
-        """The running requests this step computes (not cancelled, prefix loaded)."""
-        return [r for r in self.running.values() if not r.cancelled and r.loading is None]
+        """The running requests this step computes (not cancelled, prefix loaded, no cut
+        running)."""
+        return [
+            r
+            for r in self.running.values()
+            if not r.cancelled and r.loading is None and r.cutting is None
+        ]
+
+    def cuts_ready(self, now: float) -> list[Request]:
+        """The running requests whose cut ended (or ran past its deadline) by ``now``."""
+        return [r for r in self.running.values() if r.cutting is not None and r.cutting.ready(now)]
 
     def loading(self) -> list[Request]:
         """The running requests whose prefix load is in flight."""

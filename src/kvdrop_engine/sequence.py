@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import queue
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -18,14 +18,27 @@ from torch import Tensor
 
 from kvdrop_engine.capture import WindowCapture
 from kvdrop_engine.errors import EngineError, InvalidRequestError
+from kvdrop_engine.plan import NO_PLAN, RequestPlan
 from kvdrop_engine.reconstruct import ReconstructionPass
+from kvdrop_engine.request_options import RequestOptions
 from kvdrop_engine.sampling import SamplingParams, make_generator
 from kvdrop_engine.tokenizer import IncrementalDetokenizer
 from kvdrop_sdk.events import TokenEvent
-from kvdrop_sdk.protocol import check_salt
 from kvdrop_sdk.validate import token_ids
 
-__all__ = ["LoadState", "Request", "TokenStream", "new_request", "raise_failure", "scored_rows"]
+__all__ = [
+    "LoadState",
+    "Request",
+    "ScoreHandle",
+    "TokenStream",
+    "new_request",
+    "raise_failure",
+    "scored_rows",
+]
+
+
+#: The options of a request that asked for nothing beyond sampling.
+NO_OPTIONS = RequestOptions()
 
 
 class LoadState(enum.Enum):
@@ -64,14 +77,29 @@ class Request:
     load_state: LoadState = LoadState.QUEUED
     #: Stores started for this request; the caller waits for them before its next token.
     stores: list[Future[Any]] = field(default_factory=list)
-    #: The prompt cut after prefill (a ``kvdrop_engine.drop.PromptCut``; None: kept whole) and,
-    #: once it ran, the prompt tokens it kept (the first event reports them).
-    cut: Any = None
+    #: Once the prompt cut ran, the prompt tokens it kept (the first event reports them).
     kept_prompt: int | None = None
+    #: The cut while its policy runs off the loop (a ``kvdrop_engine.drop.PendingCut``: the
+    #: request is not stepped meanwhile), and once applied the prompt before it and the kept
+    #: indices (a preempted cut request recomputes the whole prompt and keeps the same rows).
+    cutting: Any = None
+    uncut_prompt: list[int] | None = None
+    kept_index: Tensor | None = None
+    #: Preempted after its cut: it prefills ``uncut_prompt`` again, keeps ``kept_index`` of
+    #: it (no policy call), then recomputes its generated tokens after the kept rows.
+    recut: bool = False
+    #: The structured output's grammar matcher (``xgrammar.GrammarMatcher``; None: free text):
+    #: it masks the request's logits each step and is fed each token (:mod:`structured`).
+    guide: Any = None
     #: A scoring request (teacher-forced log-probs, no sampling) keeps the log-softmax rows of
     #: positions ``score_from..`` of its prompt; -1 for a request that generates.
     score_from: int = -1
-    score_parts: list[Tensor] = field(default_factory=list)
+    score_parts: list[Any] = field(default_factory=list)
+    #: Prompt scoring (``prompt_logprobs``): each slice of rows is reduced as it is computed
+    #: to the log-probability of its ``score_targets`` token, its rank and the ``score_top``
+    #: best (``kvdrop_engine.sampling.reduce_rows``), so ``[T, V]`` rows never exist at once.
+    score_top: int | None = None
+    score_targets: list[int] | None = None
     #: KVzip's pass over the prompt, run in pieces after the last token; that token's event is
     #: ``held`` until the pass ends (its scores are stored before the caller sees the end).
     reconstruction: ReconstructionPass | None = None
@@ -79,6 +107,40 @@ class Request:
 
     #: Preempted (its blocks taken back) and waiting to recompute what it had computed.
     preempted: bool = False
+    #: What the request asked beyond sampling (its cut override, reconstruction, salt).
+    options: RequestOptions = NO_OPTIONS
+    #: What the engine does with it, decided once at submission (:mod:`kvdrop_engine.plan`):
+    #: its cuts, its query capture, the actions after prefill and after the last token.
+    plan: RequestPlan = NO_PLAN
+    #: The cuts while decoding done, the tokens they dropped (the next token's RoPE position is
+    #: its slot plus this), the true positions of the rows kept by the last one (slots
+    #: ``0..k-1``), and the cache held in host memory while preempted (such a request is
+    #: swapped, never recomputed).
+    decode_cuts: int = 0
+    dropped: int = 0
+    kept_positions: Tensor | None = None
+    swapped: Tensor | None = None
+
+    @property
+    def cut(self) -> Any:
+        """The prompt cut after prefill (a ``kvdrop_engine.drop.PromptCut``; None: kept
+        whole): the plan's."""
+        return self.plan.cut
+
+    @property
+    def decode_cut(self) -> Any:
+        """The cut while decoding (a ``kvdrop_engine.decode_cut.DecodeCut``; None): the plan's."""
+        return self.plan.decode
+
+    def restart_window(self, num_tokens: int | None) -> None:
+        """(Re)start the request's query capture over its first ``num_tokens`` positions, as its
+        plan says (the prompt cut's rows until that cut is applied); None drops it. The one
+        writer of ``window``: at submission, after each cut, on a preemption."""
+        if num_tokens is None:
+            self.window = None
+            return
+        pending = self.plan.cut is not None and self.kept_index is None
+        self.window = self.plan.window(num_tokens, cut_pending=pending)
 
     @property
     def prefill_tokens(self) -> list[int]:
@@ -90,25 +152,66 @@ class Request:
     def peak_tokens(self) -> int:
         """KV tokens the request ever holds (what admission reserves): prompt and every generated
         token but the last, or less when its prompt is cut after prefill."""
+        n, max_tokens = len(self.prompt), self.params.max_tokens
+        peak = n + max_tokens - 1
+        start = n  # cached tokens when decoding starts
         if self.cut is not None:
-            return int(self.cut.peak_tokens(len(self.prompt), self.params.max_tokens))
-        return len(self.prompt) + self.params.max_tokens - 1
+            peak = int(self.cut.peak_tokens(n, max_tokens))
+            start = int(self.cut.kept_bound(n))
+        if self.decode_cut is not None:
+            peak = int(self.decode_cut.peak_tokens(n, start, max_tokens))
+        return peak
+
+    @property
+    def recut_tokens(self) -> int:
+        """KV tokens a preempted cut request holds once its prompt is cut again: the kept rows
+        and its generated tokens but the last (what its recompute needs at most, beside the
+        whole prompt)."""
+        assert self.kept_index is not None
+        return int(self.kept_index.numel()) + max(0, len(self.output) - 1)
 
     @property
     def prefilling(self) -> bool:
         """Whether prompt tokens (or, after a preemption, generated ones) are to be computed."""
-        return self.num_computed < len(self.prompt) + max(0, len(self.output) - 1)
+        return self.num_computed + self.dropped < len(self.prompt) + max(0, len(self.output) - 1)
+
+    @property
+    def admission_tokens(self) -> int:
+        """Tokens the request's blocks must hold on admission: what it computes before its first
+        sample (its prompt; after a preemption everything it had; a cut one its whole prompt
+        first), or its swapped cache and the token it decodes next (it decodes at once: the
+        blocks it grows by were given out)."""
+        if self.swapped is not None:
+            return int(self.swapped.shape[2]) + 1
+        if self.recut:  # its whole prompt, or its kept rows and generated tokens if more
+            return max(len(self.prompt), self.recut_tokens)
+        return len(self.prefill_tokens)
+
+    def slot_positions(self, n: int) -> Tensor:
+        """True RoPE positions (CPU int64) of the rows in slots ``0..n-1``."""
+        kept = self.kept_positions
+        if kept is None:
+            return torch.arange(n)
+        return torch.cat([kept, torch.arange(kept.numel(), n) + self.dropped])[:n]
 
     def preempt(self) -> None:
         """Forget what is computed (its blocks are taken back): it is recomputed from token 0,
         its query capture restarted so that it keeps the same rows (vLLM's recompute)."""
         self.num_computed, self.preempted = 0, True
         self.query_parts, self.query_offset, self.score_parts = [], 0, []
+        cut = self.kept_index is not None and self.uncut_prompt is not None
+        if cut and self.swapped is None:  # (a swapped one keeps its cache: nothing to redo)
+            # Cut already: the kept rows need the whole prompt's context, so the prompt is
+            # prefilled whole and the same rows kept again (``Engine._recut``), not prefilled
+            # as the kept tokens alone (another cache: another answer).
+            self.prompt, self.recut = self.uncut_prompt, True
+            self.restart_window(None)  # restarted once the same rows are kept again
+            self.capture_queries = False  # the prompt's chunk queries were stored already
+            return
         if self.output:
             self.capture_queries = False  # the prompt's chunk queries were stored already
-        if self.window is not None:
-            w = self.window
-            self.window = WindowCapture(w.num_prompt, w.window, w.stride)
+        if self.window is not None and self.swapped is None:  # a swapped one keeps its rows
+            self.restart_window(self.window.num_prompt)
 
     @property
     def scoring(self) -> bool:
@@ -157,26 +260,53 @@ class Request:
 def new_request(
     rid: int,
     prompt_token_ids: Sequence[int],
-    sampling_params: Mapping[str, Any] | SamplingParams | None,
-    cache_salt: str,
+    params: SamplingParams,
+    options: RequestOptions,
     *,
     vocab_size: int,
     detok: IncrementalDetokenizer | None,
 ) -> Request:
-    """A submitted request, validated once here: ``InvalidRequestError`` says what was wrong."""
-    params = SamplingParams.from_dict(sampling_params)
+    """A submitted request of validated ``params`` and ``options``
+    (:func:`~kvdrop_engine.request_options.submission`); its prompt and the vocabulary-bound
+    checks here: ``InvalidRequestError`` says what was wrong."""
     try:
         prompt = token_ids(prompt_token_ids, "prompt_token_ids", vocab_size=vocab_size)
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(str(exc)) from None
     if not prompt:
         raise InvalidRequestError("prompt_token_ids is empty; expected at least one token")
-    try:
-        check_salt(cache_salt)
-        params.check_vocab(vocab_size)
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequestError(str(exc)) from None
-    return Request(rid, prompt, params, cache_salt, queue.Queue(), make_generator(params), detok)
+    params.check_vocab(vocab_size)
+    generator = make_generator(params)
+    out: queue.Queue[Any] = queue.Queue()
+    return Request(rid, prompt, params, options.cache_salt, out, generator, detok, options=options)
+
+
+class ScoreHandle:
+    """A prompt-scoring request in flight (``Engine.post_prompt_scoring``): :meth:`result`
+    waits for its :data:`~kvdrop_engine.sampling.PromptScores`; :meth:`close` (from any thread:
+    a client that left) cancels it, and the loop drops it on its next turn."""
+
+    def __init__(self, req: Request | None, wake: Callable[[], None]) -> None:
+        self.req, self._wake = req, wake
+
+    def result(self) -> Any:
+        from kvdrop_engine.sampling import scores_of
+
+        if self.req is None:
+            return []  # a one-token prompt: nothing to score
+        item = self.req.out.get()
+        if item is _CLOSED:
+            raise EngineError("the prompt scoring was cancelled (its client left)")
+        if isinstance(item, BaseException):
+            raise_failure(item)
+        assert self.req.score_targets is not None
+        return scores_of(item, self.req.score_targets)
+
+    def close(self) -> None:
+        if self.req is not None and not self.req.cancelled:
+            self.req.cancelled = True
+            self.req.out.put(_CLOSED)
+            self._wake()
 
 
 def scored_rows(req: Request) -> Tensor:

@@ -28,6 +28,9 @@ class EngineStats:
     #: the tokens they had computed (computed again, counted in ``prefill_tokens_computed``).
     preemptions: int = 0
     recomputed_tokens: int = 0
+    #: Preempted requests that were cut while decoding: swapped to host memory and back
+    #: (never recomputed; :class:`~kvdrop_engine.decode_cut.KVSwap`).
+    swaps: int = 0
     #: Steps that only decoded (no prompt chunk), their wall time on the loop thread (plan, launch,
     #: wait for the tokens; capturing a new CUDA graph is counted apart, in
     #: ``graph_capture_seconds``) and the cached tokens their attention read.
@@ -50,11 +53,18 @@ class EngineStats:
     prompt_tokens_kept: int = 0
     prompt_tokens_dropped: int = 0
     cut_seconds: float = 0.0
+    #: Cuts while decoding (``--decode-policy``; one per request cut), the tokens they dropped,
+    #: their wall time on the loop thread (:mod:`kvdrop_engine.decode_cut`), and the most KV
+    #: tokens one decoding request held in a step.
+    decode_cuts: int = 0
+    decode_tokens_dropped: int = 0
+    decode_cut_seconds: float = 0.0
+    peak_decode_kv_tokens: int = 0
     #: Where the loop thread's time goes (with ``decode_step_seconds`` and
     #: ``graph_capture_seconds``): steps that computed prompt tokens, starting and applying prefix
-    #: loads, handing results over (stores started, events; ``window_seconds`` of it finalising
-    #: query windows, ``reconstruction_seconds`` kvzip's pass) and waiting for work (loads
-    #: in flight included).
+    #: loads, handing results over (stores started, events; ``window_seconds``, every second of
+    #: which lies inside ``ship_seconds``, finalising query windows; ``reconstruction_seconds``
+    #: kvzip's pass) and waiting for work (loads in flight included).
     prefill_step_seconds: float = 0.0
     load_apply_seconds: float = 0.0
     ship_seconds: float = 0.0
@@ -62,6 +72,9 @@ class EngineStats:
     idle_seconds: float = 0.0
     connector_fallbacks: int = 0  # loads that failed, timed out or were skipped: recomputed
     store_failures: int = 0  # stores that failed, timed out or were skipped
+    #: The wall time these counters cover (since construction or ``reset_stats``), as of the
+    #: snapshot: the loop thread's parts above add up to at most this.
+    seconds: float = 0.0
 
     @property
     def tokens_computed(self) -> int:

@@ -151,6 +151,11 @@ class JSONTokenizer:
         bos = None if self.bos_token is None else self._tk.token_to_id(self.bos_token)
         return [bos, *ids] if add_bos and bos is not None else ids
 
+    def backend(self) -> Any:
+        """The ``tokenizers.Tokenizer`` underneath (what structured outputs read the vocabulary
+        from)."""
+        return self._tk
+
     def render_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -275,6 +280,11 @@ class Tokenizer:
         )
         self.add_bos: bool = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
 
+    def backend(self) -> Any:
+        """The ``tokenizers.Tokenizer`` built from the GGUF metadata (what structured outputs
+        read the vocabulary from)."""
+        return self._tk
+
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """Read the tokenizer metadata of a ``.gguf`` file."""
@@ -397,12 +407,22 @@ def _render_chat(
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
             raise ValueError(f"messages[{i}] must be a mapping with 'role' and 'content'")
-    return _render(
+    cont = bool(context.pop("continue_final_message", False))
+    text = _render(
         template,
         messages=[dict(m) for m in messages],
-        add_generation_prompt=add_generation_prompt,
+        add_generation_prompt=add_generation_prompt and not cont,
         **context,
     )
+    if not cont:
+        return text
+    # As transformers does: the rendered chat ends where the last message's text does, so the
+    # model continues it instead of closing its turn.
+    last = str(messages[-1]["content"]).strip()
+    at = text.rfind(last) if last else -1
+    if at < 0:
+        raise TokenizerError("continue_final_message: the template does not write the last message")
+    return text[: at + len(last)]
 
 
 def _render(template: str, **context: Any) -> str:

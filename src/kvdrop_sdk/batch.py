@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
@@ -32,7 +33,7 @@ from kvdrop_sdk.edit import ModifyFnType
 from kvdrop_sdk.errors import BatchedStreamError
 from kvdrop_sdk.metrics import Metrics, get_handler, summarize
 from kvdrop_sdk.request import ModifyResult, RequestStream, StreamPerfMetrics
-from kvdrop_sdk.validate import positive_int
+from kvdrop_sdk.validate import edit_device, positive_int
 
 __all__ = ["BatchedStream", "BatchedStreamError", "BatchedStreamFailures", "ProgressCallback"]
 
@@ -182,6 +183,83 @@ class BatchedStream:
         metrics.add("cached_kept_fraction", kept / total if total else float("nan"), RESULTS)
         return self._finish("modify", metrics, failures, fmt)
 
+    def job(
+        self,
+        sampling_params: Mapping[str, Any] | None = None,
+        fn: ModifyFnType | None = None,
+        *,
+        prefill_params: Mapping[str, Any] | None = None,
+        timeout: float = 30.0,
+        poll_interval: float = 0.2,
+        device: str | None = None,
+        stream_ids: Sequence[str] | None = None,
+        fmt: str | None = None,
+    ) -> Metrics:
+        """Every stream's whole request at once, pipelined: its prefill (``prefill_params``,
+        default ``sampling_params``, with ``max_tokens`` 1), then ``fn``'s edit of its cache as
+        soon as that prefill is stored, then its decode (``sampling_params``) as soon as its
+        edit is back, while the other streams' prefills, edits and decodes run (at most
+        ``max_concurrency`` streams and ``modify_concurrency`` edits at once). Without ``fn``
+        each stream is one call with ``sampling_params``: what a user sends when nothing is
+        dropped.
+
+        Reports ``duration``, the job's wall time (first prompt sent to last token received),
+        beside each stage's time summed over streams (``prefill_s``, ``modify_s``,
+        ``decode_s``: they overlap, so they add up to more than the wall time), the output
+        tokens and their rate over the wall time, and the kept share of the prompts. A stream's
+        failure does not stop the others (``BatchedStreamFailures`` at the end). ``timeout``,
+        ``poll_interval`` and ``device`` are ``modify``'s; the decode's ``StreamPerfMetrics``
+        and the edits' results land in ``perf_metrics`` and ``modify_results``.
+        """
+        if fn is not None and not callable(fn):
+            raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
+        params = dict(sampling_params or {})
+        first = dict(params if prefill_params is None else prefill_params)
+        first["max_tokens"] = 1
+        edits = threading.BoundedSemaphore(self.modify_concurrency)
+        stages: dict[str, dict[str, float]] = {}
+        edited: dict[str, ModifyResult] = {}
+
+        def whole(s: RequestStream) -> StreamPerfMetrics:
+            sid = s.request_stream_id
+            spent = stages.setdefault(sid, {"prefill_s": 0.0, "modify_s": 0.0, "decode_s": 0.0})
+            t = time.perf_counter()
+            if fn is not None:
+                s.generate(first)
+                spent["prefill_s"], t = time.perf_counter() - t, time.perf_counter()
+                with edits:
+                    edited[sid] = s.modify_kv(
+                        fn, timeout, poll_interval, device=device, edit_timeout=timeout
+                    )
+                spent["modify_s"], t = time.perf_counter() - t, time.perf_counter()
+                if s.is_done:  # the engine stopped it at its first token
+                    return StreamPerfMetrics()
+            perf = s.generate(params)
+            spent["decode_s"] = time.perf_counter() - t
+            return perf
+
+        streams = [s for s in self._select(stream_ids) if not s.is_done]
+        self.perf_metrics.clear()
+        self.modify_results.clear()
+        results, failures, duration = self._run("job", streams, whole, self.max_concurrency)
+        self.perf_metrics.update(results)
+        self.modify_results.update(edited)
+        done = [r for r in edited.values() if not r.skipped]
+        kept = sum(r.kept_tokens + r.suffix_tokens for r in done)
+        total = sum(r.prompt_tokens for r in done)
+        output_tokens = sum(p.output_tokens for p in results.values())
+        metrics = Metrics("Batched Stream Job Metrics")
+        metrics.add(NUM_STREAMS, len(self.request_streams), CONFIG)
+        metrics.add("num_requests", len(results), RESULTS)
+        metrics.add("num_failed", len(failures), RESULTS)
+        metrics.add("duration", duration, RESULTS)
+        for stage in ("prefill_s", "modify_s", "decode_s"):
+            metrics.add(stage, sum(st[stage] for st in stages.values()), RESULTS)
+        metrics.add("output_tokens", output_tokens, RESULTS)
+        metrics.add("output_tput", output_tokens / duration if duration > 0 else 0.0, RESULTS)
+        metrics.add("kept_fraction", kept / total if total else 1.0, RESULTS)
+        return self._finish("job", metrics, failures, fmt)
+
     # ----------------------------------------------------------------- upstream's building blocks
     def run_request_streams(
         self, sampling_params: Mapping[str, Any], stream_ids: Sequence[str] | None = None
@@ -282,6 +360,7 @@ class BatchedStream:
     ) -> tuple[dict[str, ModifyResult], dict[str, BaseException], float]:
         if not callable(fn):
             raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
+        edit_device(device)  # refused once here, not as a torch error from every stream
         streams = self._select(stream_ids)
         self.modify_results.clear()
         results, failures, duration = self._run(

@@ -28,7 +28,6 @@ import ctypes
 import io
 import json
 import logging
-import math
 import os
 import re
 import socket
@@ -37,6 +36,8 @@ import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
+
+from kvdrop_sdk.validate import check_fields, json_surrogate
 
 __all__ = [
     "HTTPLimitError",
@@ -90,21 +91,12 @@ class HTTPLimits:
     max_log_chars: int = 200
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_json_depth", "max_json_containers"):
-            _check_int(name, getattr(self, name), 1)
-        _check_int("max_json_values", self.max_json_values, 1)
-        _check_int("max_connections", self.max_connections, 1)
-        _check_int("max_log_chars", self.max_log_chars, 16)
-        for name in ("request_timeout_s", "idle_timeout_s"):
-            value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not (ok and math.isfinite(value) and 0 < value <= 86400):
-                raise ValueError(f"HTTPLimits.{name} must be in (0, 86400] seconds, got {value!r}")
-
-
-def _check_int(name: str, value: object, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"HTTPLimits.{name} must be an int >= {low}, got {value!r}")
+        positive = ("max_body_bytes", "max_json_depth", "max_json_containers", "max_json_values")
+        check_fields(
+            self,
+            ints={**dict.fromkeys(positive, 1), "max_connections": 1, "max_log_chars": 16},
+            numbers={"request_timeout_s": (0, 86400), "idle_timeout_s": (0, 86400)},
+        )
 
 
 # -- JSON -----------------------------------------------------------------------------------------
@@ -133,7 +125,8 @@ def json_cost(raw: bytes, limits: HTTPLimits) -> tuple[int, int, int]:
 
 def loads_bounded(raw: bytes, limits: HTTPLimits) -> Any:
     """Parse a JSON body within ``limits``; ``HTTPLimitError`` (413 for too many containers or
-    values, 400 for too deep or not JSON) names what was over and the limit."""
+    values, 400 for too deep, not JSON, or text with a lone UTF-16 surrogate) names what was
+    over and the limit."""
     containers, values, depth = json_cost(raw, limits)
     if containers > limits.max_json_containers:
         raise HTTPLimitError(
@@ -151,11 +144,15 @@ def loads_bounded(raw: bytes, limits: HTTPLimits) -> Any:
             400, f"the JSON body is nested over {limits.max_json_depth} levels deep"
         )
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except RecursionError:
         raise HTTPLimitError(400, "the JSON body is nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit
         raise HTTPLimitError(400, f"the request body is not valid JSON: {exc}") from None
+    problem = json_surrogate(raw, value)
+    if problem is not None:  # e.g. "\ud800": no store, hash or tokenizer could encode it
+        raise HTTPLimitError(400, problem)
+    return value
 
 
 # -- logs -----------------------------------------------------------------------------------------

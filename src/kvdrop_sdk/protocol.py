@@ -24,7 +24,7 @@ from typing import Any
 import zmq
 
 from kvdrop_sdk.errors import SDKError, ServerUnavailableError
-from kvdrop_sdk.validate import is_int
+from kvdrop_sdk.validate import check_text, is_int, json_surrogate
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -76,8 +76,9 @@ class RpcError(SDKError):
 
 
 def check_salt(salt: object, what: str = "cache_salt") -> str:
-    """``salt`` if it is a str of at most ``MAX_SALT_CHARS`` characters; else ``TypeError`` or
-    ``ValueError`` naming ``what`` (callers re-raise it as their own error type)."""
+    """``salt`` if it is a str of at most ``MAX_SALT_CHARS`` characters of valid Unicode text;
+    else ``TypeError`` or ``ValueError`` naming ``what`` (callers re-raise it as their own error
+    type)."""
     if not isinstance(salt, str):
         raise TypeError(f"{what} must be a string, got {type(salt).__name__}")
     if len(salt) > MAX_SALT_CHARS:
@@ -85,7 +86,7 @@ def check_salt(salt: object, what: str = "cache_salt") -> str:
             f"{what} is {len(salt)} characters; at most {MAX_SALT_CHARS} are accepted (use a "
             "short id or a hash of a longer one)"
         )
-    return salt
+    return check_text(salt, what)
 
 
 def scoped_salt(cache_salt: str, scope: str) -> str:
@@ -123,6 +124,9 @@ def decode_header(raw: bytes | memoryview) -> dict[str, Any]:
         raise ProtocolError(
             "bad_header", f"header must be a JSON object, got {type(value).__name__}"
         )
+    problem = json_surrogate(raw, value)
+    if problem is not None:  # refused here, not when a store encodes it
+        raise ProtocolError("bad_field", problem)
     return value
 
 

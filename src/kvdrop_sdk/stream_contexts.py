@@ -22,6 +22,7 @@ from kvdrop_sdk.errors import RequestStreamError, SDKError
 from kvdrop_sdk.foreign import ForeignContext, StreamContext, wrap_contexts
 from kvdrop_sdk.layout import CacheLayout
 from kvdrop_sdk.query_capture import UPSTREAM_CAPTURE, Needs, QueryCapture
+from kvdrop_sdk.validate import edit_device
 from kvdrop_sdk.window import retrieve_window
 
 __all__ = ["EditTransfer", "Retrieved", "StreamContexts", "edit_device", "edit_transfer"]
@@ -42,19 +43,6 @@ class EditTransfer(enum.Enum):
     #: Another SDK's context and a device: retrieved on the host, then ``.to(device)``; stored
     #: back with ``.cpu()`` (it takes host tensors only).
     COPY = "copy"
-
-
-def edit_device(device: torch.device | str | None) -> torch.device | None:
-    """``modify_kv``'s ``device`` as a torch device (None: the host); TypeError when torch
-    cannot parse it."""
-    if device is None or isinstance(device, torch.device):
-        return device
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise TypeError(
-            f"device must be None or a torch device such as 'cpu' or 'cuda:0', got {device!r}"
-        ) from None
 
 
 def edit_transfer(ctx: StreamContext, device: torch.device | str | None) -> EditTransfer:

@@ -7,12 +7,30 @@ with a message that names the value (``what``); callers re-raise them as their o
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["check_fields", "is_int", "is_number", "positive_int", "tensor_problem", "token_ids"]
+__all__ = [
+    "check_fields",
+    "check_text",
+    "edit_device",
+    "is_int",
+    "is_number",
+    "json_surrogate",
+    "keep_ratio",
+    "positive_int",
+    "tensor_problem",
+    "token_ids",
+]
+
+#: A JSON escape of a UTF-16 surrogate (``\\ud800``): the only way JSON text decodes to a str
+#: that cannot be encoded as UTF-8 (raw surrogate bytes are invalid UTF-8 and refused earlier).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def is_int(value: Any) -> bool:
@@ -23,6 +41,14 @@ def is_int(value: Any) -> bool:
 def is_number(value: Any) -> bool:
     """True for an ``int`` or ``float`` that is not a ``bool``."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def keep_ratio(value: Any, what: str = "keep_ratio") -> float:
+    """``value`` as a float in ``(0, 1]`` (a fraction of tokens kept); ``ValueError`` naming
+    ``what`` otherwise. The one check of a keep ratio wherever one comes in."""
+    if not is_number(value) or not math.isfinite(value) or not 0 < value <= 1:
+        raise ValueError(f"{what} must be a number in (0, 1], got {value!r}")
+    return float(value)
 
 
 def tensor_problem(value: Any) -> str | None:
@@ -37,6 +63,81 @@ def tensor_problem(value: Any) -> str | None:
     return None
 
 
+def _surrogate_problem(text: str) -> str | None:
+    found = _SURROGATE.search(text)
+    if found is None:
+        return None
+    return (
+        f"holds a lone UTF-16 surrogate (U+{ord(found.group()):04X}) at character "
+        f"{found.start()}; expected valid Unicode text (in JSON, \\ud800-\\udfff escapes "
+        "only as pairs)"
+    )
+
+
+def check_text(value: str, what: str) -> str:
+    """``value`` if it encodes as UTF-8 (no lone surrogate, which every store, hash and log
+    would fail on later); else ``ValueError`` naming ``what`` and the character."""
+    problem = _surrogate_problem(value)
+    if problem is not None:
+        raise ValueError(f"{what} {problem}")
+    return value
+
+
+def json_surrogate(raw: bytes | memoryview, value: Any) -> str | None:
+    """Why the JSON ``value`` decoded from ``raw`` is not valid Unicode text (a str or key with
+    a lone surrogate, named by its path like ``field 'cache_salt'``), or None. The walk runs
+    only when ``raw`` holds a surrogate escape at all, so ordinary bodies cost one scan."""
+    if _SURROGATE_ESCAPE.search(bytes(raw)) is None:
+        return None
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            problem = _surrogate_problem(item)
+            if problem is not None:
+                return f"field {path!r} {problem}" if path else f"the body {problem}"
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                problem = _surrogate_problem(key)
+                if problem is not None:
+                    return f"a key in {repr(path) if path else 'the body'} {problem}"
+                stack.append((f"{path}.{key}" if path else key, inner))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", inner) for i, inner in enumerate(item))
+    return None
+
+
+def edit_device(device: torch.device | str | None) -> torch.device | None:
+    """``device`` of ``modify_kv``, ``modify`` and ``retrieve`` as a torch device (None: the
+    host): the one rule for where the SDK may put a tensor. TypeError when torch cannot parse
+    it; ValueError for a device that holds no data (``meta``), is neither the host nor a GPU,
+    or is a GPU this process cannot use (no CUDA)."""
+    if device is None:
+        return None
+    try:
+        where = device if isinstance(device, torch.device) else torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise TypeError(
+            f"device must be None or a torch device such as 'cpu' or 'cuda:0', got {device!r}"
+        ) from None
+    if where.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"device {str(where)!r} cannot hold cached tensors (a 'meta' tensor has no data); "
+            "expected None, 'cpu' or a CUDA device such as 'cuda:0'"
+        )
+    if where.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {str(where)!r}: CUDA is not available in this process; pass None or 'cpu'"
+            )
+        if where.index is not None and where.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {str(where)!r}: this process sees {torch.cuda.device_count()} CUDA "
+                "device(s)"
+            )
+    return where
+
+
 def positive_int(value: Any, what: str, *, minimum: int = 1) -> int:
     """``value`` if it is an int ``>= minimum``; else ``ValueError`` naming ``what``."""
     if not is_int(value) or value < minimum:
@@ -48,18 +149,30 @@ def check_fields(
     obj: object,
     *,
     ints: Mapping[str, int] | None = None,
+    optional_ints: Mapping[str, int] | None = None,
+    numbers: Mapping[str, tuple[float, float]] | None = None,
     bools: Iterable[str] = (),
     error: type[Exception] = ValueError,
 ) -> None:
     """The one check of a dataclass's plain fields: each of ``ints`` an int (not a bool) ``>=``
-    its minimum, each of ``bools`` a bool; else ``error`` naming ``Class.field``, what it must
-    be and what it was."""
+    its minimum, each of ``optional_ints`` that or None, each of ``numbers`` a finite number in
+    ``(low, high]``, each of ``bools`` a bool; else ``error`` naming ``Class.field``, what it
+    must be and what it was."""
     owner = type(obj).__name__
     for name, low in (ints or {}).items():
         value = getattr(obj, name)
         if not is_int(value) or value < low:
             expected = "a positive int" if low == 1 else f"an int >= {low}"
             raise error(f"{owner}.{name} must be {expected}, got {value!r}")
+    for name, low in (optional_ints or {}).items():
+        value = getattr(obj, name)
+        if value is not None and (not is_int(value) or value < low):
+            expected = "a positive int" if low == 1 else f"an int >= {low}"
+            raise error(f"{owner}.{name} must be {expected} or None, got {value!r}")
+    for name, (low, high) in (numbers or {}).items():
+        value = getattr(obj, name)
+        if not is_number(value) or not math.isfinite(value) or not low < value <= high:
+            raise error(f"{owner}.{name} must be in ({low:g}, {high:g}], got {value!r}")
     for name in bools:
         value = getattr(obj, name)
         if not isinstance(value, bool):

@@ -158,3 +158,29 @@ def test_nested_specs_build(capsys: pytest.CaptureFixture[str]) -> None:
         kvdrop.needs_of(fn).reads_queries
         and kvdrop.describe("budget(policy=streaming+snapkv)").needs.reads_queries
     )
+
+
+def test_keep_budget_is_the_one_keep_ratio_rule() -> None:
+    """A spec's own keep_ratio wins over the default, an explicit one is used when the spec
+    has none, and an explicit one beside a different own value is refused (never silent)."""
+    from kvdrop.spec import keep_budget
+
+    assert (keep_budget("snapkv").keep_ratio, keep_budget("snapkv").source) == (0.5, "default")
+    assert keep_budget("snapkv", 0.3).params == {"keep_ratio": 0.3}
+    own = keep_budget("snapkv(keep_ratio=0.3)", default=0.7)
+    assert (own.keep_ratio, own.params, str(own)) == (0.3, {}, "0.3 (the spec's)")
+    assert keep_budget("snapkv(keep_ratio=0.3)", 0.3).source == "spec"  # the same value: fine
+    assert keep_budget("snapkv(keep_tokens=40)").keep_tokens == 40
+    # A composition shares its own budget; its parts' are ignored.
+    assert keep_budget("streaming+snapkv(keep_ratio=0.2)", 0.4).keep_ratio == 0.4
+    with pytest.raises(
+        kvdrop.PolicyParamError, match=r"sets keep_ratio=0\.3 and keep_ratio 0\.5 was"
+    ):
+        keep_budget("snapkv(keep_ratio=0.3)", 0.5)
+    with pytest.raises(kvdrop.PolicyParamError, match="keep_tokens=40"):
+        keep_budget("snapkv(keep_tokens=40)", 0.5)
+    with pytest.raises(ValueError, match=r"keep_ratio must be a number in \(0, 1\]"):
+        keep_budget("snapkv", 1.5)
+    # ``kvdrop describe`` shows the spec's bound value as its default.
+    params = {p.name: p.default for p in kvdrop.describe("snapkv(keep_ratio=0.3)").params}
+    assert params["keep_ratio"] == 0.3

@@ -161,6 +161,8 @@ def test_engine_subprocess_stops_on_sigint_mid_stream(engine_proc: EngineProcess
         (["--random-preset", "tiny", "--max-model-len", "0"], "--max-model-len must be"),
         (["--random-preset", "tiny", "--max-model-len", "99999999"], "over the model's context"),
         (["--random-preset", "tiny", "--api-key", " "], "--api-key must not be empty"),
+        (["--random-preset", "tiny", "--api-key", "k\n"], "--api-key has leading or trailing"),
+        (["--random-preset", "tiny", "--api-key", "k\x07y"], "--api-key holds '\\x07'"),
         (["--random-preset", "tiny", "--max-request-bytes", "0"], "--max-request-bytes: "),
         (["--random-preset", "tiny", "--request-timeout-s", "nan"], "request-timeout-s"),
         pytest.param(
@@ -409,3 +411,13 @@ def test_openai_client_chats_with_an_hf_folder(tmp_path: Path) -> None:
     assert choice.message.content == streamed == tok.decode(want)
     assert reply.usage.prompt_tokens == len(prompt)
     assert plain.choices[0].text == tok.decode(want_plain)
+
+
+def test_an_api_key_from_the_environment_with_its_newline_is_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``KVDROP_API_KEY="k\\n"`` used to start a server that refused every client."""
+    monkeypatch.setenv("KVDROP_API_KEY", "k\n")
+    assert main(["engine", "--random-preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "--api-key has leading or trailing whitespace" in err and "strip it" in err, err

@@ -106,8 +106,8 @@ def test_parse_never_fails_with_anything_but_bad_request(body: Any) -> None:
         assert str(exc) and 400 <= exc.status < 500
         return
     assert req.prompt_token_ids and all(0 <= t < VOCAB for t in req.prompt_token_ids)
-    assert req.max_tokens >= 1 and req.sampling_params["max_tokens"] == req.max_tokens
-    assert set(req.sampling_params) <= {
+    assert req.max_tokens >= 1 and req.params.changed()["max_tokens"] == req.max_tokens
+    assert set(req.params.changed()) <= {
         "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "stop_token_ids",
         "logprobs",
     }  # fmt: skip
@@ -137,7 +137,7 @@ def chat(body: Any, **kw: Any) -> Any:
 def test_chat_messages_go_through_the_template() -> None:
     req = chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
     assert req.chat and req.prompt_token_ids == ChatTokenizer().encode("<user>hi|<assistant>")
-    assert req.sampling_params == {"max_tokens": 3} and req.logprobs is None
+    assert req.params.changed() == {"max_tokens": 3} and req.logprobs is None
     # OpenAI's list form of content, and no generation prompt when asked
     parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
     req = chat(
@@ -175,12 +175,12 @@ def test_chat_max_tokens_default_is_the_rest_of_the_context() -> None:
             "only text parts",
         ),
         (
-            {"messages": [{"role": "assistant", "content": "", "tool_calls": []}]},
-            "tool calls are not supported",
+            {"messages": [{"role": "assistant", "content": "", "tool_calls": "x"}]},
+            "messages[0].tool_calls must be a list of calls",
         ),
         (
             {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-            "'tools' is not supported",
+            "tools[0].function must hold 'name'",
         ),
         ({"messages": [{"role": "user", "content": "x"}], "toolz": []}, "unknown field(s)"),
         ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "unknown field(s)"),
@@ -343,7 +343,7 @@ def test_stop_lists_are_capped_and_deduplicated() -> None:
         model_name="m",
         tokenizer=CharTokenizer(),
     )
-    assert req.stop == ("a", "b") and req.sampling_params["stop_token_ids"] == [3, 5]
+    assert req.stop == ("a", "b") and req.params.changed()["stop_token_ids"] == [3, 5]
     with pytest.raises(BadRequestError, match="at most 1024"):
         parse_completion_request(
             {"prompt": [1], "stop_token_ids": list(range(2_000_000))}, model_name="m"
@@ -352,4 +352,4 @@ def test_stop_lists_are_capped_and_deduplicated() -> None:
 
 def test_a_tiny_temperature_is_raised_to_the_minimum() -> None:
     req = parse_completion_request({"prompt": [1], "temperature": 1e-39}, model_name="m")
-    assert req.sampling_params["temperature"] == 0.01
+    assert req.params.changed()["temperature"] == 0.01

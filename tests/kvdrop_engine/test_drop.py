@@ -95,15 +95,15 @@ def test_kept_keys_sit_at_contiguous_positions(model: Transformer) -> None:
     dropper = PromptDropper(model.config, "snapkv", keep_ratio=0.5)
     engine = Engine(model, num_blocks=64, dropper=dropper)
     req = None
-    original = engine.dropper.cut  # type: ignore[union-attr]
+    original = engine.dropper.apply  # type: ignore[union-attr]
 
-    def spy(cache, r, cut):  # type: ignore[no-untyped-def]
+    def spy(cache, r, *args):  # type: ignore[no-untyped-def]
         nonlocal req
-        done = original(cache, r, cut)
+        done = original(cache, r, *args)
         req = (list(r.prompt), cache.keys(r.blocks, 0, r.num_computed).clone())
         return done
 
-    engine.dropper.cut = spy  # type: ignore[method-assign,union-attr]
+    engine.dropper.apply = spy  # type: ignore[method-assign,union-attr]
     with engine:
         engine.generate(prompt, {"max_tokens": 2, **GREEDY})
     assert req is not None
@@ -139,7 +139,9 @@ def test_overrides_and_threshold(model: Transformer) -> None:
     def kept(engine: Engine, extra: dict, tokens: list[int] = prompt) -> int | None:
         return next(iter(engine.post_completion(tokens, {**params, **extra}))).kept_prompt_tokens
 
-    dropper = PromptDropper(model.config, "snapkv", keep_ratio=0.5, min_prompt_tokens=150)
+    dropper = PromptDropper(
+        model.config, "snapkv", keep_ratio=0.5, min_prompt_tokens=150, client_policies="all"
+    )
     with Engine(model, num_blocks=64, dropper=dropper) as engine:
         assert kept(engine, {}) == 100
         assert kept(engine, {"kvdrop": None}) == 200  # no cut
@@ -147,10 +149,43 @@ def test_overrides_and_threshold(model: Transformer) -> None:
         assert kept(engine, {"kvdrop": {"policy": "knorm", "keep_ratio": 0.75}}) == 150
         assert kept(engine, {"kvdrop": {"policy": "value-norm"}}) == 100  # a plugin's policy
         assert kept(engine, {}, prompt[:120]) == 120  # under the threshold: left whole
-        assert engine.stats().prompt_cuts == 4
+        # A request's own threshold (a per-request option: parse_override and choose only).
+        assert kept(engine, {"kvdrop": {"min_drop_tokens": 100}}, prompt[:120]) == 60
+        assert kept(engine, {"kvdrop": {"min_drop_tokens": 250}}) == 200
+        assert engine.stats().prompt_cuts == 5
     with Engine(model, num_blocks=64, dropper=PromptDropper(model.config)) as engine:
         assert kept(engine, {}) is None  # no default policy: nothing to report
         assert kept(engine, {"kvdrop": {"policy": "streaming", "keep_ratio": 0.5}}) == 100
+
+
+def test_a_spec_keep_ratio_is_the_engines_one_rule(model: Transformer) -> None:
+    """``--policy 'knorm(keep_ratio=0.3)'`` keeps 0.3 (not the 0.5 default); an explicit
+    different ``--keep-ratio`` beside it fails at start; a request's different keep_ratio
+    beside a spec's own is refused, while the engine's ratio is only the requests' default."""
+    dropper = PromptDropper(model.config, "knorm(keep_ratio=0.3)")
+    assert dropper.default is not None and str(dropper.default.budget) == "0.3 (the spec's)"
+    with pytest.raises(EngineSetupError, match=r"sets keep_ratio=0\.3 and keep_ratio 0\.5"):
+        PromptDropper(model.config, "knorm(keep_ratio=0.3)", keep_ratio=0.5)
+    assert PromptDropper(model.config, "knorm(keep_ratio=0.3)", keep_ratio=0.3).default
+    params = {"max_tokens": 2, **GREEDY}
+    engine = Engine(
+        model, num_blocks=64, dropper=PromptDropper(model.config, "knorm", keep_ratio=0.5)
+    )
+    with engine:
+        first = next(iter(engine.post_completion(prompt_of(200), params)))
+        assert first.kept_prompt_tokens == 100
+        ask = {"policy": "knorm(keep_ratio=0.25)"}  # the engine's 0.5 is only a default
+        first = next(iter(engine.post_completion(prompt_of(200), {**params, "kvdrop": ask})))
+        assert first.kept_prompt_tokens == 50
+        with pytest.raises(
+            InvalidRequestError, match=r"sets keep_ratio=0\.25 and keep_ratio 0\.75"
+        ):
+            engine.post_completion(
+                prompt_of(200), {**params, "kvdrop": {**ask, "keep_ratio": 0.75}}
+            )
+    with Engine(model, num_blocks=64, dropper=dropper) as engine:
+        first = next(iter(engine.post_completion(prompt_of(200), params)))
+    assert first.kept_prompt_tokens == 60
 
 
 @pytest.mark.parametrize(
@@ -161,6 +196,7 @@ def test_overrides_and_threshold(model: Transformer) -> None:
         ({"keep_ratio": 0}, "'kvdrop.keep_ratio' must be a number in (0, 1]"),
         ({"keep_ratio": True}, "'kvdrop.keep_ratio'"),
         ({"ratio": 0.5}, "unknown key(s) ['ratio']"),
+        ({"min_drop_tokens": 0}, "'kvdrop.min_drop_tokens' must be an int >= 1, got 0"),
         ({"policy": "no-such-policy"}, "no-such-policy"),
         ({"policy": "snapkv", "keep_ratio": 0.5, "window": 8}, "unknown key(s) ['window']"),
         ({"policy": "snapkv(head_dim=12)"}, "cannot run on this model"),

@@ -118,6 +118,44 @@ def test_metrics_count_kept_and_dropped(
     assert stats.prompt_tokens_dropped >= 100
 
 
+SHORT = PROMPT[:5]
+
+
+SHORT = PROMPT[:5]
+
+
+def _counter(url: str, name: str) -> int:
+    text = requests.get(url + "/metrics", timeout=10).text
+    return int(float(next(x for x in text.splitlines() if x.startswith(name)).split()[-1]))
+
+
+@pytest.mark.parametrize(
+    ("prompts", "kept"), [([PROMPT, PROMPT], 200), ([SHORT, PROMPT], 105), ([PROMPT], 100)]
+)
+def test_kept_prompt_tokens_sum_every_prompt_as_metrics_do(
+    server: tuple[CompletionHTTPServer, Engine], client: Any, prompts: list[Any], kept: int
+) -> None:
+    """A list of prompts reports what the cache kept of every prompt (a 5-token one is too
+    short to cut and keeps all); ``/metrics``' dropped counter grows by what usage says was
+    dropped, its kept counter (cut prompts only) by the cut prompts' share."""
+    url = server[0].url
+    kept_before = _counter(url, "kvdrop:prompt_tokens_kept_total")
+    dropped_before = _counter(url, "kvdrop:prompt_tokens_dropped_total")
+    for stream in (False, True):
+        extra = {"stream_options": {"include_usage": True}} if stream else {}
+        reply = client.completions.create(
+            model="tiny", prompt=prompts, max_tokens=2, temperature=0, stream=stream,
+            extra_body=IGNORE_EOS, **extra,
+        )  # fmt: skip
+        usage = usage_of(list(reply)[-1] if stream else reply)
+        assert usage["kept_prompt_tokens"] == kept, usage
+        assert usage["prompt_tokens"] == sum(len(p) for p in prompts)
+    dropped = _counter(url, "kvdrop:prompt_tokens_dropped_total") - dropped_before
+    assert dropped == 2 * (sum(len(p) for p in prompts) - kept)
+    cut = sum(len(p) for p in prompts if len(p) > len(SHORT))
+    assert _counter(url, "kvdrop:prompt_tokens_kept_total") - kept_before == 2 * (cut // 2)
+
+
 def _label(text: str) -> str:
     line = next(x for x in text.splitlines() if x.startswith("kvdrop:prompt_tokens_kept_total"))
     return line.split("{", 1)[1].split("}", 1)[0]
@@ -128,7 +166,10 @@ def _label(text: str) -> str:
     [
         (["--policy", "no-such-policy"], "--policy no-such-policy: policy 'no-such-policy'"),
         (["--policy", "kvzip"], "--policy kvzip: policy 'kvzip' reads the engine's reconstruction"),
-        (["--keep-ratio", "0"], "--keep-ratio must be in (0, 1], got 0.0"),
+        (
+            ["--policy", "snapkv(keep_ratio=0.3)", "--keep-ratio", "0.5"],
+            "sets keep_ratio=0.3 and keep_ratio 0.5 was given beside it",
+        ),
         (["--min-drop-tokens", "0"], "--min-drop-tokens must be a positive integer"),
     ],
 )
@@ -138,6 +179,26 @@ def test_engine_cli_refuses_bad_drop_flags(
     assert main(["engine", "--random-preset", "tiny", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("kvdrop engine: error: ") and fragment in err, err
+
+
+def test_engine_cli_refuses_a_keep_ratio_out_of_range(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["engine", "--random-preset", "tiny", "--keep-ratio", "0"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --keep-ratio: expected a number in (0, 1], got '0'" in err, err
+
+
+@pytest.mark.parametrize("spec", ["no-such-policy", "snapkv(windoww=3)", "kvzip"])
+def test_a_bad_policy_fails_before_the_model_loads(
+    spec: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 34: the error came after an 8 s load; now before any model is read (the default
+    SmolLM2, or none installed: the same line either way)."""
+    assert main(["engine", "--policy", spec]) == 2
+    captured = capsys.readouterr()
+    assert "loading the model" not in captured.out, captured.out
+    assert captured.err.strip().startswith(f"kvdrop engine: error: --policy {spec}: "), captured.err
 
 
 PASSKEY = (

@@ -15,6 +15,8 @@ import pytest
 import requests
 
 from kvdrop_engine.http import CompletionHTTPServer
+from kvdrop_engine.request_options import RequestOptions
+from kvdrop_engine.sampling import SamplingParams
 from kvdrop_sdk.events import TokenEvent
 
 VOCAB = 1000
@@ -35,11 +37,14 @@ class CountingEngine:
         self.lock = threading.Lock()
 
     def __call__(
-        self, prompt_token_ids: list[int], sampling_params: dict[str, Any], cache_salt: str
+        self, prompt_token_ids: list[int], params: SamplingParams, options: RequestOptions
     ) -> Iterator[TokenEvent]:
+        """The server's call: the request's validated ``SamplingParams`` and ``RequestOptions``
+        (recorded as the sampling values that are not the default, and the salt)."""
+        sent = params.changed()
         with self.lock:
-            self.calls.append((list(prompt_token_ids), dict(sampling_params), cache_salt))
-        return self._gen(prompt_token_ids, sampling_params)
+            self.calls.append((list(prompt_token_ids), sent, options.cache_salt))
+        return self._gen(prompt_token_ids, sent)
 
     def _gen(self, prompt: list[int], params: dict[str, Any]) -> Iterator[TokenEvent]:
         stops = set(params.get("stop_token_ids", []))
@@ -452,11 +457,11 @@ def test_concurrent_requests_reach_the_engine_together() -> None:
     n = 8
     barrier = threading.Barrier(n, timeout=20)
 
-    def batching(prompt: list[int], params: dict[str, Any], salt: str) -> Iterator[TokenEvent]:
+    def batching(prompt: list[int], params: Any, options: Any) -> Iterator[TokenEvent]:
         barrier.wait()
-        for i in range(params["max_tokens"]):
+        for i in range(params.max_tokens):
             yield TokenEvent(
-                prompt[0] * 10 + i, "", "length" if i == params["max_tokens"] - 1 else None
+                prompt[0] * 10 + i, "", "length" if i == params.max_tokens - 1 else None
             )
 
     results: dict[int, list[str]] = {}

@@ -42,7 +42,11 @@ def _tokenizer(folder: Path) -> JSONTokenizer:
     tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|x|>", "<|end|>")])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
-    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<a>"
+    template = (
+        "{% if greeting %}{{ greeting }}{% endif %}{% if tools %}[{{ tools | length }} tools]"
+        "{% endif %}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<a>{% endif %}"
+    )
     config = {"eos_token": "<|end|>", "chat_template": template}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return JSONTokenizer(folder / "tokenizer.json")
@@ -114,6 +118,59 @@ def test_neutral_values_of_every_field_are_accepted(client: Any) -> None:
     assert chat.choices[0].message.role == "assistant"
     with pytest.raises(openai.BadRequestError, match="'suffix' is not supported"):
         _complete(client, suffix="tail")
+
+
+def test_what_todays_client_sends_is_accepted(client: Any) -> None:
+    """Issue 34: fields of openai 3.57's request types that were refused as unknown."""
+    messages = [{"role": "user", "content": "hi"}]
+    base = {"model": "tiny", "messages": messages, "max_tokens": 3, "temperature": 0}
+    plain = client.chat.completions.create(**base)
+    sent = client.chat.completions.create(
+        **base, safety_identifier="user-7", prompt_cache_key="k", verbosity=None,
+        metadata={"team": "search", "run": "3"}, prompt_cache_retention="24h",
+        prompt_cache_options={"mode": "implicit", "ttl": "30m"}, store=False,
+        service_tier="auto", moderation=None,
+    )  # fmt: skip
+    assert sent.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="'verbosity' is not supported") as err:
+        client.chat.completions.create(**base, verbosity="low")
+    assert err.value.body["param"] == "verbosity"
+
+
+def test_models_retrieve_and_an_unknown_id_is_openais_404(client: Any) -> None:
+    card = client.models.retrieve("tiny")
+    assert card.id == "tiny" and card.object == "model" and card.owned_by == "kvdrop"
+    assert card.model_extra["max_model_len"] == 1024
+    with pytest.raises(openai.NotFoundError, match="'gpt-4o' does not exist") as err:
+        client.models.retrieve("gpt-4o")
+    assert err.value.status_code == 404 and err.value.body["param"] == "model"
+    assert set(err.value.body) == {"message", "type", "param", "code"}
+
+
+def test_the_chat_template_gets_its_options(server: CompletionHTTPServer) -> None:
+    """``add_generation_prompt``, ``chat_template_kwargs``, ``tools`` and
+    ``continue_final_message`` reach the template (as the prompt it renders shows)."""
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok so"}]
+
+    def rendered(**body: Any) -> str:
+        ids = requests.post(
+            server.url + "/tokenize", json={"messages": chat, **body}, timeout=30
+        ).json()["tokens"]
+        text = requests.post(server.url + "/detokenize", json={"tokens": ids}, timeout=30)
+        return str(text.json()["prompt"])
+
+    assert rendered() == "<user>hi<assistant>ok so<a>"
+    assert rendered(add_generation_prompt=False) == "<user>hi<assistant>ok so"
+    assert rendered(chat_template_kwargs={"greeting": "Yo"}).startswith("Yo<user>")
+    cont = rendered(continue_final_message=True, add_generation_prompt=False)
+    assert cont == "<user>hi<assistant>ok so"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    reply = requests.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": chat[:1], "tools": [tool], "max_tokens": 2, "temperature": 0},
+        timeout=30,
+    ).json()
+    assert reply["usage"]["prompt_tokens"] == len("[1 tools]<user>hi<a>"), reply
 
 
 def test_logit_bias_and_min_tokens_steer_the_sampler(client: Any) -> None:

@@ -76,7 +76,7 @@ def test_every_sampling_value_is_checked_by_the_one_table() -> None:
         "max_tokens": 0, "min_tokens": -1, "temperature": float("nan"), "top_p": 0,
         "top_k": -2, "min_p": 1.5, "presence_penalty": 2.5, "frequency_penalty": -3,
         "repetition_penalty": 0, "logit_bias": {"x": 1}, "seed": 2**64, "ignore_eos": 1,
-        "stop_token_ids": [-1], "logprobs": 21, "reconstruct": "yes",
+        "stop_token_ids": [-1], "logprobs": 21,
     }  # fmt: skip
     assert set(bad) == set(BOUNDS)  # a new field needs a row here and in the table
     for name, value in bad.items():

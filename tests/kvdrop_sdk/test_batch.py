@@ -21,6 +21,7 @@ import torch
 from kvdrop_sdk.batch import BatchedStream, BatchedStreamFailures, LMCacheBatchedStream
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import Context, connect
+from kvdrop_sdk.edit import EditContext, accepts_edit_context
 from kvdrop_sdk.errors import BatchedStreamError, EditTimeoutError, RequestStreamError
 from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.layout import CacheLayout
@@ -401,3 +402,58 @@ def test_upstream_building_blocks(engine_and_ctx: tuple[ToyEngine, Context]) -> 
         drop_every_other_middle_chunk, None, 80, 1.0, 0.01, [streams[2].request_stream_id]
     )
     assert m["num_requests"] == 1 and m["num_request_streams"] == 3
+
+
+def test_a_job_pipelines_each_stream_through_prefill_edit_and_decode(
+    engine_and_ctx: tuple[ToyEngine, Context],
+) -> None:
+    """A stream's decode starts as soon as its own edit is back: the first stream's edit waits
+    until another stream is decoding, which phase by phase (every edit before any decode)
+    could never happen. The streams end exactly as after the three phases."""
+    engine, ctx = engine_and_ctx
+    lengths = [3 * CHUNK + 5, 4 * CHUNK, 4 * CHUNK + 9, CHUNK - 3]
+    prompts = [prompt(n, seed=300 + i) for i, n in enumerate(lengths)]
+    streams = [create_request([ctx], engine, p) for p in prompts]
+    batch = BatchedStream(max_concurrency=4, modify_concurrency=2)
+    for s in streams:
+        batch.add(s)
+    gated = streams[0].request_stream_id
+    saw_decode = threading.Event()
+
+    @accepts_edit_context
+    def gated_edit(
+        tensors: Mapping[Any, torch.Tensor], tokens: Sequence[int], context: EditContext
+    ) -> tuple[torch.Tensor, list[int]]:
+        if context.request_id == gated:
+            deadline = time.monotonic() + 30
+            while not any(c.sampling_params["max_tokens"] == 4 for c in list(engine.calls)):
+                assert time.monotonic() < deadline, "no other stream decoded while this edited"
+                time.sleep(0.01)
+            saw_decode.set()
+        return drop_every_other_middle_chunk(tensors, tokens)
+
+    job = batch.job({"max_tokens": 4}, gated_edit, timeout=60)
+    assert saw_decode.is_set()
+    assert job.title == "Batched Stream Job Metrics"
+    assert job["num_requests"] == 4 and job["num_failed"] == 0
+    assert job["output_tokens"] == 16 and job["output_tput"] == pytest.approx(16 / job["duration"])
+    assert 0 < job["modify_s"] and 0 < job["decode_s"] and 0 < job["prefill_s"]  # type: ignore[operator]
+    assert set(batch.perf_metrics) == set(batch.modify_results) == set(batch.request_streams)
+    for s, p, n in zip(streams, prompts, lengths, strict=True):
+        a = (n // CHUNK) * CHUNK
+        rows = keep_rows(a // CHUNK) if a else []
+        g1, *rest = s.generated_tokens
+        assert len(rest) == 4
+        assert s.tokens == [p[i] for i in rows] + p[a:] + [g1, *rest]
+        assert batch.modify_results[s.request_stream_id].skipped == (a == 0)
+
+    # Without an edit, each stream is one call with the job's sampling parameters.
+    fresh = BatchedStream(max_concurrency=4)
+    plain = [create_request([ctx], engine, p, "plain") for p in prompts]
+    for s in plain:
+        fresh.add(s)
+    before = len(engine.calls)
+    report = fresh.job({"max_tokens": 3})
+    assert report["num_requests"] == 4 and report["output_tokens"] == 12
+    assert report["kept_fraction"] == 1.0 and len(engine.calls) == before + 4
+    assert all(len(s.generated_tokens) == 3 for s in plain)

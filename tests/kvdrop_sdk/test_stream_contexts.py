@@ -117,7 +117,25 @@ def test_a_device_torch_cannot_parse_is_a_type_error(engine: ToyEngine) -> None:
     stream = create_request(engine.kv_ctx, engine, prompt(2 * CHUNK, seed=3))
     with pytest.raises(TypeError, match="device must be None or a torch device"):
         stream.modify_kv(keep_first_chunk_recording([]), device="gpu-please")
-    assert edit_device("cuda:0") == torch.device("cuda", 0) and edit_device(None) is None
+    assert edit_device("cpu") == torch.device("cpu") and edit_device(None) is None
+    if torch.cuda.is_available():
+        assert edit_device("cuda:0") == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("device", ["meta", "cuda"])
+def test_a_device_that_cannot_hold_the_cache_is_refused_before_any_stream_runs(
+    engine: ToyEngine, device: str
+) -> None:
+    """``retrieve(device="meta")`` returned a tensor with no data, ``modify(device="cuda")`` on
+    a host without CUDA a raw torch error naming no stream."""
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    stream = create_request(engine.kv_ctx, engine, prompt(2 * CHUNK, seed=3))
+    fragment = "has no data" if device == "meta" else "CUDA is not available"
+    with pytest.raises(ValueError, match=fragment):
+        stream.modify_kv(keep_first_chunk_recording([]), device=device)
+    with pytest.raises(ValueError, match=fragment):
+        engine.kv_ctx.retrieve(list(range(CHUNK)), device=device)
 
 
 @needs_cuda

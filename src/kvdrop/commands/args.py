@@ -7,9 +7,18 @@ from __future__ import annotations
 import argparse
 import math
 
-from kvdrop_engine.options import add_connector_arguments, add_model_arguments
+from kvdrop_engine.options import (
+    add_connector_arguments,
+    add_keep_ratio_argument,
+    add_model_arguments,
+)
 
-__all__ = ["add_connector_arguments", "add_model_arguments", "finite_positive", "finite_ratio"]
+__all__ = [
+    "add_connector_arguments",
+    "add_keep_ratio_argument",
+    "add_model_arguments",
+    "finite_positive",
+]
 
 
 def _number(text: str) -> float:
@@ -24,12 +33,4 @@ def finite_positive(text: str) -> float:
     value = _number(text)
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
-
-
-def finite_ratio(text: str) -> float:
-    """An argparse ``type``: a finite float in (0, 1]."""
-    value = _number(text)
-    if not math.isfinite(value) or not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
     return value

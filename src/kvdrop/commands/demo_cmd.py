@@ -21,7 +21,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvdrop.commands.args import add_connector_arguments, add_model_arguments, finite_positive
+from kvdrop.commands.args import (
+    add_connector_arguments,
+    add_keep_ratio_argument,
+    add_model_arguments,
+)
 
 __all__ = ["add_arguments", "run"]
 
@@ -30,9 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``kvdrop demo`` (heavy imports stay in ``run``)."""
     run_ = parser.add_argument_group("experiment")
     run_.add_argument("--policy", default="snapkv", help="drop policy (see `kvdrop list`)")
-    run_.add_argument(
-        "--keep-ratio", type=finite_positive, default=0.5, help="fraction kept (default 0.5)"
-    )
+    add_keep_ratio_argument(run_)
     run_.add_argument(
         "--policy-arg",
         action="append",
@@ -70,7 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _policy_params(args: argparse.Namespace) -> dict[str, Any]:
-    params: dict[str, Any] = {"keep_ratio": args.keep_ratio, "chunk_size": args.chunk_size}
+    """The policy's parameters: its budget by the one keep-ratio rule (``args.keep_ratio`` is
+    set to the effective ratio, 1.0 for a spec that keeps a token count), the chunk size and
+    each ``--policy-arg``."""
+    from kvdrop.spec import keep_budget
+
+    budget = keep_budget(args.policy, args.keep_ratio)
+    args.keep_ratio = 1.0 if budget.keep_ratio is None else budget.keep_ratio
+    params: dict[str, Any] = {**budget.params, "chunk_size": args.chunk_size}
     for item in args.policy_arg:
         key, sep, value = item.partition("=")
         if not sep:

@@ -1,11 +1,14 @@
-"""``kvdrop describe NAME``: a policy's summary, query needs and parameters."""
+"""``kvdrop describe NAME``: a policy's summary, query needs and parameters, wrapped to the
+terminal's width (``$COLUMNS``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import re
+import shutil
 import sys
+import textwrap
 from typing import Any
 
 #: A Sphinx cross-reference, ``:class:`~kvdrop.Policy``` or ``:func:`kvdrop.get```.
@@ -39,15 +42,43 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**info.to_dict(), "source": source(args.name)}, indent=2))
         return 0
-    print(f"{info.name}: {plain_text(info.summary)}")
-    print(f"needs query tensors: {'yes' if info.needs.reads_queries else 'no'}")
-    print(f"source: {source(args.name)}")
+    width = shutil.get_terminal_size().columns  # $COLUMNS, else the terminal, else 80
+    head = [
+        f"{info.name}: {plain_text(info.summary)}",
+        f"needs query tensors: {'yes' if info.needs.reads_queries else 'no'}",
+        f"source: {source(args.name)}",
+    ]
+    for line in head:
+        print(textwrap.fill(line, width, subsequent_indent="  ", break_on_hyphens=False))
     if info.details:
-        print(f"\n{plain_text(info.details)}")
+        paragraphs = plain_text(info.details).split("\n\n")
+        print("\n" + "\n\n".join(_wrap(p, width) for p in paragraphs))
     print()
     rows = [_plain_row(p.describe()) for p in info.params]
-    print(format_table(rows, ["name", "type", "default", "allowed", "help"], title="parameters"))
+    columns = ["name", "type", "default", "allowed", "help"]
+    print(format_table(rows, columns, title="parameters", width=width))
     return 0
+
+
+def _wrap(paragraph: str, width: int) -> str:
+    """A docstring paragraph refilled to ``width``: its prose joined, each indented line (an
+    item of a list) its own line, continued two spaces further in."""
+    groups: list[list[str]] = []
+    for line in paragraph.split("\n"):
+        if not groups or line[:1].isspace():
+            groups.append([])
+        groups[-1].append(line)
+    out = []
+    for group in groups:
+        indent = group[0][: len(group[0]) - len(group[0].lstrip())]
+        text = " ".join(" ".join(group).split())
+        out.append(
+            textwrap.fill(
+                text, width, initial_indent=indent, subsequent_indent=indent and indent + "  ",
+                break_on_hyphens=False,
+            )
+        )  # fmt: skip
+    return "\n".join(out)
 
 
 def _plain_row(row: dict[str, Any]) -> dict[str, Any]:

@@ -78,6 +78,7 @@ class CapScorer(Scorer):
         "future positions the anchor's RoPE rotation is averaged over",
         allowed="an int >= 1",
         check=lambda n: n >= 1,
+        serve_max=8192,  # one rotated copy per position (400,000: +230 MB)
     )
     epsilon: float = param(
         1e-6,
@@ -115,6 +116,8 @@ class CapScorer(Scorer):
         """``[L, Hkv, T]``: the sinks at each layer's maximum + 1, then the capacity scores."""
         assert self.head_dim is not None
         sinks = min(selection.n_sink, kv.shape[2])
+        if sinks == kv.shape[2]:  # a prompt of sinks only (2-4 tokens): nothing to weigh
+            return torch.ones(kv.shape[1], kv.shape[3] // self.head_dim, sinks, device=kv.device)
         qpos = selection.query_positions
         qpos = torch.arange(query.shape[2]) if qpos is None else qpos.to("cpu")
         rows = (qpos >= sinks).nonzero().squeeze(1)

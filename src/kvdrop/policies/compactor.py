@@ -53,12 +53,14 @@ class CompactorScorer(Scorer):
         "tokens per non-causal attention chunk",
         allowed="an int >= 1",
         check=lambda n: n >= 1,
+        serve_max=4096,  # attention memory grows with its square
     )
     sketch_dimension: int = param(
         48,
         "size of the leverage's Gaussian sketch",
         allowed="an int >= 1",
         check=lambda n: n >= 1,
+        serve_max=512,  # memory grows with its square
     )
     seed: int = param(0, "seed of the sketch", allowed="an int >= 0", check=lambda n: n >= 0)
     blending: float | None = param(

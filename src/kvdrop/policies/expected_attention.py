@@ -54,6 +54,7 @@ class ExpectedAttentionScorer(Scorer):
         "future positions the RoPE rotation is averaged over",
         allowed="an int >= 1",
         check=lambda n: n >= 1,
+        serve_max=8192,  # one rotated copy per position (4,000,000: +401 MB)
     )
     use_covariance: bool = param(True, "include the query covariance term")
     use_vnorm: bool = param(True, "multiply by the value norm")

@@ -52,6 +52,7 @@ class H2OScorer(Scorer):
         "evenly strided, always including the last",
         allowed="None or an int >= 1",
         check=lambda n: n >= 1,
+        serve_max=1024,  # attention rows kept per query
     )
     recent_ratio: float = param(
         0.5,

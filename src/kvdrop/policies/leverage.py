@@ -69,7 +69,11 @@ class LeverageScorer(Scorer):
     reads_values = False
     head_dim: int | None = kv_head_dim()
     sketch_dimension: int = param(
-        48, "size of the Gaussian sketch", allowed="an int >= 1", check=lambda n: n >= 1
+        48,
+        "size of the Gaussian sketch",
+        allowed="an int >= 1",
+        check=lambda n: n >= 1,
+        serve_max=512,  # memory grows with its square (4000: +455 MB per request)
     )
     seed: int = param(0, "seed of the sketch", allowed="an int >= 0", check=lambda n: n >= 0)
     head_agg: str = head_agg_param()

@@ -92,6 +92,7 @@ class NonCausalAttnScorer(Scorer):
         "tokens per non-causal attention chunk",
         allowed="an int >= 1",
         check=lambda n: n >= 1,
+        serve_max=4096,  # attention memory grows with its square
     )
     partial: str = param(
         "kvpress",

@@ -22,6 +22,7 @@ class RandomScorer(Scorer):
 
     seed: int = param(0, "random seed: same seed, same kept tokens")
     reads_values = False
+    reads_keys = False  # only the KV's shape
 
     def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed)

@@ -40,7 +40,11 @@ class TovaScorer(Scorer):
     reads_values = False
     head_dim: int | None = query_head_dim()
     num_queries: int = param(
-        1, "last queries whose attention is averaged", allowed="an int >= 1", check=lambda n: n >= 1
+        1,
+        "last queries whose attention is averaged",
+        allowed="an int >= 1",
+        check=lambda n: n >= 1,
+        serve_max=1024,  # attention rows kept per query
     )
     layer_agg: str = layer_agg_param("mean", "how layers combine")
 

@@ -22,16 +22,18 @@ factory (a :class:`kvdrop.PolicyFactory`, registered or not):
 - :func:`check_describes_itself`: a built policy is a ``kvdrop.Policy`` and says what ``describe``
   says.
 
-The input domain: T = 1..160 tokens; chunk sizes 1, 4, 16, 32; float32, bfloat16, float16; 1-3
-layers; 1-3 KV heads of ``head_dim`` 2, 4 or 8 and GQA groups of 1 or 2; ``keep_ratio`` in
-[0.01, 1] or ``keep_tokens`` 1..200. Other parameters: each of their ``choices``, bools, ints
-0..40, floats in [-1, 1] and None where the type allows, kept where the parameter's own ``check``
-accepts them; parameters of other types keep ``PolicyInfo.example``'s value or their default.
+The input domain: T = 1..160 tokens (1..8 always tried, :data:`SHORT_PROMPTS`); chunk sizes 1, 4,
+16, 32; float32, bfloat16, float16; 1-3 layers; 1-3 KV heads of ``head_dim`` 2, 4 or 8 and GQA
+groups of 1 or 2; ``keep_ratio`` in [0.01, 1] or ``keep_tokens`` 1..200. Other parameters: each of
+their ``choices``, bools, ints 0..40, floats in [-1, 1] and None where the type allows, kept where
+the parameter's own ``check`` accepts them; parameters of other types keep ``PolicyInfo.example``'s
+value or their default.
 :func:`policy_names` lists what to parametrize a pytest test over. Needs ``hypothesis``.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import itertools
@@ -214,6 +216,8 @@ def _check_kept(case: Case, out: torch.Tensor, kept: list[Any], count: int | Non
     index = {t: i for i, t in enumerate(tokens)}
     assert all(t in index for t in kept), "kept tokens must be input tokens"
     positions = [index[t] for t in kept]
+    twice = sorted(p for p, n in collections.Counter(positions).items() if n > 1)
+    assert not twice, f"kept positions {twice[:8]} more than once (a duplicate index)"
     assert all(a < b for a, b in itertools.pairwise(positions)), "kept tokens must keep order"
     assert torch.equal(out, kv[:, :, positions]), "kept rows must be the input rows, bit-identical"
 
@@ -278,10 +282,11 @@ def _invariants(ref: PolicyRef, case: Case) -> None:
     assert list(kept2) == list(kept) and torch.equal(out2, out), f"{label}: not deterministic"
 
 
-def _base_case(info: PolicyInfo, dtype: torch.dtype, **shape: Any) -> Case:
-    """One fixed input of the domain: T=48, 2 layers, 2 KV heads of head_dim 4, GQA 2, the
-    example's parameters, keep half in chunks of 1 (``shape`` overrides the budget)."""
-    head_dim, layers, kv_heads, tokens = 4, 2, 2, 48
+def _base_case(info: PolicyInfo, dtype: torch.dtype, num_tokens: int = 48, **shape: Any) -> Case:
+    """One fixed input of the domain: T=48 (or ``num_tokens``), 2 layers, 2 KV heads of
+    head_dim 4, GQA 2, the example's parameters, keep half in chunks of 1 (``shape`` overrides
+    the budget)."""
+    head_dim, layers, kv_heads, tokens = 4, 2, 2, num_tokens
     gen = torch.Generator().manual_seed(7)
     kv = torch.randn(2, layers, tokens, kv_heads * head_dim, generator=gen).to(dtype)
     query = torch.randn(1, layers, tokens, 2 * kv_heads * head_dim, generator=gen).to(dtype)
@@ -309,13 +314,20 @@ BUDGET_EXTREMES: tuple[dict[str, Any], ...] = (
 )
 
 
+#: Prompt lengths every policy is tried on explicitly: the shortest prompts are where sink
+#: counts, windows and chunk sizes cover the whole prompt (``cap`` raised on 2-4 tokens).
+SHORT_PROMPTS = tuple(range(1, 9))
+
+
 def explicit_cases(ref: PolicyRef) -> Iterator[Case]:
     """The examples every check runs besides the drawn ones: each dtype at the example's
-    parameters, the budget's extremes, and every value of every declared parameter's domain
-    (its bounds included) with the others at their defaults."""
+    parameters, prompts of 1-8 tokens, the budget's extremes, and every value of every declared
+    parameter's domain (its bounds included) with the others at their defaults."""
     info = _factory(ref).info
     for dtype in DTYPES:
         yield _base_case(info, dtype)
+    for n in SHORT_PROMPTS:
+        yield _base_case(info, torch.float32, num_tokens=n)
     for shape in BUDGET_EXTREMES:
         yield _base_case(info, torch.float32, **shape)
     for p in info.params:

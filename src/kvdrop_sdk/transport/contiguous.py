@@ -40,13 +40,7 @@ from kvdrop_sdk.transport.buffers import (
     tensor_buffer,
     tune_malloc,
 )
-from kvdrop_sdk.transport.cuda_host import (
-    HostRegistration,
-    device_to_slots,
-    pinned_empty,
-    slots_to_device,
-    to_host_pinned,
-)
+from kvdrop_sdk.transport.cuda_host import HostRegistration, pinned_empty, to_host_pinned
 from kvdrop_sdk.transport.shm import HEADER_BYTES, belongs_to, shm_path
 from kvdrop_sdk.validate import is_int
 
@@ -104,24 +98,61 @@ def _stored(reply: dict[str, Any]) -> int:
 
 @dataclass
 class _Mapping:
-    """One mapped segment and the server instance it belongs to."""
+    """One mapped segment and the server instance it belongs to, shared by every transfer
+    helper of this process that talks to that instance (``users`` of them)."""
 
     mm: mmap.mmap
     pool: torch.Tensor
     instance: str | None
+    key: tuple[Any, ...] = ()
+    users: int = 1
     populated: set[int] = field(default_factory=set)
+    populated_lock: threading.Lock = field(default_factory=threading.Lock)
     #: Page-locked regions for DMA to and from a GPU (made on the first CUDA transfer).
     registration: HostRegistration | None = None
+    registration_lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def dma_ready(self, offsets: list[Any], nbytes: int) -> bool:
-        """Whether slots at ``offsets`` can go to or from a GPU by DMA (registering them)."""
-        if self.registration is None:
-            self.registration = HostRegistration(self.pool.data_ptr(), self.pool.numel())
-        return all(self.registration.ensure(int(off), nbytes) for off in offsets)
+    def dma(self, offsets: list[Any], nbytes: int) -> HostRegistration | None:
+        """The registration through which slots at ``offsets`` go to or from a GPU by DMA
+        (registering them), or None: they take the host path. One per mapping, made under a
+        lock: two made by concurrent first transfers registered the same regions twice (error
+        712 on the H200) and left regions the mapping never unregistered."""
+        registration = self.registered()
+        return registration if registration.ready(offsets, nbytes) else None
+
+    def registered(self) -> HostRegistration:
+        """This mapping's one registration (made under a lock on first use)."""
+        with self.registration_lock:
+            if self.registration is None:
+                self.registration = HostRegistration(self.pool)
+            return self.registration
 
     def unregister(self) -> None:
         if self.registration is not None:
             self.registration.close()
+
+
+#: The mappings of this process by (path, inode, instance): one per server segment, so each
+#: region is page-locked once per process (0.05-0.37 s per GiB on an H200 host), not once per
+#: context; the last helper to let go unmaps it.
+_SHARED: dict[tuple[Any, ...], _Mapping] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _release(mapping: _Mapping) -> None:
+    """One helper lets go of ``mapping``; the last one unregisters and unmaps it."""
+    with _SHARED_LOCK:
+        mapping.users -= 1
+        if mapping.users > 0:
+            return
+        if _SHARED.get(mapping.key) is mapping:
+            del _SHARED[mapping.key]
+    mapping.unregister()
+    mapping.pool = torch.empty(0, dtype=torch.uint8)
+    try:
+        mapping.mm.close()
+    except BufferError:
+        pass  # a tensor still views it: unmapped when that goes
 
 
 class ContiguousTransferWrapper:
@@ -135,7 +166,6 @@ class ContiguousTransferWrapper:
         self._transport = transport
         self._mapping: _Mapping | None = None
         self.chunk_size = int(server_config["chunk_size"])
-        self._populated_lock = threading.Lock()
         self.instance: str | None = server_config.get("instance")
         self.mode = "socket"
         reason = "transport='socket' was requested"
@@ -165,9 +195,19 @@ class ContiguousTransferWrapper:
             self._mapping = None
             self.mode = "socket"
             tune_malloc()
-        if old is not None and old is not self._mapping:
-            old.unregister()
-            log.info("re-mapped the server's shared memory (instance %s)", self.instance)
+        if old is not None:
+            _release(old)  # the same mapping again (same instance) was counted twice
+            if old is not self._mapping:
+                log.info("re-mapped the server's shared memory (instance %s)", self.instance)
+
+    def prepare_dma(self) -> bool:
+        """Page-lock the whole shared segment for DMA now (see
+        :meth:`~kvdrop_sdk.transport.cuda_host.HostRegistration.register_all`); False when
+        there is none to lock (the socket transport) or registration is off or impossible
+        (then transfers take the host path, as they would anyway)."""
+        if self.mode != "shm":
+            return False
+        return self._current().registered().register_all()
 
     def _current(self) -> _Mapping:
         mapping = self._mapping
@@ -208,19 +248,40 @@ class ContiguousTransferWrapper:
             fd = os.open(path, os.O_RDWR)
         except OSError as exc:
             return f"shared memory {path} cannot be opened ({exc})"
+        instance = cfg.get("instance")
         try:
-            if not is_int(size) or os.fstat(fd).st_size != size:
+            st = os.fstat(fd)
+            if not is_int(size) or st.st_size != size:
                 return f"shared memory {path} has an unexpected size"
+            key = (path, st.st_dev, st.st_ino, size, instance)
+            with _SHARED_LOCK:
+                shared = _SHARED.get(key)
+                if shared is not None:
+                    shared.users += 1
+                    self._mapping = shared
+                    return None
             mm = mmap.mmap(fd, size)
         except (OSError, ValueError) as exc:
             return f"shared memory {path} cannot be mapped ({exc})"
         finally:
             os.close(fd)
-        instance = cfg.get("instance")
         if not belongs_to(mm[:HEADER_BYTES], instance):
             mm.close()
             return f"shared memory {path} belongs to another server instance"
-        self._mapping = _Mapping(mm, torch.frombuffer(mm, dtype=torch.uint8), instance)
+        mapping = _Mapping(mm, torch.frombuffer(mm, dtype=torch.uint8), instance, key)
+        with _SHARED_LOCK:
+            shared = _SHARED.get(key)
+            if shared is not None:  # another helper mapped it meanwhile: use that one
+                shared.users += 1
+                self._mapping = shared
+            else:
+                _SHARED[key] = self._mapping = mapping
+        if self._mapping is not mapping:
+            mapping.pool = torch.empty(0, dtype=torch.uint8)
+            try:
+                mm.close()
+            except BufferError:
+                pass
         return None
 
     def _slot(
@@ -231,7 +292,7 @@ class ContiguousTransferWrapper:
         if offset not in mapping.populated:
             # Map the slot's pages in one call instead of one fault per 4 KiB page.
             populate_write(mapping.pool.data_ptr() + offset, nbytes)
-            with self._populated_lock:
+            with mapping.populated_lock:
                 mapping.populated.add(offset)
         flat = mapping.pool[offset : offset + nbytes].view(layout.dtype)
         return flat.view(layout.shape(kind, self.chunk_size))
@@ -276,9 +337,16 @@ class ContiguousTransferWrapper:
                 )
 
             chunks = list(zip(reply["chunks"], reply["offsets"]))
-            if kv.is_cuda and mapping.dma_ready([off for _, off in chunks], nbytes):
-                slots = [self._slot(mapping, off, nbytes, layout, kind) for _, off in chunks]
-                device_to_slots([kv[:, :, i * c : (i + 1) * c] for i, _ in chunks], slots)
+            dma = None
+            if kv.is_cuda:
+                for _, off in chunks:  # bounds checked, pages mapped, before registering
+                    self._slot(mapping, off, nbytes, layout, kind)
+                dma = mapping.dma([off for _, off in chunks], nbytes)
+            if dma is not None:
+                parts = [kv[:, :, i * c : (i + 1) * c] for i, _ in chunks]
+                if not dma.write(parts, [off for _, off in chunks]):
+                    dma = None  # that DMA failed (logged, error cleared): the host path
+            if dma is not None:
                 if time.monotonic() - started > 0.8 * lease_s:
                     raise SDKError(f"store took longer than its {lease_s:g} s reservation")
             else:
@@ -372,16 +440,18 @@ class ContiguousTransferWrapper:
             if nbytes != layout.nbytes(kind, c):
                 raise SDKError(f"server slot size {nbytes} does not match the layout")
             out = None
-            if device is not None and device.type == "cuda" and mapping.dma_ready(offsets, nbytes):
-                slots = [self._slot(mapping, off, nbytes, layout, kind) for off in offsets]
-                try:
-                    out = slots_to_device(slots, device)
-                except RuntimeError as exc:  # torch's CUDA errors; the host path still works
-                    assert mapping.registration is not None
-                    mapping.registration.give_up(exc)
+            gpu = device is not None and device.type == "cuda"
+            dma = None
+            if gpu:
+                for off in offsets:  # bounds checked, pages mapped, before registering
+                    self._slot(mapping, off, nbytes, layout, kind)
+                dma = mapping.dma(offsets, nbytes)
+            if dma is not None:
+                assert device is not None
+                slot_shape = layout.shape(kind, c)
+                out = dma.read(offsets, slot_shape, layout.dtype, device)  # None: it failed
             if out is None:
                 shape = layout.shape(kind, len(offsets) * c)
-                gpu = device is not None and device.type == "cuda"
                 out = (
                     pinned_empty(shape, layout.dtype)
                     if gpu
@@ -510,15 +580,11 @@ class ContiguousTransferWrapper:
             )
 
     def close(self) -> None:
-        """Unmap the shared pool (tensors already returned are independent copies)."""
+        """Let go of the shared pool, unmapped once no helper of this process uses it (tensors
+        already returned are independent copies)."""
         mapping, self._mapping = self._mapping, None
         if mapping is not None:
-            mapping.unregister()
-            mapping.pool = torch.empty(0, dtype=torch.uint8)
-            try:
-                mapping.mm.close()
-            except BufferError:
-                pass
+            _release(mapping)
 
 
 TransferHelper = ContiguousTransferWrapper

@@ -70,7 +70,7 @@ def test_bad_flags_fail_with_a_clear_message() -> None:
         text=True,
         timeout=120,
     )
-    assert out.returncode == 2 and "keep_ratio" in out.stderr
+    assert out.returncode == 2 and "--keep-ratio: expected a number in (0, 1]" in out.stderr
 
 
 def _error_line(capsys: pytest.CaptureFixture[str]) -> str:

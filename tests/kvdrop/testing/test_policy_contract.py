@@ -5,6 +5,7 @@ at one in-range parameter value; edits of the KV, the queries or the token score
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -103,3 +104,57 @@ def test_the_explicit_examples_cover_every_parameter_value_and_the_budget_extrem
     assert any(c.params.get("keep_tokens") == 1 for c in cases)
     assert any(c.params.get("keep_ratio") == 0.01 for c in cases)
     assert any(c.params.get("chunk_size", 0) > c.kv.shape[2] for c in cases)
+
+
+@dataclass(frozen=True)
+class FailsOnShortPrompts(Scorer):
+    """Indexes the fifth token: fine on the 48-token examples, an IndexError on 2-4 tokens (as
+    ``cap`` did with its four sinks)."""
+
+    def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
+        norms = kv[0].float().norm(dim=-1).mean(0)
+        return norms - norms[4]
+
+
+def test_a_policy_that_fails_on_short_prompts_fails_the_kit() -> None:
+    factory = ScorerFactory("short-bug", FailsOnShortPrompts, "planted bug")
+    with pytest.raises(AssertionError, match=r"on T=2,.*raised IndexError"):
+        check_policy(factory)
+    lengths = {c.kv.shape[2] for c in explicit_cases(factory)}
+    assert set(range(1, 9)) <= lengths
+
+
+def test_cap_runs_on_prompts_of_sinks_only() -> None:
+    """``cap`` (four sinks) raised IndexError on 2-4-token prompts in the engine and in
+    ``KVDropPress``; the kit passed it. The kit now tries 1-8 tokens and ``cap`` passes it."""
+    check_policy("cap", max_examples=5)
+
+
+def _twice_first(keep_ratio: float | None = None, keep_tokens: int | None = None,
+                 chunk_size: int = 256) -> Any:  # fmt: skip
+    """A plain function that keeps its first position twice (and checks its inputs)."""
+    from kvdrop.inputs import edit_inputs
+    from kvdrop.params import validate_params
+    from kvdrop.selector import SELECTOR_PARAMS, Selector
+
+    asked = {"keep_ratio": keep_ratio, "keep_tokens": keep_tokens, "chunk_size": chunk_size}
+    selector = Selector(**validate_params("twice", SELECTOR_PARAMS, asked))
+
+    def edit(tensors: Any, tokens: Any) -> Any:
+        kv = edit_inputs(tensors, tokens, policy="twice", queries=QueryNeed.NONE).kv
+        count = selector.budget(len(tokens))
+        rows = [0, *range(count - 1)] if count > 1 else [0]
+        return kv[:, :, rows].clone(), [tokens[i] for i in rows]
+
+    return edit
+
+
+def test_a_duplicate_index_is_named_as_such() -> None:
+    """Issue 34: it was reported as "kept tokens must keep order"."""
+    from kvdrop.factories import FunctionFactory
+
+    _twice_first.queries = QueryNeed.NONE  # type: ignore[attr-defined]
+    with pytest.raises(
+        AssertionError, match=r"kept positions \[0\] more than once \(a duplicate index\)"
+    ):
+        check_policy(FunctionFactory("twice", _twice_first), max_examples=3)

@@ -33,8 +33,12 @@ class ScriptedEngine:
         self.lock = threading.Lock()
 
     def __call__(
-        self, prompt_token_ids: list[int], sampling_params: dict[str, Any], cache_salt: str
+        self, prompt_token_ids: list[int], sampling_params: Any, cache_salt: Any
     ) -> Iterator[TokenEvent]:
+        """Called directly (a dict and a salt) or by the server (``SamplingParams`` and
+        ``RequestOptions``: recorded as the values that are not the default, and the salt)."""
+        if not isinstance(sampling_params, dict):
+            sampling_params, cache_salt = sampling_params.changed(), cache_salt.cache_salt
         with self.lock:
             self.calls.append((list(prompt_token_ids), dict(sampling_params), cache_salt))
         return self._gen(list(prompt_token_ids), dict(sampling_params), cache_salt)

@@ -382,3 +382,38 @@ def test_suspect_slots_count_against_their_writers_cap() -> None:
     assert store.owner_gone("w") == 0  # nothing live, but its suspects are cleared
     assert store.snapshot()["suspect_reservations"] == 0
     assert store.reserve(keys("c"), ALIGN, 1, owner="w")[0] is not None
+
+
+def test_suspect_chunks_are_checked_outside_the_stores_lock() -> None:
+    """Every CRC of a chunk in a suspect slot (at commit, at a reader's release, for a socket
+    read) is computed without the store's one lock, so the check costs its reader or writer,
+    not every other client (a held reservation made a third client's lookups median 36.2 ms
+    against 5.5 ms while the checks ran under the lock)."""
+    clock, pool = Clock(), bytearray(2 * ALIGN)
+    held: list[bool] = []
+    store: ChunkStore
+
+    def crc(off: int, n: int) -> int:
+        held.append(store._lock.locked())
+        return zlib.crc32(pool[off : off + n])
+
+    store = ChunkStore(0, 2 * ALIGN, clock=clock, quarantine_s=10, checksum=crc)
+    store.reserve(keys("a"), ALIGN, 5, owner="w1")
+    clock.now = 6
+    store.lookup([])  # expired: quarantined
+    clock.now = 17  # past the quarantine; w1 still connected: its slot is suspect
+    lid, slots, _, _ = store.reserve(keys("b", "c"), ALIGN, 5, owner="w2")
+    for _, off in slots:
+        pool[off : off + ALIGN] = b"\x01" * ALIGN
+    assert store.commit(lid, owner="w2") == 2
+    plid, _ = store.pin(keys("b", "c"), 5, owner="r")
+    assert store.release(plid, owner="r") == 2
+    slid, _ = store.pin(keys("b", "c"), 5, owner="server")
+
+    def copy(off: int, n: int) -> bytes:  # a socket read's copy, checked after it
+        held.append(store._lock.locked())
+        return bytes(pool[off : off + n])
+
+    copies = store.verified_copy(slid, copy)
+    assert sum(c is not None for c in copies) == 1 and len(held) == 3
+    assert held and not any(held), f"{sum(held)} of {len(held)} checksums under the lock"
