@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvdrop_engine.errors import EngineSetupError
+from kvdrop_engine.errors import EngineSetupError, InvalidRequestError
 from kvdrop_engine.options import (
     add_connector_arguments,
     add_keep_ratio_argument,
@@ -212,6 +212,19 @@ def _connector_arguments(parser: argparse.ArgumentParser) -> None:
 def _positive(name: str, value: int) -> None:
     if value <= 0:
         raise EngineSetupError(f"{name} must be a positive integer, got {value}")
+
+
+def _check_policy(args: argparse.Namespace) -> None:
+    """``--policy`` built without a model (a typo fails in a second, not after the model's
+    load); what needs the model's layout is checked once it is loaded."""
+    if args.policy is None:
+        return
+    from kvdrop_engine.drop import serving_policy
+
+    try:
+        serving_policy(args.policy, args.keep_ratio)
+    except InvalidRequestError as exc:
+        raise EngineSetupError(f"--policy {args.policy}: {exc}") from None
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -444,6 +457,7 @@ def run(args: argparse.Namespace) -> int:
     until SIGINT/SIGTERM; stop both cleanly."""
     try:
         _check_args(args)
+        _check_policy(args)
     except EngineSetupError as exc:
         return _fail(str(exc))
     bound_heap()  # freed request bodies are reused, not kept per thread (kvdrop_sdk.http_limits)

@@ -189,6 +189,18 @@ def test_engine_cli_refuses_a_keep_ratio_out_of_range(capsys: pytest.CaptureFixt
     assert "argument --keep-ratio: expected a number in (0, 1], got '0'" in err, err
 
 
+@pytest.mark.parametrize("spec", ["no-such-policy", "snapkv(windoww=3)", "kvzip"])
+def test_a_bad_policy_fails_before_the_model_loads(
+    spec: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 34: the error came after an 8 s load; now before any model is read (the default
+    SmolLM2, or none installed: the same line either way)."""
+    assert main(["engine", "--policy", spec]) == 2
+    captured = capsys.readouterr()
+    assert "loading the model" not in captured.out, captured.out
+    assert captured.err.strip().startswith(f"kvdrop engine: error: --policy {spec}: "), captured.err
+
+
 PASSKEY = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 6
     + "The pass key is 71432. Remember it. 71432 is the pass key. "

@@ -17,6 +17,7 @@ from kvdrop.params import check_positive_int
 from kvdrop.policy import QueryNeed, ScorerPolicy, SelectorPolicy
 from kvdrop.selector import Selector
 from kvdrop_sdk.edit import EditContext
+from kvdrop_sdk.query_capture import Needs, needs_of
 
 __all__ = ["Block"]
 
@@ -58,6 +59,11 @@ class Block(SelectorPolicy):
     @property
     def queries(self) -> QueryNeed:
         return QueryNeed.NONE
+
+    @property
+    def needs(self) -> Needs:
+        """No queries nor scores; the KV its policy's scorer reads."""
+        return Needs(QueryNeed.NONE, False, needs_of(self.policy).kv)
 
     def with_selector(self, selector: Selector) -> Block:
         return Block(self.policy.with_selector(selector), self.block_size)

@@ -22,6 +22,7 @@ class RandomScorer(Scorer):
     seed: int = param(0, "random seed: same seed, same kept tokens")
     needs_selection = True  # keeps the selector's last chunk
     reads_values = False
+    reads_keys = False  # only the KV's shape
 
     def score(
         self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection

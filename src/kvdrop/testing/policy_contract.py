@@ -33,6 +33,7 @@ value or their default.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import itertools
@@ -215,6 +216,8 @@ def _check_kept(case: Case, out: torch.Tensor, kept: list[Any], count: int | Non
     index = {t: i for i, t in enumerate(tokens)}
     assert all(t in index for t in kept), "kept tokens must be input tokens"
     positions = [index[t] for t in kept]
+    twice = sorted(p for p, n in collections.Counter(positions).items() if n > 1)
+    assert not twice, f"kept positions {twice[:8]} more than once (a duplicate index)"
     assert all(a < b for a, b in itertools.pairwise(positions)), "kept tokens must keep order"
     assert torch.equal(out, kv[:, :, positions]), "kept rows must be the input rows, bit-identical"
 

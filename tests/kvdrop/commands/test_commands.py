@@ -33,21 +33,26 @@ def test_keep_ratio_flags_must_be_in_range(value: str, capsys: pytest.CaptureFix
     assert "--keep-ratio: expected a number in (0, 1]" in line and value in line
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["eval", "--keep-ratios", "0.5", "inf"],
-        ["eval", "--keep-ratios", "nan"],
-    ],
-)
-def test_float_flags_must_be_finite_and_positive(
-    argv: list[str], capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "1.5"])
+def test_keep_ratios_must_be_in_the_range_the_help_says(
+    value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exc:
-        main(argv)
+        main(["eval", "--keep-ratios", "0.5", value])
     assert exc.value.code == 2
-    line = _one_error(capsys.readouterr().err, f"kvdrop {argv[0]}: error:")
-    assert "expected a finite number > 0" in line and argv[-1] in line
+    line = _one_error(capsys.readouterr().err, "kvdrop eval: error:")
+    assert "--keep-ratios: expected a number in (0, 1]" in line and value in line
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    assert "keep ratios in (0, 1]" in " ".join(capsys.readouterr().out.split())
+
+
+def test_keep_ratios_take_one() -> None:
+    """1 keeps every token, a valid baseline (the help said "(0, 1)")."""
+    from kvdrop.cli import build_parser
+
+    args = build_parser("eval").parse_args(["eval", "--keep-ratios", "1", "0.5"])
+    assert args.keep_ratios == [1.0, 0.5]
 
 
 def test_eval_help_shows_the_default_grid(capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,6 +5,7 @@ at one in-range parameter value; edits of the KV, the queries or the token score
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -127,3 +128,33 @@ def test_cap_runs_on_prompts_of_sinks_only() -> None:
     """``cap`` (four sinks) raised IndexError on 2-4-token prompts in the engine and in
     ``KVDropPress``; the kit passed it. The kit now tries 1-8 tokens and ``cap`` passes it."""
     check_policy("cap", max_examples=5)
+
+
+def _twice_first(keep_ratio: float | None = None, keep_tokens: int | None = None,
+                 chunk_size: int = 256) -> Any:  # fmt: skip
+    """A plain function that keeps its first position twice (and checks its inputs)."""
+    from kvdrop.inputs import edit_inputs
+    from kvdrop.params import validate_params
+    from kvdrop.selector import SELECTOR_PARAMS, Selector
+
+    asked = {"keep_ratio": keep_ratio, "keep_tokens": keep_tokens, "chunk_size": chunk_size}
+    selector = Selector(**validate_params("twice", SELECTOR_PARAMS, asked))
+
+    def edit(tensors: Any, tokens: Any) -> Any:
+        kv = edit_inputs(tensors, tokens, policy="twice", queries=QueryNeed.NONE).kv
+        count = selector.budget(len(tokens))
+        rows = [0, *range(count - 1)] if count > 1 else [0]
+        return kv[:, :, rows].clone(), [tokens[i] for i in rows]
+
+    return edit
+
+
+def test_a_duplicate_index_is_named_as_such() -> None:
+    """Issue 34: it was reported as "kept tokens must keep order"."""
+    from kvdrop.factories import FunctionFactory
+
+    _twice_first.queries = QueryNeed.NONE  # type: ignore[attr-defined]
+    with pytest.raises(
+        AssertionError, match=r"kept positions \[0\] more than once \(a duplicate index\)"
+    ):
+        check_policy(FunctionFactory("twice", _twice_first), max_examples=3)
