@@ -416,6 +416,28 @@ class SelectorPolicy(Policy):
             )
         return budget
 
+    def select_indices(
+        self,
+        tensors: Mapping[Any, torch.Tensor],
+        tokens: Sequence[int],
+        *,
+        context: EditContext | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The template every selector policy shares: the validated inputs, the budget, every
+        token when it covers them, else :meth:`_select`'s choice (what a combinator changes)."""
+        inputs = edit_inputs(
+            tensors, tokens, policy=self.name, queries=self.queries, context=context
+        )
+        budget = self.plan_budget(inputs)
+        if budget >= inputs.num_tokens:
+            return inputs.kv, torch.arange(inputs.num_tokens)
+        return inputs.kv, self._select(inputs, budget)
+
+    @abc.abstractmethod
+    def _select(self, inputs: EditInputs, budget: int) -> torch.Tensor:
+        """The sorted int64 indices (CPU) of the ``budget`` tokens kept of ``inputs``, when
+        more than that are cached (the one step a selector policy defines)."""
+
 
 class ScorerPolicy(NeedsPolicy, SelectorPolicy):
     """The edit function of a scorer + selector pair."""
@@ -545,21 +567,10 @@ class ScorerPolicy(NeedsPolicy, SelectorPolicy):
             scores, prompt_tokens=inputs.prompt_tokens, protected=inputs.protected
         )
 
-    def select_indices(
-        self,
-        tensors: Mapping[Any, torch.Tensor],
-        tokens: Sequence[int],
-        *,
-        context: EditContext | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = edit_inputs(
-            tensors, tokens, policy=self.name, queries=self.queries, context=context
-        )
-        kv, num_tokens = inputs.kv, inputs.num_tokens
-        budget = self.plan_budget(inputs)
-        if budget >= num_tokens:
-            return kv, torch.arange(num_tokens)
-        scores = self.scores(kv, inputs.query, budget, inputs=inputs)
-        return kv, self.selector.select(
+    def _select(self, inputs: EditInputs, budget: int) -> torch.Tensor:
+        """The sorted indices of the ``budget`` tokens kept of ``inputs`` (more than fit):
+        the selector's choice over this policy's scores."""
+        scores = self.scores(inputs.kv, inputs.query, budget, inputs=inputs)
+        return self.selector.select(
             scores, budget, prompt_tokens=inputs.prompt_tokens, protected=inputs.protected
         )

@@ -322,17 +322,30 @@ class DecodeCompressor:
         return DecodeCutResult(len(reqs), sum(counts), kept_total, time.perf_counter() - started)
 
     def _select(self, req: Request, kv: torch.Tensor) -> torch.Tensor:
-        """Indices (sorted, CPU int64) of ``req``'s cached rows its policy keeps."""
-        from kvdrop.policy import checked_index  # the policy library, loaded by the build
-
-        cut = req.decode_cut
+        """Indices of ``req``'s cached rows ``kv`` its policy keeps (:meth:`select`)."""
+        assert req.decode_cut is not None
         n = kv.shape[2]
         positions = req.slot_positions(n)
         sequence = req.prompt + req.output
         tokens = [sequence[p] for p in positions.tolist()]
+        rows = None if req.window is None else req.window.rows()
+        return self.select(req.decode_cut, kv, positions, tokens, rows)
+
+    def select(
+        self,
+        cut: DecodeCut,
+        kv: torch.Tensor,
+        positions: torch.Tensor,
+        tokens: Sequence[int],
+        rows: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """Indices (sorted, CPU int64) of the rows of ``kv`` ``[2, L, n, Hkv*d]`` (true RoPE
+        ``positions``, token ids ``tokens``) that ``cut``'s policy keeps, given the query
+        ``rows`` ``(slots [r], queries [L, r, Hq, d])`` captured since the last cut."""
+        from kvdrop.policy import checked_index  # the policy library, loaded by the build
+
         tensors: dict[Any, torch.Tensor] = {CacheKind.KV: kv}
         qpos = None
-        rows = None if req.window is None else req.window.rows()
         if cut.policy.queries is not QueryNeed.NONE and rows is not None:
             qpos, queries = rows
             tensors[CacheKind.QUERY] = queries.reshape(1, queries.shape[0], queries.shape[1], -1)
@@ -340,8 +353,8 @@ class DecodeCompressor:
         # attended to is in ``kv``. Query positions are slots (the policy's order of rows);
         # ``positions`` are the rows' true RoPE positions, for policies that rotate keys back.
         context = self._context(positions, qpos, str(kv.device))
-        _, index = cut.policy.select_indices(tensors, tokens, context=context)
-        return checked_index(cut.spec, index, n)
+        _, index = cut.policy.select_indices(tensors, list(tokens), context=context)
+        return checked_index(cut.spec, index, kv.shape[2])
 
     def _shrink(self, cache: PagedKVCache, req: Request, index: torch.Tensor) -> None:
         """``req`` after its cut to the rows at ``index``: their true positions, the dropped
