@@ -19,7 +19,8 @@ attention layer of a small random-weight HF Llama; :mod:`kvpress_pairs`): the la
 difference before kvdrop's shared aggregation over heads and layers, and the Jaccard index of
 the kept sets where both select one list::
 
-    python benchmarks/kvpress_compare.py --scores --tokens 512 --seed 0 --keep-ratio 0.5
+    python benchmarks/kvpress_compare.py --scores --tokens 777 --seed 0 --heads 8 1 16
+    python benchmarks/kvpress_compare.py --scores --tokens 1500 --model-layers 0 9 19 29
 
 kvpress 0.5.5 needs ``transformers<5.3`` while kvdrop's ``lmcache`` extra needs ``>=5.4``, so it
 lives in its own virtualenv (``pip install -e '.[kvpress]'`` there; docs/quality.md)::
@@ -221,21 +222,40 @@ def table(
 
 
 def score_identity(args: argparse.Namespace) -> int:
-    """``--scores``: the pair table of :mod:`kvpress_pairs`, with versions."""
+    """``--scores``: the pair table of :mod:`kvpress_pairs`, with versions: one random-weight
+    layer of ``--heads``, or with ``--model-layers`` those layers of the real model on an eval
+    prompt (``--tasks``' first task, ``--tokens`` long, ``--seed``)."""
     import kvpress_pairs
 
-    found = kvpress_pairs.rows(args.tokens, args.seed, args.keep_ratio)
+    if args.model_layers:
+        model, tokenizer, name = load_model(ModelSpec())
+        sample = make_samples(args.tasks[0], tokenizer, args.tokens, 2, args.seed)[1]
+        with tempfile.TemporaryDirectory() as tmp:
+            hf = hf_model(model, tokenizer, Path(tmp))
+            setups = list(kvpress_pairs.real_setups(hf, sample.inside, args.model_layers))
+        where = [f"{name} layer {i}" for i in sorted(args.model_layers)]
+        what = f"{args.tasks[0]} prompt of {len(sample.inside)} tokens"
+    else:
+        setups = [kvpress_pairs.build(args.tokens, args.seed, tuple(args.heads))]
+        hq, hkv, d = args.heads
+        where = [
+            f"a random-weight HF LlamaForCausalLM layer ({hq} query heads, {hkv} KV heads, "
+            f"head_dim {d}, float32)"
+        ]
+        what = f"T={args.tokens}"
+    found = {w: kvpress_pairs.setup_rows(s, args.keep_ratio) for w, s in zip(where, setups)}
     if args.json:
-        print(json.dumps({"versions": versions(), "rows": [vars(r) for r in found]}))
+        rows = {w: [vars(r) for r in rs] for w, rs in found.items()}
+        print(json.dumps({"versions": versions(), "rows": rows}))
         return 0
-    print(
-        f"score identity on identical tensors: one attention layer of a random-weight HF "
-        f"LlamaForCausalLM (4 query heads, 2 KV heads, head_dim 32, float32), T={args.tokens}, "
-        f"seed {args.seed}, keep {args.keep_ratio}"
-    )
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()))
-    for line in kvpress_pairs.table(found):
-        print(line)
+    for w, rs in found.items():
+        print(
+            f"\nscore identity on identical tensors: {w}, {what}, seed {args.seed}, "
+            f"keep {args.keep_ratio}"
+        )
+        for line in kvpress_pairs.table(rs):
+            print(line)
     return 0
 
 
@@ -264,6 +284,21 @@ def parser() -> argparse.ArgumentParser:
         help="compare scores pair by pair on identical tensors instead of answers",
     )
     p.add_argument("--tokens", type=int, default=512, help="--scores: prompt length")
+    p.add_argument(
+        "--heads",
+        nargs=3,
+        type=int,
+        default=[4, 2, 32],
+        metavar=("HQ", "HKV", "D"),
+        help="--scores: query heads, KV heads and head_dim of the random-weight layer",
+    )
+    p.add_argument(
+        "--model-layers",
+        nargs="+",
+        type=int,
+        default=None,
+        help="--scores: compare on these layers of the real model (an eval prompt) instead",
+    )
     return p
 
 

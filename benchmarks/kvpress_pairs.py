@@ -14,7 +14,7 @@ head is where both select one list). Used by ``kvpress_compare.py --scores``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,40 +67,79 @@ class Setup:
         return q.transpose(0, 1).reshape(1, 1, self.num_tokens, -1)
 
 
-def build(num_tokens: int, seed: int) -> Setup:
-    """A 4-query-head, 2-KV-head, head_dim 32 Llama attention layer with random weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+#: Head shapes ``(query heads, KV heads, head_dim)`` of the random-weight layers: GQA, MHA, MQA.
+SHAPES: tuple[tuple[int, int, int], ...] = ((4, 2, 32), (4, 4, 16), (8, 1, 16))
 
+
+def build(num_tokens: int, seed: int, shape: tuple[int, int, int] = SHAPES[0]) -> Setup:
+    """One attention layer of a random-weight Llama with ``shape`` = (query heads, KV heads,
+    head_dim), fed ``num_tokens`` random hidden states drawn from ``seed``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads, kv_heads, head_dim = shape
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=64,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         rope_theta=10000.0,
         initializer_range=0.1,
         attn_implementation="eager",
     )
     model = LlamaForCausalLM(config).eval()
-    module = model.model.layers[0].self_attn
-    module.rotary_emb = model.model.rotary_emb  # CapPress reads it from the module
     hidden = torch.randn(1, num_tokens, config.hidden_size)
-    cos, sin = model.model.rotary_emb(hidden, torch.arange(num_tokens)[None])
+    return layer_setup(model, 0, hidden)
+
+
+def layer_setup(model: Any, layer: int, hidden: torch.Tensor) -> Setup:
+    """The :class:`Setup` of ``model``'s attention layer ``layer`` (an HF Llama) given the
+    hidden states ``[1, T, hidden]`` that enter it (after its input norm)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
+    config = model.config
+    module = model.model.layers[layer].self_attn
+    module.rotary_emb = model.model.rotary_emb  # CapPress reads it from the module
+    t = hidden.shape[1]
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    d = config.head_dim
+    cos, sin = model.model.rotary_emb(hidden, torch.arange(t)[None])
     with torch.no_grad():
-        q = module.q_proj(hidden).view(1, num_tokens, 4, 32).transpose(1, 2)
-        k = module.k_proj(hidden).view(1, num_tokens, 2, 32).transpose(1, 2)
-        v = module.v_proj(hidden).view(1, num_tokens, 2, 32).transpose(1, 2)
+        q = module.q_proj(hidden).view(1, t, heads, d).transpose(1, 2)
+        k = module.k_proj(hidden).view(1, t, kv_heads, d).transpose(1, 2)
+        v = module.v_proj(hidden).view(1, t, kv_heads, d).transpose(1, 2)
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    logits = q @ repeat_kv(k, 2).transpose(2, 3) / math.sqrt(32)
-    mask = torch.ones(num_tokens, num_tokens, dtype=torch.bool).triu(1)
+    logits = q @ repeat_kv(k, heads // kv_heads).transpose(2, 3) / math.sqrt(d)
+    mask = torch.ones(t, t, dtype=torch.bool).triu(1)
     attentions = torch.softmax(logits.masked_fill(mask, -math.inf), dim=-1)
     rope = RopeConfig.from_hf_config(config.to_dict())
     kwargs = {"position_embeddings": (cos, sin)}
     return Setup(module, hidden, k, v, q, attentions, kwargs, rope)
+
+
+def real_setups(model: Any, input_ids: list[int], layers: Iterable[int]) -> Iterator[Setup]:
+    """:func:`layer_setup` of a real HF model's ``layers`` on a real prompt: each layer's input
+    (its normed hidden states) is captured by a forward pre-hook during one forward pass."""
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+    for i in layers:
+
+        def keep(module: Any, args: Any, kwargs: Any, i: int = i) -> None:
+            captured[i] = kwargs.get("hidden_states", args[0] if args else None).detach()
+
+        attn = model.model.layers[i].self_attn
+        handles.append(attn.register_forward_pre_hook(keep, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([input_ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    for i in sorted(captured):
+        yield layer_setup(model, i, captured[i].float())
 
 
 @dataclass(frozen=True)
@@ -112,6 +151,8 @@ class Row:
     jaccard: float | None
     note: str = ""
     deliberate: bool = False  # a stated, deliberate difference (the note says why)
+    tolerance: float | None = None  # the row's own bound on ``diff`` (default MAX_DIFF)
+    tied: bool = False  # the kept sets differ only among tokens of equal score
 
 
 def _press(name: str, **kwargs: Any) -> Any:
@@ -140,7 +181,41 @@ def _per_head(setup: Setup, spec: str, **params: Any) -> torch.Tensor:
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max())
+    """``max |a - b|`` relative to ``max(1, max |b|)`` (position-weighted scores such as
+    FINCH's run into the hundreds, where float32 rounding is absolute 1e-5 and more)."""
+    return float((a.float() - b.float()).abs().max() / max(1.0, float(b.float().abs().max())))
+
+
+def _zscore(x: torch.Tensor) -> torch.Tensor:
+    return (x - x.mean()) / x.std().clamp_min(1e-6)
+
+
+def leverage_rounding(pre_rope: torch.Tensor, sketch_dimension: int = 48) -> float:
+    """How far kvpress's own float32 leverage ``[1, H, T, d]`` (z-scored, sketch from seed 0)
+    is from the same formula in float64 with the same sketch: the float32 rounding error of the
+    computation itself, large where the keys' Gram matrix is ill-conditioned (repeated tokens
+    give near-duplicate pre-RoPE keys)."""
+    from kvpress import LeverageScorePress
+
+    torch.manual_seed(0)
+    f32 = _zscore(LeverageScorePress.compute_leverage_scores(pre_rope, sketch_dimension)[0])
+    torch.manual_seed(0)
+    heads, _, d = pre_rope.shape[1:]
+    sketch = (torch.randn(1, heads, d, sketch_dimension) / math.sqrt(sketch_dimension)).double()
+    keys = pre_rope[0].double()
+    x = (keys - keys.mean(dim=1, keepdim=True)) @ sketch[0]
+    gram = x.transpose(1, 2) @ x + 1e-2 * torch.eye(sketch_dimension, dtype=torch.float64)
+    f64 = (x * torch.linalg.solve(gram, x.transpose(1, 2)).transpose(1, 2)).sum(-1)
+    return float((f32.double() - _zscore(f64.clamp_min(0))).abs().max())
+
+
+def leverage_tolerance(rounding: float) -> float:
+    """The bound kvdrop's leverage is held to: twice kvpress's own float32 rounding error
+    (:func:`leverage_rounding`) plus 1e-5; kvdrop rebuilds the pre-RoPE keys from the cached
+    post-RoPE ones (relative error ~2e-7) and runs the same float32 steps in another batch
+    layout, so its result differs from kvpress's by about as much as either differs from
+    float64."""
+    return 2.0 * rounding + 1e-5
 
 
 def score_pairs(setup: Setup) -> Iterator[Row]:
@@ -176,10 +251,10 @@ def score_pairs(setup: Setup) -> Iterator[Row]:
     yield Row(
         "tova",
         "TOVAPress",
-        _diff(tova[: t - 1].expand(2, -1), theirs[:, : t - 1]),
-        "T - 1",
+        _diff(tova.expand(theirs.shape[0], -1), theirs),
+        "all T",
         None,
-        "mean over all query heads, as kvpress",
+        "mean over all query heads; the last token scores the maximum + 1, as kvpress",
     )
     ours = _per_head(setup, "h2o", num_queries=None, recent_ratio=0.0)
     theirs = _press_scores(setup, _press("ObservedAttentionPress"), attentions=True)
@@ -191,15 +266,15 @@ def score_pairs(setup: Setup) -> Iterator[Row]:
         None,
         "kvdrop's default samples 128 queries, half the budget recent",
     )
-    ours = _per_head(setup, "random", seed=0)[0, : t - 1]
-    theirs = _press_scores(setup, _press("RandomPress", seed=0))[0, : t - 1]
+    ours = _per_head(setup, "random", seed=0)[0]
+    theirs = _press_scores(setup, _press("RandomPress", seed=0))[0]
     yield Row(
         "random (seed 0)",
         "RandomPress",
         _diff(ours, theirs),
-        "head 0, T - 1",
+        "head 0, all T",
         None,
-        "same generator; kvdrop always keeps the last chunk",
+        "same generator: kvpress's draws for its first KV head",
     )
     yield from new_score_pairs(setup)
 
@@ -210,17 +285,12 @@ def new_score_pairs(setup: Setup) -> Iterator[Row]:
     positions = torch.arange(t)
     ours = NonCausalAttnScorer(head_dim=d).head_scores(setup.kv(), setup.query())[0]
     theirs = _press_scores(setup, _press("NonCausalAttnPress", chunk_size=256))
-    partial = t % 256 != 0
     note = (
-        "the last chunk is partial: kvpress pads it with keys it does not mask (logit -1e-9) "
-        "and zero queries that attend to them; kvdrop attends within the real tokens "
-        "(server chunks of 256 make T a multiple of 256)"
-        if partial
+        f"a partial last chunk of {t % 256} tokens, padded as kvpress pads it (partial='kvpress')"
+        if t % 256
         else "T a multiple of chunk_length 256"
     )
-    yield Row(
-        "non-causal-attn", "NonCausalAttnPress", _diff(ours, theirs), "all T", None, note, partial
-    )
+    yield Row("non-causal-attn", "NonCausalAttnPress", _diff(ours, theirs), "all T", None, note)
     cap_sel = Selector(keep_ratio=0.5, chunk_size=1, n_sink=4).selection(
         t, query_positions=positions, rope=setup.rope
     )
@@ -262,14 +332,17 @@ def i26a_score_pairs(setup: Setup) -> Iterator[Row]:
         pre_rope = setup.module.k_proj(setup.hidden).view(1, t, -1, d).transpose(1, 2)
         torch.manual_seed(0)  # kvpress draws the sketch from torch's global generator
         theirs = _press("LeverageScorePress").compute_leverage_scores(pre_rope, 48)[0]
-    theirs = (theirs - theirs.mean()) / theirs.std().clamp_min(1e-6)
+    theirs = _zscore(theirs)
+    rounding = leverage_rounding(pre_rope)
     yield Row(
         "leverage",
         "LeverageScorePress",
         _diff(ours, theirs),
         "all T",
         None,
-        "kvpress's global generator seeded as kvdrop's sketch seed",
+        f"sketch from seed 0 both; kvpress's own float32 error (vs float64) {rounding:.1e}, "
+        "the bound is twice it + 1e-5",
+        tolerance=leverage_tolerance(rounding),
     )
     fn = kvdrop.get("expected-attention", head_dim=d, chunk_size=1)
     fn.rope = setup.rope  # the model's RoPE, as the engine registers it with the layout
@@ -295,17 +368,17 @@ def compactor_pair(setup: Setup, ratio: float) -> Row:
     press = _press("CompactorPress", compression_ratio=1.0 - ratio)
     torch.manual_seed(0)  # its leverage sketch, from torch's global generator (kvdrop: seed 0)
     theirs = _press_scores(setup, press).mean(dim=0)
-    partial = (t - 12) % 256 != 0
     note = (
-        f"scored on the {t - 12} tokens between the sinks and the last 4: a partial last "
-        "chunk, padded unmasked by kvpress (as non-causal-attn; equal to 1e-6 when T - 12 is "
-        "a multiple of 256)"
-        if partial
-        else "T - 12 a multiple of 256; blending = 1 - keep"
+        f"the {t - 12} tokens between the sinks and the last 4 end in a partial chunk, padded "
+        "as kvpress pads it; blending = 1 - keep_ratio"
     )
     region = "T - sinks - last 4, mean over KV heads"
     diff = _diff(ours[8 : t - 4], theirs[8 : t - 4])
-    return Row("compactor", "CompactorPress", diff, region, None, note, partial)
+    with torch.no_grad():
+        inner = setup.module.k_proj(setup.hidden[:, 8 : t - 4])
+    rounding = leverage_rounding(inner.view(1, t - 12, -1, d).transpose(1, 2))
+    bound = (1.0 - ratio) * leverage_tolerance(rounding) + MAX_DIFF  # blending * leverage's
+    return Row("compactor", "CompactorPress", diff, region, None, note, tolerance=bound)
 
 
 def _kept_rows(original: torch.Tensor, kept: torch.Tensor) -> set[int]:
@@ -317,9 +390,14 @@ def _jaccard(a: set[int], b: set[int]) -> float:
     return len(a & b) / max(len(a | b), 1)
 
 
-def _select_pair(setup: Setup, press: Any, spec: str, ratio: float, **params: Any) -> float:
-    """Mean over KV heads of the Jaccard of kvpress's and kvdrop's kept sets on that head."""
-    out = []
+def _select_pair(
+    setup: Setup, press: Any, spec: str, ratio: float, inner: Any = None, **params: Any
+) -> tuple[float, bool]:
+    """Mean over KV heads of the Jaccard of kvpress's and kvdrop's kept sets on that head, and
+    whether every difference is a tie: with the ``inner`` press (a ChunkKV's or Block's scorer)
+    given, the two kept sets' sorted scores agree to 1e-5 relative on every head (repeated
+    tokens give equal scores, and the two break ties in different orders)."""
+    out, tied = [], inner is not None
     for head in range(setup.keys.shape[1]):
         keys = setup.keys[:, head : head + 1]
         values = setup.values[:, head : head + 1]
@@ -331,47 +409,53 @@ def _select_pair(setup: Setup, press: Any, spec: str, ratio: float, **params: An
         theirs = _kept_rows(keys[0, 0], kept_keys[0, 0])
         fn = kvdrop.get(spec, keep_tokens=len(theirs), chunk_size=1, rerotate=False, **params)
         _, kept = fn.select_indices({CacheKind.KV: setup.kv(head)}, list(range(setup.num_tokens)))
-        out.append(_jaccard(theirs, set(kept.tolist())))
-    return sum(out) / len(out)
+        ours = set(kept.tolist())
+        out.append(_jaccard(theirs, ours))
+        if inner is not None and ours != theirs:
+            with torch.no_grad():
+                args = (setup.module, setup.hidden, keys, values, None, setup.kwargs)
+                token = inner.score(*args)[0, 0].float()
+            a, b = (token[sorted(x)].sort().values for x in (theirs, ours))
+            scale = max(1.0, float(token.abs().max()))
+            tied = tied and len(a) == len(b) and float((a - b).abs().max()) <= 1e-5 * scale
+    return sum(out) / len(out), tied
+
+
+def _tie_note(jaccard: float, tied: bool, note: str = "") -> tuple[str, bool]:
+    if tied and jaccard < MIN_JACCARD:
+        return (
+            note + "; " if note else ""
+        ) + "the sets differ only among equal scores (ties)", True
+    return note, False
 
 
 def select_pairs(setup: Setup, ratio: float) -> Iterator[Row]:
     """The pairs compared by their kept sets (one KV head at a time)."""
     press = _press("StreamingLLMPress", n_sink=4)
-    yield Row(
-        "streaming",
-        "StreamingLLMPress",
-        None,
-        "kept set",
-        _select_pair(setup, press, "streaming", ratio, n_sink=4),
-    )
-    yield Row(
-        "random (seed 0)",
-        "RandomPress",
-        None,
-        "kept set",
-        _select_pair(setup, _press("RandomPress", seed=0), "random", ratio, seed=0),
-        "kvdrop keeps the last chunk (here: the last token) first",
-    )
-    for inner, cls in (("knorm", "KnormPress"), ("keydiff", "KeyDiffPress")):
+    jac, _ = _select_pair(setup, press, "streaming", ratio, n_sink=4)
+    yield Row("streaming", "StreamingLLMPress", None, "kept set", jac)
+    jac, _ = _select_pair(setup, _press("RandomPress", seed=0), "random", ratio, seed=0)
+    yield Row("random (seed 0)", "RandomPress", None, "kept set", jac)
+    for name, cls in (("knorm", "KnormPress"), ("keydiff", "KeyDiffPress")):
         press = _press("ChunkKVPress", press=_press(cls), chunk_length=20)
+        spec = f"chunkkv(policy={name}, chunk_length=20)"
+        jac, tied = _select_pair(setup, press, spec, ratio, inner=press.press, n_sink=0)
+        note, tie = _tie_note(jac, tied, "budget = kvpress's whole chunks")
         yield Row(
-            f"chunkkv(policy={inner})",
+            f"chunkkv(policy={name})",
             f"ChunkKVPress({cls})",
             None,
             "kept set",
-            _select_pair(
-                setup, press, f"chunkkv(policy={inner}, chunk_length=20)", ratio, n_sink=0
-            ),
-            "budget = kvpress's whole chunks",
+            jac,
+            note,
+            tied=tie,
         )
         press = _press("BlockPress", press=_press(cls), block_size=128)
+        spec = f"block(policy={name}, block_size=128)"
+        jac, tied = _select_pair(setup, press, spec, ratio, inner=press.press, n_sink=0)
+        note, tie = _tie_note(jac, tied)
         yield Row(
-            f"block(policy={inner})",
-            f"BlockPress({cls})",
-            None,
-            "kept set",
-            _select_pair(setup, press, f"block(policy={inner}, block_size=128)", ratio, n_sink=0),
+            f"block(policy={name})", f"BlockPress({cls})", None, "kept set", jac, note, tied=tie
         )
 
 
@@ -390,8 +474,15 @@ EXCEPTIONS = (
 )
 
 
-def rows(num_tokens: int, seed: int, ratio: float) -> list[Row]:
-    setup = build(num_tokens, seed)
+def rows(
+    num_tokens: int, seed: int, ratio: float, shape: tuple[int, int, int] = SHAPES[0]
+) -> list[Row]:
+    """Every pair on one random-weight layer (:func:`build`)."""
+    return setup_rows(build(num_tokens, seed, shape), ratio)
+
+
+def setup_rows(setup: Setup, ratio: float) -> list[Row]:
+    """Every pair on the tensors of ``setup``."""
     return [
         *score_pairs(setup),
         *i26a_score_pairs(setup),
@@ -406,20 +497,31 @@ MAX_DIFF, MIN_JACCARD = 1e-4, 0.99
 
 
 def verdict(r: Row) -> str:
-    """``yes`` when the pair meets the target, ``exception`` when it is not compared or differs
-    deliberately (the note says why), else ``NO``."""
+    """``yes`` when the pair meets the target, ``ties`` when its kept sets differ only among
+    tokens of equal score, ``exception`` when it is not compared or differs deliberately (the
+    note says why), else ``NO``."""
     if r.diff is None and r.jaccard is None:
         return "exception"
-    ok = (r.diff is not None and r.diff <= MAX_DIFF) or (
+    if r.tied:
+        return "ties"
+    bound = MAX_DIFF if r.tolerance is None else r.tolerance
+    ok = (r.diff is not None and r.diff <= bound) or (
         r.jaccard is not None and r.jaccard >= MIN_JACCARD
     )
     return "yes" if ok else "exception" if r.deliberate else "NO"
 
 
 def table(found: list[Row]) -> Iterator[str]:
-    yield "| kvdrop | kvpress | max abs score diff | compared | kept-set Jaccard | target | note |"
-    yield "|---|---|---|---|---|---|---|"
+    yield (
+        "| kvdrop | kvpress | max score diff | bound | compared | kept-set Jaccard | target "
+        "| note |"
+    )
+    yield "|---|---|---|---|---|---|---|---|"
     for r in found:
         diff = "-" if r.diff is None else f"{r.diff:.1e}"
+        bound = "-" if r.diff is None else f"{MAX_DIFF if r.tolerance is None else r.tolerance:.1e}"
         jac = "-" if r.jaccard is None else f"{r.jaccard:.3f}"
-        yield f"| {r.pair} | {r.press} | {diff} | {r.region} | {jac} | {verdict(r)} | {r.note} |"
+        yield (
+            f"| {r.pair} | {r.press} | {diff} | {bound} | {r.region} | {jac} | {verdict(r)} "
+            f"| {r.note} |"
+        )

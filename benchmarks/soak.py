@@ -43,6 +43,7 @@ from kvdrop_sdk.testing.toy import ToyEngine
 from soak_mixed import soak_mixed
 from soak_round3 import soak_round3
 from soak_round3_engine import soak_round3_engine
+from soak_round4 import soak_round4
 
 Row = dict[str, Any]
 
@@ -588,6 +589,7 @@ PHASES: dict[str, Callable[[argparse.Namespace], list[Row]]] = {
     "mixed": soak_mixed,
     "round3": soak_round3,
     "round3-engine": soak_round3_engine,
+    "round4": soak_round4,
 }
 
 
@@ -646,13 +648,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--round3-s", type=float, default=20.0, help="seconds of each run of the round3 phases"
     )
+    p.add_argument(
+        "--round4-s", type=float, default=20.0, help="seconds of each run of the round4 phase"
+    )
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated of {list(PHASES)}")
     p.add_argument("--json", action="store_true")
     p.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     args = p.parse_args(argv)
     if args.quick:
         args.messages, args.load_s, args.stream_rounds, args.fault_cycles = 10_000, 10.0, 1, 2
-        args.mixed_s = args.round3_s = 8.0
+        args.mixed_s = args.round3_s = args.round4_s = 8.0
     args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
     unknown = [x for x in args.phases if x not in PHASES]
     if unknown:

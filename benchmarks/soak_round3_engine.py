@@ -52,12 +52,13 @@ def _free_port() -> int:
 
 
 @contextmanager
-def _engine() -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """``kvdrop engine`` on a free port, ready on ``/health``; stopped (and reaped) after."""
+def _engine(*extra: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """``kvdrop engine`` (with ``extra`` flags) on a free port, ready on ``/health``; stopped
+    (and reaped) after."""
     port = _free_port()
     cmd = [sys.executable, "-m", "kvdrop", "engine", "--random-preset", "tiny", "--port", str(port)]
     cmd += ["--max-connections", str(MAX_CONNECTIONS), "--request-timeout-s", "2"]
-    cmd += ["--max-prefill-tokens", "128", "--return-tokens-as-token-ids"]
+    cmd += ["--max-prefill-tokens", "128", "--return-tokens-as-token-ids", *extra]
     log = tempfile.TemporaryFile()  # not a pipe: a full pipe would block the engine's logging
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

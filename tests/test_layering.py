@@ -82,3 +82,46 @@ def test_only_the_lmcache_backend_imports_lmcache() -> None:
     assert {f for f, names in files.items() if "lmcache" in names} == {
         "kvdrop_engine/connectors/lmcache.py"
     }
+
+
+#: The engine's imports of the policy library, by file: all inside functions (or for type
+#: checking), so ``import kvdrop_engine`` loads no policy. The prompt cut and the cut while
+#: decoding build policies from spec strings (kvdrop.spec, kvdrop.registry), check a client's
+#: spec (kvdrop.limits), name their errors (kvdrop.errors) and check the kept indices
+#: (kvdrop.policy). A new one is added here, on purpose.
+ENGINE_USES_POLICIES = {
+    "kvdrop_engine/drop.py": {
+        "kvdrop.errors",
+        "kvdrop.limits",
+        "kvdrop.policy",
+        "kvdrop.registry",
+        "kvdrop.spec",
+    },
+    "kvdrop_engine/decode_cut.py": {"kvdrop.errors", "kvdrop.policy", "kvdrop.spec"},
+}
+
+
+def _policy_modules(node: ast.AST) -> list[str]:
+    """The ``kvdrop`` (policy library) modules an import node imports."""
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        mods = [node.module]
+    elif isinstance(node, ast.Import):
+        mods = [a.name for a in node.names]
+    else:
+        return []
+    return [m for m in mods if m == "kvdrop" or m.startswith("kvdrop.")]
+
+
+def test_the_engine_imports_the_policy_library_only_where_named() -> None:
+    """``kvdrop_engine -> kvdrop``: only the files and modules of ``ENGINE_USES_POLICIES``,
+    never at module level (``if TYPE_CHECKING:`` blocks are not module level)."""
+    found: dict[str, set[str]] = {}
+    top_level: list[str] = []
+    for path in sorted((SRC / "kvdrop_engine").rglob("*.py")):
+        name = str(path.relative_to(SRC))
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            found.setdefault(name, set()).update(_policy_modules(node))
+        top_level += [name for node in tree.body if _policy_modules(node)]
+    assert {f: m for f, m in found.items() if m} == ENGINE_USES_POLICIES
+    assert not top_level, top_level

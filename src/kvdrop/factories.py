@@ -64,7 +64,8 @@ class PolicyInfo:
         return {
             "name": self.name,
             "summary": self.summary,
-            "needs_query": self.needs.reads_queries,
+            "queries": self.queries.value,
+            "token_scores": self.token_scores,
             "details": self.details,
             "params": [p.describe() for p in self.params],
             "example": dict(self.example),

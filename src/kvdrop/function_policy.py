@@ -8,6 +8,7 @@ queries, as upstream's do), unless its factory declares it.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,7 +19,7 @@ from kvdrop.errors import PolicyInputError, PolicyOutputError, PolicyWarning
 from kvdrop.inputs import edit_inputs
 from kvdrop.policy import NeedsPolicy, Policy, warn_no_rope
 from kvdrop_sdk.edit import EditContext, ModifyFnType, takes_edit_context
-from kvdrop_sdk.query_capture import Needs, QueryNeed, needs_of
+from kvdrop_sdk.query_capture import KVNeed, Needs, QueryNeed, needs_of
 
 __all__ = ["FunctionPolicy", "as_policy"]
 
@@ -36,7 +37,8 @@ class FunctionPolicy(NeedsPolicy):
     def __init__(self, name: str, fn: ModifyFnType, needs: Needs | None = None) -> None:
         self.name = name
         self.fn = fn
-        self._needs = needs_of(fn) if needs is None else needs
+        # Its bytes are the function's own (and matched by value): it always reads the whole KV.
+        self._needs = dataclasses.replace(needs_of(fn) if needs is None else needs, kv=KVNeed.ALL)
         self._takes_context = takes_edit_context(fn)
 
     def __repr__(self) -> str:

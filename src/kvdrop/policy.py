@@ -34,7 +34,7 @@ from kvdrop.rope import rerotate_in_place, rope_from_layout
 from kvdrop.selector import Selection, Selector
 from kvdrop_rope import RopeConfig
 from kvdrop_sdk.edit import EditContext
-from kvdrop_sdk.query_capture import NO_NEEDS, Needs, QueryNeed, needs_of
+from kvdrop_sdk.query_capture import NO_NEEDS, KVNeed, Needs, QueryNeed, needs_of
 
 __all__ = [
     "DEFAULT_QUERY_HEAD_DIM",
@@ -75,12 +75,20 @@ class Scorer:
     exists.
 
     ``reads_values = False`` says ``score`` never reads ``kv[1]``: when scoring runs on another
-    device, only the keys travel there (``kv`` is then ``[1, L, T, D]``).
+    device, only the keys travel there (``kv`` is then ``[1, L, T, D]``), and the SDK fetches
+    only the keys from the cache server. ``reads_keys = False`` as well says it reads no KV byte
+    at all, only its shape (chunk-halving, streaming, random, kvzip's engine scores): the SDK
+    then fetches nothing and the server keeps the chosen rows itself. Both become
+    ``Needs.kv`` (:func:`~kvdrop_sdk.query_capture.needs_of`); ``kv`` then still has the shape
+    ``[2, L, T, D]``, but the bytes not read are not the cache's (keys stand in for values, a
+    broadcast zero for keys).
     """
 
     queries: ClassVar[QueryNeed] = QueryNeed.NONE
     needs_selection: ClassVar[bool] = False
     reads_values: ClassVar[bool] = True
+    #: Reads ``kv[0]`` (the keys); False with ``reads_values = False``: only ``kv``'s shape.
+    reads_keys: ClassVar[bool] = True
     #: Reads ``selection.token_scores`` (the engine's reconstruction pass), e.g. ``kvzip``.
     token_scores: ClassVar[bool] = False
 
@@ -319,6 +327,16 @@ def _row_positions(
     return pos.to(device="cpu", dtype=torch.int64)
 
 
+def _on_device(kv: torch.Tensor, reads: KVNeed, device: torch.device) -> torch.Tensor:
+    """``kv`` on the scoring device, only what the scorer reads moved: all of it, the keys
+    (``[1, L, T, D]``), or nothing (a broadcast zero of the keys' shape, made there)."""
+    if reads is KVNeed.ALL:
+        return kv.to(device)
+    if reads is KVNeed.KEYS:
+        return kv[:1].to(device)
+    return torch.zeros((), dtype=kv.dtype, device=device).expand(1, *kv.shape[1:])
+
+
 def warn_no_rope(name: str) -> None:
     warnings.warn(
         f"{name}: kept keys stay at their old RoPE positions because no RoPE parameters are "
@@ -369,6 +387,28 @@ class SelectorPolicy(Policy):
                 stacklevel=4,
             )
         return budget
+
+    def select_indices(
+        self,
+        tensors: Mapping[Any, torch.Tensor],
+        tokens: Sequence[int],
+        *,
+        context: EditContext | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The template every selector policy shares: the validated inputs, the budget, every
+        token when it covers them, else :meth:`_select`'s choice (what a combinator changes)."""
+        inputs = edit_inputs(
+            tensors, tokens, policy=self.name, queries=self.queries, context=context
+        )
+        budget = self.plan_budget(inputs)
+        if budget >= inputs.num_tokens:
+            return inputs.kv, torch.arange(inputs.num_tokens)
+        return inputs.kv, self._select(inputs, budget)
+
+    @abc.abstractmethod
+    def _select(self, inputs: EditInputs, budget: int) -> torch.Tensor:
+        """The sorted int64 indices (CPU) of the ``budget`` tokens kept of ``inputs``, when
+        more than that are cached (the one step a selector policy defines)."""
 
 
 class ScorerPolicy(NeedsPolicy, SelectorPolicy):
@@ -444,20 +484,22 @@ class ScorerPolicy(NeedsPolicy, SelectorPolicy):
         scorer = self._scorer_for(inputs)
         q = self._queries_for(scorer, inputs)
         device = resolve_device(self.selector.device, inputs.device, kv)
+        reads = needs_of(scorer, default=NO_NEEDS).kv
         if device != kv.device:
-            kv = (kv if scorer.reads_values else kv[:1]).to(device)
+            kv = _on_device(kv, reads, device)
         if q is not None and q.device != device:
             q = q.to(device)
         num_tokens = kv.shape[2]
         scorer.check(kv, q)
         # A rank-based scorer (lagkv) turns a NaN key into an ordinary rank: refuse non-finite
         # KV here, once for every scorer, as non-finite scores are refused below.
-        check_finite(
-            self.name,
-            kv,
-            "cached KV",
-            "it cannot rank tokens on them; check the model's cached keys and values",
-        )
+        if reads is not KVNeed.NONE:  # only the bytes the scorer reads
+            check_finite(
+                self.name,
+                kv if reads is KVNeed.ALL else kv[:1],
+                "cached KV",
+                "it cannot rank tokens on them; check the model's cached keys and values",
+            )
         with torch.no_grad():
             if scorer.needs_selection:
                 queries = scorer.queries if q is not None else QueryNeed.NONE
@@ -497,21 +539,10 @@ class ScorerPolicy(NeedsPolicy, SelectorPolicy):
             scores, prompt_tokens=inputs.prompt_tokens, protected=inputs.protected
         )
 
-    def select_indices(
-        self,
-        tensors: Mapping[Any, torch.Tensor],
-        tokens: Sequence[int],
-        *,
-        context: EditContext | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = edit_inputs(
-            tensors, tokens, policy=self.name, queries=self.queries, context=context
-        )
-        kv, num_tokens = inputs.kv, inputs.num_tokens
-        budget = self.plan_budget(inputs)
-        if budget >= num_tokens:
-            return kv, torch.arange(num_tokens)
-        scores = self.scores(kv, inputs.query, budget, inputs=inputs)
-        return kv, self.selector.select(
+    def _select(self, inputs: EditInputs, budget: int) -> torch.Tensor:
+        """The sorted indices of the ``budget`` tokens kept of ``inputs`` (more than fit):
+        the selector's choice over this policy's scores."""
+        scores = self.scores(inputs.kv, inputs.query, budget, inputs=inputs)
+        return self.selector.select(
             scores, budget, prompt_tokens=inputs.prompt_tokens, protected=inputs.protected
         )

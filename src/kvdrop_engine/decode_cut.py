@@ -50,8 +50,8 @@ from kvdrop_engine.drop import UNSET
 from kvdrop_engine.errors import EngineSetupError, InvalidRequestError
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.paged import PagedKVCache, blocks_needed
-from kvdrop_engine.plan import window_after_cut
 from kvdrop_sdk import CacheKind
+from kvdrop_sdk.dry_run import dry_run_inputs
 from kvdrop_sdk.edit import EditContext
 from kvdrop_sdk.query_capture import DEFAULT_QUERY_WINDOW, QueryCapture, QueryNeed
 
@@ -218,19 +218,10 @@ class DecodeCompressor:
         """Rank a random cache of the model's layout with ``policy`` once (with query rows when
         it reads them), so a policy that cannot run on this model fails at start."""
         cfg = self.config
-        n = _CHECK_TOKENS
-        gen = torch.Generator().manual_seed(0)
-        kv = torch.randn(2, cfg.num_layers, n, cfg.num_kv_heads * cfg.head_dim, generator=gen)
-        tensors: dict[Any, torch.Tensor] = {CacheKind.KV: kv}
-        qpos = None
-        if policy.queries is not QueryNeed.NONE:
-            rows = min(n, self.query_window)
-            qpos = torch.arange(n - rows, n)
-            dq = cfg.num_heads * cfg.head_dim
-            tensors[CacheKind.QUERY] = torch.randn(1, cfg.num_layers, rows, dq, generator=gen)
-        context = self._context(torch.arange(n), qpos, "cpu")
+        sizes = QueryCapture(QueryNeed.WINDOW, self.query_window, 0)
+        run = dry_run_inputs(cfg, _CHECK_TOKENS, policy.needs, sizes, rope=self.rope_json)
         try:
-            policy.select_indices(tensors, list(range(n)), context=context)
+            policy.select_indices(run.tensors, run.tokens, context=run.context)
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise InvalidRequestError(
@@ -331,17 +322,30 @@ class DecodeCompressor:
         return DecodeCutResult(len(reqs), sum(counts), kept_total, time.perf_counter() - started)
 
     def _select(self, req: Request, kv: torch.Tensor) -> torch.Tensor:
-        """Indices (sorted, CPU int64) of ``req``'s cached rows its policy keeps."""
-        from kvdrop.policy import checked_index  # the policy library, loaded by the build
-
-        cut = req.decode_cut
+        """Indices of ``req``'s cached rows ``kv`` its policy keeps (:meth:`select`)."""
+        assert req.decode_cut is not None
         n = kv.shape[2]
         positions = req.slot_positions(n)
         sequence = req.prompt + req.output
         tokens = [sequence[p] for p in positions.tolist()]
+        rows = None if req.window is None else req.window.rows()
+        return self.select(req.decode_cut, kv, positions, tokens, rows)
+
+    def select(
+        self,
+        cut: DecodeCut,
+        kv: torch.Tensor,
+        positions: torch.Tensor,
+        tokens: Sequence[int],
+        rows: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """Indices (sorted, CPU int64) of the rows of ``kv`` ``[2, L, n, Hkv*d]`` (true RoPE
+        ``positions``, token ids ``tokens``) that ``cut``'s policy keeps, given the query
+        ``rows`` ``(slots [r], queries [L, r, Hq, d])`` captured since the last cut."""
+        from kvdrop.policy import checked_index  # the policy library, loaded by the build
+
         tensors: dict[Any, torch.Tensor] = {CacheKind.KV: kv}
         qpos = None
-        rows = None if req.window is None else req.window.rows()
         if cut.policy.queries is not QueryNeed.NONE and rows is not None:
             qpos, queries = rows
             tensors[CacheKind.QUERY] = queries.reshape(1, queries.shape[0], queries.shape[1], -1)
@@ -349,8 +353,8 @@ class DecodeCompressor:
         # attended to is in ``kv``. Query positions are slots (the policy's order of rows);
         # ``positions`` are the rows' true RoPE positions, for policies that rotate keys back.
         context = self._context(positions, qpos, str(kv.device))
-        _, index = cut.policy.select_indices(tensors, tokens, context=context)
-        return checked_index(cut.spec, index, n)
+        _, index = cut.policy.select_indices(tensors, list(tokens), context=context)
+        return checked_index(cut.spec, index, kv.shape[2])
 
     def _shrink(self, cache: PagedKVCache, req: Request, index: torch.Tensor) -> None:
         """``req`` after its cut to the rows at ``index``: their true positions, the dropped
@@ -360,7 +364,7 @@ class DecodeCompressor:
         req.dropped += n - k
         req.num_computed = k
         req.decode_cuts += 1
-        req.window = window_after_cut(k, None, decode_capture(req))  # the rows moved
+        req.restart_window(k)  # the rows moved
         need = blocks_needed(k + 1, cache.block_size)
         if need < len(req.blocks):
             cache.allocator.free(req.blocks[need:])
@@ -369,9 +373,9 @@ class DecodeCompressor:
 
 def prepare_decode(
     compressor: DecodeCompressor | None, req: Request, override: Any = UNSET
-) -> None:
-    """(at submission) ``req``'s decode cut (its ``capture`` says which query rows the request
-    keeps for it: :func:`kvdrop_engine.plan.window_for`). ``override`` is the request's
+) -> DecodeCut | None:
+    """(at submission, for :func:`kvdrop_engine.plan.plan_request`) ``req``'s decode cut (its
+    ``capture`` says which query rows the request keeps for it). ``override`` is the request's
     ``"kvdrop.decode"`` value (UNSET: it sent none); asking for a cut from an engine without a
     compressor is an ``InvalidRequestError``."""
     if compressor is None:
@@ -381,16 +385,16 @@ def prepare_decode(
                 "without one (kvdrop engine --decode-policy, or "
                 "Engine(compressor=DecodeCompressor(...)))"
             )
-        return
-    req.decode_cut = compressor.choose(override)
-    if req.decode_cut is None or req.params.max_tokens == 1:
-        req.decode_cut = None
-        return
+        return None
+    cut = compressor.choose(override)
+    if cut is None or req.params.max_tokens == 1:
+        return None
     if req.options.reconstruct:
         raise InvalidRequestError(
             "reconstruct=true scores the prompt's whole cache when the request ends, which a "
             "cut while decoding no longer holds; send 'kvdrop.decode': null with it"
         )
+    return cut
 
 
 def decode_capture(req: Request) -> QueryCapture | None:

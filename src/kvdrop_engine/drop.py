@@ -39,6 +39,7 @@ from kvdrop_engine.errors import EngineSetupError, InvalidRequestError, PolicyFa
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.paged import BlockAllocator, PagedKVCache, blocks_needed
 from kvdrop_sdk import CacheKind
+from kvdrop_sdk.dry_run import dry_run_inputs
 from kvdrop_sdk.edit import EditContext
 from kvdrop_sdk.query_capture import (
     DEFAULT_QUERY_STRIDE,
@@ -59,6 +60,7 @@ __all__ = [
     "DEFAULT_MIN_PROMPT_TOKENS",
     "UNSET",
     "CutJob",
+    "CutPrompt",
     "CutResult",
     "Override",
     "PendingCut",
@@ -116,6 +118,8 @@ class Override:
     keep_ratio: float | None = None
     decode: Any = UNSET
     prompt: bool = True
+    #: Prompts shorter than this are left whole (None: the engine's ``--min-drop-tokens``).
+    min_drop_tokens: int | None = None
 
     @property
     def prompt_cut(self) -> Override | Any:
@@ -123,9 +127,14 @@ class Override:
         return self if self.prompt else UNSET
 
 
+#: The keys of a request's ``"kvdrop"`` object.
+OVERRIDE_KEYS = ("policy", "keep_ratio", "min_drop_tokens", "decode")
+
+
 def parse_override(value: Any) -> Override | None:
-    """``None`` (no cut) or ``{"policy": str, "keep_ratio": number in (0, 1]}``, either key
-    optional; ``ValueError`` says what was wrong."""
+    """``None`` (no cut) or ``{"policy": str, "keep_ratio": number in (0, 1],
+    "min_drop_tokens": int >= 1, "decode": {...}}``, each key optional; ``ValueError`` says
+    what was wrong."""
     if value is None or isinstance(value, Override):
         return value
     if not isinstance(value, Mapping):
@@ -133,10 +142,10 @@ def parse_override(value: Any) -> Override | None:
             "'kvdrop' must be null (no dropping) or an object like "
             f'{{"policy": "snapkv", "keep_ratio": 0.5}}, got {type(value).__name__}'
         )
-    unknown = sorted(set(value) - {"policy", "keep_ratio", "decode"})
+    unknown = sorted(set(value) - set(OVERRIDE_KEYS))
     if unknown:
         raise ValueError(
-            f"'kvdrop' has unknown key(s) {unknown}; expected policy, keep_ratio, decode"
+            f"'kvdrop' has unknown key(s) {unknown}; expected {', '.join(OVERRIDE_KEYS)}"
         )
     decode: Any = UNSET
     if "decode" in value:  # the cut while decoding: its own validator
@@ -148,7 +157,10 @@ def parse_override(value: Any) -> Override | None:
         raise ValueError(f"'kvdrop.policy' must be a policy name or spec string, got {policy!r}")
     if ratio is not None:
         ratio = checked_ratio(ratio, "'kvdrop.keep_ratio'")
-    return Override(policy, ratio, decode, prompt=set(value) != {"decode"})
+    least = value.get("min_drop_tokens")
+    if least is not None and (not isinstance(least, int) or isinstance(least, bool) or least < 1):
+        raise ValueError(f"'kvdrop.min_drop_tokens' must be an int >= 1, got {least!r}")
+    return Override(policy, ratio, decode, set(value) != {"decode"}, least)
 
 
 @dataclass(frozen=True)
@@ -325,20 +337,10 @@ class PromptDropper:
         """Run ``cut`` once on a random prompt of the model's layout, so a policy that cannot
         run on this model fails at start (``InvalidRequestError``), not on the first request."""
         cfg = self.config
-        n = _CHECK_TOKENS
-        gen = torch.Generator().manual_seed(0)
-        kv = torch.randn(2, cfg.num_layers, n, cfg.num_kv_heads * cfg.head_dim, generator=gen)
-        tensors = {CacheKind.KV: kv}
-        qpos = None
-        if cut.capture.enabled:
-            rows = n if cut.capture.full else min(n, cut.capture.window)
-            qpos = torch.arange(n - rows, n)
-            dq = cfg.num_heads * cfg.head_dim
-            tensors[CacheKind.QUERY] = torch.randn(1, cfg.num_layers, rows, dq, generator=gen)
-        context = self._context(n, qpos, None, "cpu")
-        tokens = list(range(n))
+        run = dry_run_inputs(cfg, _CHECK_TOKENS, cut.policy.needs, cut.capture, rope=self.rope_json)
+        kv, tokens = run.tensors[CacheKind.KV], run.tokens
         try:
-            _kept(cut, kv, tokens, _chosen(cut, tensors, tokens, context), context)
+            _kept(cut, kv, tokens, _chosen(cut, run.tensors, tokens, run.context), run.context)
         except PolicyFailedError as exc:
             raise InvalidRequestError(
                 f"cannot run on this model ({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads "
@@ -349,6 +351,7 @@ class PromptDropper:
         """The cut of a request with ``num_prompt`` tokens: its parsed ``"kvdrop"`` override
         (``UNSET``: none was sent; None: no cut) over the engine's default; None under the
         threshold."""
+        least = self.min_prompt_tokens
         if override is UNSET:
             cut = self.default
         else:
@@ -363,7 +366,9 @@ class PromptDropper:
                 )
             self.check_client(spec)
             cut = self._build(spec, parsed.keep_ratio, self.keep_ratio)
-        if cut is None or num_prompt < self.min_prompt_tokens:
+            if parsed.min_drop_tokens is not None:
+                least = parsed.min_drop_tokens
+        if cut is None or num_prompt < least:
             return None
         return cut
 
@@ -519,23 +524,40 @@ class PendingCut:
         return value
 
 
-def prepare_cut(dropper: PromptDropper | None, req: Request, override: Any = UNSET) -> None:
-    """(at submission) ``req``'s cut (its ``capture`` says which query rows the prefill keeps
-    for it: :func:`kvdrop_engine.plan.window_for`) for its parsed ``"kvdrop"`` ``override``
-    (``UNSET``: none sent); asking for a cut from an engine without a dropper is an
-    ``InvalidRequestError``."""
+def prepare_cut(
+    dropper: PromptDropper | None, req: Request, override: Any = UNSET
+) -> PromptCut | None:
+    """(at submission, for :func:`kvdrop_engine.plan.plan_request`) ``req``'s prompt cut for its
+    parsed ``"kvdrop"`` ``override`` (``UNSET``: none sent); asking for a cut from an engine
+    without a dropper is an ``InvalidRequestError``. A request that may be cut reports its kept
+    prompt tokens on its first event."""
     if dropper is None:
         if override is not UNSET and override is not None:
             raise InvalidRequestError(
                 "'kvdrop' asks for dropping, but this engine was built without a dropper "
                 "(kvdrop engine --policy, or Engine(dropper=PromptDropper(...)))"
             )
-        return
-    req.cut = dropper.choose(len(req.prompt), override)
+        return None
+    cut = dropper.choose(len(req.prompt), override)
     if override is not UNSET or dropper.default is not None:
         req.kept_prompt = len(req.prompt)  # reported as kept; the cut lowers it
     if req.params.max_tokens == 1:
-        req.cut = None  # one token: nothing would decode from the cut cache
+        return None  # one token: nothing would decode from the cut cache
+    return cut
+
+
+@dataclass(frozen=True)
+class CutPrompt:
+    """(after prefill) Cut the prompt's cache by the request's policy, off the loop: the first
+    event is held until the cut is applied (``Engine._finish_cut``). An action of a
+    :class:`~kvdrop_engine.plan.RequestPlan`; a request that ends with its first token, or
+    whose cut was applied already (a preempted one recomputing), is not cut."""
+
+    def run(self, host: Any, req: Request, step: Any) -> bool:
+        if req.kept_index is not None or step.reason is not None:
+            return False
+        host.start_cut(req, step.token, step.logprobs)
+        return True
 
 
 def _resize(allocator: BlockAllocator, req: Request, need: int) -> None:

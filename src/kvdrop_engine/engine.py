@@ -24,14 +24,14 @@ import torch
 from torch import Tensor, nn
 
 from kvdrop_engine.connectors.base import KVConnector
-from kvdrop_engine.decode_cut import DecodeCompressor, KVSwap, decode_capture, prepare_decode
+from kvdrop_engine.decode_cut import DecodeCompressor, KVSwap
 from kvdrop_engine.draw import draw_tokens
-from kvdrop_engine.drop import PendingCut, PromptDropper, prepare_cut
+from kvdrop_engine.drop import PendingCut, PromptDropper
 from kvdrop_engine.errors import EngineError, InvalidRequestError
 from kvdrop_engine.graphs import DecodeGraphs
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.penalties import edit_logits
-from kvdrop_engine.plan import store_capture, window_after_cut, window_for
+from kvdrop_engine.plan import RequestPlan, Shipped, plan_request, store_capture
 from kvdrop_engine.reconstruct import ReconstructionPrompt
 from kvdrop_engine.request_options import RequestOptions, submission
 from kvdrop_engine.runner import Forward, ModelRunner, WindowRecord
@@ -46,16 +46,14 @@ from kvdrop_engine.scheduler import (
     Scheduler,
     StepPlan,
     budget_blocks,
-    decoded_store_upto,
     plan_step,
 )
 from kvdrop_engine.sequence import Request, ScoreHandle, TokenStream, new_request, scored_rows
 from kvdrop_engine.stats import EngineStats
 from kvdrop_engine.structured import Grammars, accept, guide_of, mask_logits
 from kvdrop_engine.tokenizer import IncrementalDetokenizer, TokenDecoder
-from kvdrop_engine.transfer import ScoresJob, StoreJob, Transfers, WindowJob, check_seconds
+from kvdrop_engine.transfer import ScoresJob, Transfers, check_seconds
 from kvdrop_sdk.events import TokenEvent
-from kvdrop_sdk.query_capture import QueryCapture
 from kvdrop_sdk.validate import positive_int
 from kvdrop_sdk.validate import token_ids as checked_ids
 
@@ -294,6 +292,30 @@ class Engine:
         after its first token) or dropping it cancels the request and frees its blocks at once
         (:class:`~kvdrop_engine.sequence.TokenStream`). Starts the engine if needed.
         """
+        req = self._request(prompt_token_ids, sampling_params, cache_salt)
+        self._submit(req)
+        transfers = self._transfers
+        return TokenStream(req, self._wake, None if transfers is None else transfers.await_stores)
+
+    __call__ = post_completion
+
+    def plan(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | SamplingParams | None = None,
+        cache_salt: str | RequestOptions = "",
+    ) -> RequestPlan:
+        """The :class:`~kvdrop_engine.plan.RequestPlan` this request would get (validated as
+        :meth:`post_completion` validates it; nothing is submitted)."""
+        return self._request(prompt_token_ids, sampling_params, cache_salt).plan
+
+    def _request(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | SamplingParams | None,
+        cache_salt: str | RequestOptions,
+    ) -> Request:
+        """A validated, planned request (not submitted)."""
         params, options = submission(sampling_params, cache_salt)
         detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
         req = new_request(
@@ -304,26 +326,22 @@ class Engine:
             vocab_size=self.config.vocab_size,
             detok=detok,
         )
-        prepare_cut(self.dropper, req, options.prompt_cut)
-        prepare_decode(self.compressor, req, options.decode_cut)
-        req.window = window_for(
-            len(req.prompt),
-            None if req.cut is None else req.cut.capture,
-            self._stored_window(req),
-            decode_capture(req),
-        )
-        if options.guide is not None:
-            req.guide = self._matcher(options.guide, req)
         if options.reconstruct and (self.reconstruction is None or self._transfers is None):
             raise InvalidRequestError(
                 "reconstruct=true needs an engine built with reconstruction=ReconstructionPrompt"
                 "(...) and a connector to store the scores in (kvdrop_engine.reconstruct)"
             )
-        self._submit(req)
-        transfers = self._transfers
-        return TokenStream(req, self._wake, None if transfers is None else transfers.await_stores)
-
-    __call__ = post_completion
+        req.plan = plan_request(
+            req,
+            dropper=self.dropper,
+            compressor=self.compressor,
+            connector=self.connector,
+            store=self._store,
+        )
+        req.restart_window(len(req.prompt))
+        if options.guide is not None:
+            req.guide = self._matcher(options.guide, req)
+        return req
 
     def _matcher(self, guide: Any, req: Request) -> Any:
         """A structured output's matcher, compiled on the caller's thread (the grammars of this
@@ -577,12 +595,12 @@ class Engine:
         self, ended: Sequence[tuple[Request, int | None, str | None]]
     ) -> dict[int, WindowRecord | None]:
         """The query windows of the requests this step ends, in one batched call
-        (:meth:`ModelRunner.finished_windows`); ``_finish_jobs`` reads them. Counted as
+        (:meth:`ModelRunner.finished_windows`); the plan's ``StoreWindow`` reads them. Counted as
         ``window_seconds``."""
         if self._transfers is None:
             return {}
         started = time.perf_counter()
-        windows = self.runner.finished_windows([e for e in ended if e[0].decode_cut is None])
+        windows = self.runner.finished_windows([e for e in ended if e[0].plan.stores_window])
         with self._cv:
             self._stats.window_seconds += time.perf_counter() - started
         return windows
@@ -595,46 +613,70 @@ class Engine:
         reason: str | None,
         windows: Mapping[int, WindowRecord | None] | None = None,
     ) -> None:
-        """Hand a request's step result over: the stores it starts, then its event (a scoring
-        request: its rows); an ended request's blocks are freed after its last reads."""
+        """Hand a request's step result over by walking its plan (:mod:`kvdrop_engine.plan`):
+        after its prefill the ``after_prefill`` actions (store the prompt, cut it: a cut holds
+        the first event until it is applied), then its event, and before the last one the
+        ``after_finish`` actions (stores, kvzip's pass, which holds the event). A scoring
+        request hands over its rows."""
         try:
             if tok is None:
                 parts = req.score_parts
-                req.out.put(list(parts) if req.score_top is not None else torch.cat(parts))
-            else:
-                transfers = self._transfers
-                if len(req.output) == 1 and req.store_upto and transfers is not None:
-                    transfers.submit(req, self._prompt_job(req))
-                if len(req.output) == 1 and req.cut is not None and req.kept_index is None:
-                    if reason is None:  # postprocess after prefill, off the loop: the first
-                        self._start_cut(req, tok, logprobs)  # event follows it (_finish_cut)
-                        return
-                text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
-                lp, top = (None, ()) if logprobs is None else logprobs
-                kept, req.kept_prompt = req.kept_prompt, None  # on the first event only
-                event = TokenEvent(
-                    tok, text, reason, logprob=lp, top_logprobs=top, kept_prompt_tokens=kept
-                )
-                if reason is not None and transfers is not None and not req.cancelled:
-                    for job in self._finish_jobs(req, windows or {}):
-                        transfers.submit(req, job)
-                    if req.options.reconstruct:  # the end waits for the pass, run in pieces
-                        req.held = event
-                        req.reconstruction = self.runner.reconstruction_pass(
-                            req.prompt,
-                            req.blocks,
-                            len(req.prompt + req.output) - 1,
-                            self.reconstruction,
-                        )
-                        return
-                req.out.put(event)
+                self._finish(req, list(parts) if req.score_top is not None else torch.cat(parts))
+                return
+            step = Shipped(tok, logprobs, reason, windows or {})
+            if len(req.output) == 1:
+                for action in req.plan.after_prefill:
+                    if action.run(self, req, step):
+                        return  # held: the action hands the event over later
+            text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
+            lp, top = (None, ()) if logprobs is None else logprobs
+            kept, req.kept_prompt = req.kept_prompt, None  # on the first event only
+            step.event = TokenEvent(
+                tok, text, reason, logprob=lp, top_logprobs=top, kept_prompt_tokens=kept
+            )
+            if reason is None:
+                req.out.put(step.event)
+                return
+            if not req.cancelled:
+                for action in req.plan.after_finish:
+                    if action.run(self, req, step):
+                        return  # held (kvzip's pass): ``_reconstruct`` finishes it
         except Exception as exc:
             self._fail(req, exc)
             return
-        if reason is not None:
+        self._finish(req, step.event)
+
+    def _finish(self, req: Request, item: TokenEvent | Tensor | list | BaseException) -> None:
+        """The one place a request ends: its last item (its last event, a scoring request's
+        rows, or its failure) handed over and its blocks freed (a failure's first, so nothing
+        of it runs on)."""
+        if isinstance(item, BaseException):
             with self._cv:
                 self._sched.finish(req)
-                self._stats.requests_finished += 1
+            req.out.put(
+                item
+                if isinstance(item, EngineError)
+                else EngineError(f"engine step failed: {item!r}")
+            )
+            return
+        req.out.put(item)
+        with self._cv:
+            self._sched.finish(req)
+            self._stats.requests_finished += 1
+
+    @property
+    def transfers(self) -> Transfers | None:
+        """The server I/O (None without a connector); the plan's store actions submit to it."""
+        return self._transfers
+
+    def start_cut(self, req: Request, tok: int, logprobs: TokenLogprobs | None) -> None:
+        """(the plan's :class:`~kvdrop_engine.drop.CutPrompt`) Start the prompt cut."""
+        self._start_cut(req, tok, logprobs)
+
+    def add_seconds(self, counter: str, seconds: float) -> None:
+        """Add ``seconds`` to the counter ``counter`` of :class:`EngineStats`."""
+        with self._cv:
+            setattr(self._stats, counter, getattr(self._stats, counter) + seconds)
 
     def _recut(self, req: Request) -> None:
         """(a preempted cut request whose whole prompt is computed again) Keep the same rows
@@ -646,9 +688,7 @@ class Engine:
                 return
         try:
             self.dropper.recut(self.cache, req)
-            req.window = window_after_cut(
-                len(req.prompt), self._stored_window(req), decode_capture(req)
-            )
+            req.restart_window(len(req.prompt))
         except Exception as exc:
             self._fail(req, exc)
 
@@ -683,7 +723,7 @@ class Engine:
         assert self.dropper is not None
         chosen = pending.result()
         done = self.dropper.apply(self.cache, req, pending.job, chosen, pending.started)
-        req.window = window_after_cut(done.num_kept, self._stored_window(req), decode_capture(req))
+        req.restart_window(done.num_kept)
         req.kept_prompt = done.num_kept
         with self._cv:
             st = self._stats
@@ -691,11 +731,6 @@ class Engine:
             st.prompt_tokens_kept += done.num_kept
             st.prompt_tokens_dropped += done.num_prompt - done.num_kept
             st.cut_seconds += done.seconds
-
-    def _stored_window(self, req: Request) -> QueryCapture | None:
-        """The query window the connector stores for ``req`` when it ends (None for a request
-        cut while decoding: its cache no longer matches its tokens)."""
-        return None if req.decode_cut is not None else self._store
 
     def _decode_cut(self, stepped: Sequence[Request]) -> None:
         """(after a step) Cut every request of ``stepped`` whose cache passed its decode budget,
@@ -730,42 +765,6 @@ class Engine:
                 st.decode_tokens_dropped += d.tokens_before - d.tokens_kept
                 st.decode_cut_seconds += d.seconds
 
-    def _prompt_job(self, req: Request) -> StoreJob:
-        """(after prefill) The prompt's whole chunks of KV (and chunk queries) to store."""
-        kv = self.runner.read_kv(req.blocks, req.store_upto)
-        queries = req.take_chunk_queries()
-        return StoreJob(kv, queries, req.prompt[: req.store_upto], req.cache_salt, req.query_offset)
-
-    def _finish_jobs(
-        self, req: Request, windows: Mapping[int, WindowRecord | None]
-    ) -> list[StoreJob | WindowJob]:
-        """(before the last token) What a finished request leaves in the server, keyed by prompt
-        + every generated token: the KV of whole chunks its generated tokens completed
-        (``store_decoded``) and its query window (from ``windows`` when the step computed it;
-        kvzip's scores follow its pass)."""
-        conn = self.connector
-        assert conn is not None
-        jobs: list[StoreJob | WindowJob] = []
-        if req.decode_cut is not None:  # its cache no longer matches its tokens
-            req.window = None
-            return jobs
-        sequence = req.prompt + req.output
-        computed = len(sequence) - 1  # the last generated token was never fed back
-        upto = decoded_store_upto(req, conn.chunk_size, conn.store_decoded)
-        if upto:
-            kv = self.runner.read_kv(req.blocks, upto)
-            jobs.append(StoreJob(kv, None, sequence[:upto], req.cache_salt))
-        window, req.window = req.window, None
-        record = windows.get(req.rid)
-        if window is not None:
-            started = time.perf_counter()
-            record = self.runner.window_record(req.blocks, computed, window)
-            with self._cv:
-                self._stats.window_seconds += time.perf_counter() - started
-        if record is not None:
-            jobs.append(WindowJob(*record, sequence, req.cache_salt))
-        return jobs
-
     def _reconstruct(self, plan: StepPlan) -> None:
         """This step's pieces of kvzip's passes; a pass that ends stores its scores (before the
         request's held last event is handed over) and ends its request."""
@@ -788,14 +787,7 @@ class Engine:
                     self._stats.reconstruction_tokens += len(req.prompt)
             if scores is not None:
                 req.reconstruction = None
-                req.out.put(req.held)
-                with self._cv:
-                    self._sched.finish(req)
-                    self._stats.requests_finished += 1
+                self._finish(req, req.held)
 
     def _fail(self, req: Request, exc: BaseException) -> None:
-        with self._cv:
-            self._sched.finish(req)
-        req.out.put(
-            exc if isinstance(exc, EngineError) else EngineError(f"engine step failed: {exc!r}")
-        )
+        self._finish(req, exc)

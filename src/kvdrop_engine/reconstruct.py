@@ -41,6 +41,7 @@ __all__ = [
     "ReconstructionAttention",
     "ReconstructionPass",
     "ReconstructionPrompt",
+    "ScorePrompt",
     "chunk_scores",
     "reconstruction_scores",
 ]
@@ -253,6 +254,21 @@ def _max_probs_tiled(q: Tensor, keys: Tensor, sink: int, width: int) -> Tensor:
         part = (logits[..., sink : sink + width] - lse).amax(dim=(1, 2))
         best = torch.maximum(best, part)
     return best.exp_()
+
+
+@dataclass(frozen=True)
+class ScorePrompt:
+    """(after the last token) Score the prompt with KVzip's reconstruction pass
+    (``reconstruct=true``): the last event is held until the pass, run in pieces by later
+    steps, has stored its scores (``Engine._reconstruct``). A plan action
+    (:class:`~kvdrop_engine.plan.RequestPlan`)."""
+
+    def run(self, host: Any, req: Any, step: Any) -> bool:
+        req.held = step.event
+        req.reconstruction = host.runner.reconstruction_pass(
+            req.prompt, req.blocks, len(req.prompt + req.output) - 1, host.reconstruction
+        )
+        return True
 
 
 class ReconstructionPass:

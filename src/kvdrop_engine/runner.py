@@ -160,8 +160,6 @@ class ModelRunner:
             records = self.window_records(jobs)  # type: ignore[arg-type]
         except Exception:
             return {}
-        for req in taking:
-            req.window = None
         return {req.rid: rec for req, rec in zip(taking, records, strict=True)}
 
     def window_records(

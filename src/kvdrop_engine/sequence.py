@@ -18,6 +18,7 @@ from torch import Tensor
 
 from kvdrop_engine.capture import WindowCapture
 from kvdrop_engine.errors import EngineError, InvalidRequestError
+from kvdrop_engine.plan import NO_PLAN, RequestPlan
 from kvdrop_engine.reconstruct import ReconstructionPass
 from kvdrop_engine.request_options import RequestOptions
 from kvdrop_engine.sampling import SamplingParams, make_generator
@@ -76,9 +77,7 @@ class Request:
     load_state: LoadState = LoadState.QUEUED
     #: Stores started for this request; the caller waits for them before its next token.
     stores: list[Future[Any]] = field(default_factory=list)
-    #: The prompt cut after prefill (a ``kvdrop_engine.drop.PromptCut``; None: kept whole) and,
-    #: once it ran, the prompt tokens it kept (the first event reports them).
-    cut: Any = None
+    #: Once the prompt cut ran, the prompt tokens it kept (the first event reports them).
     kept_prompt: int | None = None
     #: The cut while its policy runs off the loop (a ``kvdrop_engine.drop.PendingCut``: the
     #: request is not stepped meanwhile), and once applied the prompt before it and the kept
@@ -110,15 +109,38 @@ class Request:
     preempted: bool = False
     #: What the request asked beyond sampling (its cut override, reconstruction, salt).
     options: RequestOptions = NO_OPTIONS
-    #: The cut while decoding (a ``kvdrop_engine.decode_cut.DecodeCut``; None: none), the cuts
-    #: done, the tokens they dropped (the next token's RoPE position is its slot plus this), the
-    #: true positions of the rows kept by the last one (slots ``0..k-1``), and the cache held in
-    #: host memory while preempted (such a request is swapped, never recomputed).
-    decode_cut: Any = None
+    #: What the engine does with it, decided once at submission (:mod:`kvdrop_engine.plan`):
+    #: its cuts, its query capture, the actions after prefill and after the last token.
+    plan: RequestPlan = NO_PLAN
+    #: The cuts while decoding done, the tokens they dropped (the next token's RoPE position is
+    #: its slot plus this), the true positions of the rows kept by the last one (slots
+    #: ``0..k-1``), and the cache held in host memory while preempted (such a request is
+    #: swapped, never recomputed).
     decode_cuts: int = 0
     dropped: int = 0
     kept_positions: Tensor | None = None
     swapped: Tensor | None = None
+
+    @property
+    def cut(self) -> Any:
+        """The prompt cut after prefill (a ``kvdrop_engine.drop.PromptCut``; None: kept
+        whole): the plan's."""
+        return self.plan.cut
+
+    @property
+    def decode_cut(self) -> Any:
+        """The cut while decoding (a ``kvdrop_engine.decode_cut.DecodeCut``; None): the plan's."""
+        return self.plan.decode
+
+    def restart_window(self, num_tokens: int | None) -> None:
+        """(Re)start the request's query capture over its first ``num_tokens`` positions, as its
+        plan says (the prompt cut's rows until that cut is applied); None drops it. The one
+        writer of ``window``: at submission, after each cut, on a preemption."""
+        if num_tokens is None:
+            self.window = None
+            return
+        pending = self.plan.cut is not None and self.kept_index is None
+        self.window = self.plan.window(num_tokens, cut_pending=pending)
 
     @property
     def prefill_tokens(self) -> list[int]:
@@ -182,14 +204,14 @@ class Request:
             # Cut already: the kept rows need the whole prompt's context, so the prompt is
             # prefilled whole and the same rows kept again (``Engine._recut``), not prefilled
             # as the kept tokens alone (another cache: another answer).
-            self.prompt, self.recut, self.window = self.uncut_prompt, True, None
+            self.prompt, self.recut = self.uncut_prompt, True
+            self.restart_window(None)  # restarted once the same rows are kept again
             self.capture_queries = False  # the prompt's chunk queries were stored already
             return
         if self.output:
             self.capture_queries = False  # the prompt's chunk queries were stored already
         if self.window is not None and self.swapped is None:  # a swapped one keeps its rows
-            w = self.window
-            self.window = WindowCapture(w.num_prompt, w.window, w.stride)
+            self.restart_window(self.window.num_prompt)
 
     @property
     def scoring(self) -> bool:

@@ -35,7 +35,13 @@ from torch import Tensor
 from kvdrop_engine.connectors.base import KVConnector
 from kvdrop_engine.errors import EngineError
 from kvdrop_engine.paged import PagedKVCache, to_device
-from kvdrop_engine.scheduler import PrefixPlan, follow, plan_prefix, plan_recompute
+from kvdrop_engine.scheduler import (
+    PrefixPlan,
+    decoded_store_upto,
+    follow,
+    plan_prefix,
+    plan_recompute,
+)
 from kvdrop_engine.sequence import LoadState, Request
 from kvdrop_engine.stats import EngineStats
 from kvdrop_sdk.errors import PartialStoreError, SDKError, ServerUnavailableError
@@ -44,7 +50,10 @@ from kvdrop_sdk.window import QueryWindow, TokenScores
 __all__ = [
     "STORE_THREADS",
     "ScoresJob",
+    "StoreDecoded",
     "StoreJob",
+    "StorePrompt",
+    "StoreWindow",
     "Transfers",
     "WindowJob",
     "check_seconds",
@@ -128,6 +137,60 @@ class WindowJob:
             ) from exc
         nbytes = queries.numel() * queries.element_size() + lse.numel() * lse.element_size()
         return int(positions.numel()), nbytes
+
+
+@dataclass(frozen=True)
+class StorePrompt:
+    """(after prefill) Store the prompt's whole chunks of KV (and chunk queries), before the
+    cut changes them; nothing when admission found them all cached. A plan action
+    (:class:`~kvdrop_engine.plan.RequestPlan`)."""
+
+    def run(self, host: Any, req: Request, step: Any) -> bool:
+        if req.store_upto:
+            kv = host.runner.read_kv(req.blocks, req.store_upto)
+            queries = req.take_chunk_queries()
+            tokens = req.prompt[: req.store_upto]
+            host.transfers.submit(
+                req, StoreJob(kv, queries, tokens, req.cache_salt, req.query_offset)
+            )
+        return False
+
+
+@dataclass(frozen=True)
+class StoreDecoded:
+    """(before the last token) Store the KV of the whole chunks the generated tokens completed,
+    keyed by prompt + generated tokens (``store_decoded`` connectors). A plan action."""
+
+    def run(self, host: Any, req: Request, step: Any) -> bool:
+        conn = host.connector
+        upto = decoded_store_upto(req, conn.chunk_size, conn.store_decoded)
+        if upto:
+            kv = host.runner.read_kv(req.blocks, upto)
+            sequence = req.prompt + req.output
+            host.transfers.submit(req, StoreJob(kv, None, sequence[:upto], req.cache_salt))
+        return False
+
+
+@dataclass(frozen=True)
+class StoreWindow:
+    """(before the last token) Store the request's query window with its log-normalisers,
+    keyed by prompt + generated tokens: the one the step computed for every request it ends
+    (``step.windows``), else its own. A plan action."""
+
+    def run(self, host: Any, req: Request, step: Any) -> bool:
+        if req.rid in step.windows:
+            record = step.windows[req.rid]
+        elif req.window is not None:
+            started = time.perf_counter()
+            computed = len(req.prompt) + len(req.output) - 1  # the last token never fed back
+            record = host.runner.window_record(req.blocks, computed, req.window)
+            host.add_seconds("window_seconds", time.perf_counter() - started)
+        else:
+            record = None
+        if record is not None:
+            sequence = req.prompt + req.output
+            host.transfers.submit(req, WindowJob(*record, sequence, req.cache_salt))
+        return False
 
 
 @dataclass

@@ -30,7 +30,7 @@ import torch
 from kvdrop_sdk.cache_kind import CacheKind, KindMap, kind_value
 from kvdrop_sdk.errors import EditTimeoutError, RequestStreamError
 from kvdrop_sdk.protocol import scoped_salt
-from kvdrop_sdk.validate import is_int, token_ids
+from kvdrop_sdk.validate import check_fields, is_int, token_ids
 
 __all__ = [
     "EDIT_CONTEXT_ATTR",
@@ -160,12 +160,7 @@ class EditContext:
             raise ValueError(f"EditContext.protected must be an int >= 0, got {self.protected!r}")
         if self.rope is not None and not isinstance(self.rope, Mapping):
             raise ValueError(f"EditContext.rope must be a mapping or None, got {self.rope!r}")
-        for name in ("head_dim", "chunk_size"):
-            value = getattr(self, name)
-            if value is not None and (not is_int(value) or value <= 0):
-                raise ValueError(
-                    f"EditContext.{name} must be a positive int or None, got {value!r}"
-                )
+        check_fields(self, optional_ints={"head_dim": 1, "chunk_size": 1})
         ts = self.token_scores
         if ts is not None and (
             not isinstance(ts, torch.Tensor) or ts.dim() != 3 or not ts.is_floating_point()

@@ -28,7 +28,6 @@ import ctypes
 import io
 import json
 import logging
-import math
 import os
 import re
 import socket
@@ -38,7 +37,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
 
-from kvdrop_sdk.validate import json_surrogate
+from kvdrop_sdk.validate import check_fields, json_surrogate
 
 __all__ = [
     "HTTPLimitError",
@@ -92,21 +91,12 @@ class HTTPLimits:
     max_log_chars: int = 200
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_json_depth", "max_json_containers"):
-            _check_int(name, getattr(self, name), 1)
-        _check_int("max_json_values", self.max_json_values, 1)
-        _check_int("max_connections", self.max_connections, 1)
-        _check_int("max_log_chars", self.max_log_chars, 16)
-        for name in ("request_timeout_s", "idle_timeout_s"):
-            value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not (ok and math.isfinite(value) and 0 < value <= 86400):
-                raise ValueError(f"HTTPLimits.{name} must be in (0, 86400] seconds, got {value!r}")
-
-
-def _check_int(name: str, value: object, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"HTTPLimits.{name} must be an int >= {low}, got {value!r}")
+        positive = ("max_body_bytes", "max_json_depth", "max_json_containers", "max_json_values")
+        check_fields(
+            self,
+            ints={**dict.fromkeys(positive, 1), "max_connections": 1, "max_log_chars": 16},
+            numbers={"request_timeout_s": (0, 86400), "idle_timeout_s": (0, 86400)},
+        )
 
 
 # -- JSON -----------------------------------------------------------------------------------------

@@ -1,15 +1,20 @@
 """What an edit reads beside the KV, and what the engine captures for it: one owner.
 
-An edit function declares what it reads with two attributes:
+An edit function declares what it reads with these attributes:
 
 * ``queries`` (a :class:`QueryNeed`): ``NONE`` (keys and values only), ``WINDOW`` (query rows at
   any positions: the lean window, the last ``window`` positions of the whole sequence plus every
   ``stride``-th one, with log-normalisers) or ``FULL`` (the query of every cached token, in whole
   chunks: upstream's layout);
 * ``token_scores`` (a bool): per-token scores the engine computes with the model after prefill
-  (KVzip's reconstruction pass, ``EditContext.token_scores``).
+  (KVzip's reconstruction pass, ``EditContext.token_scores``);
+* ``reads_values`` and ``reads_keys`` (bools, default True): whether it reads ``kv[1]`` and
+  ``kv[0]``. Together they are ``Needs.kv`` (a :class:`KVNeed`): ``NONE`` (an index-only edit,
+  e.g. chunk-halving: the SDK has the server keep the chosen rows, no KV crosses the link),
+  ``KEYS`` (e.g. knorm, snapkv: only the keys are fetched) or ``ALL`` (values too, or undeclared:
+  the whole KV is fetched and the edit's bytes are stored, upstream's path).
 
-:func:`needs_of` reads both into one frozen :class:`Needs`, with one default for a function that
+:func:`needs_of` reads them into one frozen :class:`Needs`, with one default for a function that
 declares nothing (upstream's: every query, no scores); it is the only place that tests the
 declarations. :meth:`QueryCapture.for_policies` derives the engine's capture from the needs of
 every policy it will serve; demo, eval, benchmarks and the engine's command call it, connectors
@@ -33,6 +38,7 @@ __all__ = [
     "DEFAULT_QUERY_WINDOW",
     "UPSTREAM_CAPTURE",
     "UPSTREAM_NEEDS",
+    "KVNeed",
     "Needs",
     "QueryCapture",
     "QueryNeed",
@@ -66,6 +72,21 @@ class QueryNeed(str, enum.Enum):
 _RANK = {QueryNeed.NONE: 0, QueryNeed.WINDOW: 1, QueryNeed.FULL: 2}
 
 
+class KVNeed(str, enum.Enum):
+    """Which of the cached KV an edit reads; ordered ``NONE < KEYS < ALL``."""
+
+    NONE = "none"
+    KEYS = "keys"
+    ALL = "all"
+
+    @property
+    def rank(self) -> int:
+        return _KV_RANK[self]
+
+
+_KV_RANK = {KVNeed.NONE: 0, KVNeed.KEYS: 1, KVNeed.ALL: 2}
+
+
 @runtime_checkable
 class _DeclaresNeeds(Protocol):
     @property
@@ -84,13 +105,27 @@ class _DeclaresTokenScores(Protocol):
     def token_scores(self) -> bool: ...
 
 
+@runtime_checkable
+class _DeclaresValueReads(Protocol):
+    @property
+    def reads_values(self) -> bool: ...
+
+
+@runtime_checkable
+class _DeclaresKeyReads(Protocol):
+    @property
+    def reads_keys(self) -> bool: ...
+
+
 @dataclass(frozen=True)
 class Needs:
-    """What one edit function reads beside the KV: which ``queries``, and whether the engine's
-    ``token_scores``. Combine with ``|`` (the widest of both)."""
+    """What one edit function reads: which ``queries``, whether the engine's ``token_scores``,
+    and which of the cached ``kv`` (a :class:`KVNeed`; the SDK moves only that). Combine with
+    ``|`` (the widest of both)."""
 
     queries: QueryNeed = QueryNeed.FULL
     token_scores: bool = False
+    kv: KVNeed = KVNeed.ALL
 
     def __post_init__(self) -> None:
         try:
@@ -100,6 +135,11 @@ class Needs:
             raise ValueError(f"queries must be one of {modes}, got {self.queries!r}") from None
         if not isinstance(self.token_scores, bool):
             raise ValueError(f"token_scores must be a bool, got {self.token_scores!r}")
+        try:
+            object.__setattr__(self, "kv", KVNeed(self.kv))
+        except ValueError:
+            modes = [m.value for m in KVNeed]
+            raise ValueError(f"kv must be one of {modes}, got {self.kv!r}") from None
 
     @property
     def reads_queries(self) -> bool:
@@ -108,26 +148,39 @@ class Needs:
 
     def __or__(self, other: Needs) -> Needs:
         wider = max(self.queries, other.queries, key=lambda q: q.rank)
-        return Needs(wider, self.token_scores or other.token_scores)
+        kv = max(self.kv, other.kv, key=lambda k: k.rank)
+        return Needs(wider, self.token_scores or other.token_scores, kv)
 
 
 #: The needs of a function that declares nothing: upstream's edit functions read the full
-#: queries (when the engine stores them) and know no token scores.
-UPSTREAM_NEEDS = Needs(QueryNeed.FULL, False)
-#: Keys and values only (the start of a union).
-NO_NEEDS = Needs(QueryNeed.NONE, False)
+#: queries (when the engine stores them), the whole KV, and know no token scores.
+UPSTREAM_NEEDS = Needs(QueryNeed.FULL, False, KVNeed.ALL)
+#: Nothing at all (the start of a union).
+NO_NEEDS = Needs(QueryNeed.NONE, False, KVNeed.NONE)
 
 
 def needs_of(fn: object, default: Needs = UPSTREAM_NEEDS) -> Needs:
     """What ``fn`` reads: its ``needs`` when it declares them whole (every kvdrop policy), else
-    its declared ``queries`` and ``token_scores``, each defaulting to ``default``'s (upstream's;
-    a plugin factory's declaration for the functions it builds). The one reader of those
-    declarations."""
+    its declared ``queries``, ``token_scores`` and ``reads_values`` / ``reads_keys``, each
+    defaulting to ``default``'s (upstream's; a plugin factory's declaration for the functions it
+    builds). The one reader of those declarations."""
     if isinstance(fn, _DeclaresNeeds) and isinstance(fn.needs, Needs):
         return fn.needs
     queries = fn.queries if isinstance(fn, _DeclaresQueries) else default.queries
     scores = fn.token_scores if isinstance(fn, _DeclaresTokenScores) else default.token_scores
-    return Needs(QueryNeed(queries), bool(scores))
+    return Needs(QueryNeed(queries), bool(scores), _kv_need(fn, default.kv))
+
+
+def _kv_need(fn: object, default: KVNeed) -> KVNeed:
+    """``Needs.kv`` from ``reads_values`` and ``reads_keys`` (each True when not declared);
+    ``default`` when neither is declared."""
+    values = fn.reads_values if isinstance(fn, _DeclaresValueReads) else None
+    keys = fn.reads_keys if isinstance(fn, _DeclaresKeyReads) else None
+    if values is None and keys is None:
+        return default
+    if values is None or bool(values):
+        return KVNeed.ALL
+    return KVNeed.NONE if keys is not None and not bool(keys) else KVNeed.KEYS
 
 
 @dataclass(frozen=True)

@@ -149,18 +149,30 @@ def check_fields(
     obj: object,
     *,
     ints: Mapping[str, int] | None = None,
+    optional_ints: Mapping[str, int] | None = None,
+    numbers: Mapping[str, tuple[float, float]] | None = None,
     bools: Iterable[str] = (),
     error: type[Exception] = ValueError,
 ) -> None:
     """The one check of a dataclass's plain fields: each of ``ints`` an int (not a bool) ``>=``
-    its minimum, each of ``bools`` a bool; else ``error`` naming ``Class.field``, what it must
-    be and what it was."""
+    its minimum, each of ``optional_ints`` that or None, each of ``numbers`` a finite number in
+    ``(low, high]``, each of ``bools`` a bool; else ``error`` naming ``Class.field``, what it
+    must be and what it was."""
     owner = type(obj).__name__
     for name, low in (ints or {}).items():
         value = getattr(obj, name)
         if not is_int(value) or value < low:
             expected = "a positive int" if low == 1 else f"an int >= {low}"
             raise error(f"{owner}.{name} must be {expected}, got {value!r}")
+    for name, low in (optional_ints or {}).items():
+        value = getattr(obj, name)
+        if value is not None and (not is_int(value) or value < low):
+            expected = "a positive int" if low == 1 else f"an int >= {low}"
+            raise error(f"{owner}.{name} must be {expected} or None, got {value!r}")
+    for name, (low, high) in (numbers or {}).items():
+        value = getattr(obj, name)
+        if not is_number(value) or not math.isfinite(value) or not low < value <= high:
+            raise error(f"{owner}.{name} must be in ({low:g}, {high:g}], got {value!r}")
     for name in bools:
         value = getattr(obj, name)
         if not isinstance(value, bool):

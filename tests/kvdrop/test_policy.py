@@ -83,13 +83,15 @@ def test_a_scorer_that_asks_gets_the_selection_of_its_own_budget() -> None:
     assert SEEN[-1].budget == 16, "a composition part sees its share"
 
 
-@pytest.mark.parametrize("name", ["knorm", "lagkv"])
-@pytest.mark.parametrize("where", [(0, 0, 5, 0), (1, 0, 20, 3)])
+@pytest.mark.parametrize(
+    ("name", "where"),
+    [("knorm", (0, 0, 5, 0)), ("lagkv", (0, 0, 5, 0)), ("lagkv", (1, 0, 20, 3))],
+)
 def test_nan_kv_is_an_input_error_naming_the_policy(
     name: str, where: tuple[int, int, int, int]
 ) -> None:
-    """NaN keys and values are refused before scoring, like NaN scores (``lagkv`` ranked a NaN
-    key as an ordinary token and dropped it silently)."""
+    """NaN keys and values a scorer reads are refused before scoring, like NaN scores
+    (``lagkv`` ranked a NaN key as an ordinary token and dropped it silently)."""
     kv = torch.randn(2, 1, 32, 8)
     kv[where] = float("nan")
     with pytest.raises(
@@ -99,6 +101,18 @@ def test_nan_kv_is_an_input_error_naming_the_policy(
         kvdrop.get(name, keep_tokens=8, chunk_size=8)({CacheKind.KV: kv}, list(range(32)))
     # Within budget nothing is scored, so nothing is wrong.
     kvdrop.get(name, keep_tokens=32, chunk_size=8)({CacheKind.KV: kv}, list(range(32)))
+
+
+def test_bytes_a_scorer_does_not_read_are_not_checked() -> None:
+    """knorm reads the keys only (``Needs.kv`` KEYS): NaN values are not its input, so the SDK
+    can hand it keys alone; chunk-halving reads no byte at all."""
+    kv = torch.randn(2, 1, 32, 8)
+    kv[1] = float("nan")
+    kept, _ = kvdrop.get("knorm", keep_tokens=8, chunk_size=8)({CacheKind.KV: kv}, list(range(32)))
+    assert kept.shape[2] == 8
+    kv[0] = float("nan")
+    kept, _ = kvdrop.get("chunk-halving", chunk_size=8)({CacheKind.KV: kv}, list(range(32)))
+    assert kept.shape[2] < 32
 
 
 @dataclass

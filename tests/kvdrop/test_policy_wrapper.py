@@ -15,7 +15,7 @@ from kvdrop.inputs import EditInputs, edit_inputs
 from kvdrop_rope import RopeConfig
 from kvdrop_sdk import CacheKind
 from kvdrop_sdk.edit import EditContext
-from kvdrop_sdk.query_capture import Needs, QueryCapture, QueryNeed
+from kvdrop_sdk.query_capture import KVNeed, Needs, QueryCapture, QueryNeed
 
 
 class Logged(kvdrop.PolicyWrapper):
@@ -38,8 +38,8 @@ class Logged(kvdrop.PolicyWrapper):
 
 def test_a_users_wrapper_declares_what_its_policy_reads() -> None:
     kvzip, snapkv = Logged(kvdrop.get("kvzip")), Logged(kvdrop.get("snapkv", keep_ratio=0.5))
-    assert kvdrop.needs_of(kvzip) == Needs(QueryNeed.NONE, True)
-    assert kvdrop.needs_of(snapkv) == Needs(QueryNeed.WINDOW, False)
+    assert kvdrop.needs_of(kvzip) == Needs(QueryNeed.NONE, True, KVNeed.NONE)
+    assert kvdrop.needs_of(snapkv) == Needs(QueryNeed.WINDOW, False, KVNeed.KEYS)
     assert snapkv.name == "snapkv" and snapkv.rerotate
     capture = QueryCapture.for_policies([kvzip, snapkv])
     assert capture.mode is QueryNeed.WINDOW and capture.scores

@@ -173,11 +173,12 @@ def test_cli_list_table_and_json() -> None:
     table = run_cli("list")
     assert table.returncode == 0, table.stderr
     header = table.stdout.splitlines()[0].split()
-    assert header == ["name", "needs_query", "summary"]
+    assert header == ["name", "queries", "summary"]  # none, window or full
     assert "value-norm" in table.stdout
     rows = json.loads(run_cli("list", "--json").stdout)
     assert BUILTINS | {"value-norm"} <= {r["name"] for r in rows}
-    assert all(set(r) >= {"name", "needs_query", "summary"} for r in rows)
+    assert all(set(r) >= {"name", "queries", "summary"} for r in rows)
+    assert {r["name"]: r["queries"] for r in rows}["snapkv"] == "window"
 
 
 def test_cli_list_with_a_broken_plugin_warns_and_lists_the_rest(tmp_path: Path) -> None:

@@ -11,17 +11,14 @@ import pytest
 import requests
 import torch
 
-import kvdrop
 from kvdrop.cli import main
 from kvdrop_engine.decode_cut import DecodeCompressor, parse_decode
+from kvdrop_engine.decode_reference import DenseDecode
 from kvdrop_engine.drop import PromptDropper
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.errors import EngineSetupError, InvalidRequestError
 from kvdrop_engine.loading import preset_config
-from kvdrop_engine.model import DenseAttention, Transformer
-from kvdrop_sdk import CacheKind
-from kvdrop_sdk.edit import EditContext
-from kvdrop_sdk.query_capture import DEFAULT_QUERY_WINDOW, QueryNeed
+from kvdrop_engine.model import Transformer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,90 +36,18 @@ def prompt_of(n: int, seed: int = 1) -> list[int]:
     return torch.randint(3, 200, (n,), generator=gen).tolist()
 
 
-class _Recording(DenseAttention):
-    """A dense cache that keeps each layer's queries of the last call."""
-
-    def __init__(self, config, capacity: int = 256) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(config, capacity)
-        self.q: list[torch.Tensor] = [torch.empty(0)] * config.num_layers
-
-    def __call__(self, layer, q, k, v):  # type: ignore[no-untyped-def]
-        self.q[layer] = q.detach().clone()
-        return super().__call__(layer, q, k, v)
-
-    def keep(self, index: torch.Tensor) -> None:
-        """Keep only the rows at ``index`` (in order) of every layer."""
-        n = self.length
-        for layer in range(self.config.num_layers):
-            k, v = self._k[layer], self._v[layer]
-            assert k is not None and v is not None
-            self._k[layer] = k[:, :n][:, index].clone()
-            self._v[layer] = v[:, :n][:, index].clone()
-        self.length = self._capacity = int(index.numel())
-
-
 def dense_decode_cut(
-    model: Transformer,
-    prompt: list[int],
-    spec: str,
-    budget: int,
-    every: int,
-    steps: int,
-    n_sink: int = 4,
+    model: Transformer, prompt: list[int], spec: str, budget: int, every: int, steps: int
 ) -> tuple[list[int], torch.Tensor]:
-    """Greedy decoding on a dense cache, cut by the policy itself whenever the next token
-    would pass ``budget + every`` (observing the queries of the last 64 tokens computed since
-    the last cut); decoded tokens keep their true positions. Returns the tokens and the true
-    positions of the rows held at the end."""
-    cfg = model.config
-    policy = kvdrop.get(spec, keep_tokens=budget, chunk_size=1, n_sink=n_sink, rerotate=False)
-    reads = policy.queries is not QueryNeed.NONE
-    cache = _Recording(cfg)
-    with torch.inference_mode():
-        logits = model(torch.tensor(prompt), torch.arange(len(prompt)), cache)
-        window = DEFAULT_QUERY_WINDOW
-        first = max(0, len(prompt) - window)
-        rows = [(p, torch.stack([q[p] for q in cache.q])) for p in range(first, len(prompt))]
-        positions = torch.arange(len(prompt))
-        sequence = list(prompt)
-        out = [int(logits[-1].argmax())]
-        while len(out) < steps:
-            n = cache.length
-            if n + 1 > budget + every and (rows or not reads):
-                kv = torch.stack(
-                    [
-                        torch.stack([cache.keys(i).reshape(n, -1) for i in range(cfg.num_layers)]),
-                        torch.stack(
-                            [cache.values(i).reshape(n, -1) for i in range(cfg.num_layers)]
-                        ),
-                    ]
-                )
-                tensors = {CacheKind.KV: kv}
-                qpos = None
-                if reads:
-                    kept_rows = rows[-window:]
-                    qpos = torch.tensor([p for p, _ in kept_rows])
-                    q = torch.stack([r for _, r in kept_rows], dim=1)  # [L, r, Hq, d]
-                    tensors[CacheKind.QUERY] = q.reshape(1, q.shape[0], q.shape[1], -1)
-                context = EditContext(
-                    positions=positions,
-                    query_positions=qpos,
-                    rope=cfg.rope.to_json(),
-                    prompt_tokens=n,
-                    head_dim=cfg.head_dim,
-                )
-                tokens = [sequence[p] for p in positions.tolist()]
-                _, index = policy.select_indices(tensors, tokens, context=context)
-                cache.keep(index)
-                positions = positions[index]
-                rows = []
-            sequence.append(out[-1])
-            true_position = len(sequence) - 1
-            logits = model(torch.tensor(out[-1:]), torch.tensor([true_position]), cache)
-            rows.append((cache.length - 1, torch.stack([q[0] for q in cache.q])))
-            positions = torch.cat([positions, torch.tensor([true_position])])
-            out.append(int(logits[-1].argmax()))
-    return out, positions
+    """Greedy decoding on a dense cache cut by the same policy at the same points
+    (:class:`~kvdrop_engine.decode_reference.DenseDecode`); the tokens and the true positions
+    of the rows held at the end."""
+    compressor = DecodeCompressor(model.config, spec, budget=budget, every=every)
+    dense = DenseDecode(model, compressor.default, compressor)
+    out = [int(dense.prefill(prompt).argmax())]
+    while len(out) < steps:
+        out.append(int(dense.feed(out[-1]).argmax()))
+    return out, dense.positions
 
 
 @pytest.mark.parametrize("spec", ["rkv", "knorm"])
@@ -410,3 +335,22 @@ def test_engine_cli_refuses_bad_decode_flags(
     assert main(["engine", "--random-preset", "tiny", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("kvdrop engine: error: ") and fragment in err, err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec", ["rkv", "knorm"])
+def test_decode_graphs_cut_like_the_eager_forward(spec: str) -> None:
+    """On a GPU, decode steps replayed from CUDA graphs keep the same query rows and positions
+    as eager steps: both engines cut and decode the same tokens."""
+    gpu = Transformer.random(preset_config("tiny"), seed=0, device="cuda")
+    prompts = [prompt_of(n, 20 + n) for n in (30, 70, 110)]
+    params = {"max_tokens": 160, **GREEDY}
+    outs = []
+    for graphs in (True, False):
+        compressor = DecodeCompressor(gpu.config, spec, budget=48, every=16)
+        with Engine(gpu, num_blocks=64, compressor=compressor, cuda_graphs=graphs) as engine:
+            assert (engine.graphs is not None) is graphs
+            streams = [engine.post_completion(p, params) for p in prompts]
+            outs.append([[e.token_id for e in s] for s in streams])
+            assert engine.stats().decode_cuts >= 3 * 6
+    assert outs[0] == outs[1]

@@ -149,7 +149,10 @@ def test_overrides_and_threshold(model: Transformer) -> None:
         assert kept(engine, {"kvdrop": {"policy": "knorm", "keep_ratio": 0.75}}) == 150
         assert kept(engine, {"kvdrop": {"policy": "value-norm"}}) == 100  # a plugin's policy
         assert kept(engine, {}, prompt[:120]) == 120  # under the threshold: left whole
-        assert engine.stats().prompt_cuts == 4
+        # A request's own threshold (a per-request option: parse_override and choose only).
+        assert kept(engine, {"kvdrop": {"min_drop_tokens": 100}}, prompt[:120]) == 60
+        assert kept(engine, {"kvdrop": {"min_drop_tokens": 250}}) == 200
+        assert engine.stats().prompt_cuts == 5
     with Engine(model, num_blocks=64, dropper=PromptDropper(model.config)) as engine:
         assert kept(engine, {}) is None  # no default policy: nothing to report
         assert kept(engine, {"kvdrop": {"policy": "streaming", "keep_ratio": 0.5}}) == 100
@@ -193,6 +196,7 @@ def test_a_spec_keep_ratio_is_the_engines_one_rule(model: Transformer) -> None:
         ({"keep_ratio": 0}, "'kvdrop.keep_ratio' must be a number in (0, 1]"),
         ({"keep_ratio": True}, "'kvdrop.keep_ratio'"),
         ({"ratio": 0.5}, "unknown key(s) ['ratio']"),
+        ({"min_drop_tokens": 0}, "'kvdrop.min_drop_tokens' must be an int >= 1, got 0"),
         ({"policy": "no-such-policy"}, "no-such-policy"),
         ({"policy": "snapkv", "keep_ratio": 0.5, "window": 8}, "unknown key(s) ['window']"),
         ({"policy": "snapkv(head_dim=12)"}, "cannot run on this model"),

@@ -8,8 +8,10 @@ from typing import Any
 import pytest
 
 import kvdrop
+from kvdrop.function_policy import FunctionPolicy
 from kvdrop_sdk.query_capture import (
     UPSTREAM_NEEDS,
+    KVNeed,
     Needs,
     QueryCapture,
     QueryNeed,
@@ -35,8 +37,39 @@ def test_a_function_that_declares_nothing_gets_upstreams_full_queries() -> None:
     assert needs_of(plain) == UPSTREAM_NEEDS == Needs(QueryNeed.FULL, False)
     assert needs_of(Declares()) == Needs(QueryNeed.WINDOW, True)
     assert needs_of(plain, default=Needs(QueryNeed.NONE)) == Needs(QueryNeed.NONE)
-    assert needs_of(kvdrop.get("knorm")) == Needs(QueryNeed.NONE)
-    assert needs_of(kvdrop.get("kvzip")) == Needs(QueryNeed.NONE, True)
+    assert needs_of(kvdrop.get("knorm")) == Needs(QueryNeed.NONE, kv=KVNeed.KEYS)
+    assert needs_of(kvdrop.get("kvzip")) == Needs(QueryNeed.NONE, True, KVNeed.NONE)
+
+
+class KeysOnly:
+    """A plain function that declares it reads the keys only."""
+
+    reads_values = False
+
+    def __call__(self, tensors: Any, tokens: Any) -> Any:
+        return tensors, tokens
+
+
+class ShapeOnly(KeysOnly):
+    reads_keys = False
+
+
+def test_the_kv_an_edit_reads_comes_from_reads_values_and_reads_keys() -> None:
+    """Undeclared: all of it (upstream's); the scorers' flags: keys only or nothing."""
+    assert needs_of(plain).kv is KVNeed.ALL
+    assert needs_of(KeysOnly()).kv is KVNeed.KEYS
+    assert needs_of(ShapeOnly()).kv is KVNeed.NONE
+    assert needs_of(plain, default=Needs(kv=KVNeed.NONE)).kv is KVNeed.NONE
+    read = {name: needs_of(kvdrop.get(name)).kv for name in ("chunk-halving", "streaming")}
+    assert read == {"chunk-halving": KVNeed.NONE, "streaming": KVNeed.NONE}
+    assert needs_of(kvdrop.get("random")).kv is KVNeed.NONE
+    assert needs_of(kvdrop.get("snapkv")).kv is KVNeed.KEYS
+    assert needs_of(kvdrop.get("value-norm")).kv is KVNeed.ALL
+    # A composition reads the widest of its parts; a plain function's policy all of the KV.
+    assert Needs(kv=KVNeed.NONE) | Needs(kv=KVNeed.KEYS) == Needs(kv=KVNeed.KEYS)
+    assert needs_of(FunctionPolicy("shape", ShapeOnly())).kv is KVNeed.ALL
+    with pytest.raises(ValueError, match="kv must be one of"):
+        Needs(kv="values")  # type: ignore[arg-type]
 
 
 def test_needs_combine_to_the_widest_and_refuse_bad_values() -> None:

@@ -6,17 +6,15 @@ Inference in Resource-Constrained Environments", https://arxiv.org/abs/2504.1536
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
 from kvdrop.errors import PolicyParamError
-from kvdrop.inputs import edit_inputs
+from kvdrop.inputs import EditInputs
 from kvdrop.params import check_positive_int
 from kvdrop.policy import QueryNeed, ScorerPolicy, SelectorPolicy
 from kvdrop.selector import Selector
-from kvdrop_sdk.edit import EditContext
+from kvdrop_sdk.query_capture import Needs, needs_of
 
 __all__ = ["Block"]
 
@@ -59,23 +57,16 @@ class Block(SelectorPolicy):
     def queries(self) -> QueryNeed:
         return QueryNeed.NONE
 
+    @property
+    def needs(self) -> Needs:
+        """No queries nor scores; the KV its policy's scorer reads."""
+        return Needs(QueryNeed.NONE, False, needs_of(self.policy).kv)
+
     def with_selector(self, selector: Selector) -> Block:
         return Block(self.policy.with_selector(selector), self.block_size)
 
-    def select_indices(
-        self,
-        tensors: Mapping[Any, torch.Tensor],
-        tokens: Sequence[int],
-        *,
-        context: EditContext | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = edit_inputs(
-            tensors, tokens, policy=self.name, queries=QueryNeed.NONE, context=context
-        )
+    def _select(self, inputs: EditInputs, budget: int) -> torch.Tensor:
         kv, num_tokens = inputs.kv, inputs.num_tokens
-        budget = self.plan_budget(inputs)
-        if budget >= num_tokens:
-            return kv, torch.arange(num_tokens)
         tail = inputs.prompt_tokens - num_tokens
         middle = self.policy.with_selector(dataclasses.replace(self.selector, window=0))
         kept = torch.arange(budget)
@@ -93,4 +84,4 @@ class Block(SelectorPolicy):
                 protected=inputs.protected,
             )
             kept = union[chosen]
-        return kv, kept
+        return kept

@@ -5,16 +5,14 @@ from __future__ import annotations
 import functools
 import operator
 import warnings
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
 from kvdrop.errors import PolicyParamError, PolicyWarning
-from kvdrop.inputs import edit_inputs
+from kvdrop.inputs import EditInputs
 from kvdrop.policy import NeedsPolicy, ScorerPolicy, SelectorPolicy
 from kvdrop.selector import Selector
-from kvdrop_sdk.edit import EditContext
 from kvdrop_sdk.query_capture import Needs, needs_of
 
 __all__ = ["Compose"]
@@ -98,20 +96,8 @@ class Compose(NeedsPolicy, SelectorPolicy):
         out[0] += extra  # budget is chunk-aligned unless it is all of T
         return out
 
-    def select_indices(
-        self,
-        tensors: Mapping[Any, torch.Tensor],
-        tokens: Sequence[int],
-        *,
-        context: EditContext | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = edit_inputs(
-            tensors, tokens, policy=self.name, queries=self.queries, context=context
-        )
+    def _select(self, inputs: EditInputs, budget: int) -> torch.Tensor:
         kv, query, num_tokens = inputs.kv, inputs.query, inputs.num_tokens
-        budget = self.plan_budget(inputs)
-        if budget >= num_tokens:
-            return kv, torch.arange(num_tokens)
         quotas = self.quotas(budget)
         idle = [p.name for p, q in zip(self.parts, quotas) if q == 0]
         if idle:
@@ -120,7 +106,7 @@ class Compose(NeedsPolicy, SelectorPolicy):
                 f"by weights {self.weights} leaves {', '.join(idle)} without tokens; keep more "
                 "(keep_ratio/keep_tokens), use a smaller chunk_size or fewer parts",
                 PolicyWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         chosen = torch.zeros(num_tokens, dtype=torch.bool)
         for part, quota in zip(self.parts, quotas):
@@ -131,4 +117,4 @@ class Compose(NeedsPolicy, SelectorPolicy):
             )
             picked = order[~chosen[order]][:quota]
             chosen[picked] = True
-        return kv, chosen.nonzero().squeeze(1)
+        return chosen.nonzero().squeeze(1)

@@ -109,6 +109,33 @@ def _output_arguments(parser: argparse.ArgumentParser) -> None:
         default=8192,
         help="prompt tokens run at once (memory: about 0.4 MB per token, float32, with queries)",
     )
+    dec = parser.add_argument_group(
+        "decode-time mode (--decode-budget: what a budget while decoding costs, beside full KV; "
+        "--policies, --tasks, --lengths (the first), --num-samples and --max-tokens apply)"
+    )
+    dec.add_argument(
+        "--decode-budget",
+        type=int,
+        metavar="TOKENS",
+        help="cut each sequence back to this many tokens while it decodes (kvdrop engine "
+        "--decode-budget); policies default to rkv snapkv tova streaming",
+    )
+    dec.add_argument(
+        "--decode-every", type=int, default=128, help="generated tokens between cuts (128)"
+    )
+    dec.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=2048,
+        help="teacher-forced continuation per text for top-1 agreement and KL (2048)",
+    )
+    dec.add_argument(
+        "--preface-tokens",
+        type=int,
+        default=0,
+        help="tokens the model writes after the context before the question is asked "
+        "(accuracy on the cut cache; 0 = fidelity only)",
+    )
     out = parser.add_argument_group("output")
     out.add_argument(
         "--results",
@@ -148,8 +175,50 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     )
 
 
+def run_decode(args: argparse.Namespace) -> int:
+    """``kvdrop eval --decode-budget``: the decode-time fidelity (and accuracy after a preface)
+    report (:mod:`kvdrop.experiments.decode_eval`)."""
+    from kvdrop.experiments.decode_eval import (
+        DEFAULT_DECODE_POLICIES,
+        DecodeEvalConfig,
+        format_decode_report,
+        run_decode_eval,
+    )
+    from kvdrop.experiments.tasks import DEFAULT_TASKS
+
+    config = DecodeEvalConfig(
+        budget=args.decode_budget,
+        every=args.decode_every,
+        decode_tokens=args.decode_tokens,
+        preface_tokens=args.preface_tokens,
+        policies=tuple(args.policies or DEFAULT_DECODE_POLICIES),
+        tasks=tuple(args.tasks or DEFAULT_TASKS),
+        length=args.lengths[0] if args.lengths else 512,
+        num_samples=args.num_samples or 2,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    log = (lambda msg: None) if args.no_progress else (lambda msg: print(msg, file=sys.stderr))
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        report = run_decode_eval(config, log=log)
+    except (ValueError, KeyError) as exc:
+        print(f"kvdrop eval: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_decode_report(report))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the grid and print the report; 0 on success, 2 on bad flags or a missing extra."""
+    if args.decode_budget is not None:
+        return run_decode(args)
     import kvdrop
     from kvdrop.commands.progress import ProgressBar
     from kvdrop.experiments.eval import run_eval

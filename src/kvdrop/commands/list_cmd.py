@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append(
             {
                 "name": name,
-                "needs_query": info.needs.reads_queries,
+                "queries": info.queries.value,
                 "summary": info.summary,
                 "source": source(name),
             }
@@ -29,5 +29,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        print(format_table(rows, ["name", "needs_query", "summary"]))
+        print(format_table(rows, ["name", "queries", "summary"]))
     return 0

@@ -219,49 +219,20 @@ def reconstruction_prompt(model: Any, tokenizer: Any) -> Any:
     return ReconstructionPrompt.from_tokenizer(tokenizer)
 
 
-def _window_positions(num_tokens: int, capture: QueryCapture) -> list[int]:
-    """Positions of the query rows the engine keeps of a ``num_tokens``-token prompt."""
-    if capture.full:
-        return list(range(num_tokens))
-    strided = set(range(0, num_tokens, capture.stride)) if capture.stride else set()
-    return sorted(strided | set(range(max(0, num_tokens - capture.window), num_tokens)))
-
-
 def check_policies(
     policies: Mapping[str, Any], cfg: Any, capture: QueryCapture, chunk_size: int
 ) -> None:
     """Run every policy once on random tensors of the model's layout (two chunks; query rows as
     the engine captures them): a policy that cannot edit this model's caches (e.g. a ``head_dim``
     that does not divide the widths) raises :class:`HarnessError` before any prefill runs."""
-    import torch
+    from kvdrop_sdk.dry_run import dry_run_inputs
 
-    from kvdrop_sdk.cache_kind import CacheKind
-    from kvdrop_sdk.edit import EditContext
-
-    num_tokens = 2 * chunk_size
-    gen = torch.Generator().manual_seed(0)
-    width = cfg.num_kv_heads * cfg.head_dim
-    kv = torch.randn(2, cfg.num_layers, num_tokens, width, generator=gen)
-    rows = _window_positions(num_tokens, capture)
-    query = torch.randn(1, cfg.num_layers, len(rows), cfg.num_heads * cfg.head_dim, generator=gen)
-    scores = torch.rand(cfg.num_layers, cfg.num_kv_heads, num_tokens, generator=gen)
     for name, fn in policies.items():
-        tensors = {CacheKind.KV: kv}
-        served = capture.serves(needs_of(fn))
-        if served.reads_queries:
-            tensors[CacheKind.QUERY] = query
-        context = EditContext(
-            positions=torch.arange(num_tokens),
-            query_positions=torch.tensor(rows) if CacheKind.QUERY in tensors else None,
-            prompt_tokens=num_tokens,
-            head_dim=cfg.head_dim,
-            chunk_size=chunk_size,
-            token_scores=scores if needs_of(fn).token_scores else None,
-        )
+        run = dry_run_inputs(cfg, 2 * chunk_size, needs_of(fn), capture, chunk_size=chunk_size)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a dry run: no RoPE here, no budget advice
-                fn(tensors, list(range(num_tokens)), context=context)
+                fn(run.tensors, run.tokens, context=run.context)
         except (ValueError, TypeError, RuntimeError, IndexError) as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise HarnessError(

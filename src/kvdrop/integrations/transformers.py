@@ -37,7 +37,7 @@ from kvdrop_sdk import CacheKind
 from kvdrop_sdk.edit import EditContext
 from kvdrop_sdk.query_capture import needs_of
 
-__all__ = ["Compressed", "KVDropPress", "hf_reconstruction_prompt"]
+__all__ = ["Compressed", "KVDropPress", "Prefilled", "hf_reconstruction_prompt"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,20 @@ class Compressed:
 def _config_dict(model: Any) -> dict[str, Any]:
     """The model's ``config.json`` as a dict (what RoPE and the head count are read from)."""
     return dict(model.config.to_dict())
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """A prompt after :meth:`KVDropPress.prefill`, before selection: the whole ``input_ids``,
+    how many were prefilled, their KV ``[2, L, T, Hkv*d]`` and post-RoPE queries
+    ``[1, L, T, Hq*d]``, the model's RoPE, and KVzip's scores ``[L, Hkv, T]`` if computed."""
+
+    input_ids: torch.Tensor
+    prefilled: int
+    kv: torch.Tensor
+    queries: torch.Tensor
+    rope: RopeConfig
+    token_scores: torch.Tensor | None = None
 
 
 class _QueryCapture:
@@ -145,6 +159,13 @@ class KVDropPress:
 
     def compress(self, model: Any, input_ids: torch.Tensor) -> Compressed:
         """Prefill ``input_ids [1, N]`` (but the tail), select, and return the smaller cache."""
+        return self.select(model, self.prefill(model, input_ids))
+
+    def prefill(self, model: Any, input_ids: torch.Tensor) -> Prefilled:
+        """Step 1 of :meth:`compress`: the prefill of ``input_ids [1, N]`` but the tail, with
+        every layer's queries and (when this press's policy reads them) KVzip's scores. Several
+        presses of the same ``tail`` may :meth:`select` from one prefill (a press reading token
+        scores needs one made by a press that reads them too)."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids must be [1, N] (batch 1), got {tuple(input_ids.shape)}")
         total = input_ids.shape[1]
@@ -160,7 +181,7 @@ class KVDropPress:
             with torch.no_grad():
                 model(input_ids[:, :prefill], **{_cache_keyword(model): cache}, use_cache=True)
                 kv = _cache_tensor(cache)
-                tensors = {CacheKind.KV: kv, CacheKind.QUERY: capture.tensor(kv.shape[1])}
+                queries = capture.tensor(kv.shape[1])
                 scores = None
                 if self.needs.token_scores:
                     scores = _reconstruction_scores(
@@ -168,14 +189,29 @@ class KVDropPress:
                     )
         finally:
             capture.close()
-        if not self.needs.reads_queries:
-            del tensors[CacheKind.QUERY]
+        return Prefilled(input_ids, prefill, kv, queries, rope, scores)
+
+    def select(self, model: Any, prefilled: Prefilled) -> Compressed:
+        """Step 2 of :meth:`compress`: this press's policy keeps its tokens of ``prefilled``
+        and the smaller cache is built from the kept rows (re-rotated unless ``rerotate``)."""
+        if prefilled.input_ids.shape[1] - prefilled.prefilled != self.tail:
+            raise ValueError(
+                f"this press has tail={self.tail}; the prefill left "
+                f"{prefilled.input_ids.shape[1] - prefilled.prefilled} tokens"
+            )
+        if self.needs.token_scores and prefilled.token_scores is None:
+            raise ValueError(f"{self.policy.name} reads token scores; the prefill has none")
+        kv, rope, prefill = prefilled.kv, prefilled.rope, prefilled.prefilled
+        tensors = {CacheKind.KV: kv}
+        if self.needs.reads_queries:
+            tensors[CacheKind.QUERY] = prefilled.queries
+        tokens = prefilled.input_ids[0, :prefill].tolist()
         context = EditContext(
             positions=torch.arange(prefill),
             rope=rope.to_json() if self.rerotate else None,
             prompt_tokens=prefill,
             head_dim=rope.head_dim,
-            token_scores=scores,
+            token_scores=prefilled.token_scores,
         )
         selected, index = self.policy.select_indices(tensors, tokens, context=context)
         kept_kv, _ = self.policy.keep(selected, tokens, index, context=context)
@@ -185,8 +221,9 @@ class KVDropPress:
             keys, values = (_heads(kept_kv[i, layer], heads) for i in (0, 1))
             smaller.update(keys, values, layer)
         kept = index.tolist()
+        input_ids = prefilled.input_ids
         ids = torch.cat([input_ids[:, :prefill][:, kept], input_ids[:, prefill:]], dim=1)
-        return Compressed(smaller, ids, kept, prefill, scores)
+        return Compressed(smaller, ids, kept, prefill, prefilled.token_scores)
 
     def generate(self, model: Any, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """``model.generate`` from the compressed cache; returns the prompt followed by the new

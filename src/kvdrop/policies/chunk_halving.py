@@ -25,6 +25,7 @@ class ChunkHalvingScorer(Scorer):
 
     needs_selection = True  # ranks the selector's chunks
     reads_values = False
+    reads_keys = False  # only the KV's shape
 
     def score(
         self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection

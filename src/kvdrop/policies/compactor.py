@@ -40,7 +40,8 @@ class CompactorScorer(Scorer):
     receives inside non-causal chunks of ``chunk_length`` tokens, times ``||v||``
     (:class:`~kvdrop.policies.non_causal_attn.NonCausalAttnScorer`), both over those tokens only;
     then combined over KV heads and layers. ``blending=None`` (kvpress's default) is the
-    fraction dropped, ``1 - budget / T``. Reads every cached token's query
+    compression ratio asked, ``1 - keep_ratio`` (``1 - budget / T`` under ``keep_tokens``).
+    Reads every cached token's query
     (``QueryNeed.FULL``: the engine's ``--query-capture full``).
     """
 
@@ -64,7 +65,7 @@ class CompactorScorer(Scorer):
     seed: int = param(0, "seed of the sketch", allowed="an int >= 0", check=lambda n: n >= 0)
     blending: float | None = param(
         None,
-        "weight of the leverage scores; None = the fraction of tokens dropped",
+        "weight of the leverage scores; None = 1 - keep_ratio (kvpress's compression ratio)",
         allowed="None or a float >= 0",
         check=_blending_ok,
     )
@@ -98,8 +99,12 @@ class CompactorScorer(Scorer):
         return reduce(reduce(full, 1, self.head_agg), 0, self.layer_agg)
 
     def _blending(self, selection: Selection) -> float:
+        """``blending``, else kvpress's default, its compression ratio: ``1 - keep_ratio`` as
+        asked (not the chunk-aligned budget), or ``1 - budget / T`` under ``keep_tokens``."""
         if self.blending is not None:
             return self.blending
+        if selection.selector.keep_ratio is not None:
+            return 1.0 - selection.selector.keep_ratio
         return 1.0 - selection.budget / max(selection.num_tokens, 1)
 
 

@@ -46,6 +46,7 @@ class KVzipScorer(Scorer):
     needs_selection = True  # reads selection.token_scores
     token_scores = True
     reads_values = False
+    reads_keys = False  # only the KV's shape
     head_agg: str = head_agg_param("max", "how the KV heads of a layer combine")
     layer_agg: str = layer_agg_param("mean", "how layers combine")
     kernel: int = odd_kernel(1)

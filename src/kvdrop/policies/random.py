@@ -1,4 +1,4 @@
-"""``random``: seeded uniform random tokens, the last chunk always kept (a baseline)."""
+"""``random``: seeded uniform random tokens (a baseline; kvpress's ``RandomPress``)."""
 
 from __future__ import annotations
 
@@ -8,31 +8,27 @@ import torch
 
 from kvdrop.factories import ScorerFactory
 from kvdrop.params import param
-from kvdrop.policies._common import KEEP_LAST
 from kvdrop.policy import Scorer
-from kvdrop.selector import Selection
 
 __all__ = ["RandomScorer", "random"]
 
 
 @dataclass(frozen=True)
 class RandomScorer(Scorer):
-    """Uniformly random tokens (seeded, reproducible); the last chunk is always kept."""
+    """Uniformly random tokens (seeded, reproducible): ``torch.rand(T)`` from a generator seeded
+    with ``seed``, the draws kvpress's ``RandomPress(seed=seed)`` gives its first KV head (it
+    draws ``[B, Hkv, T]``; kvdrop keeps one list). No token is forced: the selector's ``n_sink``
+    and ``window`` protect the ends when asked to."""
 
     seed: int = param(0, "random seed: same seed, same kept tokens")
-    needs_selection = True  # keeps the selector's last chunk
     reads_values = False
+    reads_keys = False  # only the KV's shape
 
-    def score(
-        self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection
-    ) -> torch.Tensor:
-        num_tokens = kv.shape[2]
+    def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed)
-        scores = torch.rand(num_tokens, generator=gen)
-        scores[max(num_tokens - selection.chunk_size, 0) :] = KEEP_LAST
-        return scores
+        return torch.rand(kv.shape[2], generator=gen)
 
 
 random = ScorerFactory(
-    "random", RandomScorer, "Seeded uniform random tokens; always keeps the last chunk"
+    "random", RandomScorer, "Seeded uniform random tokens (kvpress's RandomPress, first KV head)"
 )

@@ -17,6 +17,7 @@ class StreamingScorer(Scorer):
     """StreamingLLM: the first n_sink tokens (attention sinks) plus the most recent tokens."""
 
     reads_values = False
+    reads_keys = False  # only the KV's shape
 
     def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
         return torch.arange(kv.shape[2], dtype=torch.float32)

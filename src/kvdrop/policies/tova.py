@@ -30,7 +30,9 @@ class TovaScorer(Scorer):
     Per layer: softmax attention of the last ``num_queries`` queries of the whole prompt (the
     uncached tail included; causal; normalised over every key they saw when the engine recorded
     their log-normalisers, else over the cached keys) over all keys, averaged over
-    those queries and over all query heads; layers combine by ``layer_agg``.
+    those queries and over all query heads. When the prompt's last token is cached (no uncached
+    tail) it is always kept, as kvpress's ``TOVAPress`` keeps it: its score in each layer is that
+    layer's highest score plus 1. Layers combine by ``layer_agg``.
     """
 
     queries = QueryNeed.WINDOW
@@ -60,7 +62,10 @@ class TovaScorer(Scorer):
             q = heads_f32(rows[0, layer], self.head_dim)
             mass = attention_mass(q, keys, positions, lse=layer_lse(lse, layer))
             per_layer.append(mass.mean(dim=0) / positions.numel())
-        return reduce(torch.stack(per_layer), 0, self.layer_agg)
+        scores = torch.stack(per_layer)
+        if selection.total_tokens == kv.shape[2] and kv.shape[2] > 1:
+            scores[:, -1] = scores[:, :-1].amax(dim=1) + 1.0  # the last token, kvpress's rule
+        return reduce(scores, 0, self.layer_agg)
 
 
 tova = ScorerFactory(

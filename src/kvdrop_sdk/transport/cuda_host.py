@@ -159,10 +159,15 @@ class HostRegistration:
         self._regions: set[int] = set()
         #: Regions being registered by some thread, each with the event that says it is done.
         self._pending: dict[int, threading.Event] = {}
+        #: Regions the runtime refused (a locked-memory limit, say): transfers touching them
+        #: take the host path; the other regions keep their DMA.
+        self._refused: set[int] = set()
         self._lock = threading.Lock()
         self._dma_failures = 0
-        #: Why registration is not used (None while it works); set once, then every call says no.
+        #: Why registration is not used at all (None while it may be); set once, then every
+        #: call says no. ``refused``: why the first region was refused, if one was.
         self.failed: str | None = None
+        self.refused: str | None = None
         self._runtime: CudaRuntime | None = runtime
         if runtime is None:
             self.failed = self._default_runtime()
@@ -191,7 +196,8 @@ class HostRegistration:
 
     def ensure(self, offset: int, nbytes: int) -> bool:
         """Page-lock the regions covering ``[offset, offset + nbytes)``; False (the reason in
-        ``failed``, logged once, the runtime's error cleared) when that is impossible.
+        ``failed`` or ``refused``, logged once, the runtime's error cleared) when that is
+        impossible. A region the runtime refused stays refused; the others keep their DMA.
 
         A region is registered by the first caller that needs it, outside the lock (a GiB of
         fresh pages takes about 0.4 s): callers whose regions are registered already never
@@ -203,6 +209,8 @@ class HostRegistration:
                     return False
                 if region in self._regions:
                     continue
+                if region in self._refused:
+                    return False
                 pending = self._pending.get(region)
                 mine = pending is None
                 if mine:
@@ -229,13 +237,18 @@ class HostRegistration:
             with self._lock:
                 if err == 0:
                     self._regions.add(region)
-                elif self.failed is None:
-                    self.failed = f"cudaHostRegister of {length} bytes returned error {err}"
-                    log.warning(
-                        "the server's shared memory cannot be page-locked for the GPU (%s): "
-                        "GPU transfers go through host staging copies instead",
-                        self.failed,
-                    )
+                else:
+                    self._refused.add(region)
+                    first = self.refused is None
+                    if first:
+                        self.refused = f"cudaHostRegister of {length} bytes returned error {err}"
+            if err != 0 and first:
+                log.warning(
+                    "the server's shared memory cannot be page-locked for the GPU (%s): GPU "
+                    "transfers touching that region (and any other refused) go through host "
+                    "staging copies instead",
+                    self.refused,
+                )
         finally:
             with self._lock:
                 self._pending.pop(region, None)
@@ -245,7 +258,8 @@ class HostRegistration:
         """Page-lock every region now (skipping those done), in order: a process that will
         move most of the segment to and from a GPU pays the registration (about 0.4 s per GiB
         of pages this process has not touched, on an H200 host) before its first transfers
-        rather than inside them. True when every region is registered."""
+        rather than inside them. True when every region is registered; it stops at the first
+        region the runtime refuses (the ones before it stay registered)."""
         return all(
             self.ensure(region * REGION_BYTES, 1) for region in range(-(-self.size // REGION_BYTES))
         )

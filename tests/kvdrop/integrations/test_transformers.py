@@ -15,6 +15,7 @@ import kvdrop
 from kvdrop.integrations.transformers import KVDropPress
 from kvdrop_engine.loading import load_checkpoint
 from kvdrop_engine.model import DenseAttention, Transformer
+from kvdrop_engine.reconstruct import ReconstructionPrompt
 from kvdrop_sdk import CacheKind
 from kvdrop_sdk.edit import EditContext
 
@@ -187,6 +188,25 @@ def _engine_kv(model: Transformer, tokens: list[int]) -> torch.Tensor:
     return torch.stack(
         [torch.stack([attn.keys(i).flatten(1), attn.values(i).flatten(1)]) for i in layers], 1
     )
+
+
+def test_presses_select_from_one_shared_prefill(hf_model: Any, prompt: list[int]) -> None:
+    """prefill() once, select() per press: the same cache and tokens as each press's own
+    compress(), and a press reading token scores refuses a prefill made without them."""
+    recon = ReconstructionPrompt(**SYNTHETIC)
+    ids = torch.tensor([prompt])
+    shared = KVDropPress("kvzip", keep_ratio=0.25, reconstruction=recon).prefill(hf_model, ids)
+    for spec, params in (("kvzip", {"reconstruction": recon}), ("snapkv", {}), ("knorm", {})):
+        press = KVDropPress(spec, keep_ratio=0.25, **params)
+        alone, picked = press.compress(hf_model, ids), press.select(hf_model, shared)
+        assert picked.kept == alone.kept and picked.input_ids.tolist() == alone.input_ids.tolist()
+        torch.testing.assert_close(picked.cache.layers[1].keys, alone.cache.layers[1].keys)
+    plain = KVDropPress("snapkv", keep_ratio=0.25).prefill(hf_model, ids)
+    assert plain.token_scores is None
+    with pytest.raises(ValueError, match="reads token scores"):
+        KVDropPress("kvzip", keep_ratio=0.25, reconstruction=recon).select(hf_model, plain)
+    with pytest.raises(ValueError, match="tail=2"):
+        KVDropPress("snapkv", keep_ratio=0.25, tail=2).select(hf_model, plain)
 
 
 def test_kvzip_without_a_prompt_says_what_to_pass() -> None:

@@ -105,7 +105,9 @@ def ref_tova(kv: torch.Tensor, q: torch.Tensor, p: dict[str, Any]) -> torch.Tens
         ks, qs = split(kv[0, layer], p["head_dim"]), split(q[0, layer], p["head_dim"])
         group = len(qs) // len(ks)
         per_q = [probs(qh[first:], ks[h // group], first).mean(0) for h, qh in enumerate(qs)]
-        layers.append(torch.stack(per_q).mean(0))
+        layer_scores = torch.stack(per_q).mean(0)
+        layer_scores[-1] = layer_scores[:-1].max() + 1  # TOVAPress always keeps the last token
+        layers.append(layer_scores)
     return agg(torch.stack(layers), 0, p["layer_agg"])
 
 

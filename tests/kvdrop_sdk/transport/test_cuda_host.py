@@ -151,9 +151,11 @@ def test_a_slot_across_a_boundary_is_copied_in_two_pieces() -> None:
     assert reg.write([], [])  # a store whose every chunk was a duplicate: nothing to move
 
 
-def test_a_refused_registration_clears_the_error_and_every_later_call_says_no(
+def test_a_refused_registration_clears_the_error_and_only_its_region_loses_dma(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """A refusal (a locked-memory limit, say) sends the transfers touching that region through
+    the host; regions registered before keep their DMA, and a refused one is not retried."""
     pool = torch.zeros(4 * REGION, dtype=torch.uint8)
     rt = RecordingRuntime(pool, fail_at=1)
     reg = HostRegistration(pool, rt)
@@ -161,11 +163,13 @@ def test_a_refused_registration_clears_the_error_and_every_later_call_says_no(
     with caplog.at_level(logging.WARNING, logger=cuda_host.__name__):
         assert not reg.ensure(REGION, 10)
         assert rt.last_error == 0  # cleared: the next launch does not see it
+        assert not reg.ensure(REGION + 100, 10)  # refused once, not asked again
+        assert not reg.ensure(REGION - 5, 10)  # a slot across into the refused region
         assert not reg.ensure(2 * REGION, 10)
-        assert not reg.ensure(0, 10)  # even a registered region: the caller falls back whole
+        assert reg.ensure(0, 10)  # region 0 keeps its DMA
     warnings = [r for r in caplog.records if "page-locked" in r.getMessage()]
     assert len(warnings) == 1 and "error 2" in warnings[0].getMessage()
-    assert rt.calls == 2 and reg.failed is not None
+    assert rt.calls == 3 and reg.failed is None and "error 2" in (reg.refused or "")
 
 
 def test_a_failed_dma_falls_back_for_that_transfer_and_clears_the_error(

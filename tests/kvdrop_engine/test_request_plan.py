@@ -1,21 +1,29 @@
-"""A request's query capture has one owner: the cut's policy needs joined with the connector's
-window store (``kvdrop_engine.plan``), honouring ``--query-window``. A window-storing connector
+"""A request's plan has one owner (``kvdrop_engine.plan``): built once at submission, frozen, its
+actions ordered and owned by their modules; one writer of a request's capture and one place that
+finishes a request. Its query capture is the cut's policy needs joined with the connector's
+window store, honouring ``--query-window``. A window-storing connector
 beside a dropper used to shrink the cut's rows to the connector's window (compactor failed,
 snapkv saw 8 rows) and a cut request stored no window."""
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
 
 import kvdrop
 from kvdrop_engine.connectors.base import KVConnector
-from kvdrop_engine.drop import PromptDropper
+from kvdrop_engine.drop import CutPrompt, PromptDropper
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import DenseAttention, ModelConfig, Transformer
+from kvdrop_engine.plan import RequestPlan
+from kvdrop_engine.reconstruct import ReconstructionPrompt, ScorePrompt
+from kvdrop_engine.transfer import StoreDecoded, StorePrompt, StoreWindow
 from kvdrop_sdk import CacheKind
 from kvdrop_sdk.edit import EditContext
 from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
@@ -169,3 +177,87 @@ def test_snapkv_window_128_cut_equals_the_policy_offline(model: Transformer) -> 
     )
     _, offline = policy({CacheKind.KV: kv, CacheKind.QUERY: queries}, prompt, context=context)
     assert kept == [offline]
+
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "kvdrop_engine"
+
+
+def _plans(engine: Engine) -> list[RequestPlan]:
+    """Record the plan of every request the engine submits."""
+    seen: list[RequestPlan] = []
+    submit = engine._submit
+
+    def spy(req):  # type: ignore[no-untyped-def]
+        seen.append(req.plan)
+        submit(req)
+
+    engine._submit = spy  # type: ignore[method-assign]
+    return seen
+
+
+def test_the_plan_orders_each_modules_actions(model: Transformer) -> None:
+    prompt = torch.randint(3, 200, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    conn = WindowStore(window=8)
+    conn.store_decoded = True
+    dropper = PromptDropper(model.config, "snapkv", keep_ratio=0.5)
+    with Engine(model, num_blocks=64, connector=conn, dropper=dropper) as engine:
+        plans = _plans(engine)
+        engine.generate(prompt, {"max_tokens": 3, **GREEDY})
+        engine.generate(prompt[:50], {"max_tokens": 3, **GREEDY})  # under the threshold
+        engine.generate(prompt, {"max_tokens": 3, "kvdrop": None, **GREEDY})
+    cut, short, off = plans
+    assert cut.after_prefill == (StorePrompt(), CutPrompt())
+    assert cut.after_finish == (StoreDecoded(), StoreWindow())
+    assert cut.cut is not None and cut.cut.spec == "snapkv" and cut.store == conn.queries
+    assert short.after_prefill == off.after_prefill == (StorePrompt(),) and off.cut is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cut.cut = None  # type: ignore[misc]
+    # The window: the cut's 64 rows until the cut, the store's 8 after it.
+    assert cut.window(200, cut_pending=True).window == 64  # type: ignore[union-attr]
+    assert cut.window(100, cut_pending=False).window == 8  # type: ignore[union-attr]
+    with Engine(model, num_blocks=64) as engine:
+        plans = _plans(engine)
+        engine.generate(prompt, {"max_tokens": 2, **GREEDY})
+    assert plans == [RequestPlan()]  # nothing to do: an empty plan
+
+
+def test_kvzips_pass_is_the_last_action(model: Transformer) -> None:
+    recon = ReconstructionPrompt(first=(1, 2), later=(1,), suffix=(3,))
+    with Engine(model, num_blocks=64, connector=WindowStore(), reconstruction=recon) as engine:
+        plans = _plans(engine)
+        engine.generate(list(range(3, 40)), {"max_tokens": 2, "reconstruct": True, **GREEDY})
+    assert plans[0].after_finish == (StoreWindow(), ScorePrompt())
+
+
+def _writers(attr: str) -> list[str]:
+    """``file:line`` of every assignment to ``<something>.attr`` in the engine's sources."""
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for t in targets:
+                elts = t.elts if isinstance(t, ast.Tuple) else [t]
+                for e in elts:
+                    if isinstance(e, ast.Attribute) and e.attr == attr:
+                        found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_one_writer_of_a_requests_capture_and_one_place_that_finishes() -> None:
+    # (capture.py's ``WindowCapture.window`` is the window's size, not a request's capture.)
+    writers = [w for w in _writers("window") if not w.startswith("capture.py")]
+    assert len(writers) == 2 and {w.split(":")[0] for w in writers} == {"sequence.py"}, writers
+    source = (SRC / "sequence.py").read_text()
+    restart = source[source.index("def restart_window") :]
+    restart = restart[: restart.index("\n    def ", 1)]
+    assert restart.count("self.window =") == 2  # both in Request.restart_window
+    engine = (SRC / "engine.py").read_text()
+    finish = engine[engine.index("    def _finish(") :]
+    finish = finish[: finish.index("\n    def ", 1)]
+    calls = engine.count("self._sched.finish(")
+    assert calls == finish.count("self._sched.finish(") == 2  # failure, success: in _finish
+    assert "requests_finished" not in engine.replace(finish, "")
