@@ -7,8 +7,8 @@ once per (padded batch size, block-table width) and replays it: a step is then o
 copy of the step's ids, one graph launch and one device-to-host read of the chosen tokens.
 
 Rows past the real batch are padding: they write to and attend over the cache's scratch block.
-The block table is copied only when the batch's sequences change (a request's blocks are
-reserved at admission and never move).
+The block table is copied only when a row's blocks change (a new batch, a request that grew
+by a block, a cut that freed blocks).
 
 A step replays the narrowest captured graph whose table is wide enough (the kernel's work follows
 the sequences' lengths, not the table's width), so :meth:`DecodeGraphs.precapture` at engine start
@@ -68,7 +68,8 @@ class _Graph:
     host_ids: Tensor  # [4, B] int64, page-locked
     logits: Tensor  # [B, V] float32 (graph output)
     greedy: Tensor  # [B] int64 (graph output)
-    seq_ids: tuple[Hashable, ...] = ()
+    #: The batch whose block tables ``table`` holds: each row's sequence id and blocks.
+    tables: tuple[tuple[Hashable, tuple[int, ...]], ...] = ()
 
 
 class DecodeGraphs:
@@ -132,10 +133,12 @@ class DecodeGraphs:
             g = self._capture(*key)
             self._graphs[key] = g
             self.capture_seconds += time.perf_counter() - started
-        seq_ids = tuple(s.seq_id for s in seqs)
-        if seq_ids != g.seq_ids:
+        # Refilled whenever a row's blocks changed, not only its sequence: a request grows by a
+        # block as it decodes, a cut frees its tail, a swapped one comes back in other blocks.
+        tables = tuple((s.seq_id, tuple(s.block_table)) for s in seqs)
+        if tables != g.tables:
             self._fill_table(g, seqs, width)
-            g.seq_ids = seq_ids
+            g.tables = tables
         pad = g.host_ids.shape[1] - n
         starts = [s.start for s in seqs]
         slots = [int(s.block_table[p // bs]) * bs + p % bs for s, p in zip(seqs, starts)]
