@@ -53,6 +53,7 @@ from kvdrop_engine.reconstruct import ReconstructionPrompt
 from kvdrop_sdk.batch import BatchedStream, BatchedStreamFailures
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.context import connect
+from kvdrop_sdk.keep import KV_PATH_CHOICES
 from kvdrop_sdk.query_capture import QueryCapture, QueryNeed, needs_of
 from kvdrop_sdk.request import create_request
 from kvdrop_sdk.table import format_table
@@ -100,6 +101,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="run each edit on this device (batch.modify(device=); cuda: the KV is DMA'd "
         "from the server's shared memory and the kept rows stored back from the GPU)",
+    )
+    p.add_argument(
+        "--kv-path",
+        choices=KV_PATH_CHOICES,
+        default="auto",
+        help="how each edit's KV travels: auto (default) moves only what the policy reads "
+        "(nothing for chunk-halving, streaming, random, kvzip: the server keeps the kept rows; "
+        "the keys for knorm, snapkv, ...); full fetches the whole KV and stores the edited "
+        "bytes (upstream's path, the before of kv_MB_per_edit)",
     )
     p.add_argument(
         "--no-warmup",
@@ -316,6 +326,7 @@ def run(
             cache_salt=salt,
             modify_concurrency=args.modify_concurrency,
             modify_device=args.edit_device,
+            modify_kv_path=args.kv_path,
             reconstruct=reconstruct,
         )
     finally:
@@ -349,6 +360,11 @@ def run(
             else None
         ),
         "kept_fraction": res.modify["kept_fraction"] if res.modify is not None else 1.0,
+        # How the edits' KV travelled, and how much of it per edit (fetched + stored).
+        "edit_path": res.modify["edit_path"] if res.modify is not None else None,
+        "kv_MB_per_edit": (
+            float(res.modify["kv_bytes_per_edit"]) / 1e6 if res.modify is not None else None
+        ),
         "decode_tokens": res.decode["output_tokens"],
         "decode_s": res.decode["duration"],
         "decode_tok_s": res.decode_tput,
@@ -405,6 +421,7 @@ def job(
             prefill_params={**greedy, "reconstruct": True} if reconstruct else None,
             timeout=600.0,
             device=args.edit_device,
+            kv_path=args.kv_path,
         )
     except BatchedStreamFailures as exc:
         report, failed = exc.metrics, len(exc.failures)
@@ -711,6 +728,8 @@ def print_report(report: dict[str, Any]) -> None:
         "query_B_per_tok",
         "modify_s",
         "modify_s_per_req",
+        "edit_path",
+        "kv_MB_per_edit",
         "kept_fraction",
         "decode_tokens",
         "decode_s",

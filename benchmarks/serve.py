@@ -8,6 +8,17 @@ or as a Poisson process of that rate. Prints, side by side: TTFT (median, p99), 
 p99), end-to-end latency, output tokens/s over the whole run and the ratio of each to the run
 without a policy, plus what the engine saw (peak running requests, prompt tokens kept).
 
+``--load mixed`` is a mixed load instead, as a service sees one: prompts of log-uniform lengths
+in ``--mixed-prompt-tokens`` (default 1K-14K), outputs uniform in ``--mixed-max-tokens`` (default
+128-2,048), arriving as a Poisson process of ``--request-rate`` (default: one that keeps the
+baseline near its KV budget: the budget's worth of requests per mean request time). Beside the
+latency table it prints goodput: the requests that met both SLOs (TTFT <= ``--slo-ttft-s``,
+default 10 s; TPOT <= ``--slo-tpot-ms``, default 50 ms) per second of the run, with and without
+the policy. ``--load both`` runs the all-at-once load and then the mixed one. ``--structured``
+adds a run of the baseline server whose requests are held to a regular expression that cannot
+end before ``max_tokens`` (xgrammar's mask on every step: what structured outputs cost; needs
+``--model`` for its tokenizer).
+
 The KV budget defaults to one that holds every request at once after the cut (the kept part
 plus its generated tokens), plus room for the longest prompt's prefill beyond that (a request
 holds its whole prompt until it is cut), so the budget, not compute, is what limits the run
@@ -17,6 +28,9 @@ without a policy, as in ``kvdrop demo``.
     python benchmarks/serve.py                                           # SmolLM2 shape, demo size
     python benchmarks/serve.py --device cuda --dtype bfloat16 --model-preset qwen3-8b \\
         --num-prompts 30 --prompt-tokens 8192 14336 --max-tokens 2048 --max-prefill-tokens 8192
+    python benchmarks/serve.py --threads 2 --load mixed --mixed-prompt-tokens 128 1024 \
+        --mixed-max-tokens 16 64 --num-prompts 24 --slo-ttft-s 20 --slo-tpot-ms 500   # a CPU
+    python benchmarks/serve.py --threads 2 --model SmolLM2.gguf --structured      # mask cost
 """
 
 from __future__ import annotations
@@ -66,7 +80,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads of each server")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
+    p.add_argument(
+        "--load",
+        choices=("burst", "mixed", "both"),
+        default="burst",
+        help="burst: every request at once (or at --request-rate); mixed: see above",
+    )
+    p.add_argument(
+        "--mixed-prompt-tokens", type=int, nargs=2, default=[1024, 14336], metavar=("MIN", "MAX")
+    )
+    p.add_argument(
+        "--mixed-max-tokens", type=int, nargs=2, default=[128, 2048], metavar=("MIN", "MAX")
+    )
+    p.add_argument("--slo-ttft-s", type=float, default=10.0, help="goodput's TTFT bound")
+    p.add_argument("--slo-tpot-ms", type=float, default=50.0, help="goodput's TPOT bound")
+    p.add_argument(
+        "--structured",
+        action="store_true",
+        help="also run the baseline with every request held to a regex (needs --model)",
+    )
     args = p.parse_args(argv)
+    if args.structured and not args.model:
+        p.error("--structured needs --model (a tokenizer for the grammar)")
     if args.num_prompts < 1 or args.max_tokens < 2 or not 0 < args.keep_ratio <= 1:
         p.error("--num-prompts >= 1, --max-tokens >= 2 and --keep-ratio in (0, 1] expected")
     return args
@@ -79,6 +114,18 @@ def make_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
         [rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))]
         for _ in range(args.num_prompts)
     ]
+
+
+def make_mixed(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """The mixed load's prompts (log-uniform lengths) and each one's output tokens (uniform)."""
+    rng = random.Random(args.seed + 2)
+    lo, hi = args.mixed_prompt_tokens
+    outs_lo, outs_hi = args.mixed_max_tokens
+    lengths = [
+        round(math.exp(rng.uniform(math.log(lo), math.log(hi)))) for _ in range(args.num_prompts)
+    ]
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+    return prompts, [rng.randint(outs_lo, outs_hi) for _ in prompts]
 
 
 def default_budget(lengths: list[int], args: argparse.Namespace) -> int:
@@ -163,7 +210,9 @@ class Result:
     error: str = ""
 
 
-def stream_one(url: str, prompt: list[int], max_tokens: int, out: Result) -> None:
+def stream_one(
+    url: str, prompt: list[int], max_tokens: int, out: Result, guided: str | None = None
+) -> None:
     """One streamed completion. TTFT is when the response's headers arrive: the server sends
     them once the request's first token exists (a server without a tokenizer sends no text
     chunks before the last one, so the headers are the first-token signal there); the end is
@@ -177,6 +226,9 @@ def stream_one(url: str, prompt: list[int], max_tokens: int, out: Result) -> Non
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if guided is not None:  # held to a regex that cannot end early (structured outputs end at EOS)
+        body["guided_regex"] = guided
+        del body["ignore_eos"]
     conn = http.client.HTTPConnection(host, int(port), timeout=3600)
     try:
         out.sent = time.perf_counter()
@@ -204,15 +256,23 @@ def stream_one(url: str, prompt: list[int], max_tokens: int, out: Result) -> Non
 
 
 def run_clients(
-    url: str, prompts: list[list[int]], args: argparse.Namespace
+    url: str,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    outputs: list[int] | None = None,
+    rate: float | None = None,
+    guided: str | None = None,
 ) -> tuple[list[Result], float]:
-    """Every prompt on its own client thread, sent at its arrival time; the run's wall time."""
+    """Every prompt on its own client thread, sent at its arrival time (Poisson at ``rate``,
+    default ``--request-rate``), with its own output length when ``outputs`` gives one; the
+    run's wall time."""
     rng = random.Random(args.seed + 1)
+    rate = args.request_rate if rate is None else rate
     delays, t = [], 0.0
     for _ in prompts:
         delays.append(t)
-        if math.isfinite(args.request_rate):
-            t += rng.expovariate(args.request_rate)
+        if math.isfinite(rate):
+            t += rng.expovariate(rate)
     results = [Result() for _ in prompts]
     start = time.perf_counter()
 
@@ -220,7 +280,8 @@ def run_clients(
         wait = start + delays[i] - time.perf_counter()
         if wait > 0:
             time.sleep(wait)  # the arrival process, not a readiness wait
-        stream_one(url, prompts[i], args.max_tokens, results[i])
+        tokens = args.max_tokens if outputs is None else outputs[i]
+        stream_one(url, prompts[i], tokens, results[i], guided)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
     for th in threads:
@@ -236,14 +297,25 @@ def pct(values: list[float], q: float) -> float:
 
 
 def summarise(
-    name: str, results: list[Result], wall: float, stats: dict[str, Any]
+    name: str,
+    results: list[Result],
+    wall: float,
+    stats: dict[str, Any],
+    slos: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
+    """One run's row; ``slos`` (TTFT s, TPOT ms) say which requests count as goodput."""
     ok = [r for r in results if not r.error and r.end]
     ttft = [1e3 * (r.first - r.sent) for r in ok]
     tpot = [1e3 * (r.end - r.first) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     e2e = [r.end - r.sent for r in ok]
     out_tokens = sum(r.output_tokens for r in ok)
     kept = [r.kept_prompt_tokens for r in ok if r.kept_prompt_tokens is not None]
+    slo = slos or (math.inf, math.inf)
+    good = [
+        r for r in ok
+        if r.first - r.sent <= slo[0]
+        and (r.output_tokens < 2 or 1e3 * (r.end - r.first) / (r.output_tokens - 1) <= slo[1])
+    ]  # fmt: skip
     return {
         "run": name,
         "ok": f"{len(ok)}/{len(results)}",
@@ -259,27 +331,40 @@ def summarise(
         "prompt_tokens_kept": sum(kept) if kept else None,
         "cut_s": stats.get("cut_seconds"),
         "errors": sorted({r.error for r in results if r.error})[:3],
+        "good": f"{len(good)}/{len(results)}",
+        "goodput_req_s": len(good) / wall,
     }
 
 
-def bench(
-    name: str, argv: list[str], prompts: list[list[int]], args: argparse.Namespace
-) -> dict[str, Any]:
+@dataclass
+class Load:
+    """What one run sends: the prompts, each one's output tokens (None: ``--max-tokens``), the
+    arrival rate (None: ``--request-rate``), a regex every request is held to, the SLOs."""
+
+    prompts: list[list[int]]
+    outputs: list[int] | None = None
+    rate: float | None = None
+    guided: str | None = None
+    slos: tuple[float, float] | None = None
+
+
+def bench(name: str, argv: list[str], load: Load, args: argparse.Namespace) -> dict[str, Any]:
     log(f"{name}: starting {' '.join(argv[1:])}")
     server = Server(argv).start()
+    prompts = load.prompts
     try:
         warm = Result()  # graphs, allocator and threads warmed before the clock starts
-        stream_one(server.url, prompts[0][:64], 4, warm)
+        stream_one(server.url, prompts[0][:64], 4, warm, load.guided)
         if warm.error:
             raise RuntimeError(f"warm-up request failed: {warm.error}")
         before = json.loads(server.get("/stats"))
         log(f"{name}: {len(prompts)} clients on {server.url}")
-        results, wall = run_clients(server.url, prompts, args)
+        results, wall = run_clients(server.url, prompts, args, load.outputs, load.rate, load.guided)
         stats = json.loads(server.get("/stats"))
         stats["cut_seconds"] = stats.get("cut_seconds", 0.0) - before.get("cut_seconds", 0.0)
     finally:
         server.stop()
-    row = summarise(name, results, wall, stats)
+    row = summarise(name, results, wall, stats, load.slos)
     log(f"{name}: {row['output_tok_s']:.1f} output tok/s in {wall:.1f} s, {row['ok']} ok")
     log(f"{name}: {json.dumps(row, default=str)}")  # kept if a later run is cut short
     return row
@@ -293,6 +378,7 @@ def ratios(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
         "tpot_p99_ms",
         "e2e_median_s",
         "output_tok_s",
+        "goodput_req_s",
     ]
     row: dict[str, Any] = {"run": f"{other['run']} / baseline"}
     for k in keys:
@@ -301,11 +387,15 @@ def ratios(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from kvdrop_engine.loading import preset_config
+COLUMNS = [
+    "run", "ok", "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms", "tpot_p99_ms",
+    "e2e_median_s", "output_tok_s", "wall_s", "peak_running", "prompt_tokens_kept", "cut_s",
+]  # fmt: skip
 
-    vocab = 49152 if args.model else preset_config(args.model_preset).vocab_size
+
+def burst(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """Today's run: every request at once (or at ``--request-rate``), with and without the
+    policy, and with ``--structured`` the baseline held to a regex."""
     prompts = make_prompts(args, vocab)
     lengths = [len(p) for p in prompts]
     budget = args.kv_budget_tokens or default_budget(lengths, args)
@@ -314,37 +404,86 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens, {args.max_tokens} output "
         f"tokens each, KV budget {budget} tokens (about {fit:.1f} requests without a cut)"
     )
+    load = Load(prompts)
+    policy = f"{args.policy} {args.keep_ratio:g}"
     rows = [
-        bench("baseline", server_argv(args, budget, None), prompts, args),
-        bench(
-            f"{args.policy} {args.keep_ratio:g}",
-            server_argv(args, budget, args.policy),
-            prompts,
-            args,
-        ),
+        bench("baseline", server_argv(args, budget, None), load, args),
+        bench(policy, server_argv(args, budget, args.policy), load, args),
     ]
     rows.append(ratios(rows[0], rows[1]))
+    if args.structured:  # a regex that cannot end before max_tokens: the mask on every step
+        guided = Load(prompts, guided=f"[a-z ]{{{8 * args.max_tokens}}}")
+        rows.append(bench("structured", server_argv(args, budget, None), guided, args))
+        rows.append(ratios(rows[0], rows[-1]))
     title = (
         f"benchmarks/serve.py: {args.model or args.model_preset} on {args.device}, "
         f"{len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens, {args.max_tokens} output "
         f"tokens, request rate {args.request_rate:g}/s, KV budget {budget} tokens"
     )
-    columns = [
-        "run", "ok", "ttft_median_ms", "ttft_p99_ms", "tpot_median_ms", "tpot_p99_ms",
-        "e2e_median_s", "output_tok_s", "wall_s", "peak_running", "prompt_tokens_kept", "cut_s",
-    ]  # fmt: skip
+    print(format_table(rows, COLUMNS, title=title))
+    return {"load": "burst", "budget": budget, "rows": rows}
+
+
+def mixed(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """The mixed load: Poisson arrivals, prompts and outputs of many lengths, and goodput under
+    the SLOs, with and without the policy."""
+    prompts, outputs = make_mixed(args, vocab)
+    lengths = [len(p) for p in prompts]
+    mean_request = statistics.mean(lengths) + statistics.mean(outputs)
+    budget = args.kv_budget_tokens or default_budget(lengths, args)
+    fit = budget / mean_request
+    rate = args.request_rate
+    if not math.isfinite(rate):  # keep the baseline near its budget: `fit` requests in flight
+        rate = fit / _mean_request_s(args, mean_request)
+    slos = (args.slo_ttft_s, args.slo_tpot_ms)
+    log(
+        f"mixed: {len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens, outputs "
+        f"{min(outputs)}-{max(outputs)}, {rate:.3g} requests/s, KV budget {budget} tokens (about "
+        f"{fit:.1f} mean requests without a cut), SLOs TTFT <= {slos[0]:g} s, TPOT <= "
+        f"{slos[1]:g} ms"
+    )
+    load = Load(prompts, outputs, rate, slos=slos)
+    policy = f"{args.policy} {args.keep_ratio:g}"
+    rows = [
+        bench("mixed baseline", server_argv(args, budget, None), load, args),
+        bench(f"mixed {policy}", server_argv(args, budget, args.policy), load, args),
+    ]
+    rows.append(ratios(rows[0], rows[1]))
+    title = (
+        f"benchmarks/serve.py --load mixed: {args.model or args.model_preset} on {args.device}, "
+        f"{len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens, outputs "
+        f"{min(outputs)}-{max(outputs)}, Poisson {rate:.3g}/s, KV budget {budget} tokens, goodput "
+        f"SLOs TTFT <= {slos[0]:g} s and TPOT <= {slos[1]:g} ms"
+    )
+    columns = ["run", "ok", "good", "goodput_req_s", *COLUMNS[2:8], "peak_running"]
     print(format_table(rows, columns, title=title))
-    for row in rows[:2]:
-        if row["errors"]:
-            print(f"{row['run']}: errors {row['errors']}")
+    return {"load": "mixed", "rate": rate, "budget": budget, "rows": rows}
+
+
+def _mean_request_s(args: argparse.Namespace, tokens: float) -> float:
+    """A rough time one request of ``tokens`` takes: a mean output at the SLO's TPOT plus the
+    SLO's TTFT over two (the default rate's only input; give ``--request-rate`` to set it)."""
+    return statistics.mean(args.mixed_max_tokens) * args.slo_tpot_ms / 1e3 + args.slo_ttft_s / 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from kvdrop_engine.loading import preset_config
+
+    vocab = 49152 if args.model else preset_config(args.model_preset).vocab_size
+    reports = []
+    if args.load in ("burst", "both"):
+        reports.append(burst(args, vocab))
+    if args.load in ("mixed", "both"):
+        reports.append(mixed(args, vocab))
+    for report in reports:
+        for row in report["rows"]:
+            if row.get("errors"):
+                print(f"{row['run']}: errors {row['errors']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                {"args": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows},
-                f,
-                indent=1,
-                default=str,
-            )
+            args_out = {k: v for k, v in vars(args).items() if k != "json"}
+            json.dump({"args": args_out, "reports": reports}, f, indent=1, default=str)
     return 0
 
 

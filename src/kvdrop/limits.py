@@ -51,13 +51,13 @@ def check_client_spec(spec: str, limits: SpecLimits) -> None:
             f"{limits.max_terms}"
         )
     for name, params in terms:
+        declared = {p.name: p for p in factory(name).info.params}  # an unknown name: not found
         if limits.allowed is not None and not limits.allowed(name):
             raise PolicyParamError(
                 f"policy {name!r} may not be picked by this server's clients (the operator "
                 "allows the server's own policy and the built-ins: kvdrop engine "
                 "--client-policies)"
             )
-        declared = {p.name: p for p in factory(name).info.params}
         for key, value in params.items():
             p = declared.get(key)
             cap = None if p is None else p.serve_max

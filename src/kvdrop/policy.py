@@ -34,6 +34,7 @@ from kvdrop.rope import rerotate_in_place, rope_from_layout
 from kvdrop.selector import Selection, Selector
 from kvdrop_rope import RopeConfig
 from kvdrop_sdk.edit import EditContext
+from kvdrop_sdk.keep import KeepPlan
 from kvdrop_sdk.query_capture import NO_NEEDS, KVNeed, Needs, QueryNeed, needs_of
 
 __all__ = [
@@ -174,6 +175,33 @@ class Policy(abc.ABC):
     ) -> tuple[torch.Tensor, list[int]]:
         kv, index = self.select_indices(tensors, tokens, context=context)
         return self.keep(kv, tokens, index, context=context, positions=positions)
+
+    def keep_plan(
+        self,
+        tensors: Mapping[Any, torch.Tensor],
+        tokens: Sequence[int],
+        *,
+        context: EditContext | None = None,
+    ) -> KeepPlan:
+        """What calling the policy keeps, without the bytes: the checked kept indices and the
+        RoPE parameters (JSON) their keys are re-rotated to ``0..k-1`` with, for the cache
+        server to apply (:mod:`kvdrop_sdk.keep`; the SDK asks it of policies whose
+        ``needs.kv`` is not ``ALL``). Rows sit at ``context.positions``, which must be
+        ``0..T-1`` (the SDK's, for a cached prefix)."""
+        kv, index = self.select_indices(tensors, tokens, context=context)
+        num_tokens = kv.shape[2]
+        pos = _row_positions(self.name, num_tokens, None, context)
+        if not torch.equal(pos, torch.arange(num_tokens)):
+            raise PolicyInputError(
+                f"{self.name}: a keep plan is for rows at positions 0..T-1 (a cached prefix); "
+                "call the policy to edit rows at other positions"
+            )
+        index = checked_index(self.name, index, num_tokens)
+        rope = self.rope_for(context)
+        moved = not torch.equal(index, torch.arange(index.numel()))
+        if rope is None and self.rerotate and moved:
+            warn_no_rope(self.name)
+        return KeepPlan(index, None if rope is None else rope.to_json())
 
     def rope_for(self, context: EditContext | None) -> RopeConfig | None:
         """The RoPE parameters kept keys are re-rotated with (None: no re-rotation)."""

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kvdrop.errors import PolicyInputError, PolicyParamError
-from kvdrop_rope import RopeConfig, rotate
+from kvdrop_rope import RopeConfig, rerotate_rows
 
 __all__ = ["rerotate_in_place", "rerotate_keys", "rope_config", "rope_from_layout"]
 
@@ -84,30 +84,9 @@ def rerotate_in_place(
     old_seq_len: int | None,
     new_seq_len: int | None,
 ) -> None:
-    """In-place :func:`rerotate_keys` (one layer's float32 rows alive at a time)."""
-    layers, _, width = keys.shape
-    if width % rope.head_dim:
-        raise PolicyInputError(
-            f"rerotate: KV width D={width} is not a multiple of the RoPE head_dim="
-            f"{rope.head_dim}; expected num_kv_heads * head_dim"
-        )
-    inv_old, attn_old = rope.inv_freq(old_seq_len)
-    inv_new, attn_new = rope.inv_freq(new_seq_len)
-    if torch.equal(inv_old, inv_new) and attn_old == attn_new:
-        moved = (old != new).nonzero().squeeze(1)
-    else:  # dynamic NTK: frequencies depend on the sequence length, so every key moves
-        moved = torch.arange(old.numel())
-    if moved.numel() == 0:
-        return
-    old_m, new_m = old[moved].to(torch.int64), new[moved].to(torch.int64)
-    cos_old, sin_old = rope.cos_sin(old_m, old_seq_len)
-    cos_new, sin_new = rope.cos_sin(new_m, new_seq_len)
-    cos_old, sin_old = cos_old.to(keys.device), sin_old.to(keys.device)
-    cos_new, sin_new = cos_new.to(keys.device), sin_new.to(keys.device)
-    heads = width // rope.head_dim
-    index = moved.to(keys.device)
-    for layer in range(layers):
-        x = keys[layer].index_select(0, index).to(torch.float32).view(-1, heads, rope.head_dim)
-        x = rotate(x, cos_old, sin_old, rope, inverse=True, attention_factor=attn_old)
-        x = rotate(x, cos_new, sin_new, rope)
-        keys[layer].index_copy_(0, index, x.view(-1, width).to(keys.dtype))
+    """In-place :func:`rerotate_keys` (:func:`kvdrop_rope.rerotate_rows`, the one rule the cache
+    server's keep applies too); PolicyInputError when the width does not fit the RoPE."""
+    try:
+        rerotate_rows(keys, old, new, rope, old_seq_len, new_seq_len)
+    except ValueError as exc:
+        raise PolicyInputError(f"rerotate: {exc}") from None

@@ -147,9 +147,10 @@ def _drop_arguments(parser: argparse.ArgumentParser) -> None:
         "--client-policies",
         default="builtin",
         metavar="WHICH",
-        help="which policies a request's \"kvdrop\" override may name: 'builtin' (the "
-        "server's own --policy and kvdrop's built-ins; default), 'all' (plugins too) or a "
-        "comma-separated list; parameters stay within their declared serving bounds",
+        help='which policies a request\'s "kvdrop" override (prompt or decode cut) may name: '
+        "'builtin' (the server's own --policy/--decode-policy and kvdrop's built-ins; "
+        "default), 'all' (plugins too) or a comma-separated list; parameters stay within "
+        "their declared serving bounds",
     )
     decode = parser.add_argument_group(
         "compression while decoding (each request's cache kept within a token budget; a "
@@ -449,6 +450,7 @@ def _compressor(args: argparse.Namespace, config: Any) -> Any:
         budget=args.decode_budget,
         every=args.decode_every,
         query_window=args.query_window,
+        client_policies=args.client_policies,
     )
 
 

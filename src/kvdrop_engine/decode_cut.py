@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvdrop_engine.client_specs import DEFAULT_CLIENT_POLICIES, ClientSpecs
 from kvdrop_engine.drop import UNSET
 from kvdrop_engine.errors import EngineSetupError, InvalidRequestError
 from kvdrop_engine.model import ModelConfig
@@ -165,7 +166,8 @@ class DecodeCompressor:
     ``chunk_size=1`` and ``n_sink`` (unless the spec sets it) and checked once on a random cache
     of the model's layout, so a policy that cannot run fails at start (``EngineSetupError``) or a
     request's override with ``InvalidRequestError``. ``spec=None`` serves without a default
-    cut; requests may still ask for one (``budget`` is then their default budget, if given).
+    cut; requests may still ask for one (``budget`` is then their default budget, if given),
+    within what ``client_policies`` allows (:mod:`kvdrop_engine.client_specs`).
     ``every`` (None: :data:`DEFAULT_DECODE_EVERY`) is the number of generated tokens between
     cuts; ``query_window`` the query rows kept for policies that read them.
     """
@@ -179,6 +181,7 @@ class DecodeCompressor:
         every: int | None = None,
         n_sink: int = DEFAULT_DECODE_SINK,
         query_window: int = DEFAULT_QUERY_WINDOW,
+        client_policies: str = DEFAULT_CLIENT_POLICIES,
     ) -> None:
         every = DEFAULT_DECODE_EVERY if every is None else every
         for name, value in (("--decode-every", every), ("--query-window", query_window)):
@@ -202,6 +205,8 @@ class DecodeCompressor:
                 self.default = self._build(spec, budget, every)
             except InvalidRequestError as exc:
                 raise EngineSetupError(f"--decode-policy {spec}: {exc}") from None
+        #: What a request's decode override may name (``--client-policies``).
+        self.clients = ClientSpecs(client_policies, () if spec is None else (spec,))
 
     def _build(self, spec: str, budget: int, every: int) -> DecodeCut:
         key = (spec, budget, every)
@@ -284,6 +289,7 @@ class DecodeCompressor:
                 "'kvdrop.decode' needs a policy and a budget (the engine has no "
                 '--decode-policy/--decode-budget); send {"policy": "rkv", "budget": 1024}'
             )
+        self.clients.check(spec, "'kvdrop.decode.policy'")  # bounded before it is built
         return self._build(spec, budget, parsed.every or self.every)
 
     @staticmethod

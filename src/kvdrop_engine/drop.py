@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvdrop_engine.client_specs import DEFAULT_CLIENT_POLICIES, ClientSpecs
 from kvdrop_engine.errors import EngineSetupError, InvalidRequestError, PolicyFailedError
 from kvdrop_engine.model import ModelConfig
 from kvdrop_engine.paged import BlockAllocator, PagedKVCache, blocks_needed
@@ -82,20 +83,6 @@ _MAX_BUILT = 64
 
 #: ``--cut-timeout-s`` when it is not given: a cut still running after this fails its request.
 DEFAULT_CUT_TIMEOUT_S = 30.0
-#: ``--client-policies`` when it is not given: the server's own policy and kvdrop's built-ins.
-DEFAULT_CLIENT_POLICIES = "builtin"
-
-
-def _client_names(value: str) -> str | frozenset[str]:
-    """``--client-policies``: ``builtin``, ``all``, or a comma-separated list of names."""
-    if not isinstance(value, str) or not value.strip():
-        raise EngineSetupError(
-            "--client-policies must be 'builtin', 'all' or a comma-separated list of policy "
-            f"names, got {value!r}"
-        )
-    if value in ("builtin", "all"):
-        return value
-    return frozenset(name.strip() for name in value.split(",") if name.strip())
 
 
 class _Unset:
@@ -276,42 +263,23 @@ class PromptDropper:
         self.min_prompt_tokens = int(min_prompt_tokens)
         self._built: dict[tuple[str, float | None, float | None], PromptCut] = {}
         self.default: PromptCut | None = None
-        self.client_policies = _client_names(client_policies)
-        self._own: frozenset[str] = frozenset()
         if spec is not None:
             try:
                 self.default = self._build(spec, self.keep_ratio)
             except InvalidRequestError as exc:
                 raise EngineSetupError(f"--policy {spec}: {exc}") from None
-            from kvdrop.spec import spec_terms
-
-            self._own = frozenset(name for name, _ in spec_terms(spec))
+        #: What a request's override may name (the server's own policy always).
+        self.clients = ClientSpecs(client_policies, () if spec is None else (spec,))
 
     def may_pick(self, name: str) -> bool:
-        """Whether a request's override may name policy ``name`` (``--client-policies``): the
-        server's own policy's, and the built-ins (``builtin``), every registered one (``all``)
-        or those listed."""
-        from kvdrop.registry import is_builtin
-
-        allowed = self.client_policies
-        if name in self._own or allowed == "all":
-            return True
-        return is_builtin(name) if allowed == "builtin" else name in allowed
+        """Whether a request's override may name policy ``name`` (``--client-policies``:
+        :class:`~kvdrop_engine.client_specs.ClientSpecs`)."""
+        return self.clients.may_pick(name)
 
     def check_client(self, spec: str) -> None:
         """``InvalidRequestError`` when a request may not ask for ``spec``
-        (:func:`kvdrop.limits.check_client_spec`: length, terms, allowed names, each
-        parameter's ``serve_max``); the server's own ``--policy`` always may."""
-        if self.default is not None and spec == self.default.spec:
-            return
-        from kvdrop.errors import PolicyNotFoundError
-        from kvdrop.limits import SpecLimits, check_client_spec
-
-        try:
-            check_client_spec(spec, SpecLimits(allowed=self.may_pick))
-        except (PolicyNotFoundError, ValueError) as exc:
-            shown = spec if len(spec) <= 80 else f"{spec[:77]}..."
-            raise InvalidRequestError(f"'kvdrop.policy' {shown!r}: {_message(exc)}") from None
+        (:meth:`ClientSpecs.check <kvdrop_engine.client_specs.ClientSpecs.check>`)."""
+        self.clients.check(spec)
 
     def _build(
         self, spec: str, keep_ratio: float | None, default: float | None = None

@@ -166,6 +166,7 @@ def mask_logits(
 ) -> Tensor:
     """``logits [R, V]`` with each guided row's disallowed tokens at -inf (``rows``: the row
     index and its matcher). A copy when a row is guided: the caller's tensor is left alone."""
+    rows = [(r, m) for r, m in rows if not m.is_terminated()]  # ended: nothing left to mask
     if not rows:
         return logits
     import xgrammar as xgr

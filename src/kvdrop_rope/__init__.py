@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["ROPE_FIELDS", "SCALING_TYPES", "RopeConfig", "apply_rope", "rotate"]
+__all__ = [
+    "ROPE_FIELDS",
+    "SCALING_TYPES",
+    "RopeConfig",
+    "apply_rope",
+    "rerotate_rows",
+    "rotate",
+]
 
 #: The ``rope_type`` values understood here (HF spelling); ``None``/"default" means unscaled.
 SCALING_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -429,3 +436,47 @@ def apply_rope(
     cos, sin = cfg.cos_sin(positions.to(x.device), seq_len)
     attn = cfg.inv_freq(seq_len)[1] if cfg.rope_type == "yarn" else 1.0
     return rotate(x, cos, sin, cfg, inverse=inverse, attention_factor=attn)
+
+
+def rerotate_rows(
+    keys: torch.Tensor,
+    old: torch.Tensor,
+    new: torch.Tensor,
+    cfg: RopeConfig,
+    old_seq_len: int | None,
+    new_seq_len: int | None,
+) -> None:
+    """Re-rotate post-RoPE keys ``[L, k, D]`` in place from positions ``old [k]`` to ``new [k]``.
+
+    Per layer, one layer's moved rows alive in float32 at a time: inverse rotation at ``old``,
+    rotation at ``new``, one cast back; rows that do not move stay bit-identical (every row
+    moves under dynamic NTK, whose frequencies depend on ``*_seq_len``). The one rule for kept
+    keys: kvdrop's policies and the cache server's keep both call it. ValueError when ``D`` is
+    not a multiple of ``head_dim``.
+    """
+    layers, _, width = keys.shape
+    if width % cfg.head_dim:
+        raise ValueError(
+            f"KV width D={width} is not a multiple of the RoPE head_dim={cfg.head_dim}; "
+            "expected num_kv_heads * head_dim"
+        )
+    inv_old, attn_old = cfg.inv_freq(old_seq_len)
+    inv_new, attn_new = cfg.inv_freq(new_seq_len)
+    if torch.equal(inv_old, inv_new) and attn_old == attn_new:
+        moved = (old != new).nonzero().squeeze(1)
+    else:
+        moved = torch.arange(old.numel())
+    if moved.numel() == 0:
+        return
+    old_m, new_m = old[moved].to(torch.int64), new[moved].to(torch.int64)
+    cos_old, sin_old = cfg.cos_sin(old_m, old_seq_len)
+    cos_new, sin_new = cfg.cos_sin(new_m, new_seq_len)
+    cos_old, sin_old = cos_old.to(keys.device), sin_old.to(keys.device)
+    cos_new, sin_new = cos_new.to(keys.device), sin_new.to(keys.device)
+    heads = width // cfg.head_dim
+    index = moved.to(keys.device)
+    for layer in range(layers):
+        x = keys[layer].index_select(0, index).to(torch.float32).view(-1, heads, cfg.head_dim)
+        x = rotate(x, cos_old, sin_old, cfg, inverse=True, attention_factor=attn_old)
+        x = rotate(x, cos_new, sin_new, cfg)
+        keys[layer].index_copy_(0, index, x.view(-1, width).to(keys.dtype))

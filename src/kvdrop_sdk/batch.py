@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from kvdrop_sdk.edit import ModifyFnType
 from kvdrop_sdk.errors import BatchedStreamError
+from kvdrop_sdk.keep import KV_PATH_CHOICES
 from kvdrop_sdk.metrics import Metrics, get_handler, summarize
 from kvdrop_sdk.request import ModifyResult, RequestStream, StreamPerfMetrics
 from kvdrop_sdk.validate import edit_device, positive_int
@@ -152,6 +153,7 @@ class BatchedStream:
         stream_ids: Sequence[str] | None = None,
         *,
         device: str | None = None,
+        kv_path: str = "auto",
     ) -> Metrics:
         """Apply ``fn`` to every stream's cached chunk-aligned prefix and store the result.
 
@@ -161,9 +163,14 @@ class BatchedStream:
         ``EditTimeoutError``, unchanged; the others go on), and the store. Reports the
         wall-clock duration, the kept / total edited (cached) tokens, and ``kept_fraction``: the
         kept share of the WHOLE prompts (the uncached tails, never dropped, count as kept).
-        ``device`` reaches ``fn`` as ``EditContext.device``.
+        ``device`` reaches ``fn`` as ``EditContext.device``. ``kv_path`` is
+        ``RequestStream.modify_kv``'s (``auto``: move only what ``fn`` reads); ``kv_bytes`` is
+        the KV the edits moved between the server and this process, ``kv_bytes_per_edit`` its
+        mean and ``edit_path`` the paths taken.
         """
-        results, failures, duration = self._modify(fn, stream_ids, timeout, poll_interval, device)
+        results, failures, duration = self._modify(
+            fn, stream_ids, timeout, poll_interval, device, kv_path
+        )
         edited = [r for r in results.values() if not r.skipped]
         kept = sum(r.kept_tokens for r in edited)
         total = sum(r.total_tokens for r in edited)
@@ -181,6 +188,7 @@ class BatchedStream:
             "kept_fraction", (kept + tail) / (total + tail) if total else float("nan"), RESULTS
         )
         metrics.add("cached_kept_fraction", kept / total if total else float("nan"), RESULTS)
+        _add_kv_bytes(metrics, edited)
         return self._finish("modify", metrics, failures, fmt)
 
     def job(
@@ -194,6 +202,7 @@ class BatchedStream:
         device: str | None = None,
         stream_ids: Sequence[str] | None = None,
         fmt: str | None = None,
+        kv_path: str = "auto",
     ) -> Metrics:
         """Every stream's whole request at once, pipelined: its prefill (``prefill_params``,
         default ``sampling_params``, with ``max_tokens`` 1), then ``fn``'s edit of its cache as
@@ -229,7 +238,12 @@ class BatchedStream:
                 spent["prefill_s"], t = time.perf_counter() - t, time.perf_counter()
                 with edits:
                     edited[sid] = s.modify_kv(
-                        fn, timeout, poll_interval, device=device, edit_timeout=timeout
+                        fn,
+                        timeout,
+                        poll_interval,
+                        device=device,
+                        edit_timeout=timeout,
+                        kv_path=kv_path,
                     )
                 spent["modify_s"], t = time.perf_counter() - t, time.perf_counter()
                 if s.is_done:  # the engine stopped it at its first token
@@ -258,6 +272,8 @@ class BatchedStream:
         metrics.add("output_tokens", output_tokens, RESULTS)
         metrics.add("output_tput", output_tokens / duration if duration > 0 else 0.0, RESULTS)
         metrics.add("kept_fraction", kept / total if total else 1.0, RESULTS)
+        if fn is not None:
+            _add_kv_bytes(metrics, done)
         return self._finish("job", metrics, failures, fmt)
 
     # ----------------------------------------------------------------- upstream's building blocks
@@ -357,16 +373,21 @@ class BatchedStream:
         timeout: float,
         poll_interval: float,
         device: str | None = None,
+        kv_path: str = "auto",
     ) -> tuple[dict[str, ModifyResult], dict[str, BaseException], float]:
         if not callable(fn):
             raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
         edit_device(device)  # refused once here, not as a torch error from every stream
+        if kv_path not in KV_PATH_CHOICES:
+            raise ValueError(f"kv_path must be one of {KV_PATH_CHOICES}, got {kv_path!r}")
         streams = self._select(stream_ids)
         self.modify_results.clear()
         results, failures, duration = self._run(
             "modify",
             streams,
-            lambda s: s.modify_kv(fn, timeout, poll_interval, device=device, edit_timeout=timeout),
+            lambda s: s.modify_kv(
+                fn, timeout, poll_interval, device=device, edit_timeout=timeout, kv_path=kv_path
+            ),
             self.modify_concurrency,
         )
         self.modify_results.update(results)
@@ -447,3 +468,11 @@ class BatchedStream:
                 logger.warning("progress callback failed; disabled for this phase", exc_info=True)
 
         return report
+
+
+def _add_kv_bytes(metrics: Metrics, edited: Sequence[ModifyResult]) -> None:
+    """The KV bytes ``edited`` moved (sum and per edit) and the paths they took."""
+    moved = sum(r.kv_bytes for r in edited)
+    metrics.add("kv_bytes", moved, RESULTS)
+    metrics.add("kv_bytes_per_edit", moved / len(edited) if edited else 0.0, RESULTS)
+    metrics.add("edit_path", ",".join(sorted({r.path for r in edited})) or "-", RESULTS)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,7 +19,17 @@ from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.layout import CacheLayout
 from kvdrop_sdk.query_capture import QueryCapture
 
-__all__ = ["CheapLookup", "KnowsLayout", "StoresRecords", "StreamContext", "TransfersToDevice"]
+if TYPE_CHECKING:
+    from kvdrop_sdk.keep import KeepPlan
+
+__all__ = [
+    "CheapLookup",
+    "KeepsOnServer",
+    "KnowsLayout",
+    "StoresRecords",
+    "StreamContext",
+    "TransfersToDevice",
+]
 
 
 class StreamContext(abc.ABC):
@@ -96,6 +106,26 @@ class TransfersToDevice(abc.ABC):
         tokens: Sequence[int],
         cache_salt: str = "",
         request_configs: dict[str, object] | None = None,
+        *,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor | None: ...
+
+
+class KeepsOnServer(abc.ABC):
+    """Its server applies an index-only edit itself (:mod:`kvdrop_sdk.keep`): ``keep`` stores
+    the kept rows of a cached prefix under the kept tokens and ``dst_salt`` without the KV
+    leaving the server, and ``retrieve_keys`` fetches only the keys (``[1, L, T, D]``)."""
+
+    @abc.abstractmethod
+    def keep(
+        self, tokens: Sequence[int], plan: KeepPlan, cache_salt: str = "", *, dst_salt: str
+    ) -> bool: ...
+
+    @abc.abstractmethod
+    def retrieve_keys(
+        self,
+        tokens: Sequence[int],
+        cache_salt: str = "",
         *,
         device: torch.device | str | None = None,
     ) -> torch.Tensor | None: ...

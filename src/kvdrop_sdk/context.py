@@ -24,7 +24,13 @@ import requests
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind
-from kvdrop_sdk.capabilities import CheapLookup, StoresRecords, StreamContext, TransfersToDevice
+from kvdrop_sdk.capabilities import (
+    CheapLookup,
+    KeepsOnServer,
+    StoresRecords,
+    StreamContext,
+    TransfersToDevice,
+)
 from kvdrop_sdk.edit import ModifyFnType
 from kvdrop_sdk.errors import (
     CacheKindError,
@@ -33,10 +39,11 @@ from kvdrop_sdk.errors import (
     ServerUnavailableError,
 )
 from kvdrop_sdk.hashing import TOKEN_BYTES, encode_tokens
+from kvdrop_sdk.keep import KeepPlan, encode_index
 from kvdrop_sdk.layout import CacheLayout, dtype_name
 from kvdrop_sdk.protocol import RpcClient, RpcError, check_salt, server_hint
 from kvdrop_sdk.query_capture import UPSTREAM_CAPTURE, QueryCapture
-from kvdrop_sdk.transport.contiguous import MODES, ContiguousTransferWrapper
+from kvdrop_sdk.transport.contiguous import MODES, ContiguousTransferWrapper, stored_chunks
 from kvdrop_sdk.validate import edit_device, is_number, tensor_problem
 
 __all__ = ["Context", "ModifyFnType", "connect"]
@@ -46,7 +53,7 @@ T = TypeVar("T")
 _RESYNC_CODES = ("unregistered", "layout_changed")
 
 
-class Context(StreamContext, CheapLookup, StoresRecords, TransfersToDevice):
+class Context(StreamContext, CheapLookup, StoresRecords, TransfersToDevice, KeepsOnServer):
     """One server connection for ``model_name`` and ``kind``; see ``connect``."""
 
     def __init__(
@@ -356,6 +363,60 @@ class Context(StreamContext, CheapLookup, StoresRecords, TransfersToDevice):
             lambda: self.transfer_ctx.store(fields, kv, raw, layout, self.kind, self._lease_s)
         )
         return stored > 0
+
+    def retrieve_keys(
+        self,
+        tokens: Sequence[int],
+        cache_salt: str = "",
+        *,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor | None:
+        """Only the keys of what ``retrieve`` returns: ``(1, L, T, width)`` (half the bytes; to
+        a GPU through the host), or None on a miss. KV contexts only (kvdrop's)."""
+        self._check_open()
+        self._need_kv("retrieve_keys")
+        layout = self.layout
+        raw = self.encode(tokens)
+        whole = len(raw) // (self.chunk_size * TOKEN_BYTES) * self.chunk_size * TOKEN_BYTES
+        if whole == 0:
+            return None
+        fields = self._fields(cache_salt)
+        where = edit_device(device)
+        return self._retry(
+            lambda: self.transfer_ctx.retrieve(
+                fields, raw[:whole], layout, self.kind, self._lease_s, where, lead=1
+            )
+        )
+
+    def keep(
+        self, tokens: Sequence[int], plan: KeepPlan, cache_salt: str = "", *, dst_salt: str
+    ) -> bool:
+        """Store the rows ``plan.index`` of the prefix cached under ``tokens`` (whole chunks,
+        all cached under ``cache_salt``) under the kept tokens and ``dst_salt``, keys re-rotated
+        to ``0..k-1`` with ``plan.rope``: done by the server, no KV crosses the link (kvdrop's;
+        see :mod:`kvdrop_sdk.keep`). False when every chunk was stored already; an SDKError
+        (``RpcError`` with code ``bad_index``, ``not_cached``, ...) leaves the server unchanged."""
+        self._check_open()
+        self._need_kv("keep")
+        fields = self._fields(cache_salt)
+        try:
+            check_salt(dst_salt, "dst_salt")
+        except (TypeError, ValueError) as exc:
+            raise SDKError(str(exc)) from None
+        if not isinstance(plan, KeepPlan):
+            raise SDKError(f"plan must be a KeepPlan, got {type(plan).__name__}")
+        try:
+            index = encode_index(plan.index)
+        except (TypeError, ValueError) as exc:
+            raise SDKError(f"bad kept indices: {exc}") from None
+        rope = None if plan.rope is None else dict(plan.rope)
+        raw = self.encode(tokens)
+        reply, _ = self._call("keep", {**fields, "dst_salt": dst_salt, "rope": rope}, [raw, index])
+        return stored_chunks(reply) > 0
+
+    def _need_kv(self, what: str) -> None:
+        if self.kind is not CacheKind.KV:
+            raise SDKError(f"{what} works on a KV context, this one is {self.kind.value!r}")
 
     @property
     def mq_timeout(self) -> float:

@@ -29,6 +29,7 @@ import torch
 
 from kvdrop_sdk.cache_kind import CacheKind, KindMap, kind_value
 from kvdrop_sdk.errors import EditTimeoutError, RequestStreamError
+from kvdrop_sdk.keep import KeepPlan, KeepsRows
 from kvdrop_sdk.protocol import scoped_salt
 from kvdrop_sdk.validate import check_fields, is_int, token_ids
 
@@ -40,6 +41,7 @@ __all__ = [
     "ModifyResult",
     "accepts_edit_context",
     "call_edit",
+    "call_keep_plan",
     "check_edit_tensor",
     "check_edit_tokens",
     "edit_salt",
@@ -291,6 +293,38 @@ def call_edit(
         raise RequestStreamError(f"stream {stream_id}: {exc}") from None
 
 
+def call_keep_plan(
+    fn: KeepsRows,
+    tensors: Mapping[CacheKind, torch.Tensor],
+    tokens: list[int],
+    context: EditContext | None,
+    stream_id: str,
+    timeout: float | None = None,
+    device: torch.device | None = None,
+) -> KeepPlan:
+    """:func:`call_edit` for an edit the server applies: ``fn.keep_plan(...)``, its result
+    checked to be a :class:`~kvdrop_sdk.keep.KeepPlan` (RequestStreamError naming the stream
+    otherwise, or when it fails)."""
+
+    def call() -> Any:
+        with _edit_stream(device, tensors.values()):
+            return fn.keep_plan(KindMap(tensors), tokens, context=context)
+
+    try:
+        result = call() if timeout is None else _bounded(call, timeout, stream_id)
+    except EditTimeoutError:
+        raise
+    except Exception as exc:
+        raise RequestStreamError(
+            f"stream {stream_id}: edit function failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(result, KeepPlan):
+        raise RequestStreamError(
+            f"stream {stream_id}: keep_plan must return a KeepPlan, got {type(result).__name__}"
+        )
+    return result
+
+
 @contextlib.contextmanager
 def _edit_stream(device: torch.device | None, inputs: Iterable[torch.Tensor]) -> Iterator[None]:
     """Run the body on a pooled CUDA stream of ``device`` and wait for it at the end (no-op
@@ -409,7 +443,8 @@ def warn_plain_window(stream_id: str) -> None:
 
 @dataclass(frozen=True)
 class ModifyResult:
-    """What one ``modify_kv`` did: ``total_tokens`` edited down to ``kept_tokens``.
+    """What one ``modify_kv`` did: ``total_tokens`` edited down to ``kept_tokens``, moving
+    ``kv_bytes`` of KV over ``path``.
 
     ``suffix_tokens`` is how many tokens wait to be re-sent; ``stored`` is False when the server
     already held every chunk of the edit; ``skipped`` is True when the stream had no whole chunk.
@@ -421,6 +456,11 @@ class ModifyResult:
     stored: bool
     duration: float
     skipped: bool = False
+    #: How the KV travelled (:class:`~kvdrop_sdk.keep.EditPath` value): "full", "keys", "index".
+    path: str = "full"
+    #: KV bytes that crossed between the server and this process for the edit (fetched +
+    #: stored): 0 for an index-only edit, the keys for a keys-only one.
+    kv_bytes: int = 0
 
     @property
     def prompt_tokens(self) -> int:

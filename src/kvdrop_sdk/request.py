@@ -70,7 +70,7 @@ from typing import Any
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind, KindMap
-from kvdrop_sdk.capabilities import KnowsLayout
+from kvdrop_sdk.capabilities import KeepsOnServer, KnowsLayout
 from kvdrop_sdk.context import Context
 from kvdrop_sdk.edit import (
     EditContext,
@@ -78,6 +78,7 @@ from kvdrop_sdk.edit import (
     ModifyFnType,
     ModifyResult,
     call_edit,
+    call_keep_plan,
     check_edit_tensor,
     check_edit_tokens,
     edit_salt,
@@ -86,6 +87,7 @@ from kvdrop_sdk.edit import (
 from kvdrop_sdk.errors import RequestStreamError
 from kvdrop_sdk.events import PostCompletion, TokenEvent
 from kvdrop_sdk.foreign import Closeable, StreamContext, as_token_event
+from kvdrop_sdk.keep import EditPath, KeepPlan, KeepsRows, edit_path
 from kvdrop_sdk.protocol import check_salt
 from kvdrop_sdk.query_capture import Needs, needs_of
 from kvdrop_sdk.stream_contexts import StreamContexts, edit_device
@@ -428,6 +430,7 @@ class RequestStream:
         *,
         device: str | None = None,
         edit_timeout: float | None = None,
+        kv_path: str = "auto",
     ) -> ModifyResult:
         """Edit the cached chunk-aligned prefix with ``fn`` and store the result back.
 
@@ -440,6 +443,12 @@ class RequestStream:
         (``EditTimeoutError`` after that many seconds; None: unbounded). Raises
         ``RequestStreamError`` when nothing is cached (e.g. before any generate), ``fn`` fails,
         or its output is invalid; the stream and the server are then unchanged.
+
+        ``kv_path`` (kvdrop's): ``"auto"`` moves only what ``fn`` reads
+        (:func:`~kvdrop_sdk.keep.edit_path`: an index-only or keys-only kvdrop policy on a
+        kvdrop server is applied by the server, no KV stored back); ``"full"`` always fetches
+        the whole KV and stores what ``fn`` returns (upstream's path). ``ModifyResult.path`` and
+        ``kv_bytes`` say which path ran and how many KV bytes it moved.
         """
         if not callable(fn):
             raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
@@ -447,14 +456,28 @@ class RequestStream:
         start = time.perf_counter()
         with self._op_lock:
             kv_ctx = self._cache.get(CacheKind.KV)
+            try:
+                path = edit_path(fn, kv_ctx, kv_path)
+            except ValueError as exc:
+                raise RequestStreamError(f"stream {self._request_stream_id}: {exc}") from None
             current = self.tokens
             chunk = self._cache.chunk_size()
             if len(current) < chunk:
                 return ModifyResult(0, 0, len(self._suffix), False, 0.0, skipped=True)
             expected = min(self._expected_cached or 0, (len(current) // chunk) * chunk)
-            got = self._cache.retrieve_when_cached(
-                current, self.active_cache_salt, expected, timeout, poll_interval, _KV_ONLY, dev
-            )
+            salt = self.active_cache_salt
+            fetched = 0
+            if path is EditPath.FULL:
+                got = self._cache.retrieve_when_cached(
+                    current, salt, expected, timeout, poll_interval, _KV_ONLY, dev
+                )
+                if got is not None:
+                    fetched = got[0][CacheKind.KV].nbytes
+            else:
+                reads = self._cache.retrieve_reads(
+                    current, salt, expected, timeout, poll_interval, path, dev
+                )
+                got, fetched = (None, 0) if reads is None else reads
             if got is None and self._expected_cached == 0:
                 # The last prompt had no whole chunk: there was never anything to edit.
                 return ModifyResult(0, 0, len(self._suffix), False, 0.0, skipped=True)
@@ -467,7 +490,6 @@ class RequestStream:
                 )
             tensors, cached = got
             needs, with_context = needs_of(fn), takes_edit_context(fn)
-            salt = self.active_cache_salt
             queries = self._cache.add_queries(tensors, current, salt, needs, with_context)
             cached = int(tensors[CacheKind.KV].shape[2])
             kept_input = list(current[:cached])
@@ -475,17 +497,15 @@ class RequestStream:
             if with_context:
                 context = self._edit_context(kv_ctx, cached, current, queries, device, needs)
             sid = self._request_stream_id
+            if path is not EditPath.FULL:
+                assert isinstance(fn, KeepsRows)
+                plan = call_keep_plan(fn, tensors, kept_input, context, sid, edit_timeout, dev)
+                return self._keep_on_server(plan, kept_input, current, salt, path, fetched, start)
             new_kv, new_tokens = call_edit(fn, tensors, kept_input, context, sid, edit_timeout, dev)
             edited = tensors[CacheKind.KV]
             reference = (edited.shape[1], edited.shape[3], edited.dtype)
             check_edit_tensor(CacheKind.KV, new_kv, new_tokens, reference, chunk, sid)
-            protected = min(self.protected_tokens, cached)
-            if new_tokens[:protected] != kept_input[:protected]:
-                raise RequestStreamError(
-                    f"stream {sid}: the edit dropped some of the first {protected} (protected) "
-                    "tokens; an edit must keep the protected prefix (kvdrop policies read it "
-                    "from EditContext.protected)"
-                )
+            self._check_protected(new_tokens, kept_input)
             stored = self._store_and_commit(
                 {CacheKind.KV: new_kv}, new_tokens, current[cached:], timeout
             )
@@ -495,7 +515,72 @@ class RequestStream:
                 suffix_tokens=len(self._suffix),
                 stored=stored,
                 duration=time.perf_counter() - start,
+                path=path.value,
+                kv_bytes=fetched + new_kv.nbytes,
             )
+
+    def _check_protected(self, new_tokens: list[int], kept_input: list[int]) -> None:
+        protected = min(self.protected_tokens, len(kept_input))
+        if new_tokens[:protected] != kept_input[:protected]:
+            raise RequestStreamError(
+                f"stream {self._request_stream_id}: the edit dropped some of the first "
+                f"{protected} (protected) tokens; an edit must keep the protected prefix "
+                "(kvdrop policies read it from EditContext.protected)"
+            )
+
+    def _keep_on_server(
+        self,
+        plan: KeepPlan,
+        kept_input: list[int],
+        current: list[int],
+        salt: str,
+        path: EditPath,
+        fetched: int,
+        start: float,
+    ) -> ModifyResult:
+        """Have the server store the rows ``plan`` keeps of the cached ``kept_input`` under the
+        stream's edit salt (:mod:`kvdrop_sdk.keep`), after the checks a returned edit gets."""
+        sid, cached = self._request_stream_id, len(kept_input)
+        index = plan.index
+        if (
+            not isinstance(index, torch.Tensor)
+            or index.dim() != 1
+            or index.is_floating_point()
+            or index.numel() == 0
+        ):
+            raise RequestStreamError(f"stream {sid}: a keep plan's index must be 1-D integers")
+        index = index.to(device="cpu", dtype=torch.int64)
+        if int(index.min()) < 0 or int(index.max()) >= cached:
+            raise RequestStreamError(
+                f"stream {sid}: kept indices must lie in [0, {cached}) (the cached rows)"
+            )
+        new_tokens = [kept_input[i] for i in index.tolist()]
+        chunk = self._cache.chunk_size()
+        if len(new_tokens) % chunk:
+            raise RequestStreamError(
+                f"stream {sid}: the edit keeps {len(new_tokens)} tokens, not a non-zero "
+                f"multiple of the chunk size {chunk}; round the kept budget to whole chunks"
+            )
+        self._check_protected(new_tokens, kept_input)
+        dst = edit_salt(self.cache_salt, sid)
+        ctx = self._cache.get(CacheKind.KV)
+        assert isinstance(ctx, KeepsOnServer)
+        try:
+            stored = ctx.keep(kept_input, KeepPlan(index, plan.rope), salt, dst_salt=dst)
+        except Exception as exc:  # kvdrop's SDKError (RpcError: bad_index, not_cached, ...)
+            raise RequestStreamError(
+                f"stream {sid}: the server could not keep the edited kv: {exc}"
+            ) from exc
+        self._commit(new_tokens, current[cached:], dst, stored)
+        return ModifyResult(
+            total_tokens=cached,
+            kept_tokens=len(new_tokens),
+            suffix_tokens=len(self._suffix),
+            stored=stored,
+            duration=time.perf_counter() - start,
+            path=path.value,
+            kv_bytes=fetched,
+        )
 
     def _edit_context(
         self,
@@ -551,6 +636,11 @@ class RequestStream:
                     f"failed: {exc}"
                 ) from exc
         stored = results.get(CacheKind.KV, any(results.values()))
+        self._commit(tokens, suffix, salt, stored)
+        return stored
+
+    def _commit(self, tokens: list[int], suffix: list[int], salt: str, stored: bool) -> None:
+        """Make the stored edit the stream's prefix (under its edit ``salt``)."""
         if not stored:
             logger.warning(
                 "stream %s: the server already held every chunk of the edit (first copy wins); "
@@ -562,7 +652,6 @@ class RequestStream:
             self._suffix = list(suffix)
             self._edit_salt = salt
         self._expected_cached = len(tokens)
-        return stored
 
 
 def _checked_params(sampling_params: Mapping[str, Any] | None) -> dict[str, Any]:

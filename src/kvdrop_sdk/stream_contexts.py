@@ -16,10 +16,17 @@ from typing import Any
 import torch
 
 from kvdrop_sdk.cache_kind import CacheKind
-from kvdrop_sdk.capabilities import CheapLookup, KnowsLayout, StoresRecords, TransfersToDevice
+from kvdrop_sdk.capabilities import (
+    CheapLookup,
+    KeepsOnServer,
+    KnowsLayout,
+    StoresRecords,
+    TransfersToDevice,
+)
 from kvdrop_sdk.edit import EditQueries, merge_queries, warn_plain_window
 from kvdrop_sdk.errors import RequestStreamError, SDKError
 from kvdrop_sdk.foreign import ForeignContext, StreamContext, wrap_contexts
+from kvdrop_sdk.keep import EditPath
 from kvdrop_sdk.layout import CacheLayout
 from kvdrop_sdk.query_capture import UPSTREAM_CAPTURE, Needs, QueryCapture
 from kvdrop_sdk.validate import edit_device
@@ -206,6 +213,39 @@ class StreamContexts:
             if expected <= 0 or have >= expected or time.monotonic() >= deadline:
                 return got
             time.sleep(poll_interval)
+
+    def retrieve_reads(
+        self,
+        tokens: list[int],
+        salt: str,
+        expected: int,
+        timeout: float,
+        poll_interval: float,
+        path: EditPath,
+        device: torch.device | None = None,
+    ) -> tuple[Retrieved, int] | None:
+        """For a server-kept edit (``path`` KEYS or INDEX, :func:`~kvdrop_sdk.keep.edit_path`),
+        once ``expected`` tokens are cached (or at ``timeout``): ``{KV: [2, L, T, D]}`` holding
+        only what the edit reads (the keys, standing in for the values too; or a broadcast
+        zero), and the KV bytes fetched; None when nothing is cached."""
+        ctx = self.get(CacheKind.KV)
+        assert isinstance(ctx, KeepsOnServer) and isinstance(ctx, KnowsLayout)
+        deadline = time.monotonic() + max(timeout, 0.0)
+        cached = int(ctx.lookup(tokens, salt))
+        while cached < expected and time.monotonic() < deadline:
+            time.sleep(poll_interval)
+            cached = int(ctx.lookup(tokens, salt))
+        if cached == 0:
+            return None
+        if path is EditPath.KEYS:
+            keys = ctx.retrieve_keys(tokens[:cached], salt, device=device)
+            if keys is None or keys.shape[2] == 0:
+                return None
+            return ({CacheKind.KV: keys.expand(2, -1, -1, -1)}, int(keys.shape[2])), keys.nbytes
+        layout = ctx.layout
+        shape = layout.shape(CacheKind.KV, cached)
+        zero = torch.zeros((), dtype=layout.dtype, device=device)
+        return ({CacheKind.KV: zero.expand(shape)}, cached), 0
 
     def store(
         self, kind: CacheKind, tensor: torch.Tensor, tokens: list[int], salt: str, timeout: float

@@ -242,3 +242,21 @@ def test_a_preempted_cut_request_keeps_its_answer(model: Transformer) -> None:
         assert [t for t, _ in mine] == [t for t, _ in alone], f"request {i}: other tokens"
         worst = max(abs(a - b) for (_, a), (_, b) in zip(mine, alone, strict=True))
         assert worst <= 1e-5, f"request {i}: logprobs differ by {worst:.2e}"
+
+
+def test_a_decode_override_is_bounded_by_the_same_rule(model: Transformer) -> None:
+    """A request's decode cut (``"kvdrop": {"decode": ...}``) names a policy too: the same
+    bounds and the same ``--client-policies`` rule (:mod:`kvdrop_engine.client_specs`)."""
+    from kvdrop_engine.decode_cut import DecodeCompressor
+    from kvdrop_engine.errors import InvalidRequestError
+
+    compressor = DecodeCompressor(model.config, "knorm", budget=40, every=10)
+    with Engine(model, num_blocks=64, compressor=compressor) as engine:
+        bomb = {"policy": "leverage(sketch_dimension=4000)", "budget": 40}
+        with pytest.raises(InvalidRequestError, match=r"'kvdrop.decode.policy'.*at most 512"):
+            engine.post_completion(prompt_of(50), {"max_tokens": 4, "kvdrop": {"decode": bomb}})
+        with pytest.raises(InvalidRequestError, match="may not be picked"):
+            decode = {"policy": "value-norm", "budget": 40}
+            engine.post_completion(prompt_of(50), {"max_tokens": 4, "kvdrop": {"decode": decode}})
+        fine = {"kvdrop": {"decode": {"policy": "tova", "budget": 40}}}
+        assert len(engine.generate(prompt_of(50), {"max_tokens": 4, **fine})) == 4

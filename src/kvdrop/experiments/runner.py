@@ -123,6 +123,7 @@ def run_pipeline(
     modify_timeout: float = 600.0,
     modify_concurrency: int | None = None,
     modify_device: str | None = None,
+    modify_kv_path: str = "auto",
     fresh_decode: bool = False,
     reconstruct: bool | None = None,
     suffixes: Sequence[Sequence[int]] | None = None,
@@ -130,7 +131,9 @@ def run_pipeline(
     """Prefill, optionally modify, then decode ``prompts`` through ``engine``'s post_completion.
 
     ``modify_concurrency`` bounds the edits running at once (None: the batch's default);
-    ``modify_device`` is where they run (``batch.modify(device=)``; None: the host).
+    ``modify_device`` is where they run (``batch.modify(device=)``; None: the host);
+    ``modify_kv_path`` how their KV travels (``batch.modify(kv_path=)``: ``auto`` moves only
+    what the policy reads, ``full`` the whole KV both ways).
 
     By default decoding continues each stream after the token its prefill sampled (from the full
     cache, as upstream's batched stream does). ``fresh_decode`` decodes instead from the stream's
@@ -159,7 +162,9 @@ def run_pipeline(
     modify = None
     if modify_fn is not None:
         batch.progress = progress(f"{name}: modify")
-        modify = batch.modify(modify_fn, timeout=modify_timeout, device=modify_device)
+        modify = batch.modify(
+            modify_fn, timeout=modify_timeout, device=modify_device, kv_path=modify_kv_path
+        )
     prefill_engine = engine.stats().to_dict()
     engine.reset_stats()
     if fresh_decode or suffixes is not None:

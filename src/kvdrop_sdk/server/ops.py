@@ -21,8 +21,10 @@ from typing import Any
 import torch
 import zmq
 
+from kvdrop_rope import RopeConfig, rerotate_rows
 from kvdrop_sdk.cache_kind import CacheKind
-from kvdrop_sdk.hashing import TOKEN_BYTES, chunk_keys, root_hash
+from kvdrop_sdk.hashing import TOKEN_BYTES, chunk_keys, decode_tokens, encode_tokens, root_hash
+from kvdrop_sdk.keep import decode_index
 from kvdrop_sdk.layout import CacheLayout, dtype_name
 from kvdrop_sdk.protocol import ProtocolError, check_salt
 from kvdrop_sdk.server.config import ServerConfig
@@ -291,6 +293,12 @@ class RequestOps:
         layout = self._checked_layout(header, model, kind)
         keys, _ = self._keys(header, frames, model, kind)
         first, end = _chunk_range(header, len(keys))
+        full = layout.shape(kind, 1)[0]
+        lead = header.get("lead", full)
+        if not is_int(lead) or not 1 <= lead <= full:
+            raise ProtocolError(
+                "bad_field", f"field 'lead' must be an int in [1, {full}], got {lead!r}"
+            )
         # Pinned until ZMQ has sent the slots' bytes (no expiry: the worker unpins them). The
         # lease is the server's own: no client can release it early. With a range, the prefix
         # up to its end is pinned and only the range's chunks are sent (a client splits a large
@@ -310,7 +318,8 @@ class RequestOps:
                 self.store.release(lid, owner=INTERNAL_OWNER)
                 return {"num_tokens": found * self.config.chunk_size, "first_chunk": first}, []
             # One frame per (chunk, kv/layer row): bounded frame sizes stream best over TCP.
-            num_rows = layout.shape(kind, 1)[0] * layout.num_layers
+            # ``lead`` (optional): only the first leading rows of each chunk (1: the keys).
+            num_rows = lead * layout.num_layers
             span = self.config.chunk_size * layout.width * layout.itemsize
             sources = [
                 memoryview(copy) if copy is not None else mem[off:]
@@ -323,7 +332,7 @@ class RequestOps:
             raise
         store = self.store
         self._tls.after_send = lambda: store.release(lid, owner=INTERNAL_OWNER)
-        shape = layout.shape(kind, len(slots) * self.config.chunk_size)
+        shape = (lead, *layout.shape(kind, len(slots) * self.config.chunk_size)[1:])
         return {
             "num_tokens": found * self.config.chunk_size,
             "first_chunk": first,
@@ -399,6 +408,111 @@ class RequestOps:
         reply = {"stored": stored, "duplicates": dup, "dropped": dropped}
         return reply | self._dropped_reason(dropped), []
 
+    def op_keep(self, header: dict[str, Any], frames: list[zmq.Frame]) -> Reply:
+        """Store the kept rows of a cached prefix under the kept tokens (an index-only edit).
+
+        Frames: the prefix's token ids (whole chunks, all cached under ``salt``) and the kept
+        indices (:func:`~kvdrop_sdk.keep.decode_index`). The rows are gathered here, their keys
+        re-rotated to ``0..k-1`` with ``rope`` (``RopeConfig.to_json()``, or null: not
+        re-rotated) by :func:`kvdrop_rope.rerotate_rows`, and stored under ``dst_salt``; the
+        answer is ``put``'s. It reads only what ``get`` with the same fields would send, so it
+        gives a client no bytes it could not read; nothing is written on a bad request."""
+        assert self.store is not None and self.pool is not None
+        model, kind = self._model_kind(header)
+        if kind is not CacheKind.KV:
+            raise ProtocolError("unknown_kind", f"keep works on the KV kind, got {kind.value!r}")
+        layout = self._checked_layout(header, model, kind)
+        keys, num_tokens = self._keys(header, frames, model, kind)
+        c = self.config.chunk_size
+        if num_tokens % c or not keys or len(frames) != 2:
+            raise ProtocolError(
+                "bad_frames",
+                "keep takes two frames: the token ids of whole chunks "
+                f"({num_tokens} tokens, chunk size {c}) and the kept indices",
+            )
+        try:
+            index = decode_index(frames[1].buffer, num_tokens, c)
+            dst_salt = check_salt(header.get("dst_salt"), "field 'dst_salt'")
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError("bad_index", str(exc)) from None
+        rope = self._keep_rope(header.get("rope"), layout)
+        kept = self._gather(keys, layout, index)
+        if rope is not None:
+            new = torch.arange(index.numel())
+            rerotate_rows(kept[0], index, new, rope, num_tokens, index.numel())
+            if not bool(torch.isfinite(kept[0]).all()):
+                raise StoreError(
+                    "not_finite", "re-rotated keys are not finite; check the RoPE parameters"
+                )
+        tokens = decode_tokens(frames[0].buffer)
+        dst = encode_tokens([tokens[i] for i in index.tolist()])
+        dst_keys = chunk_keys(root_hash(model, kind.value, dst_salt), dst, c)
+        nbytes = layout.nbytes(kind, c)
+        lid, slots, dup, dropped = self.store.reserve(
+            dst_keys, nbytes, self.config.max_lease_s, owner=INTERNAL_OWNER, tag=(model, kind.value)
+        )
+        if lid is None:
+            return {"stored": 0, "duplicates": dup, "dropped": dropped}, []
+        self._back(lid, INTERNAL_OWNER, [off for _, off in slots], nbytes)
+        try:
+            for i, off in slots:
+                copy_rows(self._slot(off, layout, kind), kept[:, :, i * c : (i + 1) * c])
+        except BaseException:
+            self.store.abort(lid, owner=INTERNAL_OWNER)
+            raise
+        stored = self.store.commit(lid, owner=INTERNAL_OWNER)
+        reply = {"stored": stored, "duplicates": dup, "dropped": dropped}
+        return reply | self._dropped_reason(dropped), []
+
+    def _keep_rope(self, value: Any, layout: CacheLayout) -> RopeConfig | None:
+        if value is None:
+            return None
+        try:
+            rope = RopeConfig.from_json(value)
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError("bad_rope", f"field 'rope': {exc}") from None
+        if layout.width % rope.head_dim:
+            raise ProtocolError(
+                "bad_rope",
+                f"field 'rope': head_dim={rope.head_dim} does not divide the KV width "
+                f"{layout.width}",
+            )
+        return rope
+
+    def _gather(self, keys: list[bytes], layout: CacheLayout, index: torch.Tensor) -> torch.Tensor:
+        """The rows at ``index`` of the cached chunks ``keys`` (all of them must be cached), as
+        a fresh ``[2, L, k, D]`` tensor; read from checked copies where a writer may reach."""
+        assert self.store is not None and self.pool is not None
+        c = self.config.chunk_size
+        lid, slots = self.store.pin(keys, float("inf"), owner=INTERNAL_OWNER)
+        try:
+            mem = memoryview(self.pool.buffer)
+            copies = (
+                self.store.verified_copy(lid, lambda o, n: bytes(mem[o : o + n])) if lid else []
+            )
+            if len(copies) < len(keys):
+                raise StoreError(
+                    "not_cached",
+                    f"keep needs all {len(keys) * c} tokens cached; {len(copies) * c} are "
+                    "(evicted meanwhile?): retrieve and store instead",
+                )
+            shape = layout.shape(CacheKind.KV, c)
+            out = torch.empty(layout.shape(CacheKind.KV, index.numel()), dtype=layout.dtype)
+            chunk_of = index // c
+            for i in torch.unique(chunk_of).tolist():
+                rows = (chunk_of == i).nonzero().squeeze(1)
+                copy = copies[i]
+                slot = (
+                    torch.frombuffer(bytearray(copy), dtype=layout.dtype).view(shape)
+                    if copy is not None
+                    else self._slot(slots[i][0], layout, CacheKind.KV)
+                )
+                out[:, :, rows] = slot[:, :, index[rows] - i * c]
+            return out
+        finally:
+            if lid is not None:
+                self.store.release(lid, owner=INTERNAL_OWNER)
+
     def _dropped_reason(self, dropped: int) -> dict[str, str]:
         """``dropped_reason`` for a reply that dropped chunks: what holds the pool."""
         assert self.store is not None
@@ -440,6 +554,7 @@ HANDLERS: dict[str, Callable[[RequestOps, dict[str, Any], list[zmq.Frame]], Repl
     "release": RequestOps.op_release,
     "put_window": RequestOps.op_put_window,
     "get_window": RequestOps.op_get_window,
+    "keep": RequestOps.op_keep,
 }
 #: Operations the server understands (see docs/sdk.md for each one's frames).
 OPS: tuple[str, ...] = tuple(HANDLERS)

@@ -51,6 +51,7 @@ __all__ = [
     "ContiguousTransferWrapper",
     "TransferHelper",
     "socket_streams",
+    "stored_chunks",
 ]
 
 log = logging.getLogger("kvdrop_sdk.transfer")
@@ -81,7 +82,7 @@ def _get_pool(size: int) -> ThreadPoolExecutor:
         return _GET_POOL
 
 
-def _stored(reply: dict[str, Any]) -> int:
+def stored_chunks(reply: dict[str, Any]) -> int:
     """Chunks stored according to a put/commit reply; ``PartialStoreError`` when some (or all)
     chunks were dropped because the pool had no room."""
     stored, dropped = int(reply.get("stored", 0)), int(reply.get("dropped", 0))
@@ -321,7 +322,7 @@ class ContiguousTransferWrapper:
         self._same_server(mapping, reply, "reserve")
         lease = reply.get("lease")
         if lease is None:
-            return _stored({"stored": 0, **reply})
+            return stored_chunks({"stored": 0, **reply})
         started = time.monotonic()
         try:
             if reply.get("nbytes") != layout.nbytes(kind, c):
@@ -363,7 +364,7 @@ class ContiguousTransferWrapper:
                 pass  # the reservation lapses on its own
             raise
         committed, _ = self._rpc.call("commit", {"lease": lease})
-        return _stored({**reply, "stored": committed["stored"]})
+        return stored_chunks({**reply, "stored": committed["stored"]})
 
     def _socket_store(
         self,
@@ -408,7 +409,7 @@ class ContiguousTransferWrapper:
             for key in total:
                 total[key] += int(reply.get(key, 0))
         reasons = [r["dropped_reason"] for r, _ in replies if r.get("dropped_reason")]
-        return _stored({**total, "dropped_reason": reasons[0] if reasons else None})
+        return stored_chunks({**total, "dropped_reason": reasons[0] if reasons else None})
 
     # -- retrieve ----------------------------------------------------------------------------------
     def retrieve(
@@ -419,12 +420,19 @@ class ContiguousTransferWrapper:
         kind: CacheKind,
         lease_s: float,
         device: torch.device | None = None,
+        lead: int | None = None,
     ) -> torch.Tensor | None:
         """The longest cached chunk-aligned prefix as one contiguous tensor, or None; on
-        ``device`` when given (a GPU gets the slots by DMA from page-locked shared memory)."""
+        ``device`` when given (a GPU gets the slots by DMA from page-locked shared memory).
+        ``lead=1`` fetches only the first of the ``[2, L, c, D]`` slot's leading rows: the keys
+        (``[1, L, T, D]``; through the host to a GPU)."""
         c = self.chunk_size
+        full = layout.shape(kind, 1)[0]
+        lead = full if lead is None else lead
+        if not 1 <= lead <= full:
+            raise SDKError(f"lead must be in [1, {full}], got {lead!r}")
         if self.mode == "socket":
-            out = self._socket_retrieve(fields, token_bytes, layout, kind)
+            out = self._socket_retrieve(fields, token_bytes, layout, kind, lead)
             return out if out is None or device is None else out.to(device)
         mapping = self._current()
         reply, _ = self._rpc.call(
@@ -442,7 +450,7 @@ class ContiguousTransferWrapper:
             out = None
             gpu = device is not None and device.type == "cuda"
             dma = None
-            if gpu:
+            if gpu and lead == full:
                 for off in offsets:  # bounds checked, pages mapped, before registering
                     self._slot(mapping, off, nbytes, layout, kind)
                 dma = mapping.dma(offsets, nbytes)
@@ -451,7 +459,7 @@ class ContiguousTransferWrapper:
                 slot_shape = layout.shape(kind, c)
                 out = dma.read(offsets, slot_shape, layout.dtype, device)  # None: it failed
             if out is None:
-                shape = layout.shape(kind, len(offsets) * c)
+                shape = (lead, *layout.shape(kind, len(offsets) * c)[1:])
                 out = (
                     pinned_empty(shape, layout.dtype)
                     if gpu
@@ -489,9 +497,12 @@ class ContiguousTransferWrapper:
         """Fill host tensor ``out`` from the pinned slots at ``offsets``."""
         c = self.chunk_size
 
+        lead = out.shape[0]
+
         def copy_out(j: int, off: Any) -> None:
             copy_rows(
-                out[:, :, j * c : (j + 1) * c], self._slot(mapping, off, nbytes, layout, kind)
+                out[:, :, j * c : (j + 1) * c],
+                self._slot(mapping, off, nbytes, layout, kind)[:lead],
             )
 
         if shm_copy_mode() == "torch":
@@ -506,7 +517,12 @@ class ContiguousTransferWrapper:
             )
 
     def _socket_retrieve(
-        self, fields: dict[str, Any], token_bytes: bytes, layout: CacheLayout, kind: CacheKind
+        self,
+        fields: dict[str, Any],
+        token_bytes: bytes,
+        layout: CacheLayout,
+        kind: CacheKind,
+        lead: int,
     ) -> torch.Tensor | None:
         """Socket retrieve: a large prefix in ``socket_streams()`` chunk ranges fetched at once
         on as many connections (one TCP stream moved 2 GB/s on an H200 host, four 3.9), then
@@ -518,6 +534,8 @@ class ContiguousTransferWrapper:
             streams = 1
         per = -(-max_chunks // streams) if max_chunks else 1
         header = {**fields, "layout": layout.to_json()}
+        if lead != layout.shape(kind, 1)[0]:
+            header["lead"] = lead
         calls = [
             ("get", {**header, "first_chunk": f, "max_chunks": per}, [token_bytes])
             for f in range(0, max(max_chunks, 1), per)
@@ -534,14 +552,14 @@ class ContiguousTransferWrapper:
             first = call["first_chunk"]
             found = int(reply.get("num_tokens", 0)) // c
             got = max(0, min(found, first + per) - first)
-            self._check_part(reply, frames, layout, kind, got)
+            self._check_part(reply, frames, layout, kind, got, lead)
             parts.append(frames)
             total = first + got
             if got < per:
                 break
         if total == 0:
             return None
-        shape = layout.shape(kind, total * c)
+        shape = (lead, *layout.shape(kind, total * c)[1:])
         num_rows = shape[0] * shape[1]
         span = c * shape[3] * layout.itemsize
         frames = [f for part in parts for f in part][: total * num_rows]
@@ -560,11 +578,18 @@ class ContiguousTransferWrapper:
         return out
 
     def _check_part(
-        self, reply: dict[str, Any], frames: list[Any], layout: CacheLayout, kind: CacheKind, n: int
+        self,
+        reply: dict[str, Any],
+        frames: list[Any],
+        layout: CacheLayout,
+        kind: CacheKind,
+        n: int,
+        lead: int,
     ) -> None:
-        """``SDKError`` unless a ``get`` reply carries ``n`` chunks' frames of the layout."""
+        """``SDKError`` unless a ``get`` reply carries ``n`` chunks' frames of the layout (the
+        first ``lead`` leading rows of each)."""
         c = self.chunk_size
-        shape = layout.shape(kind, n * c)
+        shape = (lead, *layout.shape(kind, n * c)[1:])
         num_rows = shape[0] * shape[1]
         span = c * shape[3] * layout.itemsize
         if n == 0 and not frames:

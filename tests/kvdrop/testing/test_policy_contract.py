@@ -124,10 +124,21 @@ def test_a_policy_that_fails_on_short_prompts_fails_the_kit() -> None:
     assert set(range(1, 9)) <= lengths
 
 
-def test_cap_runs_on_prompts_of_sinks_only() -> None:
+@pytest.mark.parametrize("num_tokens", [2, 3, 4])
+def test_cap_runs_on_prompts_of_sinks_only(num_tokens: int) -> None:
     """``cap`` (four sinks) raised IndexError on 2-4-token prompts in the engine and in
     ``KVDropPress``; the kit passed it. The kit now tries 1-8 tokens and ``cap`` passes it."""
-    check_policy("cap", max_examples=5)
+    import kvdrop
+    from kvdrop_sdk import CacheKind
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    kv = torch.randn(2, 2, num_tokens, 32, generator=gen)
+    query = torch.randn(1, 2, num_tokens, 64, generator=gen)
+    policy = kvdrop.get("cap", keep_tokens=1, chunk_size=1, head_dim=16)
+    kept, tokens = policy({CacheKind.KV: kv, CacheKind.QUERY: query}, list(range(num_tokens)))
+    assert kept.shape[2] == len(tokens) >= 1
+    if num_tokens == 4:
+        check_policy("cap", max_examples=5)
 
 
 def _twice_first(keep_ratio: float | None = None, keep_tokens: int | None = None,

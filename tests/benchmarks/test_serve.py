@@ -1,0 +1,37 @@
+"""benchmarks/serve.py's mixed load and goodput: the load's shape and which requests count."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+_PATH = pathlib.Path(__file__).parents[2] / "benchmarks" / "serve.py"
+_spec = importlib.util.spec_from_file_location("serve_bench", _PATH)
+assert _spec is not None and _spec.loader is not None
+serve = importlib.util.module_from_spec(_spec)
+sys.modules["serve_bench"] = serve  # its dataclasses look their module up
+_spec.loader.exec_module(serve)
+
+
+def test_the_mixed_load_spans_its_ranges_the_same_way_every_run() -> None:
+    args = serve.parse_args(["--load", "mixed", "--num-prompts", "200"])
+    prompts, outputs = serve.make_mixed(args, 1000)
+    lengths = [len(p) for p in prompts]
+    assert 1024 <= min(lengths) < 2048 and 8192 < max(lengths) <= 14336  # log-uniform: both ends
+    assert 128 <= min(outputs) and max(outputs) <= 2048 and len(set(outputs)) > 100
+    again = serve.make_mixed(args, 1000)
+    assert again == (prompts, outputs)
+
+
+def test_goodput_counts_requests_that_meet_both_slos() -> None:
+    def result(ttft: float, tpot_ms: float, tokens: int = 11) -> object:
+        return serve.Result(0.0, ttft, ttft + tpot_ms * (tokens - 1) / 1e3, tokens)
+
+    results = [result(1.0, 40.0), result(11.0, 10.0), result(2.0, 60.0), result(9.9, 49.0)]
+    results.append(serve.Result(error="HTTP 500"))
+    row = serve.summarise("run", results, 10.0, {}, (10.0, 50.0))
+    assert row["good"] == "2/5" and row["goodput_req_s"] == pytest.approx(0.2)
+    assert serve.summarise("run", results, 10.0, {})["good"] == "4/5"  # no SLOs: every answer
