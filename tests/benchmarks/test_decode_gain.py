@@ -101,3 +101,8 @@ def test_a_real_runs_decode_parts_are_never_negative_and_sum_to_the_phase() -> N
         assert row["job_failed"] == 0 and row["job_s"] > 0  # the pipelined job ran whole
     e2e = report["end_to_end"]
     assert e2e[1]["e2e_gain"] == pytest.approx(e2e[0]["job_s"] / e2e[1]["job_s"])
+    # By default each edit moves only what its policy reads: chunk-halving no KV byte (the
+    # server keeps the rows), snapkv the keys.
+    paths = {row["run"]: (row["edit_path"], row["kv_MB_per_edit"]) for row in report["runs"]}
+    assert paths["chunk-halving"] == ("index", 0.0)
+    assert paths["snapkv"][0] == "keys" and paths["snapkv"][1] > 0
