@@ -31,10 +31,12 @@ class ClientSpecs:
         self.which: str | frozenset[str] = which
         if which not in ("builtin", "all"):
             self.which = frozenset(name.strip() for name in which.split(",") if name.strip())
-        from kvdrop.spec import spec_terms  # the policy library, once there is a spec
-
         self.own = frozenset(own)
-        self.own_names = frozenset(name for spec in own for name, _ in spec_terms(spec))
+        self.own_names: frozenset[str] = frozenset()
+        if own:
+            from kvdrop.spec import spec_terms  # the policy library, once there is a spec
+
+            self.own_names = frozenset(name for spec in own for name, _ in spec_terms(spec))
 
     def may_pick(self, name: str) -> bool:
         """Whether a client may name policy ``name``."""

@@ -16,7 +16,7 @@ from kvdrop_engine.decode_cut import DecodeCompressor, parse_decode
 from kvdrop_engine.decode_reference import DenseDecode
 from kvdrop_engine.drop import PromptDropper
 from kvdrop_engine.engine import Engine
-from kvdrop_engine.errors import EngineSetupError, InvalidRequestError
+from kvdrop_engine.errors import EngineSetupError, InvalidRequestError, RequestTooLargeError
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer
 
@@ -354,3 +354,15 @@ def test_decode_graphs_cut_like_the_eager_forward(spec: str) -> None:
             outs.append([[e.token_id for e in s] for s in streams])
             assert engine.stats().decode_cuts >= 3 * 6
     assert outs[0] == outs[1]
+
+
+def test_a_generation_longer_than_the_budget_fits_when_cut(model: Transformer) -> None:
+    """100 + 1000 tokens do not fit a 256-token KV budget whole (RequestTooLargeError), but do
+    with a cut while decoding: the request holds at most 64 + 16."""
+    compressor = DecodeCompressor(model.config, "knorm", budget=64, every=16)
+    params = {"max_tokens": 1000, **GREEDY}
+    with Engine(model, kv_budget_tokens=256, compressor=compressor) as engine:
+        assert len(engine.generate(prompt_of(100), params)) == 1000
+        assert engine.stats().peak_decode_kv_tokens == 80
+        with pytest.raises(RequestTooLargeError):
+            engine.post_completion(prompt_of(100), {**params, "kvdrop": {"decode": None}})
