@@ -498,16 +498,22 @@ class RequestOps:
                 )
             shape = layout.shape(CacheKind.KV, c)
             out = torch.empty(layout.shape(CacheKind.KV, index.numel()), dtype=layout.dtype)
-            chunk_of = index // c
-            for i in torch.unique(chunk_of).tolist():
-                rows = (chunk_of == i).nonzero().squeeze(1)
+            # ``index`` is sorted, so each source chunk's kept rows are one run of ``out``.
+            chunks, counts = torch.unique_consecutive(index // c, return_counts=True)
+            start = 0
+            for i, n in zip(chunks.tolist(), counts.tolist(), strict=True):
                 copy = copies[i]
                 slot = (
                     torch.frombuffer(bytearray(copy), dtype=layout.dtype).view(shape)
                     if copy is not None
                     else self._slot(slots[i][0], layout, CacheKind.KV)
                 )
-                out[:, :, rows] = slot[:, :, index[rows] - i * c]
+                local = index[start : start + n] - i * c
+                if n == c:  # the whole chunk kept
+                    copy_rows(out[:, :, start : start + n], slot)
+                else:
+                    copy_rows(out[:, :, start : start + n], slot.index_select(2, local))
+                start += n
             return out
         finally:
             if lid is not None:
