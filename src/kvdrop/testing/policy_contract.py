@@ -28,6 +28,8 @@ groups of 1 or 2; ``keep_ratio`` in [0.01, 1] or ``keep_tokens`` 1..200. Other p
 their ``choices``, bools, ints 0..40, floats in [-1, 1] and None where the type allows, kept where
 the parameter's own ``check`` accepts them; parameters of other types keep ``PolicyInfo.example``'s
 value or their default.
+The tensors come from the one dry run the engine and the experiment harness use
+(:func:`kvdrop_sdk.dry_run.dry_run_inputs`), so all three hand a policy the same inputs.
 :func:`policy_names` lists what to parametrize a pytest test over. Needs ``hypothesis``.
 """
 
@@ -59,8 +61,9 @@ from kvdrop.params import Param
 from kvdrop.policy import Policy
 from kvdrop.registry import available, factory, source
 from kvdrop_sdk import CacheKind
+from kvdrop_sdk.dry_run import dry_run_inputs
 from kvdrop_sdk.edit import EditContext
-from kvdrop_sdk.query_capture import QueryNeed
+from kvdrop_sdk.query_capture import Needs, QueryCapture, QueryNeed
 
 __all__ = [
     "DTYPES",
@@ -184,12 +187,39 @@ def _draw_case(draw: Callable[[Any], Any], info: PolicyInfo) -> Case:
     if "head_dim" in {p.name for p in info.params}:
         params["head_dim"] = head_dim
     dtype, layers = draw(st.sampled_from(DTYPES)), draw(st.integers(1, 3))
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
-    kv = torch.randn(2, layers, num_tokens, kv_heads * head_dim, generator=gen).to(dtype)
-    query = torch.randn(1, layers, num_tokens, kv_heads * group * head_dim, generator=gen)
+    layout = _Layout(layers, kv_heads, kv_heads * group, head_dim)
+    return _case(params, layout, num_tokens, dtype, draw(st.integers(0, 2**16)))
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The model layout one example's tensors have (what :func:`dry_run_inputs` reads)."""
+
+    num_layers: int
+    num_kv_heads: int
+    num_heads: int
+    head_dim: int
+
+
+#: What every example carries: every query row and per-token scores (a policy reads what it
+#: declares; the kit hands every input over, as the engine's fullest capture does).
+_EVERYTHING = Needs(QueryNeed.FULL, token_scores=True)
+_FULL_CAPTURE = QueryCapture(QueryNeed.FULL, scores=True)
+
+
+def _case(
+    params: dict[str, Any], layout: _Layout, num_tokens: int, dtype: torch.dtype, seed: int
+) -> Case:
+    """One example's inputs from the one dry run the engine and the harness use
+    (:func:`kvdrop_sdk.dry_run.dry_run_inputs`: KV, every query row, token scores), in
+    ``dtype``, with distinct token ids drawn apart from the positions (so a policy that returns
+    indices for tokens fails)."""
+    run = dry_run_inputs(layout, num_tokens, _EVERYTHING, _FULL_CAPTURE, seed=seed)
+    kv = run.tensors[CacheKind.KV].to(dtype)
+    query = run.tensors[CacheKind.QUERY].to(dtype)
+    gen = torch.Generator().manual_seed(seed)
     tokens = torch.randperm(10 * num_tokens + 10, generator=gen)[:num_tokens].tolist()
-    scores = torch.rand(layers, kv_heads, num_tokens, generator=gen)
-    return Case(params, kv, query.to(dtype), tokens, head_dim, scores)
+    return Case(params, kv, query, tokens, layout.head_dim, run.context.token_scores)
 
 
 def expected_count(params: dict[str, Any], num_tokens: int) -> int:
@@ -286,19 +316,14 @@ def _base_case(info: PolicyInfo, dtype: torch.dtype, num_tokens: int = 48, **sha
     """One fixed input of the domain: T=48 (or ``num_tokens``), 2 layers, 2 KV heads of
     head_dim 4, GQA 2, the example's parameters, keep half in chunks of 1 (``shape`` overrides
     the budget)."""
-    head_dim, layers, kv_heads, tokens = 4, 2, 2, num_tokens
-    gen = torch.Generator().manual_seed(7)
-    kv = torch.randn(2, layers, tokens, kv_heads * head_dim, generator=gen).to(dtype)
-    query = torch.randn(1, layers, tokens, 2 * kv_heads * head_dim, generator=gen).to(dtype)
+    layout = _Layout(num_layers=2, num_kv_heads=2, num_heads=4, head_dim=4)
     params: dict[str, Any] = {**dict(info.example), "chunk_size": 1, "keep_ratio": 0.5}
     if "head_dim" in {p.name for p in info.params}:
-        params["head_dim"] = head_dim
+        params["head_dim"] = layout.head_dim
     params.update(shape)
     if "keep_tokens" in shape:
         params.pop("keep_ratio")
-    ids = torch.randperm(10 * tokens, generator=gen)[:tokens].tolist()
-    scores = torch.rand(layers, kv_heads, tokens, generator=gen)
-    return Case(params, kv, query, ids, head_dim, scores)
+    return _case(params, layout, num_tokens, dtype, seed=7)
 
 
 #: The budget's bounds and extremes, drawn explicitly: the smallest and largest ratio, a budget
@@ -358,12 +383,15 @@ def check_window_path(ref: PolicyRef, case: Case, tail: int, rows: int) -> None:
     num_tokens = case.kv.shape[2]
     total = num_tokens + tail
     rows = max(1, min(rows, total))
-    positions = torch.arange(total - rows, total)
-    gen = torch.Generator().manual_seed(total)
-    query = torch.randn(1, case.kv.shape[1], rows, case.query.shape[3], generator=gen)
+    # The dry run of the whole prompt, as a window capture keeps it: its last ``rows`` queries.
+    d = case.head_dim
+    layout = _Layout(case.kv.shape[1], case.kv.shape[3] // d, case.query.shape[3] // d, d)
+    capture = QueryCapture(QueryNeed.WINDOW, window=rows, stride=0)
+    run = dry_run_inputs(layout, total, Needs(QueryNeed.WINDOW), capture, seed=total)
+    query = run.tensors[CacheKind.QUERY]
     context = EditContext(
         positions=torch.arange(num_tokens),
-        query_positions=positions,
+        query_positions=run.context.query_positions,
         prompt_tokens=total,
         head_dim=case.head_dim,
     )
