@@ -106,10 +106,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kv-path",
         choices=KV_PATH_CHOICES,
         default="auto",
-        help="how each edit's KV travels: auto (default) moves only what the policy reads "
+        help="how each edit's KV travels: least moves only what the policy reads "
         "(nothing for chunk-halving, streaming, random, kvzip: the server keeps the kept rows; "
         "the keys for knorm, snapkv, ...); full fetches the whole KV and stores the edited "
-        "bytes (upstream's path, the before of kv_MB_per_edit)",
+        "bytes (upstream's path, the before of kv_MB_per_edit); auto (default) is least on "
+        "the host and full with --edit-device cuda (DMA beats the server's CPU re-rotation)",
     )
     p.add_argument(
         "--no-warmup",

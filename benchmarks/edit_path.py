@@ -1,5 +1,5 @@
 """Modify time and KV bytes per edit: the full path against the path that moves only what the
-policy reads (``kv_path="full"`` vs ``"auto"``), at a real model's KV shape, no engine.
+policy reads (``kv_path="full"`` vs ``"least"``), at a real model's KV shape, no engine.
 
 Starts a kvdrop server (subprocess, 127.0.0.1, free ports), stores ``--requests`` random
 ``[2, L, T, D]`` caches (the layout registered with RoPE, as an engine registers it), then edits
@@ -74,7 +74,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         for name in args.policy:
             fn = kvdrop.get(name, keep_ratio=args.keep_ratio, chunk_size=args.chunk_size)
             row: dict[str, Any] = {"policy": name}
-            for kv_path in ("full", "auto"):
+            for kv_path in ("full", "least"):
                 batch = BatchedStream(max_concurrency=args.requests)
                 for i, tokens in enumerate(prompts):
                     batch.add(create_request([ctx], _no_engine, tokens, f"src{i}"))
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rows = measure(args)
     shape = f"[2, {args.layers}, {args.tokens}, {args.kv_heads * args.head_dim}] {args.dtype}"
-    title = f"{args.requests} edits of {shape} (before: kv_path=full; after: auto)"
+    title = f"{args.requests} edits of {shape} (before: kv_path=full; after: least)"
     print(format_table(rows, list(rows[0]), title=title))
     if args.json:
         print(json.dumps(rows))

@@ -371,8 +371,8 @@ class Context(StreamContext, CheapLookup, StoresRecords, TransfersToDevice, Keep
         *,
         device: torch.device | str | None = None,
     ) -> torch.Tensor | None:
-        """Only the keys of what ``retrieve`` returns: ``(1, L, T, width)`` (half the bytes; to
-        a GPU through the host), or None on a miss. KV contexts only (kvdrop's)."""
+        """Only the keys of what ``retrieve`` returns: ``(1, L, T, width)`` (half the bytes), or
+        None on a miss; to a GPU by DMA as ``retrieve``. KV contexts only (kvdrop's)."""
         self._check_open()
         self._need_kv("retrieve_keys")
         layout = self.layout

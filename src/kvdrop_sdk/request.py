@@ -444,11 +444,13 @@ class RequestStream:
         ``RequestStreamError`` when nothing is cached (e.g. before any generate), ``fn`` fails,
         or its output is invalid; the stream and the server are then unchanged.
 
-        ``kv_path`` (kvdrop's): ``"auto"`` moves only what ``fn`` reads
+        ``kv_path`` (kvdrop's): ``"least"`` moves only what ``fn`` reads
         (:func:`~kvdrop_sdk.keep.edit_path`: an index-only or keys-only kvdrop policy on a
         kvdrop server is applied by the server, no KV stored back); ``"full"`` always fetches
-        the whole KV and stores what ``fn`` returns (upstream's path). ``ModifyResult.path`` and
-        ``kv_bytes`` say which path ran and how many KV bytes it moved.
+        the whole KV and stores what ``fn`` returns (upstream's path); ``"auto"`` (default)
+        is ``least`` for an edit on the host and ``full`` for one on a GPU (faster there).
+        ``ModifyResult.path`` and ``kv_bytes`` say which path ran and how many KV bytes it
+        moved.
         """
         if not callable(fn):
             raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
@@ -457,7 +459,7 @@ class RequestStream:
         with self._op_lock:
             kv_ctx = self._cache.get(CacheKind.KV)
             try:
-                path = edit_path(fn, kv_ctx, kv_path)
+                path = edit_path(fn, kv_ctx, kv_path, dev)
             except ValueError as exc:
                 raise RequestStreamError(f"stream {self._request_stream_id}: {exc}") from None
             current = self.tokens

@@ -220,3 +220,20 @@ def test_keys_only_fetch_is_the_first_half_of_the_kv(ctx: Context) -> None:
     assert keys is not None and kv is not None
     assert keys.shape == (1, LAYERS, TOKENS, HEADS * HEAD_DIM)
     assert torch.equal(keys[0], kv[0])
+
+
+def test_auto_moves_the_least_on_the_host_and_everything_for_a_gpu_edit(
+    contexts: tuple[Context, Context],
+) -> None:
+    """The default follows the measured cost: on a GPU the whole KV moves by DMA faster than the
+    server re-rotates kept keys on its CPU, so ``auto`` takes the full path there; ``least``
+    always moves the least."""
+    ctx, _ = contexts
+    halve = kvdrop.get("chunk-halving", chunk_size=CHUNK)
+    assert edit_path(halve, ctx) is EditPath.INDEX
+    assert edit_path(halve, ctx, "auto", "cpu") is EditPath.INDEX
+    assert edit_path(halve, ctx, "auto", "cuda") is EditPath.FULL
+    assert edit_path(halve, ctx, "least", "cuda") is EditPath.INDEX
+    assert edit_path(halve, ctx, "full", None) is EditPath.FULL
+    with pytest.raises(ValueError, match="kv_path must be one of"):
+        edit_path(halve, ctx, "fast")

@@ -425,7 +425,7 @@ class ContiguousTransferWrapper:
         """The longest cached chunk-aligned prefix as one contiguous tensor, or None; on
         ``device`` when given (a GPU gets the slots by DMA from page-locked shared memory).
         ``lead=1`` fetches only the first of the ``[2, L, c, D]`` slot's leading rows: the keys
-        (``[1, L, T, D]``; through the host to a GPU)."""
+        (``[1, L, T, D]``, the first half of each slot's bytes)."""
         c = self.chunk_size
         full = layout.shape(kind, 1)[0]
         lead = full if lead is None else lead
@@ -450,13 +450,14 @@ class ContiguousTransferWrapper:
             out = None
             gpu = device is not None and device.type == "cuda"
             dma = None
-            if gpu and lead == full:
+            if gpu:
                 for off in offsets:  # bounds checked, pages mapped, before registering
                     self._slot(mapping, off, nbytes, layout, kind)
                 dma = mapping.dma(offsets, nbytes)
             if dma is not None:
                 assert device is not None
-                slot_shape = layout.shape(kind, c)
+                # The first ``lead`` rows of a slot are its first bytes: keys alone by DMA too.
+                slot_shape = (lead, *layout.shape(kind, c)[1:])
                 out = dma.read(offsets, slot_shape, layout.dtype, device)  # None: it failed
             if out is None:
                 shape = (lead, *layout.shape(kind, len(offsets) * c)[1:])

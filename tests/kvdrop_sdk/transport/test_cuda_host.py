@@ -137,6 +137,24 @@ def test_no_copy_spans_two_registrations_for_any_slot_layout(
     assert not rt.regions  # every registration undone
 
 
+def test_a_keys_only_read_moves_the_first_half_of_each_slot() -> None:
+    """``retrieve_keys`` to a GPU: the ``(1, L, c, W)`` read of ``(2, L, c, W)`` slots is the
+    keys, the first half of each slot's bytes, through the same registration."""
+    shape, c = (2, 2, 8, 2), 8
+    slot_bytes = 2 * 2 * 8 * 2 * 4
+    offsets = [HEADER, HEADER + 3 * slot_bytes]
+    pool = layout_pool(slot_bytes, offsets)
+    slots = [torch.randn(shape) for _ in offsets]
+    for off, slot in zip(offsets, slots, strict=True):
+        pool[off : off + slot_bytes].view(torch.float32).copy_(slot.view(-1))
+    reg = HostRegistration(pool, RecordingRuntime(pool))
+    assert reg.ready(offsets, slot_bytes)
+    keys = reg.read(offsets, (1, *shape[1:]), torch.float32, torch.device("cpu"))
+    assert keys is not None and keys.shape == (1, 2, 2 * c, 2)
+    assert torch.equal(keys, torch.cat([s[:1] for s in slots], dim=2))
+    reg.close()
+
+
 def test_a_slot_across_a_boundary_is_copied_in_two_pieces() -> None:
     slot_bytes = 1024
     off = REGION - 256  # straddles regions 0 and 1
