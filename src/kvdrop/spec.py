@@ -1,7 +1,8 @@
 """Policy names and spec strings -> built policies: ``kvdrop.get``, ``kvdrop.describe``.
 
 A thin layer above :mod:`kvdrop.registry` (which knows plain names) that parses spec strings and
-builds the combinator objects of :mod:`kvdrop.combinators` from them:
+builds the combinator objects of :mod:`kvdrop.combinators` from them, through the factory each
+combinator's module owns (``kvdrop.combinators.compose.compose`` and so on; re-exported here):
 
 - ``"streaming+snapkv"`` or ``"streaming(n_sink=8)+snapkv(window=32)"``: a union,
   :class:`~kvdrop.combinators.Compose` (registered as ``compose``);
@@ -26,21 +27,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from kvdrop import registry
-from kvdrop.combinators.block import DEFAULT_BLOCK_SIZE, Block
-from kvdrop.combinators.budget import Budget
-from kvdrop.combinators.chunk import Chunk
-from kvdrop.combinators.chunkkv import DEFAULT_CHUNK_LENGTH, ChunkKV
-from kvdrop.combinators.compose import Compose
+from kvdrop.combinators.block import block
+from kvdrop.combinators.budget import budget
+from kvdrop.combinators.chunk import chunk
+from kvdrop.combinators.chunkkv import chunkkv
+from kvdrop.combinators.compose import compose, compose_info
 from kvdrop.combinators.rerotate import Rerotate
 from kvdrop.errors import PolicyParamError
 from kvdrop.factories import PolicyFactory, PolicyInfo
-from kvdrop.params import Param, validate_params
-from kvdrop.policy import Policy, QueryNeed
-from kvdrop.selector import DEFAULT_KEEP_RATIO, SELECTOR_PARAMS
+from kvdrop.policy import Policy
+from kvdrop.selector import DEFAULT_KEEP_RATIO
 from kvdrop_sdk.query_capture import needs_of
 from kvdrop_sdk.validate import keep_ratio as checked_ratio
 
@@ -58,6 +58,7 @@ __all__ = [
     "is_spec",
     "keep_budget",
     "parse_spec",
+    "policy_terms",
     "source",
     "spec_terms",
 ]
@@ -279,7 +280,7 @@ def spec_terms(spec: str) -> list[tuple[str, dict[str, Any]]]:
         for key in ("policy", "policies"):
             value = params.get(key)
             if isinstance(value, str) or (key == "policies" and isinstance(value, (list, tuple))):
-                inner.extend(_part_list(value))
+                inner.extend(policy_terms(value))
         todo.extend(reversed(inner))
     return out
 
@@ -312,7 +313,7 @@ class SpecFactory(PolicyFactory):
             )
         else:
             self._single = None
-            info = _compose_info(spec, self.terms)
+            info = compose_info(spec, self.terms)
         self.info = info
         needs = needs_of(self())
         self.info = dataclasses.replace(
@@ -325,44 +326,7 @@ class SpecFactory(PolicyFactory):
         return compose(policies=self.terms, **params)
 
 
-# ---------------------------------------------------------------------------------------------
-# The registered combinator factories: names -> built policies -> combinators
-
-_KEEP = [p for p in SELECTOR_PARAMS if p.name in ("keep_ratio", "keep_tokens")]
-_CHUNK_SIZE = next(p for p in SELECTOR_PARAMS if p.name == "chunk_size")
-_DEVICE = next(p for p in SELECTOR_PARAMS if p.name == "device")
-_HEAD_DIM = Param(
-    "head_dim",
-    int | None,
-    None,
-    "per-head dimension, passed to every inner policy that takes head_dim (unless it sets it)",
-    "None or an int >= 1",
-    lambda d: d >= 1,
-)
-
-_COMPOSE_PARAMS: tuple[Param, ...] = (
-    Param(
-        "policies",
-        str | list | tuple,
-        "streaming+snapkv",
-        "the parts: a spec 'a+b(x=1)' or a list of names, (name, params) pairs or dicts; "
-        "each must be a scorer policy (budget parameters of parts are ignored)",
-    ),
-    Param(
-        "weights",
-        list | tuple | None,
-        None,
-        "share of the budget per part, in whole chunks (default: equal shares)",
-        "None or one number > 0 per part",
-    ),
-    *_KEEP,
-    _CHUNK_SIZE,
-    _HEAD_DIM,
-    _DEVICE,
-)
-
-
-def _part_list(policies: Any) -> list[tuple[str, dict[str, Any]]]:
+def policy_terms(policies: Any) -> list[tuple[str, dict[str, Any]]]:
     """Normalise ``policies`` (spec string, or list of names / (name, params) / dicts)."""
     if isinstance(policies, str):
         return parse_spec(policies)
@@ -391,231 +355,3 @@ def _part_list(policies: Any) -> list[tuple[str, dict[str, Any]]]:
                 "or a dict with a 'name' key"
             )
     return out
-
-
-def _with_shared(name: str, own: dict[str, Any], shared: Mapping[str, Any]) -> dict[str, Any]:
-    """``own`` plus each ``shared`` value that is set, that ``name`` takes and ``own`` lacks."""
-    takes = {p.name for p in describe(name).params}
-    extra = {k: v for k, v in shared.items() if v is not None and k not in own and k in takes}
-    return {**own, **extra}
-
-
-class ComposeFactory(PolicyFactory):
-    """``compose``: :class:`~kvdrop.combinators.Compose` of policies given by name."""
-
-    name = "compose"
-
-    def __init__(self) -> None:
-        self.info = _compose_info("compose", None)
-
-    def __call__(self, **params: Any) -> Compose:
-        values = validate_params("compose", _COMPOSE_PARAMS, params)
-        terms = _part_list(values["policies"])
-        shared = {
-            "chunk_size": values["chunk_size"],
-            "head_dim": values["head_dim"],
-            "device": values["device"],
-        }
-        parts = []
-        for name, own in terms:
-            if is_spec(name):
-                raise PolicyParamError(f"compose: part {name!r} must be a policy name, not a spec")
-            own = {k: v for k, v in own.items() if k not in ("keep_ratio", "keep_tokens")}
-            parts.append(get(name, **_with_shared(name, own, shared)))
-        return Compose(
-            parts,  # type: ignore[arg-type]  # Compose says which part is not a scorer policy
-            values["weights"],
-            keep_ratio=values["keep_ratio"],
-            keep_tokens=values["keep_tokens"],
-            device=values["device"],
-        )
-
-
-def _compose_info(name: str, terms: Sequence[tuple[str, dict[str, Any]]] | None) -> PolicyInfo:
-    details = (
-        "Union of scorer policies under one chunk-aligned budget: each part gets a share of "
-        "the budget (weights, in whole chunks) and, in order, takes its most preferred tokens "
-        "not taken yet (its own sinks/recent window first, then its best scores). Budget "
-        "parameters of the parts are ignored; their other parameters apply. A part whose share "
-        "rounds to zero chunks gets nothing (a PolicyWarning says so)."
-    )
-    queries = QueryNeed.WINDOW  # as its default parts, streaming+snapkv
-    if terms is not None:
-        infos = [describe(n) for n, _ in terms]
-        queries = max((i.queries for i in infos), key=lambda q: q.rank)
-        lines = [
-            f"  {n}{'(' + ', '.join(f'{k}={v!r}' for k, v in p.items()) + ')' if p else ''}: "
-            f"{i.summary} [params: {', '.join(x.name for x in i.params)}]"
-            for (n, p), i in zip(terms, infos)
-        ]
-        details += "\n\nParts:\n" + "\n".join(lines)
-    return PolicyInfo(
-        name,
-        "Union of policies sharing one budget, e.g. 'streaming+snapkv' (needs queries if a "
-        "part does)",
-        queries,
-        _COMPOSE_PARAMS,
-        details,
-        {},
-    )
-
-
-def _inner_params(params: dict[str, Any]) -> dict[str, Any]:
-    """Parameters for the inner policy (``head_dim=None`` means: the inner policy's default)."""
-    return {k: v for k, v in params.items() if not (k == "head_dim" and v is None)}
-
-
-def _policy_name(owner: str, policy: Any, *, spec_ok: bool) -> str:
-    if not isinstance(policy, str) or (is_spec(policy) and not spec_ok):
-        raise PolicyParamError(
-            f"{owner}: parameter 'policy' got {policy!r}; expected a registered policy name"
-            + (" or a spec" if spec_ok else "")
-        )
-    return policy
-
-
-class ChunkFactory(PolicyFactory):
-    """``chunk``: :class:`~kvdrop.combinators.Chunk` of a policy given by name."""
-
-    name = "chunk"
-    info = PolicyInfo(
-        "chunk",
-        "Any scorer policy at chunk granularity (ChunkKV-style), e.g. 'chunk(policy=snapkv)'",
-        QueryNeed.NONE,  # as its default inner policy (knorm); the inner policy decides
-        (
-            Param("policy", str, "knorm", "the scorer policy to run at chunk granularity"),
-            *(p for p in SELECTOR_PARAMS if p.name != "chunked"),
-            _HEAD_DIM,
-        ),
-        "Runs `policy` with chunked=True: whole chunks are ranked by the sum of their token "
-        "scores, so the kept prefix is made of whole server chunks. Every parameter other than "
-        "`policy` goes to the inner policy and is validated by it. Needs query tensors if the "
-        "inner policy does.",
-        {},
-    )
-
-    def __call__(self, policy: str = "knorm", **params: Any) -> Chunk:
-        name = _policy_name("chunk", policy, spec_ok=False)
-        return Chunk(get(name, **_inner_params(params)))  # type: ignore[arg-type]
-
-
-def _inner_info(name: str, summary: str, own: Param, details: str) -> PolicyInfo:
-    """PolicyInfo of a combinator over one policy given by name (``policy`` + ``own``)."""
-    return PolicyInfo(
-        name,
-        summary,
-        QueryNeed.NONE,  # as its default inner policy (knorm); the inner policy decides
-        (
-            Param("policy", str, "knorm", "the scorer policy it runs"),
-            own,
-            *SELECTOR_PARAMS,
-            _HEAD_DIM,
-        ),
-        details + " Every other parameter goes to the inner policy and is validated by it.",
-        {},
-    )
-
-
-class ChunkKVFactory(PolicyFactory):
-    """``chunkkv``: :class:`~kvdrop.combinators.ChunkKV` of a policy given by name."""
-
-    name = "chunkkv"
-    info = _inner_info(
-        "chunkkv",
-        "ChunkKV: any scorer policy keeping whole small chunks, e.g. 'chunkkv(policy=snapkv)'",
-        Param(
-            "chunk_length",
-            int,
-            DEFAULT_CHUNK_LENGTH,
-            "tokens per chunk; chunks are ranked by the mean of their token scores",
-            "an int >= 1",
-            lambda n: n >= 1,
-        ),
-        "Scores each token by the mean of its chunk of `chunk_length` tokens (ChunkKV, Liu et "
-        "al. 2025), so whole chunks are kept, best first, after the policy's forced tokens; "
-        "the last chunk taken may be cut to the chunk-aligned budget.",
-    )
-
-    def __call__(
-        self, policy: str = "knorm", chunk_length: int = DEFAULT_CHUNK_LENGTH, **params: Any
-    ) -> ChunkKV:
-        name = _policy_name("chunkkv", policy, spec_ok=False)
-        return ChunkKV(get(name, **_inner_params(params)), chunk_length)  # type: ignore[arg-type]
-
-
-class BlockFactory(PolicyFactory):
-    """``block``: :class:`~kvdrop.combinators.Block` of a KV-only policy given by name."""
-
-    name = "block"
-    info = _inner_info(
-        "block",
-        "Block-wise eviction over any KV-only policy, e.g. 'block(policy=keydiff)'",
-        Param(
-            "block_size",
-            int,
-            DEFAULT_BLOCK_SIZE,
-            "tokens that join the kept ones each round",
-            "an int >= 1",
-            lambda n: n >= 1,
-        ),
-        "Keeps the first `budget` tokens, then adds `block_size` tokens at a time and lets the "
-        "policy keep `budget` of them (KeyDiff's block-wise prefill, kvpress's BlockPress); "
-        "KV-only policies only.",
-    )
-
-    def __call__(
-        self, policy: str = "knorm", block_size: int = DEFAULT_BLOCK_SIZE, **params: Any
-    ) -> Block:
-        name = _policy_name("block", policy, spec_ok=False)
-        return Block(get(name, **_inner_params(params)), block_size)  # type: ignore[arg-type]
-
-
-class BudgetFactory(PolicyFactory):
-    """``budget``: :class:`~kvdrop.combinators.Budget` of a policy given by name or spec."""
-
-    name = "budget"
-    info = PolicyInfo(
-        "budget",
-        "Per-request budget by prompt length, e.g. tiers '4096:1.0,*:0.5' over any policy",
-        QueryNeed.NONE,  # as its default inner policy (knorm); the inner policy decides
-        (
-            Param(
-                "policy", str, "knorm", "the policy (name or spec) whose budget is set per request"
-            ),
-            Param(
-                "tiers",
-                str | list | tuple | None,
-                None,
-                "length tiers 'MAX:VALUE,...,*:VALUE'; VALUE with a '.' is a keep ratio, an int a "
-                "token count (None: the keep_ratio/keep_tokens given, as the inner policy)",
-            ),
-            Param(
-                "rule",
-                Any,
-                None,
-                "Python only: callable(T) -> ratio (float) or tokens (int); instead of tiers",
-            ),
-            *(p for p in SELECTOR_PARAMS if p.name != "chunked"),
-            _HEAD_DIM,
-        ),
-        "Picks keep_ratio or keep_tokens for each request from its length, then runs `policy` "
-        "(a name or spec) with that budget, chunk-aligned as always. Other parameters go to the "
-        "inner policy. Needs query tensors if the inner policy does.",
-        {},
-    )
-
-    def __call__(
-        self, policy: str = "knorm", tiers: Any = None, rule: Any = None, **params: Any
-    ) -> Budget:
-        name = _policy_name("budget", policy, spec_ok=True)
-        if tiers is not None and rule is not None:
-            raise PolicyParamError("budget: give tiers or rule, not both")
-        inner = get(name, **_inner_params(params))
-        return Budget(inner, rule, tiers=tiers, name=f"budget({name})")  # type: ignore[arg-type]
-
-
-compose = ComposeFactory()
-chunk = ChunkFactory()
-chunkkv = ChunkKVFactory()
-block = BlockFactory()
-budget = BudgetFactory()

@@ -1,6 +1,9 @@
 """Combinators: policies built from other, already built policies (like kvpress's
-``ComposedPress(presses)`` and ``ChunkKVPress(press=...)``). They never look names up; the spec
-strings of :mod:`kvdrop.spec` (``"streaming+snapkv"``, ``"chunk(policy=snapkv)"``) build them.
+``ComposedPress(presses)`` and ``ChunkKVPress(press=...)``). The classes never look names up:
+they hold built policies. Each module also owns its registered factory (``compose``, ``chunk``,
+...), which builds the inner policies from names or specs through :mod:`kvdrop.spec`
+(``"streaming+snapkv"``, ``"chunk(policy=snapkv)"``) and hands them to the class;
+:mod:`kvdrop.combinators.inner` holds what those factories share.
 
 - :class:`Compose`: a union of scorer policies sharing one budget;
 - :class:`Chunk`: a scorer policy at chunk granularity;

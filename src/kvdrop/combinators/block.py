@@ -6,17 +6,20 @@ Inference in Resource-Constrained Environments", https://arxiv.org/abs/2504.1536
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
+from kvdrop.combinators.inner import build, inner_info, inner_params, policy_name
 from kvdrop.errors import PolicyParamError
+from kvdrop.factories import PolicyFactory
 from kvdrop.inputs import EditInputs
-from kvdrop.params import check_positive_int
+from kvdrop.params import Param, check_positive_int
 from kvdrop.policy import QueryNeed, ScorerPolicy, SelectorPolicy
 from kvdrop.selector import Selector
 from kvdrop_sdk.query_capture import Needs, needs_of
 
-__all__ = ["Block"]
+__all__ = ["Block", "BlockFactory", "block"]
 
 #: BlockPress's block size (kvpress's default).
 DEFAULT_BLOCK_SIZE = 128
@@ -85,3 +88,36 @@ class Block(SelectorPolicy):
             )
             kept = union[chosen]
         return kept
+
+
+# The registered factory: names -> built policies -> this combinator
+
+
+class BlockFactory(PolicyFactory):
+    """``block``: :class:`~kvdrop.combinators.Block` of a KV-only policy given by name."""
+
+    name = "block"
+    info = inner_info(
+        "block",
+        "Block-wise eviction over any KV-only policy, e.g. 'block(policy=keydiff)'",
+        Param(
+            "block_size",
+            int,
+            DEFAULT_BLOCK_SIZE,
+            "tokens that join the kept ones each round",
+            "an int >= 1",
+            lambda n: n >= 1,
+        ),
+        "Keeps the first `budget` tokens, then adds `block_size` tokens at a time and lets the "
+        "policy keep `budget` of them (KeyDiff's block-wise prefill, kvpress's BlockPress); "
+        "KV-only policies only.",
+    )
+
+    def __call__(
+        self, policy: str = "knorm", block_size: int = DEFAULT_BLOCK_SIZE, **params: Any
+    ) -> Block:
+        name = policy_name("block", policy, spec_ok=False)
+        return Block(build(name, **inner_params(params)), block_size)  # type: ignore[arg-type]
+
+
+block = BlockFactory()

@@ -8,11 +8,15 @@ from typing import Any
 
 import torch
 
+from kvdrop.combinators.inner import HEAD_DIM, build, inner_params, policy_name
 from kvdrop.errors import PolicyInputError, PolicyParamError
-from kvdrop.policy import PolicyWrapper, SelectorPolicy
+from kvdrop.factories import PolicyFactory, PolicyInfo
+from kvdrop.params import Param
+from kvdrop.policy import PolicyWrapper, QueryNeed, SelectorPolicy
+from kvdrop.selector import SELECTOR_PARAMS
 from kvdrop_sdk.edit import EditContext
 
-__all__ = ["Budget", "Rule", "TierRule", "parse_tiers"]
+__all__ = ["Budget", "BudgetFactory", "Rule", "TierRule", "budget", "parse_tiers"]
 
 #: ``rule(T)`` -> a keep ratio in (0, 1] (float) or a token count >= 1 (int).
 Rule = Callable[[int], "int | float"]
@@ -166,3 +170,53 @@ class Budget(PolicyWrapper):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         length = len(tokens) if context is None else max(context.prompt_tokens or 0, len(tokens))
         return self.for_length(length).select_indices(tensors, tokens, context=context)
+
+
+# The registered factory: names -> built policies -> this combinator
+
+
+class BudgetFactory(PolicyFactory):
+    """``budget``: :class:`~kvdrop.combinators.Budget` of a policy given by name or spec."""
+
+    name = "budget"
+    info = PolicyInfo(
+        "budget",
+        "Per-request budget by prompt length, e.g. tiers '4096:1.0,*:0.5' over any policy",
+        QueryNeed.NONE,  # as its default inner policy (knorm); the inner policy decides
+        (
+            Param(
+                "policy", str, "knorm", "the policy (name or spec) whose budget is set per request"
+            ),
+            Param(
+                "tiers",
+                str | list | tuple | None,
+                None,
+                "length tiers 'MAX:VALUE,...,*:VALUE'; VALUE with a '.' is a keep ratio, an int a "
+                "token count (None: the keep_ratio/keep_tokens given, as the inner policy)",
+            ),
+            Param(
+                "rule",
+                Any,
+                None,
+                "Python only: callable(T) -> ratio (float) or tokens (int); instead of tiers",
+            ),
+            *(p for p in SELECTOR_PARAMS if p.name != "chunked"),
+            HEAD_DIM,
+        ),
+        "Picks keep_ratio or keep_tokens for each request from its length, then runs `policy` "
+        "(a name or spec) with that budget, chunk-aligned as always. Other parameters go to the "
+        "inner policy. Needs query tensors if the inner policy does.",
+        {},
+    )
+
+    def __call__(
+        self, policy: str = "knorm", tiers: Any = None, rule: Any = None, **params: Any
+    ) -> Budget:
+        name = policy_name("budget", policy, spec_ok=True)
+        if tiers is not None and rule is not None:
+            raise PolicyParamError("budget: give tiers or rule, not both")
+        inner = build(name, **inner_params(params))
+        return Budget(inner, rule, tiers=tiers, name=f"budget({name})")  # type: ignore[arg-type]
+
+
+budget = BudgetFactory()

@@ -4,15 +4,19 @@ Inference", https://arxiv.org/abs/2502.00299; kvpress's ``ChunkKVPress``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from kvdrop.combinators.inner import build, inner_info, inner_params, policy_name
 from kvdrop.errors import PolicyParamError
+from kvdrop.factories import PolicyFactory
 from kvdrop.inputs import EditInputs
-from kvdrop.params import check_positive_int
+from kvdrop.params import Param, check_positive_int
 from kvdrop.policy import ScorerPolicy
 from kvdrop.selector import Selector
 
-__all__ = ["ChunkKV", "chunk_means"]
+__all__ = ["ChunkKV", "ChunkKVFactory", "chunk_means", "chunkkv"]
 
 #: ChunkKV's chunk length (the paper's and kvpress's default).
 DEFAULT_CHUNK_LENGTH = 20
@@ -72,3 +76,36 @@ class ChunkKV(ScorerPolicy):
         """The inner policy's ``[T]`` scores, each replaced by its chunk's mean."""
         token_scores = super().scores(kv, query, budget, inputs=inputs)
         return chunk_means(token_scores, self.chunk_length)
+
+
+# The registered factory: names -> built policies -> this combinator
+
+
+class ChunkKVFactory(PolicyFactory):
+    """``chunkkv``: :class:`~kvdrop.combinators.ChunkKV` of a policy given by name."""
+
+    name = "chunkkv"
+    info = inner_info(
+        "chunkkv",
+        "ChunkKV: any scorer policy keeping whole small chunks, e.g. 'chunkkv(policy=snapkv)'",
+        Param(
+            "chunk_length",
+            int,
+            DEFAULT_CHUNK_LENGTH,
+            "tokens per chunk; chunks are ranked by the mean of their token scores",
+            "an int >= 1",
+            lambda n: n >= 1,
+        ),
+        "Scores each token by the mean of its chunk of `chunk_length` tokens (ChunkKV, Liu et "
+        "al. 2025), so whole chunks are kept, best first, after the policy's forced tokens; "
+        "the last chunk taken may be cut to the chunk-aligned budget.",
+    )
+
+    def __call__(
+        self, policy: str = "knorm", chunk_length: int = DEFAULT_CHUNK_LENGTH, **params: Any
+    ) -> ChunkKV:
+        name = policy_name("chunkkv", policy, spec_ok=False)
+        return ChunkKV(build(name, **inner_params(params)), chunk_length)  # type: ignore[arg-type]
+
+
+chunkkv = ChunkKVFactory()

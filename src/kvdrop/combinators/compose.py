@@ -5,17 +5,30 @@ from __future__ import annotations
 import functools
 import operator
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
+from kvdrop.combinators.inner import (
+    CHUNK_SIZE,
+    DEVICE,
+    HEAD_DIM,
+    KEEP,
+    build,
+    describe,
+    is_spec,
+    policy_terms,
+)
 from kvdrop.errors import PolicyParamError, PolicyWarning
+from kvdrop.factories import PolicyFactory, PolicyInfo
 from kvdrop.inputs import EditInputs
-from kvdrop.policy import NeedsPolicy, ScorerPolicy, SelectorPolicy
+from kvdrop.params import Param, validate_params
+from kvdrop.policy import NeedsPolicy, QueryNeed, ScorerPolicy, SelectorPolicy
 from kvdrop.selector import Selector
 from kvdrop_sdk.query_capture import Needs, needs_of
 
-__all__ = ["Compose"]
+__all__ = ["Compose", "ComposeFactory", "compose", "compose_info"]
 
 
 class Compose(NeedsPolicy, SelectorPolicy):
@@ -118,3 +131,97 @@ class Compose(NeedsPolicy, SelectorPolicy):
             picked = order[~chosen[order]][:quota]
             chosen[picked] = True
         return chosen.nonzero().squeeze(1)
+
+
+# The registered factory: names -> built policies -> this combinator
+
+_COMPOSE_PARAMS: tuple[Param, ...] = (
+    Param(
+        "policies",
+        str | list | tuple,
+        "streaming+snapkv",
+        "the parts: a spec 'a+b(x=1)' or a list of names, (name, params) pairs or dicts; "
+        "each must be a scorer policy (budget parameters of parts are ignored)",
+    ),
+    Param(
+        "weights",
+        list | tuple | None,
+        None,
+        "share of the budget per part, in whole chunks (default: equal shares)",
+        "None or one number > 0 per part",
+    ),
+    *KEEP,
+    CHUNK_SIZE,
+    HEAD_DIM,
+    DEVICE,
+)
+
+
+def _with_shared(name: str, own: dict[str, Any], shared: Mapping[str, Any]) -> dict[str, Any]:
+    """``own`` plus each ``shared`` value that is set, that ``name`` takes and ``own`` lacks."""
+    takes = {p.name for p in describe(name).params}
+    extra = {k: v for k, v in shared.items() if v is not None and k not in own and k in takes}
+    return {**own, **extra}
+
+
+class ComposeFactory(PolicyFactory):
+    """``compose``: :class:`~kvdrop.combinators.Compose` of policies given by name."""
+
+    name = "compose"
+
+    def __init__(self) -> None:
+        self.info = compose_info("compose", None)
+
+    def __call__(self, **params: Any) -> Compose:
+        values = validate_params("compose", _COMPOSE_PARAMS, params)
+        terms = policy_terms(values["policies"])
+        shared = {
+            "chunk_size": values["chunk_size"],
+            "head_dim": values["head_dim"],
+            "device": values["device"],
+        }
+        parts = []
+        for name, own in terms:
+            if is_spec(name):
+                raise PolicyParamError(f"compose: part {name!r} must be a policy name, not a spec")
+            own = {k: v for k, v in own.items() if k not in ("keep_ratio", "keep_tokens")}
+            parts.append(build(name, **_with_shared(name, own, shared)))
+        return Compose(
+            parts,  # type: ignore[arg-type]  # Compose says which part is not a scorer policy
+            values["weights"],
+            keep_ratio=values["keep_ratio"],
+            keep_tokens=values["keep_tokens"],
+            device=values["device"],
+        )
+
+
+def compose_info(name: str, terms: Sequence[tuple[str, dict[str, Any]]] | None) -> PolicyInfo:
+    details = (
+        "Union of scorer policies under one chunk-aligned budget: each part gets a share of "
+        "the budget (weights, in whole chunks) and, in order, takes its most preferred tokens "
+        "not taken yet (its own sinks/recent window first, then its best scores). Budget "
+        "parameters of the parts are ignored; their other parameters apply. A part whose share "
+        "rounds to zero chunks gets nothing (a PolicyWarning says so)."
+    )
+    queries = QueryNeed.WINDOW  # as its default parts, streaming+snapkv
+    if terms is not None:
+        infos = [describe(n) for n, _ in terms]
+        queries = max((i.queries for i in infos), key=lambda q: q.rank)
+        lines = [
+            f"  {n}{'(' + ', '.join(f'{k}={v!r}' for k, v in p.items()) + ')' if p else ''}: "
+            f"{i.summary} [params: {', '.join(x.name for x in i.params)}]"
+            for (n, p), i in zip(terms, infos)
+        ]
+        details += "\n\nParts:\n" + "\n".join(lines)
+    return PolicyInfo(
+        name,
+        "Union of policies sharing one budget, e.g. 'streaming+snapkv' (needs queries if a "
+        "part does)",
+        queries,
+        _COMPOSE_PARAMS,
+        details,
+        {},
+    )
+
+
+compose = ComposeFactory()
