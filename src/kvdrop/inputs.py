@@ -23,29 +23,13 @@ from kvdrop_sdk.query_capture import QueryNeed
 __all__ = ["EditInputs", "check_finite", "edit_inputs"]
 
 
-#: The fields of the pre-issue-24 constructor, after ``kv`` and ``query`` (positional order).
-_LEGACY_FIELDS = (
-    "query_positions",
-    "prompt_tokens",
-    "positions",
-    "protected",
-    "query_lse",
-    "head_dim",
-    "device",
-    "rope",
-    "token_scores",
-)
-
-
 @dataclass(frozen=True, eq=False, init=False)
 class EditInputs:
     """One edit's validated inputs as a policy sees them (see :func:`edit_inputs`): the KV
     ``[2, L, T, D]``, the query rows ``[1, L, R, Dq]`` (None when not read) and the SDK's edit
     context (None: a plain upstream call). Everything else reads through to the context, so a
-    new context field reaches every policy without being copied here.
-
-    ``EditInputs(kv, query, query_positions, prompt_tokens, positions, protected=..., ...)``,
-    the form before the context was kept, still builds one (the fields become its context).
+    new context field reaches every policy without being copied here (other context fields:
+    :meth:`with_context`).
     """
 
     kv: torch.Tensor
@@ -57,11 +41,12 @@ class EditInputs:
         kv: torch.Tensor,
         query: torch.Tensor | None = None,
         context: EditContext | None = None,
-        *legacy: Any,
-        **fields: Any,
     ) -> None:
-        if legacy or fields or isinstance(context, torch.Tensor):
-            context = _legacy_context(kv, (context, *legacy), fields)
+        if context is not None and not isinstance(context, EditContext):
+            raise TypeError(
+                f"EditInputs takes (kv, query, context: EditContext | None); got a "
+                f"{type(context).__name__} for context (other context fields: with_context)"
+            )
         object.__setattr__(self, "kv", kv)
         object.__setattr__(self, "query", query)
         object.__setattr__(self, "context", context)
@@ -127,27 +112,6 @@ class EditInputs:
     @property
     def token_scores(self) -> torch.Tensor | None:
         return None if self.context is None else self.context.token_scores
-
-
-def _legacy_context(
-    kv: torch.Tensor, values: tuple[Any, ...], fields: dict[str, Any]
-) -> EditContext:
-    """The edit context of the pre-issue-24 ``EditInputs`` fields."""
-    unknown = set(fields) - set(_LEGACY_FIELDS)
-    if len(values) > len(_LEGACY_FIELDS) or unknown:
-        raise TypeError(
-            f"EditInputs takes (kv, query, context); got unknown fields {sorted(unknown)}"
-        )
-    given = {**dict(zip(_LEGACY_FIELDS, values)), **fields}
-    num_tokens = int(kv.shape[2])
-    positions = given.pop("positions", None)
-    prompt = given.pop("prompt_tokens", None)
-    given = {k: v for k, v in given.items() if v is not None}
-    return EditContext(
-        positions=torch.arange(num_tokens) if positions is None else positions,
-        prompt_tokens=max(num_tokens, int(prompt or 0)),
-        **given,
-    )
 
 
 def edit_inputs(

@@ -27,6 +27,7 @@ implementation of the order. Without an edit context ``N == T``: the plain upstr
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ from kvdrop.errors import PolicyParamError
 from kvdrop.inputs import EditInputs
 from kvdrop.params import Param, param, params_of_dataclass
 from kvdrop_rope import RopeConfig
+from kvdrop_sdk.edit import EditContext
 from kvdrop_sdk.query_capture import QueryNeed
 
 __all__ = ["DEFAULT_KEEP_RATIO", "SELECTOR_PARAMS", "Selection", "Selector"]
@@ -209,7 +211,12 @@ def _bare_inputs(num_tokens: int, fields: dict[str, Any]) -> EditInputs:
     kv = torch.empty(2, 0, num_tokens, 0)
     if not fields:
         return EditInputs(kv)
-    return EditInputs(kv, query, None, **fields)
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(EditContext)})
+    if unknown:
+        raise TypeError(f"selection() got unknown edit-context fields {unknown}")
+    given = {k: v for k, v in fields.items() if v is not None}
+    given["prompt_tokens"] = max(num_tokens, int(given.get("prompt_tokens") or 0))
+    return EditInputs(kv, query).with_context(**given)
 
 
 @dataclass(frozen=True, init=False)

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 
 import kvdrop
@@ -105,3 +106,14 @@ def test_inputs_and_selection_read_through_to_the_context() -> None:
     assert got.inputs.context is context  # nothing copied on the way
     assert (got.budget, got.chunk_size, got.protected, got.tail) == (16, 8, 3, 9)
     assert got.query_positions.tolist() == [4, 31, 40] and got.query_lse is not None
+
+
+def test_edit_inputs_take_only_kv_query_and_a_context() -> None:
+    """The pre-context form (context fields as arguments) is gone: it says what to use."""
+    kv = torch.randn(2, 1, 8, 4)
+    with pytest.raises(TypeError, match="with_context"):
+        EditInputs(kv, None, torch.arange(8))  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        EditInputs(kv, None, None, 8)  # type: ignore[call-arg]
+    moved = EditInputs(kv).with_context(protected=2, prompt_tokens=12)
+    assert moved.protected == 2 and moved.prompt_tokens == 12

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+import pytest
 import torch
 
 from kvdrop.selector import Selector
@@ -100,3 +101,11 @@ def test_recent_window_counts_the_tail_and_protected_tokens_come_first() -> None
     assert Selector(keep_tokens=4, chunk_size=4).budget(40, protected=9) == 12
     kept = Selector(keep_tokens=4, chunk_size=4).select(scores.flip(0), protected=9)
     assert kept.tolist()[:9] == list(range(9))
+
+
+def test_a_bare_count_selection_names_unknown_context_fields() -> None:
+    sel = Selector(keep_tokens=4, chunk_size=1)
+    with pytest.raises(TypeError, match=r"\['bogus'\]"):
+        sel.selection(10, bogus=1)
+    given = sel.selection(10, prompt_tokens=14, head_dim=4)
+    assert given.inputs.prompt_tokens == 14 and given.inputs.head_dim == 4
