@@ -235,8 +235,8 @@ class Selection:
     the layout's, when known; ``token_scores`` ``[L, H, S]`` the engine's per-token scores
     (KVzip's reconstruction pass), when the edit context has them.
 
-    Edit-context fields given by name (``Selection(..., positions=p)``, or
-    ``dataclasses.replace(selection, head_dim=4)``) replace the inputs' context fields.
+    Other edit-context fields: ``dataclasses.replace(selection,
+    inputs=selection.inputs.with_context(head_dim=4))``.
     ``rope`` is the RoPE parameters the cached keys carry and ``positions`` ``[T]`` each cached
     row's RoPE position (scorers that read pre-RoPE keys or queries undo the rotation with them,
     e.g. ``leverage``).
@@ -261,10 +261,7 @@ class Selection:
         queries: QueryNeed = QueryNeed.WINDOW,
         device: torch.device | None = None,
         rope: RopeConfig | None = None,
-        **context_fields: Any,
     ) -> None:
-        if context_fields:
-            inputs = inputs.with_context(**context_fields)
         for name, value in (
             ("selector", selector),
             ("budget", budget),

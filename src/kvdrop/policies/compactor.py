@@ -88,7 +88,8 @@ class CompactorScorer(Scorer):
             return torch.zeros(num_tokens, device=kv.device)
         inner = kv[:, :, left:end]
         positions = None if selection.positions is None else selection.positions[left:end]
-        sliced = dataclasses.replace(selection, positions=positions, head_dim=self.head_dim)
+        context = selection.inputs.with_context(positions=positions, head_dim=self.head_dim)
+        sliced = dataclasses.replace(selection, inputs=context)
         lev = LeverageScorer(
             head_dim=self.head_dim, sketch_dimension=self.sketch_dimension, seed=self.seed
         ).head_scores(inner, sliced)
