@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -153,30 +153,37 @@ def check_fields(
     numbers: Mapping[str, tuple[float, float]] | None = None,
     bools: Iterable[str] = (),
     error: type[Exception] = ValueError,
+    label: Callable[[str], str] | None = None,
 ) -> None:
     """The one check of a dataclass's plain fields: each of ``ints`` an int (not a bool) ``>=``
     its minimum, each of ``optional_ints`` that or None, each of ``numbers`` a finite number in
-    ``(low, high]``, each of ``bools`` a bool; else ``error`` naming ``Class.field``, what it
-    must be and what it was."""
+    ``(low, high]``, each of ``bools`` a bool; else ``error`` naming the field, what it must be
+    and what it was. ``label(name)`` is how a field is named (default ``Class.field``; e.g. a
+    command's flag, ``--max-tokens``, where the values came from flags)."""
     owner = type(obj).__name__
+    if label is None:
+
+        def label(name: str) -> str:
+            return f"{owner}.{name}"
+
     for name, low in (ints or {}).items():
         value = getattr(obj, name)
         if not is_int(value) or value < low:
             expected = "a positive int" if low == 1 else f"an int >= {low}"
-            raise error(f"{owner}.{name} must be {expected}, got {value!r}")
+            raise error(f"{label(name)} must be {expected}, got {value!r}")
     for name, low in (optional_ints or {}).items():
         value = getattr(obj, name)
         if value is not None and (not is_int(value) or value < low):
             expected = "a positive int" if low == 1 else f"an int >= {low}"
-            raise error(f"{owner}.{name} must be {expected} or None, got {value!r}")
+            raise error(f"{label(name)} must be {expected} or None, got {value!r}")
     for name, (low, high) in (numbers or {}).items():
         value = getattr(obj, name)
         if not is_number(value) or not math.isfinite(value) or not low < value <= high:
-            raise error(f"{owner}.{name} must be in ({low:g}, {high:g}], got {value!r}")
+            raise error(f"{label(name)} must be in ({low:g}, {high:g}], got {value!r}")
     for name in bools:
         value = getattr(obj, name)
         if not isinstance(value, bool):
-            raise error(f"{owner}.{name} must be a bool, got {value!r}")
+            raise error(f"{label(name)} must be a bool, got {value!r}")
 
 
 def token_ids(value: Any, what: str, *, vocab_size: int | None = None) -> list[int]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from kvdrop_sdk.validate import is_int, is_number, positive_int, token_ids
+from kvdrop_sdk.validate import check_fields, is_int, is_number, positive_int, token_ids
 
 
 def test_bools_are_not_numbers() -> None:
@@ -30,3 +32,20 @@ def test_token_ids() -> None:
         token_ids([0, 8, 9], "ids", vocab_size=9)
     with pytest.raises(ValueError, match="1-D integer tensor"):
         token_ids(torch.zeros(2), "ids")
+
+
+@dataclasses.dataclass
+class _Counts:
+    max_tokens: int = 1
+    every: int = 1
+
+
+def test_check_fields_names_a_field_by_its_class_or_by_a_label() -> None:
+    with pytest.raises(ValueError, match=r"^_Counts\.every must be a positive int, got 0$"):
+        check_fields(_Counts(every=0), ints={"max_tokens": 1, "every": 1})
+    with pytest.raises(ValueError, match=r"^--max-tokens must be a positive int, got True$"):
+        check_fields(
+            _Counts(max_tokens=True),  # a bool is not a count
+            ints={"max_tokens": 1},
+            label=lambda name: "--" + name.replace("_", "-"),
+        )

@@ -28,6 +28,7 @@ import torch
 
 from kvdrop.experiments.results import wilson
 from kvdrop.experiments.tasks import DEFAULT_TASKS, make_samples
+from kvdrop_sdk.validate import check_fields
 
 __all__ = ["DEFAULT_DECODE_POLICIES", "DecodeEvalConfig", "format_decode_report", "run_decode_eval"]
 
@@ -58,11 +59,12 @@ class DecodeEvalConfig:
     def validate(self) -> None:
         """ValueError naming the first bad field."""
         flags = {"budget": "--decode-budget", "every": "--decode-every", "length": "--lengths"}
-        for name in ("budget", "every", "decode_tokens", "length", "num_samples", "max_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                flag = flags.get(name, f"--{name.replace('_', '-')}")
-                raise ValueError(f"{flag} must be an int >= 1, got {value!r}")
+        counts = ("budget", "every", "decode_tokens", "length", "num_samples", "max_tokens")
+        check_fields(
+            self,
+            ints=dict.fromkeys(counts, 1),
+            label=lambda name: flags.get(name, f"--{name.replace('_', '-')}"),
+        )
         if self.preface_tokens < 0:
             raise ValueError(f"--preface-tokens must be >= 0, got {self.preface_tokens}")
 

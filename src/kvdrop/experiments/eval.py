@@ -52,6 +52,7 @@ from kvdrop.experiments.results import (
     wilson,
 )
 from kvdrop.experiments.tasks import DEFAULT_TASKS, SETTINGS, TASKS, Sample, make_samples
+from kvdrop_sdk.validate import check_fields
 
 __all__ = [
     "FULL",
@@ -141,8 +142,8 @@ class EvalConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
 
-        for name in ("num_samples", "max_tokens", "chunk_size", "batch_tokens"):
-            positive(name, getattr(self, name))
+        counts = ("num_samples", "max_tokens", "chunk_size", "batch_tokens")
+        check_fields(self, ints=dict.fromkeys(counts, 1), label=str)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if self.threads is not None:

@@ -32,4 +32,4 @@ def test_decode_eval_reports_fidelity_and_accuracy(capsys: pytest.CaptureFixture
 def test_bad_decode_flags_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["eval", "--decode-budget", "0", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "kvdrop eval: error: --decode-budget must be an int >= 1, got 0"
+    assert err == "kvdrop eval: error: --decode-budget must be a positive int, got 0"
