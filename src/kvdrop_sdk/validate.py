@@ -150,13 +150,15 @@ def check_fields(
     *,
     ints: Mapping[str, int] | None = None,
     optional_ints: Mapping[str, int] | None = None,
+    int_ranges: Mapping[str, tuple[int, int]] | None = None,
     numbers: Mapping[str, tuple[float, float]] | None = None,
     bools: Iterable[str] = (),
     error: type[Exception] = ValueError,
     label: Callable[[str], str] | None = None,
 ) -> None:
     """The one check of a dataclass's plain fields: each of ``ints`` an int (not a bool) ``>=``
-    its minimum, each of ``optional_ints`` that or None, each of ``numbers`` a finite number in
+    its minimum, each of ``optional_ints`` that or None, each of ``int_ranges`` an int in
+    ``low..high`` (both included), each of ``numbers`` a finite number in
     ``(low, high]``, each of ``bools`` a bool; else ``error`` naming the field, what it must be
     and what it was. ``label(name)`` is how a field is named (default ``Class.field``; e.g. a
     command's flag, ``--max-tokens``, where the values came from flags)."""
@@ -176,6 +178,10 @@ def check_fields(
         if value is not None and (not is_int(value) or value < low):
             expected = "a positive int" if low == 1 else f"an int >= {low}"
             raise error(f"{label(name)} must be {expected} or None, got {value!r}")
+    for name, (low, high) in (int_ranges or {}).items():
+        value = getattr(obj, name)
+        if not is_int(value) or not low <= value <= high:
+            raise error(f"{label(name)} must be an int in {low}..{high}, got {value!r}")
     for name, (low, high) in (numbers or {}).items():
         value = getattr(obj, name)
         if not is_number(value) or not math.isfinite(value) or not low < value <= high:

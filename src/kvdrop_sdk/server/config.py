@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 
 from kvdrop_sdk.http_limits import HTTPLimits
-from kvdrop_sdk.validate import is_int
+from kvdrop_sdk.validate import check_fields, is_int
 
 __all__ = ["FEATURES", "GIB", "ServerConfig"]
 
@@ -31,6 +31,11 @@ _WHY = {
     "quarantine_s": "; it is how long a stalled shared-memory writer's slots stay out of use "
     "before they are reused under checksums (0 would hand them on while it may still copy)",
 }
+
+
+def _flag(name: str) -> str:
+    """The server flag a setting comes from (``max_client_leases`` -> ``--max-client-leases``)."""
+    return "--" + name.replace("_", "-")
 
 
 @dataclass
@@ -66,11 +71,10 @@ class ServerConfig:
         for name in ("port", "http_port"):
             value = getattr(self, name)
             if not is_int(value) or not 0 <= value <= 65535:
-                raise ValueError(f"--{name.replace('_', '-')} must be 0..65535 (0 = any free)")
+                raise ValueError(f"{_flag(name)} must be 0..65535 (0 = any free)")
         if self.eviction_policy.upper() != "LRU":
             raise ValueError(f"--eviction-policy {self.eviction_policy!r}: only LRU is supported")
-        if not is_int(self.chunk_size) or self.chunk_size <= 0:
-            raise ValueError(f"--chunk-size must be a positive int, got {self.chunk_size}")
+        check_fields(self, ints={"chunk_size": 1}, label=_flag)
         if self.shm_name is not None and not _SHM_NAME.match(self.shm_name):
             raise ValueError(
                 f"--shm-name {self.shm_name!r}: use 1-200 characters from [A-Za-z0-9_.-]"
@@ -80,20 +84,13 @@ class ServerConfig:
             raise ValueError(
                 f"--enable {unknown[0]!r}: unknown feature; expected one of {FEATURES}"
             )
-        if not is_int(self.workers) or not 1 <= self.workers <= 256:
-            raise ValueError(f"--workers must be an int in 1..256, got {self.workers}")
-        if not is_int(self.max_request_bytes) or not 1 <= self.max_request_bytes <= 1 << 30:
-            raise ValueError(
-                f"--max-request-bytes must be an int in 1..{1 << 30}, got {self.max_request_bytes}"
-            )
-        if not is_int(self.http_max_connections) or not 1 <= self.http_max_connections <= 4096:
-            raise ValueError(
-                f"--http-max-connections must be an int in 1..4096, got {self.http_max_connections}"
-            )
-        if not is_int(self.max_client_leases) or not 1 <= self.max_client_leases <= 1 << 20:
-            raise ValueError(
-                f"--max-client-leases must be an int in 1..{1 << 20}, got {self.max_client_leases}"
-            )
+        limits = {
+            "workers": (1, 256),
+            "max_request_bytes": (1, 1 << 30),
+            "http_max_connections": (1, 4096),
+            "max_client_leases": (1, 1 << 20),
+        }
+        check_fields(self, int_ranges=limits, label=_flag)
         if self.parent_pid is not None and (not is_int(self.parent_pid) or self.parent_pid < 1):
             raise ValueError(f"--parent-pid must be a process id, got {self.parent_pid}")
 
@@ -101,7 +98,7 @@ class ServerConfig:
         """The float settings: finite, positive and within what the OS can take."""
         for name, low, high in _NUMBERS:
             value = getattr(self, name)
-            flag = "--" + name.replace("_", "-")
+            flag = _flag(name)
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not (ok and math.isfinite(value) and low <= value <= high):
                 bound = "> 0" if 0 < low < 1 else f">= {low:g}"

@@ -365,6 +365,8 @@ def test_existing_shm_name_is_refused(tmp_path: Any) -> None:
         (["--shm-name", "a/b"], "--shm-name 'a/b'"),
         (["--chunk-size", "-4"], "--chunk-size must be a positive int"),
         (["--port", "65536"], "--port must be 0..65535"),
+        (["--workers", "0"], "--workers must be an int in 1..256, got 0"),
+        (["--max-client-leases", "0"], "--max-client-leases must be an int in 1..1048576, got 0"),
     ],
 )
 def test_bad_flags_are_rejected_with_message(args: list[str], message: str) -> None:
