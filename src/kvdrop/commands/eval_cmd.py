@@ -18,9 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from kvdrop.commands.args import add_model_arguments
-from kvdrop.experiments.eval import FULL, PRESETS, EvalConfig, EvalError, EvalReport
+from kvdrop.experiments.eval import (
+    FULL,
+    PRESETS,
+    EvalConfig,
+    EvalError,
+    EvalReport,
+    keep_ratio_value,
+)
 from kvdrop.experiments.tasks import SETTINGS, TASKS
-from kvdrop_engine.options import ratio_arg
 
 __all__ = ["add_arguments", "config_from_args", "format_report", "plot_report", "run"]
 
@@ -39,6 +45,18 @@ def _default(axis: str) -> str:
     if isinstance(value, (tuple, list)):
         return " ".join(str(v) for v in value)
     return str(value)
+
+
+def _keep_ratio_arg(text: str) -> float:
+    """``--keep-ratios`` values, checked by the eval grid's own rule (``keep_ratio_value``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
+    try:
+        return keep_ratio_value(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,9 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grid.add_argument(
         "--keep-ratios",
         nargs="+",
-        type=ratio_arg,
+        type=_keep_ratio_arg,
         metavar="R",
-        help=f"keep ratios in (0, 1] (default: {_default('keep_ratios')})",
+        help=f"keep ratios in (0, 1); full KV is always a row (default: {_default('keep_ratios')})",
     )
     grid.add_argument(
         "--lengths",

@@ -114,6 +114,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def keep_ratio_value(r: object) -> float:
+    """The eval grid's keep-ratio rule (the flag and the config both ask it): a number in
+    (0, 1); 1.0 is the full-KV row every grid already has. ValueError otherwise."""
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < 1:
+        raise ValueError(f"keep ratios must be in (0, 1) (1.0 is full KV), got {r!r}")
+    return float(r)
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     """One grid: policies (None = every registered one) x keep ratios x lengths x tasks x settings,
@@ -155,8 +163,7 @@ class EvalConfig:
             if len(set(values)) != len(values):
                 raise ValueError(f"{name} lists a value twice: {list(values)}")
         for r in self.keep_ratios:
-            if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < 1:
-                raise ValueError(f"keep ratios must be in (0, 1) (1.0 is full KV), got {r!r}")
+            keep_ratio_value(r)
         for n in self.lengths:
             positive("every length", n)
             if n < 256:
