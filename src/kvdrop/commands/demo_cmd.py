@@ -84,6 +84,11 @@ def _policy_params(args: argparse.Namespace) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--policy-arg expects KEY=VALUE, got {item!r}")
+        if key in ("keep_ratio", "keep_tokens"):
+            raise ValueError(
+                f"--policy-arg {key}=... would bypass the keep-ratio rule: give the budget once, "
+                f"in the spec (--policy '{args.policy}({key}={value})') or as --keep-ratio"
+            )
         try:
             params[key] = json.loads(value)
         except json.JSONDecodeError:

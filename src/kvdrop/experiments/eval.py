@@ -219,8 +219,16 @@ class EvalReport:
 # ---------------------------------------------------------------------------------------------
 
 
-def _policy_params(info: Any, ratio: float, chunk_size: int, head_dim: int) -> dict[str, Any]:
-    params: dict[str, Any] = {**info.example, "keep_ratio": ratio, "chunk_size": chunk_size}
+def _policy_params(
+    name: str, info: Any, ratio: float, chunk_size: int, head_dim: int
+) -> dict[str, Any]:
+    """What the grid builds ``name`` with at ``ratio``: its budget by the one keep-ratio rule
+    (:func:`kvdrop.spec.keep_budget`: a spec carrying a different budget of its own is a
+    ``PolicyParamError``, never silently one or the other), the chunk and the model's head_dim."""
+    from kvdrop.spec import keep_budget
+
+    budget = keep_budget(name, ratio)
+    params: dict[str, Any] = {**info.example, **budget.params, "chunk_size": chunk_size}
     if "head_dim" in {p.name for p in info.params}:
         params["head_dim"] = head_dim  # a fact of the model, not a choice
     return params
@@ -253,7 +261,9 @@ def build_policies(
                 continue
             built[name] = {
                 r: kvdrop.get(
-                    name, rerotate=rerotate, **_policy_params(info, r, config.chunk_size, head_dim)
+                    name,
+                    rerotate=rerotate,
+                    **_policy_params(name, info, r, config.chunk_size, head_dim),
                 )
                 for r in config.keep_ratios
             }

@@ -107,3 +107,14 @@ def test_eval_plot_draws_a_wilson_band_per_policy(
     plot_report(report, tmp_path / "plot.png")
     assert sorted(bands) == [((0.125, 0.125), (0.625, 0.625)), ((0.25, 0.25), (0.75, 0.75))]
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("key", ["keep_ratio", "keep_tokens"])
+def test_demo_policy_arg_cannot_bypass_the_keep_ratio_rule(
+    key: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--policy-arg keep_ratio=0.3`` beside the ``--keep-ratio`` default would be a second,
+    silent budget rule: refused before anything loads, saying where the budget goes."""
+    assert main(["demo", "--policy-arg", f"{key}=3"]) == 2
+    line = _one_error(capsys.readouterr().err, "kvdrop demo: error:")
+    assert f"--policy-arg {key}=" in line and "--keep-ratio" in line

@@ -264,3 +264,20 @@ def test_a_plugin_reading_every_query_runs_beside_window_scorers() -> None:
         for p, r in rows.items()
         if p != FULL
     )
+
+
+def test_a_spec_with_its_own_budget_beside_the_grid_is_refused_not_overridden() -> None:
+    """The grid's ratio and a spec's own keep_ratio go through the one keep-ratio rule
+    (kvdrop.spec.keep_budget): equal is fine, different is an error naming both."""
+    from kvdrop.errors import PolicyParamError
+    from kvdrop_rope import RopeConfig
+
+    rope = RopeConfig(head_dim=64, theta=10000.0)
+    built, _ = build_policies(
+        EvalConfig(policies=("snapkv(keep_ratio=0.5)",), keep_ratios=(0.5,)), 64, rope
+    )
+    assert list(built["snapkv(keep_ratio=0.5)"]) == [0.5]
+    with pytest.raises(PolicyParamError, match=r"keep_ratio=0.3 and keep_ratio 0.5"):
+        build_policies(
+            EvalConfig(policies=("snapkv(keep_ratio=0.3)",), keep_ratios=(0.5,)), 64, rope
+        )
