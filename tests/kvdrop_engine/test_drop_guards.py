@@ -136,7 +136,7 @@ def test_an_override_over_its_bounds_is_refused_before_it_is_built(
         assert fragment in str(err.value)
         assert len(str(err.value)) < 400  # the spec is shown cut, not whole
         assert len(dropper._built) == 1  # nothing built but the server's own
-        fine = {"max_tokens": 2, "kvdrop": {"policy": "leverage(sketch_dimension=512)"}}
+        fine = {"max_tokens": 2, **GREEDY, "kvdrop": {"policy": "leverage(sketch_dimension=512)"}}
         assert len(engine.generate(prompt_of(300), fine)) == 2  # at the bound: served
 
 
@@ -259,4 +259,4 @@ def test_a_decode_override_is_bounded_by_the_same_rule(model: Transformer) -> No
             decode = {"policy": "value-norm", "budget": 40}
             engine.post_completion(prompt_of(50), {"max_tokens": 4, "kvdrop": {"decode": decode}})
         fine = {"kvdrop": {"decode": {"policy": "tova", "budget": 40}}}
-        assert len(engine.generate(prompt_of(50), {"max_tokens": 4, **fine})) == 4
+        assert len(engine.generate(prompt_of(50), {"max_tokens": 4, **GREEDY, **fine})) == 4
