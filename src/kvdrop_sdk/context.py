@@ -303,18 +303,7 @@ class Context(StreamContext, CheapLookup, StoresRecords, TransfersToDevice, Keep
         """
         self._check_open()
         self._check_request_configs(request_configs)
-        layout = self.layout
-        raw = self.encode(tokens)
-        whole = len(raw) // (self.chunk_size * TOKEN_BYTES) * self.chunk_size * TOKEN_BYTES
-        if whole == 0:
-            return None
-        fields = self._fields(cache_salt)
-        where = edit_device(device)
-        return self._retry(
-            lambda: self.transfer_ctx.retrieve(
-                fields, raw[:whole], layout, self.kind, self._lease_s, where
-            )
-        )
+        return self._retrieve(tokens, cache_salt, device, lead=None)
 
     def store(
         self,
@@ -375,6 +364,17 @@ class Context(StreamContext, CheapLookup, StoresRecords, TransfersToDevice, Keep
         None on a miss; to a GPU by DMA as ``retrieve``. KV contexts only (kvdrop's)."""
         self._check_open()
         self._need_kv("retrieve_keys")
+        return self._retrieve(tokens, cache_salt, device, lead=1)
+
+    def _retrieve(
+        self,
+        tokens: Sequence[int],
+        cache_salt: str,
+        device: torch.device | str | None,
+        lead: int | None,
+    ) -> torch.Tensor | None:
+        """``retrieve``'s transfer of the longest chunk-aligned prefix; ``lead``: only that many
+        leading planes of each slot (1: the keys), None: all of them."""
         layout = self.layout
         raw = self.encode(tokens)
         whole = len(raw) // (self.chunk_size * TOKEN_BYTES) * self.chunk_size * TOKEN_BYTES
@@ -384,7 +384,7 @@ class Context(StreamContext, CheapLookup, StoresRecords, TransfersToDevice, Keep
         where = edit_device(device)
         return self._retry(
             lambda: self.transfer_ctx.retrieve(
-                fields, raw[:whole], layout, self.kind, self._lease_s, where, lead=1
+                fields, raw[:whole], layout, self.kind, self._lease_s, where, lead
             )
         )
 

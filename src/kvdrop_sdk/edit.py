@@ -273,14 +273,7 @@ def call_edit(
                 return fn(KindMap(tensors), tokens, context=context)  # type: ignore[call-arg]
             return fn(KindMap(tensors), tokens)
 
-    try:
-        result = call() if timeout is None else _bounded(call, timeout, stream_id)
-    except EditTimeoutError:
-        raise
-    except Exception as exc:
-        raise RequestStreamError(
-            f"stream {stream_id}: edit function failed: {type(exc).__name__}: {exc}"
-        ) from exc
+    result = _run_edit(call, timeout, stream_id)
     if not isinstance(result, tuple) or len(result) != 2:
         raise RequestStreamError(
             f"stream {stream_id}: edit function must return (kv, tokens), got "
@@ -291,6 +284,19 @@ def call_edit(
         return new_kv, check_edit_tokens(raw, "tokens returned by fn")
     except (TypeError, ValueError) as exc:
         raise RequestStreamError(f"stream {stream_id}: {exc}") from None
+
+
+def _run_edit(call: Callable[[], Any], timeout: float | None, stream_id: str) -> Any:
+    """``call()`` within ``timeout`` (EditTimeoutError after it); any other failure of the
+    edit function as a RequestStreamError naming the stream."""
+    try:
+        return call() if timeout is None else _bounded(call, timeout, stream_id)
+    except EditTimeoutError:
+        raise
+    except Exception as exc:
+        raise RequestStreamError(
+            f"stream {stream_id}: edit function failed: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def call_keep_plan(
@@ -310,14 +316,7 @@ def call_keep_plan(
         with _edit_stream(device, tensors.values()):
             return fn.keep_plan(KindMap(tensors), tokens, context=context)
 
-    try:
-        result = call() if timeout is None else _bounded(call, timeout, stream_id)
-    except EditTimeoutError:
-        raise
-    except Exception as exc:
-        raise RequestStreamError(
-            f"stream {stream_id}: edit function failed: {type(exc).__name__}: {exc}"
-        ) from exc
+    result = _run_edit(call, timeout, stream_id)
     if not isinstance(result, KeepPlan):
         raise RequestStreamError(
             f"stream {stream_id}: keep_plan must return a KeepPlan, got {type(result).__name__}"
