@@ -43,10 +43,11 @@ Row = dict[str, Any]
 HOSTILE = Path(__file__).with_name("soak_round4_hostile.py")
 
 
-def _hostile(url: str, seen: Path) -> subprocess.Popen[str]:
-    """The hostile clients (``soak_round4_hostile.py``) in a process of their own, running."""
+def _hostile(url: str, seen: Path, which: str) -> subprocess.Popen[str]:
+    """The hostile clients ``which`` names (``soak_round4_hostile.py``) in a process of their
+    own, running."""
     proc = subprocess.Popen(
-        [sys.executable, str(HOSTILE), url, str(seen)],
+        [sys.executable, str(HOSTILE), url, str(seen), which],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -61,7 +62,7 @@ def _hostile_counts(proc: subprocess.Popen[str]) -> Counter[str]:
     return Counter(json.loads(out.strip().splitlines()[-1]))
 
 
-def _engine_row(seconds: float, segments: int = 4) -> Row:
+def _engine_row(seconds: float, segments: int = 4, which: str = "bombs,cut,scoring") -> Row:
     """Good clients alone and beside the hostile ones, ``segments`` times each, alternating
     (quiet, hostile, quiet, ...), so both see the same machine load over the run."""
     seen: dict[Any, list[int]] = {}
@@ -79,7 +80,7 @@ def _engine_row(seconds: float, segments: int = 4) -> Row:
         before = _metrics(url)
         for _ in range(segments):
             _merge(quiet, _run_good(url, seconds / segments, [], seen))
-            hostile = _hostile(url, Path(tmp) / "cut-answers.json")
+            hostile = _hostile(url, Path(tmp) / "cut-answers.json", which)
             try:
                 _merge(loud, _run_good(url, seconds / segments, [sample], seen))
             finally:

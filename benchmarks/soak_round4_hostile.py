@@ -1,5 +1,5 @@
 """The hostile clients of soak phase ``round4`` (``benchmarks/soak_round4.py``), in a process
-of their own: ``python benchmarks/soak_round4_hostile.py URL SEEN.json`` prints ``ready``, runs
+of their own: ``python benchmarks/soak_round4_hostile.py URL SEEN.json [bombs,cut,scoring]`` prints ``ready``, runs
 until its stdin closes, then prints what each client was answered as one JSON line.
 
 A process of its own (and no torch import) so that the good clients' latencies measure the
@@ -127,8 +127,9 @@ def _scoring(url: str, count: Callable[[str], None], stop: threading.Event) -> N
         stop.wait(1.0)
 
 
-def main(url: str, seen_path: str) -> None:
-    """Run every hostile client until stdin closes; print their counts (one JSON line)."""
+def main(url: str, seen_path: str, which: str = "bombs,cut,scoring") -> None:
+    """Run the hostile clients ``which`` names until stdin closes; print their counts (one
+    JSON line)."""
     path = Path(seen_path)
     seen: dict[str, list[Any]] = json.loads(path.read_text()) if path.exists() else {}
     h: Counter[str] = Counter()
@@ -138,12 +139,12 @@ def main(url: str, seen_path: str) -> None:
         with lock:
             h[key] += 1
 
-    clients = [
-        lambda: _bombs(url, count, stop),
-        lambda: _preempted(url, count, stop, seen, lock),
-        lambda: _scoring(url, count, stop),
-    ]
-    threads = [threading.Thread(target=c, daemon=True) for c in clients]
+    clients = {
+        "bombs": lambda: _bombs(url, count, stop),
+        "cut": lambda: _preempted(url, count, stop, seen, lock),
+        "scoring": lambda: _scoring(url, count, stop),
+    }
+    threads = [threading.Thread(target=clients[c], daemon=True) for c in which.split(",")]
     for th in threads:
         th.start()
     print("ready", flush=True)
@@ -156,4 +157,4 @@ def main(url: str, seen_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])
