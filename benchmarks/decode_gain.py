@@ -366,6 +366,13 @@ def run(
         "kv_MB_per_edit": (
             float(res.modify["kv_bytes_per_edit"]) / 1e6 if res.modify is not None else None
         ),
+        # Where one edit's time went (means over the edits; they overlap in the phase).
+        **{
+            f"{part}_per_edit": (
+                float(res.modify[f"{part}_s_per_edit"]) if res.modify is not None else None
+            )
+            for part in ("fetch", "edit", "store")
+        },
         "decode_tokens": res.decode["output_tokens"],
         "decode_s": res.decode["duration"],
         "decode_tok_s": res.decode_tput,
@@ -731,6 +738,9 @@ def print_report(report: dict[str, Any]) -> None:
         "modify_s_per_req",
         "edit_path",
         "kv_MB_per_edit",
+        "fetch_per_edit",
+        "edit_per_edit",
+        "store_per_edit",
         "kept_fraction",
         "decode_tokens",
         "decode_s",

@@ -19,6 +19,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -485,6 +486,158 @@ class ContiguousTransferWrapper:
             # The pin expired and some chunks were evicted meanwhile: return what is known good.
             out = out[:, :, : valid * c].contiguous()
         return out
+
+    # -- keep with the kept keys from this process ----------------------------------------------
+    def keep_rows(
+        self,
+        fields: dict[str, Any],
+        token_bytes: bytes,
+        dst_fields: dict[str, Any],
+        dst_token_bytes: bytes,
+        layout: CacheLayout,
+        index: torch.Tensor,
+        kept_keys: Callable[[Callable[[Sequence[int]], torch.Tensor]], torch.Tensor],
+        device: torch.device | None,
+        lease_s: float,
+    ) -> int | None:
+        """Store rows ``index`` (sorted int64, CPU) of the prefix cached under ``token_bytes``
+        (whole chunks, all cached) under ``dst_token_bytes`` and ``dst_fields``' salt: the keys
+        from ``kept_keys(read)`` (``[1, L, k, D]`` on ``device``, re-rotated by the caller;
+        ``read(chunks)`` gives the keys of those source chunks there, by DMA on a GPU), the
+        values gathered by index from the pinned source slots straight into the reserved ones
+        (memcpy, no math). The source stays pinned until the values are copied and is checked
+        intact before the commit. Returns the chunks newly stored; None without shared memory
+        (the caller has the server keep instead). An SDKError leaves nothing stored."""
+        if self.mode != "shm":
+            return None
+        c = self.chunk_size
+        kind = CacheKind.KV
+        mapping = self._current()
+        src_chunks = len(token_bytes) // (8 * c)
+        reply, _ = self._rpc.call(
+            "pin", {**fields, "lease_s": lease_s, "layout": layout.to_json()}, [token_bytes]
+        )
+        self._same_server(mapping, reply, "pin")
+        lease = reply.get("lease")
+        src: list[Any] = list(reply.get("offsets") or [])
+        nbytes = layout.nbytes(kind, c)
+        dst_lease = None
+        started = time.monotonic()
+        try:
+            if lease is None or len(src) < src_chunks:
+                raise SDKError(
+                    f"keep needs all {src_chunks * c} tokens cached; {len(src) * c} are "
+                    "(evicted meanwhile?): retrieve and store instead"
+                )
+            if reply.get("nbytes") != nbytes:
+                raise SDKError(f"server slot size {reply.get('nbytes')} does not match the layout")
+            gpu = device is not None and device.type == "cuda"
+            for off in src:  # bounds checked, pages mapped
+                self._slot(mapping, off, nbytes, layout, kind)
+            dma = mapping.dma(src, nbytes) if gpu else None
+            key_shape = (1, *layout.shape(kind, c)[1:])
+
+            def read(chunks: Sequence[int]) -> torch.Tensor:
+                offsets = [src[int(i)] for i in chunks]
+                if dma is not None:
+                    got = dma.read(offsets, key_shape, layout.dtype, device)  # type: ignore[arg-type]
+                    if got is not None:
+                        return got
+                shape = (1, *layout.shape(kind, len(offsets) * c)[1:])
+                out = (
+                    pinned_empty(shape, layout.dtype)
+                    if gpu
+                    else torch.empty(shape, dtype=layout.dtype)
+                )
+                for j, off in enumerate(offsets):
+                    copy_rows(
+                        out[:, :, j * c : (j + 1) * c],
+                        self._slot(mapping, off, nbytes, layout, kind)[:1],
+                    )
+                return out if device is None else out.to(device)
+
+            keys = kept_keys(read)
+            k = index.numel()
+            if (
+                tuple(keys.shape) != (1, layout.num_layers, k, layout.width)
+                or keys.dtype != layout.dtype
+            ):
+                raise SDKError(
+                    f"kept keys have shape {tuple(keys.shape)} {keys.dtype}, expected "
+                    f"{(1, layout.num_layers, k, layout.width)} {layout.dtype}"
+                )
+            dreply, _ = self._rpc.call(
+                "reserve",
+                {**dst_fields, "lease_s": lease_s, "layout": layout.to_json()},
+                [dst_token_bytes],
+            )
+            self._same_server(mapping, dreply, "reserve")
+            dst_lease = dreply.get("lease")
+            if dst_lease is None:
+                return stored_chunks({"stored": 0, **dreply})
+            if dreply.get("nbytes") != nbytes:
+                raise SDKError(f"server slot size {dreply.get('nbytes')} does not match the layout")
+            chunks = list(zip(dreply["chunks"], dreply["offsets"]))
+            for _, off in chunks:
+                self._slot(mapping, off, nbytes, layout, kind)
+            parts = [keys[:, :, i * c : (i + 1) * c] for i, _ in chunks]
+            wrote = False
+            if keys.is_cuda:
+                ddma = mapping.dma([off for _, off in chunks], nbytes)
+                wrote = ddma is not None and ddma.write(parts, [off for _, off in chunks])
+            if not wrote:
+                host = to_host_pinned(keys) if keys.is_cuda else keys.contiguous()
+                for i, off in chunks:
+                    copy_rows(
+                        self._slot(mapping, off, nbytes, layout, kind)[:1],
+                        host[:, :, i * c : (i + 1) * c],
+                    )
+
+            def values(i: int, off: Any) -> None:
+                """Chunk ``i``'s kept values, run by run of one source chunk."""
+                dst_v = self._slot(mapping, off, nbytes, layout, kind)[1:]
+                rows = index[i * c : (i + 1) * c]
+                ids, counts = torch.unique_consecutive(rows // c, return_counts=True)
+                start = 0
+                for j, n in zip(ids.tolist(), counts.tolist(), strict=True):
+                    src_v = self._slot(mapping, src[j], nbytes, layout, kind)[1:]
+                    local = rows[start : start + n] - j * c
+                    if n == c:  # the whole chunk kept, in order
+                        copy_rows(dst_v, src_v)
+                    else:
+                        dst_v[:, :, start : start + n].copy_(src_v.index_select(2, local))
+                    start += n
+
+            run_copies(
+                [lambda i=i, off=off: values(i, off) for i, off in chunks],
+                nbytes // 2 * len(chunks),
+            )
+            if time.monotonic() - started > 0.8 * lease_s:
+                raise SDKError(f"keep took longer than its {lease_s:g} s reservation")
+        except BaseException:
+            if dst_lease is not None:
+                try:
+                    self._rpc.call("abort", {"lease": dst_lease})
+                except SDKError:
+                    pass  # the reservation lapses on its own
+            raise
+        finally:
+            valid = 0
+            if lease is not None:
+                try:
+                    released, _ = self._rpc.call("release", {"lease": lease})
+                    valid = int(released["valid_chunks"])
+                except RpcError as exc:
+                    if exc.code != "unknown_lease":
+                        raise
+        if valid < src_chunks:  # evicted or overwritten while read: store nothing
+            try:
+                self._rpc.call("abort", {"lease": dst_lease})
+            except SDKError:
+                pass
+            raise SDKError("the cached prefix changed while its kept rows were copied; retry")
+        committed, _ = self._rpc.call("commit", {"lease": dst_lease})
+        return stored_chunks({**dreply, "stored": committed["stored"]})
 
     def _copy_out(
         self,
