@@ -283,6 +283,9 @@ def step_floor(row: dict[str, Any], wbytes: int, token_bytes: int, bandwidth: fl
     # run several at once, so the phase saw up to load_concurrency times this).
     loaded_gb = row["loaded_tokens"] * token_bytes / 1e9
     row["load_gb_s"] = loaded_gb / row["prefix_load_s"] if row["prefix_load_s"] else math.nan
+    # The link's rate while loading: the bytes over the wall time with a load in flight.
+    busy = row["prefix_load_busy_s"]
+    row["load_gb_s_busy"] = loaded_gb / busy if busy else math.nan
     # Aggregate: the bytes loaded over the decode phase's wall time (loads overlap each other).
     row["load_gb_s_phase"] = loaded_gb / row["decode_s"] if row["decode_s"] else math.nan
     row["phase_ms_per_step"] = 1e3 * row["decode_s"] / max(1, row["decode_steps"])
@@ -385,6 +388,8 @@ def run(
         "decode_kv_tokens": res.engine["decode_kv_tokens"],
         "graph_capture_seconds": res.engine["graph_capture_seconds"],
         "prefix_load_seconds": res.engine["prefix_load_seconds"],
+        "prefix_copy_s": res.engine.get("prefix_copy_seconds", 0.0),
+        "prefix_load_busy_s": res.engine.get("prefix_load_busy_seconds", 0.0),
         "phases": decode_phases(res.engine, float(res.decode["duration"])),
         "outputs": res.outputs,
         # Its prefill only loaded the baseline's KV (--share-prefill): end_to_end charges the
@@ -766,6 +771,8 @@ def print_report(report: dict[str, Any]) -> None:
         "phase_over_floor",
         "prefix_load_s",
         "load_gb_s",
+        "load_gb_s_busy",
+        "prefix_copy_s",
         "load_gb_s_phase",
         "graph_capture_s",
     ]
