@@ -593,25 +593,7 @@ class ContiguousTransferWrapper:
                         host[:, :, i * c : (i + 1) * c],
                     )
 
-            def values(i: int, off: Any) -> None:
-                """Chunk ``i``'s kept values, run by run of one source chunk."""
-                dst_v = self._slot(mapping, off, nbytes, layout, kind)[1:]
-                rows = index[i * c : (i + 1) * c]
-                ids, counts = torch.unique_consecutive(rows // c, return_counts=True)
-                start = 0
-                for j, n in zip(ids.tolist(), counts.tolist(), strict=True):
-                    src_v = self._slot(mapping, src[j], nbytes, layout, kind)[1:]
-                    local = rows[start : start + n] - j * c
-                    if n == c:  # the whole chunk kept, in order
-                        copy_rows(dst_v, src_v)
-                    else:
-                        dst_v[:, :, start : start + n].copy_(src_v.index_select(2, local))
-                    start += n
-
-            run_copies(
-                [lambda i=i, off=off: values(i, off) for i, off in chunks],
-                nbytes // 2 * len(chunks),
-            )
+            _gather_values(mapping.pool, layout, c, src, chunks, index, nbytes)
             if time.monotonic() - started > 0.8 * lease_s:
                 raise SDKError(f"keep took longer than its {lease_s:g} s reservation")
         except BaseException:
@@ -767,3 +749,39 @@ class ContiguousTransferWrapper:
 
 
 TransferHelper = ContiguousTransferWrapper
+
+
+def _gather_values(
+    pool: torch.Tensor,
+    layout: CacheLayout,
+    c: int,
+    src: Sequence[Any],
+    chunks: Sequence[tuple[int, Any]],
+    index: torch.Tensor,
+    nbytes: int,
+) -> None:
+    """Copy the kept values (rows ``index`` of the source slots at ``src``) into the V halves
+    of the reserved slots ``chunks`` (``(i, offset)``: kept rows ``i*c .. (i+1)*c``), in the
+    shared ``pool``. A source chunk kept whole is one ``memmove``; otherwise one row gather per
+    new chunk over the pool seen as ``[rows, D]`` (every slot starts on a row boundary) into a
+    reused buffer, then one ``memmove``. Pure copies, no math."""
+    width, layers = layout.width, layout.num_layers
+    row = width * layout.itemsize
+    plane = layers * c  # rows per (K or V) plane of a slot
+    if any(int(o) % row for o in src) or any(int(o) % row for _, o in chunks):
+        raise SDKError("slot offsets are not multiples of a KV row; cannot gather by row")
+    rows = pool[: pool.numel() // row * row].view(layout.dtype).view(-1, width)
+    src_rows = torch.tensor([int(o) // row for o in src], dtype=torch.int64) + plane
+    per_layer = (torch.arange(layers, dtype=torch.int64) * c)[:, None]
+    buffer = torch.empty((plane, width), dtype=layout.dtype)
+    half = nbytes // 2
+    for i, off in chunks:
+        kept = index[i * c : (i + 1) * c]
+        first = int(kept[0])
+        dst = pool.data_ptr() + int(off) + half
+        if first % c == 0 and int(kept[-1]) == first + c - 1:  # a source chunk kept whole
+            ctypes.memmove(dst, pool.data_ptr() + int(src[first // c]) + half, half)
+            continue
+        at = (src_rows[kept // c] + kept % c)[None, :] + per_layer  # [L, c] pool rows
+        torch.index_select(rows, 0, at.view(-1), out=buffer)
+        ctypes.memmove(dst, buffer.data_ptr(), half)
