@@ -106,11 +106,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kv-path",
         choices=KV_PATH_CHOICES,
         default="auto",
-        help="how each edit's KV travels: least moves only what the policy reads "
-        "(nothing for chunk-halving, streaming, random, kvzip: the server keeps the kept rows; "
-        "the keys for knorm, snapkv, ...); full fetches the whole KV and stores the edited "
-        "bytes (upstream's path, the before of kv_MB_per_edit); auto (default) is least on "
-        "the host and full with --edit-device cuda (DMA beats the server's CPU re-rotation)",
+        help="how each edit's KV travels (kvdrop_sdk.keep.edit_path): least moves only what "
+        "the policy reads (nothing for chunk-halving, streaming, random, kvzip; the keys for "
+        "knorm, snapkv, ...; with --edit-device cuda the kept keys are re-rotated on the GPU and "
+        "stored back, the values gathered by index in shared memory: client); server re-rotates "
+        "on the server's CPU; full fetches the whole KV and stores the edited bytes (upstream's "
+        "path); auto (default) is least, but full for a keys-reading edit on a GPU",
     )
     p.add_argument(
         "--no-warmup",

@@ -57,7 +57,7 @@ __all__ = [
 #: Bytes per kept index on the wire (little-endian int64).
 INDEX_BYTES = 8
 #: What ``modify_kv(kv_path=...)`` accepts (the rule: :func:`edit_path`): ``auto`` (the
-#: default: ``least``, the fastest measured), ``least`` (move only what the policy reads, the
+#: default: the fastest measured), ``least`` (move only what the policy reads, the
 #: kept keys re-rotated where the edit runs: by the server's CPU on a host edit, on the GPU on a
 #: GPU edit), ``client`` (re-rotated in this process on any device), ``server`` (by the server
 #: on any device) or ``full`` (the whole KV, upstream's path).
@@ -119,11 +119,14 @@ def edit_path(
     - ``server``: by the server, on its CPU;
     - ``client``: in this process, on the edit's device (``CLIENT``), where the context maps
       the server's shared memory (else as ``server``);
-    - ``least`` and ``auto``: ``server`` on a host edit (``device`` None or a CPU), ``client``
-      on a GPU edit. Measured on an H200 (``benchmarks/edit_path.py``, 8 edits of
-      ``[2, 36, 8192, 1024]`` bf16): the server's CPU re-rotation ran chunk-halving at 0.72x and
-      knorm at 0.31x the full path's speed; re-rotating on the GPU and moving the kept keys
-      (values gathered by index in shared memory) is the fastest of the three.
+    - ``least``: ``server`` on a host edit (``device`` None or a CPU), ``client`` on a GPU
+      edit;
+    - ``auto`` (the default): ``least``, except a keys-reading edit on a GPU, which takes
+      ``FULL``. Measured on an H200 (``benchmarks/edit_path.py``, 8 edits of
+      ``[2, 36, 8192, 1024]`` bf16 on the GPU, docs/sdk/transport.md): chunk-halving ran
+      0.74 s full, 3.48 s server, 0.39 s client; knorm 0.49 s full, 5.27 s server, 0.72 s
+      client (its scattered values were then gathered chunk by chunk; the row gather that
+      replaced it is not measured there yet).
     """
     if kv_path not in KV_PATH_CHOICES:
         raise ValueError(f"kv_path must be one of {KV_PATH_CHOICES}, got {kv_path!r}")
@@ -137,6 +140,8 @@ def edit_path(
         return EditPath.FULL
     on_server = EditPath.KEYS if reads is KVNeed.KEYS else EditPath.INDEX
     on_gpu = device is not None and torch.device(device).type == "cuda"
+    if kv_path == "auto" and on_gpu and reads is KVNeed.KEYS:
+        return EditPath.FULL
     client = kv_path == "client" or (kv_path in ("least", "auto") and on_gpu)
     return EditPath.CLIENT if client and kv_ctx.client_keep else on_server
 

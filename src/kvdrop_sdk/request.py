@@ -450,7 +450,8 @@ class RequestStream:
         and only they are stored back, the values gathered by index in shared memory);
         ``"client"`` / ``"server"`` re-rotate here / on the server on any device; ``"full"``
         always fetches the whole KV and stores what ``fn`` returns (upstream's path);
-        ``"auto"`` (default) is ``least``. ``ModifyResult.path``, ``kv_bytes`` and
+        ``"auto"`` (default) is ``least`` but for a keys-reading edit on a GPU (``full``: the
+        fastest measured there). ``ModifyResult.path``, ``kv_bytes`` and
         ``fetch_s`` / ``edit_s`` / ``store_s`` say which path ran, what it moved and where
         its time went.
         """

@@ -229,9 +229,10 @@ def test_keys_only_fetch_is_the_first_half_of_the_kv(ctx: Context) -> None:
 
 
 def test_least_re_rotates_where_the_edit_runs(contexts: tuple[Context, Context]) -> None:
-    """``auto`` / ``least``: the server keeps the rows of a host edit (re-rotating on its CPU);
-    a GPU edit re-rotates the kept keys on the GPU (``client``) where the shared memory is
-    mapped; ``server`` and ``client`` force either; ``full`` moves everything."""
+    """``least``: the server keeps the rows of a host edit (re-rotating on its CPU); a GPU
+    edit re-rotates the kept keys on the GPU (``client``) where the shared memory is mapped;
+    ``auto`` follows it but for a keys-reading GPU edit (``full``); ``server`` and ``client``
+    force either; ``full`` moves everything."""
     ctx, _ = contexts
     halve = kvdrop.get("chunk-halving", chunk_size=CHUNK)
     gpu = EditPath.CLIENT if ctx.client_keep else EditPath.INDEX
@@ -242,6 +243,12 @@ def test_least_re_rotates_where_the_edit_runs(contexts: tuple[Context, Context])
     assert edit_path(halve, ctx, "least", "cuda") is gpu
     assert edit_path(halve, ctx, "server", "cuda") is EditPath.INDEX
     assert edit_path(halve, ctx, "client", None) is gpu
+    knorm = kvdrop.get("knorm", keep_ratio=0.5, chunk_size=CHUNK)  # reads the keys
+    assert edit_path(knorm, ctx, "auto", "cpu") is EditPath.KEYS
+    assert edit_path(knorm, ctx, "auto", "cuda") is EditPath.FULL  # faster there, measured
+    assert edit_path(knorm, ctx, "least", "cuda") is (
+        EditPath.CLIENT if ctx.client_keep else EditPath.KEYS
+    )
     assert edit_path(halve, ctx, "full", None) is EditPath.FULL
     with pytest.raises(ValueError, match="kv_path must be one of"):
         edit_path(halve, ctx, "fast")
