@@ -288,3 +288,35 @@ def test_keep_rows_refuses_a_bad_plan_and_stores_nothing(ctx: Context) -> None:
     assert ctx.lookup(tokens, "rows.dst") == 0
     kept = [tokens[i] for i in range(CHUNK, 2 * CHUNK)]
     assert ctx.lookup(kept, "rows.dst") == 0
+
+
+@pytest.mark.parametrize(("heads", "offset_step"), [(2, 4096), (3, 1024)])
+def test_the_client_keep_gathers_values_by_index_at_any_slot_alignment(
+    heads: int, offset_step: int
+) -> None:
+    """The values a client keep copies are the kept rows of the source slots, whole chunks and
+    scattered rows alike, also where a row (``3 * 8`` bf16 here) does not divide the offsets."""
+    from kvdrop_sdk.transport.contiguous import _gather_values
+
+    layout = CacheLayout(LAYERS, heads, HEAD_DIM, torch.bfloat16)
+    nbytes = layout.nbytes(CacheKind.KV, CHUNK)
+    step = -(-nbytes // offset_step) * offset_step  # slots start on offset_step boundaries
+    n_src, gen = 6, torch.Generator().manual_seed(3)
+    pool = torch.zeros(offset_step + (n_src + 2) * step, dtype=torch.uint8)
+    src = [offset_step + j * step for j in range(n_src)]
+    dst = [(i, offset_step + (n_src + i) * step) for i in range(2)]
+
+    def slot(off: int) -> torch.Tensor:
+        return pool[off : off + nbytes].view(torch.bfloat16).view(layout.shape(CacheKind.KV, CHUNK))
+
+    for off in src:
+        slot(off).copy_(torch.randn(layout.shape(CacheKind.KV, CHUNK), generator=gen))
+    whole = torch.arange(2 * CHUNK, 3 * CHUNK)  # source chunk 2, kept whole: new chunk 0
+    others = torch.arange(3 * CHUNK, n_src * CHUNK)  # new chunk 1: rows of three chunks
+    scattered = others[torch.randperm(others.numel(), generator=gen)[:CHUNK]]
+    index = torch.cat([whole, scattered]).sort().values  # 2 new chunks of kept rows
+    _gather_values(pool, layout, CHUNK, src, dst, index, nbytes)
+    values = torch.cat([slot(off)[1] for off in src], dim=1).index_select(1, index)
+    got = torch.cat([slot(off)[1] for _, off in dst], dim=1)
+    assert torch.equal(got.view(torch.int16), values.view(torch.int16))
+    assert not slot(dst[0][1])[0].any()  # the keys' half is the caller's, untouched

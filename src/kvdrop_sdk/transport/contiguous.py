@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import mmap
 import os
 import threading
@@ -762,18 +763,21 @@ def _gather_values(
 ) -> None:
     """Copy the kept values (rows ``index`` of the source slots at ``src``) into the V halves
     of the reserved slots ``chunks`` (``(i, offset)``: kept rows ``i*c .. (i+1)*c``), in the
-    shared ``pool``. A source chunk kept whole is one ``memmove``; otherwise one row gather per
-    new chunk over the pool seen as ``[rows, D]`` (every slot starts on a row boundary) into a
-    reused buffer, then one ``memmove``. Pure copies, no math."""
-    width, layers = layout.width, layout.num_layers
-    row = width * layout.itemsize
-    plane = layers * c  # rows per (K or V) plane of a slot
-    if any(int(o) % row for o in src) or any(int(o) % row for _, o in chunks):
-        raise SDKError("slot offsets are not multiples of a KV row; cannot gather by row")
-    rows = pool[: pool.numel() // row * row].view(layout.dtype).view(-1, width)
-    src_rows = torch.tensor([int(o) // row for o in src], dtype=torch.int64) + plane
-    per_layer = (torch.arange(layers, dtype=torch.int64) * c)[:, None]
-    buffer = torch.empty((plane, width), dtype=layout.dtype)
+    shared ``pool``. A source chunk kept whole is one ``memmove``; otherwise one gather per new
+    chunk over the pool seen as ``[units, u]`` bytes into a reused buffer, then one ``memmove``;
+    ``u`` is a KV row (``D`` values) where every slot starts on a row boundary, else the largest
+    size dividing the row and every offset (a row is then ``row // u`` units). Pure copies."""
+    layers = layout.num_layers
+    row = layout.width * layout.itemsize
+    unit = math.gcd(row, *(int(o) for o in src), *(int(o) for _, o in chunks))
+    per = row // unit  # units per KV row
+    plane = layers * c  # KV rows per (K or V) plane of a slot
+    units = pool[: pool.numel() // unit * unit].view(-1, unit)
+    src_rows = torch.tensor([int(o) // unit for o in src], dtype=torch.int64)
+    src_rows += plane * per  # the V plane's first unit
+    per_layer = (torch.arange(layers, dtype=torch.int64) * c * per)[:, None, None]
+    in_row = torch.arange(per, dtype=torch.int64)[None, None, :]
+    buffer = torch.empty((plane * per, unit), dtype=torch.uint8)
     half = nbytes // 2
     for i, off in chunks:
         kept = index[i * c : (i + 1) * c]
@@ -782,6 +786,7 @@ def _gather_values(
         if first % c == 0 and int(kept[-1]) == first + c - 1:  # a source chunk kept whole
             ctypes.memmove(dst, pool.data_ptr() + int(src[first // c]) + half, half)
             continue
-        at = (src_rows[kept // c] + kept % c)[None, :] + per_layer  # [L, c] pool rows
-        torch.index_select(rows, 0, at.view(-1), out=buffer)
+        start = (src_rows[kept // c] + kept % c * per)[None, :, None]
+        at = start + per_layer + in_row  # [L, c, per] pool units, in the slot's V order
+        torch.index_select(units, 0, at.view(-1), out=buffer)
         ctypes.memmove(dst, buffer.data_ptr(), half)
