@@ -10,8 +10,8 @@ stack, every layer and head in a few large launches, and one stable sort over ``
 scores; nothing is read back to the host until the kept indices are.
 
 It covers the common policies with their library parameters: ``rkv`` (importance minus
-redundancy, R-KV's redundancy from a dense ``T x T`` similarity per head, in head groups under
-a tile bound), ``snapkv``, ``tova``, ``knorm`` and ``streaming``, with the library's selector
+redundancy, the library's redundancy scan run once over every head of every request),
+``snapkv``, ``tova``, ``knorm`` and ``streaming``, with the library's selector
 rules (the first ``n_sink`` rows and the last ``window`` always kept, then the highest scores,
 ties to the earlier row). The maths is the library's, in float32; the kept rows equal the
 policy's own choice but where two scores differ by float rounding at the budget's edge (the
@@ -154,7 +154,7 @@ class BatchedRank:
             cols = torch.arange(limit)
             hidden = (cols[None, :] > pos[:, None]).to(k.device)  # [r, limit]
         for part in _chunks(b * num_layers, 4 * hq * r * limit * 2, k.device):
-            kk = flat_k[part, :limit].float().permute(0, 2, 1, 3)  # [n, Hkv, limit, d]
+            kk = flat_k[part, :limit].float().permute(0, 2, 1, 3).contiguous()  # [n, Hkv, t, d]
             qq = (flat_q[part].float() * scale).permute(0, 2, 1, 3)  # [n, Hq, r, d]
             qq = qq.reshape(qq.shape[0], hkv, group * r, d)
             logits = torch.matmul(qq, kk.transpose(-1, -2))  # [n, Hkv, G*r, limit]
@@ -215,29 +215,18 @@ class BatchedRank:
 
     @staticmethod
     def _redundancy(k: Tensor, threshold: float) -> Tensor:
-        """R-KV's redundancy ``[B, L, Hkv, T]`` (``kvdrop.attention.key_redundancy``'s
-        definition, ``threshold >= 0``) from a dense similarity per head, heads in groups."""
+        """R-KV's redundancy ``[B, L, Hkv, T]``: the library's own scan
+        (:func:`kvdrop.attention.key_redundancy`) over every head of every request at once."""
+        from kvdrop.attention import key_redundancy, unit_keys
+        from kvdrop.policies.rkv import one_scan
+
         b, num_layers, num_tokens, hkv, d = k.shape
-        unit = k.float().permute(0, 1, 3, 2, 4).reshape(-1, num_tokens, d)  # [N, T, d]
-        unit = unit / (unit.norm(dim=-1, keepdim=True) + 1e-8)
-        col_sum = torch.einsum("nd,ntd->nt", unit.sum(dim=1), unit)
-        col_sum -= torch.einsum("ntd,ntd->nt", unit, unit)  # the zeroed diagonal
-        last = torch.empty(unit.shape[0], num_tokens, dtype=torch.int64, device=k.device)
-        diag = torch.arange(num_tokens, device=k.device)
-        for part in _chunks(unit.shape[0], 6 * num_tokens * num_tokens, k.device):
-            u = unit[part]
-            sim = torch.matmul(u, u.transpose(1, 2))  # [n, T, T]
-            sim[:, diag, diag] = -math.inf  # the diagonal never counts as similar
-            similar = sim > threshold
-            del sim
-            found = similar.any(dim=-1)
-            col = (num_tokens - 1) - similar.flip(-1).to(torch.uint8).argmax(dim=-1)
-            last[part] = torch.where(found, col, 0)  # none: column 0, as upstream's argmax
-        partner = torch.gather(unit, 1, last[..., None].expand(-1, -1, d))
-        entry = (unit * partner).sum(dim=-1)
-        zeroed = torch.where(last == diag, 0.0, entry)
-        col_sum.scatter_add_(1, last, -zeroed)
-        red = torch.softmax(col_sum / num_tokens, dim=-1)
+        keys = k.float().permute(0, 1, 3, 2, 4).reshape(-1, num_tokens, d)  # [B*L*Hkv, T, d]
+        unit = unit_keys(keys)
+        if one_scan(k.device):  # every head in one scan: a few large launches
+            red = key_redundancy(unit, threshold)
+        else:  # on the CPU one layer's heads at a time, as the library (its scan stops early)
+            red = torch.cat([key_redundancy(u, threshold) for u in unit.split(hkv)])
         return red.view(b, num_layers, hkv, num_tokens)
 
 
