@@ -217,10 +217,14 @@ class DecodeCompressor:
         if key not in self._built:
             policy = self._policy(spec, budget)
             self.check(spec, self._policy(spec, _CHECK_BUDGET))
-            capture = QueryCapture.for_policies([policy], window=self.query_window, stride=0)
+            fast = batched(policy, self.config.head_dim)
+            # A batched ranking observes its last ``query_count`` rows: only those are kept.
+            window = self.query_window
+            if fast is not None and fast.reads_queries:
+                window = min(window, fast.query_count())
+            capture = QueryCapture.for_policies([policy], window=window, stride=0)
             if len(self._built) >= _MAX_BUILT:  # requests choose the keys: keep the cache small
                 self._built.pop(next(iter(self._built)))
-            fast = batched(policy, self.config.head_dim)
             self._built[key] = DecodeCut(spec, budget, every, policy, capture, fast)
         return self._built[key]
 
@@ -398,13 +402,17 @@ class DecodeCompressor:
         positions: torch.Tensor,
         tokens: Sequence[int],
         rows: tuple[torch.Tensor, torch.Tensor] | None,
+        *,
+        batched: bool = True,
     ) -> torch.Tensor:
         """Indices (sorted, CPU int64) of the rows of ``kv`` ``[2, L, n, Hkv*d]`` (true RoPE
         ``positions``, token ids ``tokens``) that ``cut``'s policy keeps, given the query
-        ``rows`` ``(slots [r], queries [L, r, Hq, d])`` captured since the last cut."""
+        ``rows`` ``(slots [r], queries [L, r, Hq, d])`` captured since the last cut: its
+        batched ranking where it has one (as the engine's cuts), else (or with ``batched=False``)
+        the policy's own call."""
         from kvdrop.policy import checked_index  # the policy library, loaded by the build
 
-        observed = self._observed(cut, kv.shape[2], rows)
+        observed = self._observed(cut, kv.shape[2], rows) if batched else None
         if observed is not None:  # the engine's batched ranking, one request
             assert cut.fast is not None
             qpos, queries = observed
