@@ -10,14 +10,14 @@ stack, every layer and head in a few large launches, and one stable sort over ``
 scores; nothing is read back to the host until the kept indices are.
 
 It covers the common policies with their library parameters: ``rkv`` (importance minus
-redundancy, the library's redundancy scan run once over every head of every request),
-``snapkv``, ``tova``, ``knorm`` and ``streaming``, with the library's selector
-rules (the first ``n_sink`` rows and the last ``window`` always kept, then the highest scores,
-ties to the earlier row). The maths is the library's, in float32; the kept rows equal the
-policy's own choice but where two scores differ by float rounding at the budget's edge (the
-tests compare both). :func:`batched` returns None for anything else (another policy, a
-chunked selector, a negative R-KV threshold), which the cut then runs through the policy
-itself.
+redundancy; on a GPU the redundancy from a dense float32 similarity of every head, in groups
+under a tile bound, with no host synchronisation), ``snapkv``, ``tova``, ``knorm`` and
+``streaming``, with the library's selector rules (the first ``n_sink`` rows and the last
+``window`` always kept, then the highest scores, ties to the earlier row). The maths is the
+library's, in float32; the kept rows equal the policy's own choice but where two scores differ
+by float rounding at the budget's edge (the tests compare both). :func:`batched` returns None
+for anything else (another policy, a chunked selector, a negative R-KV threshold), which the
+cut then runs through the policy itself.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ __all__ = ["BatchedRank", "batched"]
 
 #: Bound of one float32 temporary (logits or similarities) of a batched scorer: chunks of the
 #: flattened (request, layer) or (request, layer, head) dimension stay under it.
-TILE_BYTES = {"cuda": 512 << 20, "cpu": 64 << 20}
+TILE_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}
 
 
 def _tile(device: torch.device) -> int:
@@ -214,19 +214,39 @@ class BatchedRank:
         return self._fill(_reduce(per_layer, 1, s.layer_agg), num_tokens)
 
     @staticmethod
-    def _redundancy(k: Tensor, threshold: float) -> Tensor:
-        """R-KV's redundancy ``[B, L, Hkv, T]``: the library's own scan
-        (:func:`kvdrop.attention.key_redundancy`) over every head of every request at once."""
+    def _redundancy(k: Tensor, threshold: float, dense: bool | None = None) -> Tensor:
+        """R-KV's redundancy ``[B, L, Hkv, T]`` (the definition of
+        :func:`kvdrop.attention.key_redundancy`, ``threshold >= 0``) of every head of every
+        request. On the CPU the library's scan, a layer's heads at a time (it stops early); on
+        an accelerator a dense float32 similarity per head, heads in groups under the tile
+        bound: a few large launches and no host synchronisation (the scan's float16 filter
+        reads the device once per column block). ``dense`` picks the way (None: by device)."""
         from kvdrop.attention import key_redundancy, unit_keys
-        from kvdrop.policies.rkv import one_scan
 
         b, num_layers, num_tokens, hkv, d = k.shape
         keys = k.float().permute(0, 1, 3, 2, 4).reshape(-1, num_tokens, d)  # [B*L*Hkv, T, d]
         unit = unit_keys(keys)
-        if one_scan(k.device):  # every head in one scan: a few large launches
-            red = key_redundancy(unit, threshold)
-        else:  # on the CPU one layer's heads at a time, as the library (its scan stops early)
+        if not (k.device.type != "cpu" if dense is None else dense):
             red = torch.cat([key_redundancy(u, threshold) for u in unit.split(hkv)])
+            return red.view(b, num_layers, hkv, num_tokens)
+        col_sum = torch.einsum("nd,ntd->nt", unit.sum(dim=1), unit)
+        col_sum -= torch.einsum("ntd,ntd->nt", unit, unit)  # the zeroed diagonal
+        last = torch.empty(unit.shape[0], num_tokens, dtype=torch.int64, device=k.device)
+        diag = torch.arange(num_tokens, device=k.device)
+        for part in _chunks(unit.shape[0], 7 * num_tokens * num_tokens, k.device):
+            u = unit[part]
+            sim = torch.matmul(u, u.transpose(1, 2))  # [n, T, T] float32
+            sim[:, diag, diag] = -math.inf  # the diagonal never counts as similar
+            similar = sim > threshold
+            del sim
+            found = similar.any(dim=-1)
+            col = (num_tokens - 1) - similar.view(torch.uint8).flip(-1).argmax(dim=-1)
+            last[part] = torch.where(found, col, 0)  # none: column 0, as upstream's argmax
+        # The entry each row zeroes, S[i, last[i]] (0 on the diagonal), off its column's sum.
+        partner = torch.gather(unit, 1, last[..., None].expand(-1, -1, d))
+        entry = (unit * partner).sum(dim=-1)
+        col_sum.scatter_add_(1, last, -torch.where(last == diag, 0.0, entry))
+        red = torch.softmax(col_sum / num_tokens, dim=-1)
         return red.view(b, num_layers, hkv, num_tokens)
 
 
