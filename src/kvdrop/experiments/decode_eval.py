@@ -95,6 +95,7 @@ class DecodeRow:
             "top1_best_text": max(self.per_text) if self.per_text else math.nan,
             "kl_nats": self.kl_sum / self.positions if self.positions else math.nan,
             "cuts_per_text": self.cuts / max(len(self.per_text), 1),
+            "per_text": list(self.per_text),
             "seconds": self.seconds,
         }
         if self.answered:
