@@ -19,6 +19,10 @@ pytest reports with its reason. This file says what each kind of block means:
 ``<!-- skip: next requires("lmcache") -->`` skips it only when that module cannot be imported
 (unless ``KVDROP_REQUIRE_LMCACHE=1``, as in CI: then the block runs).
 
+**Each block runs alone.** The page's namespace is shared for speed, but a reader may copy any
+one block: ``tests/test_docs_alone.py`` checks that every python block binds every name it
+reads (or says ``<!-- continues: "why" -->`` before it) and that every skip gives its reason.
+
 **Shown output is compared.** Lines ``#> ...`` in a block are what it prints. A python block's
 whole stdout must match its ``#>`` lines; in a bash block, the ``#>`` lines under a command must
 match that command's output (stdout and stderr, as a terminal shows them). ``...`` matches any

@@ -106,11 +106,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kv-path",
         choices=KV_PATH_CHOICES,
         default="auto",
-        help="how each edit's KV travels: least moves only what the policy reads "
-        "(nothing for chunk-halving, streaming, random, kvzip: the server keeps the kept rows; "
-        "the keys for knorm, snapkv, ...); full fetches the whole KV and stores the edited "
-        "bytes (upstream's path, the before of kv_MB_per_edit); auto (default) is least on "
-        "the host and full with --edit-device cuda (DMA beats the server's CPU re-rotation)",
+        help="how each edit's KV travels (kvdrop_sdk.keep.edit_path): least moves only what "
+        "the policy reads (nothing for chunk-halving, streaming, random, kvzip; the keys for "
+        "knorm, snapkv, ...; with --edit-device cuda the kept keys are re-rotated on the GPU and "
+        "stored back, the values gathered by index in shared memory: client); server re-rotates "
+        "on the server's CPU; full fetches the whole KV and stores the edited bytes (upstream's "
+        "path); auto (default) is least, but full for a keys-reading edit on a GPU",
     )
     p.add_argument(
         "--no-warmup",
@@ -283,6 +284,9 @@ def step_floor(row: dict[str, Any], wbytes: int, token_bytes: int, bandwidth: fl
     # run several at once, so the phase saw up to load_concurrency times this).
     loaded_gb = row["loaded_tokens"] * token_bytes / 1e9
     row["load_gb_s"] = loaded_gb / row["prefix_load_s"] if row["prefix_load_s"] else math.nan
+    # The link's rate while loading: the bytes over the wall time with a load in flight.
+    busy = row["prefix_load_busy_s"]
+    row["load_gb_s_busy"] = loaded_gb / busy if busy else math.nan
     # Aggregate: the bytes loaded over the decode phase's wall time (loads overlap each other).
     row["load_gb_s_phase"] = loaded_gb / row["decode_s"] if row["decode_s"] else math.nan
     row["phase_ms_per_step"] = 1e3 * row["decode_s"] / max(1, row["decode_steps"])
@@ -366,6 +370,13 @@ def run(
         "kv_MB_per_edit": (
             float(res.modify["kv_bytes_per_edit"]) / 1e6 if res.modify is not None else None
         ),
+        # Where one edit's time went (means over the edits; they overlap in the phase).
+        **{
+            f"{part}_per_edit": (
+                float(res.modify[f"{part}_s_per_edit"]) if res.modify is not None else None
+            )
+            for part in ("fetch", "edit", "store")
+        },
         "decode_tokens": res.decode["output_tokens"],
         "decode_s": res.decode["duration"],
         "decode_tok_s": res.decode_tput,
@@ -378,6 +389,8 @@ def run(
         "decode_kv_tokens": res.engine["decode_kv_tokens"],
         "graph_capture_seconds": res.engine["graph_capture_seconds"],
         "prefix_load_seconds": res.engine["prefix_load_seconds"],
+        "prefix_copy_s": res.engine.get("prefix_copy_seconds", 0.0),
+        "prefix_load_busy_s": res.engine.get("prefix_load_busy_seconds", 0.0),
         "phases": decode_phases(res.engine, float(res.decode["duration"])),
         "outputs": res.outputs,
         # Its prefill only loaded the baseline's KV (--share-prefill): end_to_end charges the
@@ -731,6 +744,9 @@ def print_report(report: dict[str, Any]) -> None:
         "modify_s_per_req",
         "edit_path",
         "kv_MB_per_edit",
+        "fetch_per_edit",
+        "edit_per_edit",
+        "store_per_edit",
         "kept_fraction",
         "decode_tokens",
         "decode_s",
@@ -756,6 +772,8 @@ def print_report(report: dict[str, Any]) -> None:
         "phase_over_floor",
         "prefix_load_s",
         "load_gb_s",
+        "load_gb_s_busy",
+        "prefix_copy_s",
         "load_gb_s_phase",
         "graph_capture_s",
     ]

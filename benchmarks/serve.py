@@ -8,16 +8,24 @@ or as a Poisson process of that rate. Prints, side by side: TTFT (median, p99), 
 p99), end-to-end latency, output tokens/s over the whole run and the ratio of each to the run
 without a policy, plus what the engine saw (peak running requests, prompt tokens kept).
 
-``--load mixed`` is a mixed load instead, as a service sees one: prompts of log-uniform lengths
-in ``--mixed-prompt-tokens`` (default 1K-14K), outputs uniform in ``--mixed-max-tokens`` (default
-128-2,048), arriving as a Poisson process of ``--request-rate`` (default: one that keeps the
-baseline near its KV budget: the budget's worth of requests per mean request time). Beside the
-latency table it prints goodput: the requests that met both SLOs (TTFT <= ``--slo-ttft-s``,
-default 10 s; TPOT <= ``--slo-tpot-ms``, default 50 ms) per second of the run, with and without
-the policy. ``--load both`` runs the all-at-once load and then the mixed one. ``--structured``
-adds a run of the baseline server whose requests are held to a regular expression that cannot
-end before ``max_tokens`` (xgrammar's mask on every step: what structured outputs cost; needs
-``--model`` for its tokenizer).
+``--load mixed`` is a mixed load instead, as a service sees one: prompts of log-uniform lengths in
+``--mixed-prompt-tokens`` (default 1K-14K), outputs uniform in ``--mixed-max-tokens`` (default
+128-2,048), arriving as a Poisson process of ``--request-rate``. By default the rate keeps the
+baseline at its KV limit: each server first runs a pilot (as many mean-length prompts as the budget
+holds without a cut, all at once, 32 tokens each; the same pilot for both), the baseline's pilot
+gives its decode TPOT at that occupancy (the last-prefilled request's, which decodes after every
+prefill) and its prefill rate, hence a mean request time T and a capacity of ``fit / T``
+requests/s, and the rate is ``--mixed-load-factor`` (default 2) times that capacity: the baseline's
+queue for memory grows through the run while the policy's budget, which holds every request after
+its cut, admits each one on arrival. Beside the latency table it prints goodput: the requests that
+met both SLOs (TTFT <= ``--slo-ttft-s``, default 10 s; TPOT <= ``--slo-tpot-ms``, default 50 ms)
+per second of the run, with and without the policy. ``--load both`` runs the all-at-once load and
+then the mixed one. ``--structured`` also holds the baseline server's requests to a regular
+expression that cannot end before ``max_tokens`` (xgrammar's mask on every step: what structured
+outputs cost; needs ``--model`` for its tokenizer), alternating plain and guided runs of the same
+prompts on that one server ``--repeat`` times (each run under its own ``cache_salt``, so no run
+reuses another's prefill): pairs side by side, so the machine's load drifts less between the two
+halves of a ratio. ``--policy none`` runs no policy server (the structured comparison alone).
 
 The KV budget defaults to one that holds every request at once after the cut (the kept part
 plus its generated tokens), plus room for the longest prompt's prefill beyond that (a request
@@ -30,7 +38,8 @@ without a policy, as in ``kvdrop demo``.
         --num-prompts 30 --prompt-tokens 8192 14336 --max-tokens 2048 --max-prefill-tokens 8192
     python benchmarks/serve.py --threads 2 --load mixed --mixed-prompt-tokens 128 1024 \
         --mixed-max-tokens 16 64 --num-prompts 24 --slo-ttft-s 20 --slo-tpot-ms 500   # a CPU
-    python benchmarks/serve.py --threads 2 --model SmolLM2.gguf --structured      # mask cost
+    python benchmarks/serve.py --threads 2 --model SmolLM2.gguf --structured --repeat 3 \
+        --policy none                                                    # mask cost, 3 pairs
 """
 
 from __future__ import annotations
@@ -47,7 +56,8 @@ import sys
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvdrop_sdk.table import format_table
@@ -72,7 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)"
     )
-    p.add_argument("--policy", default="snapkv", help="the drop policy of the second server")
+    p.add_argument(
+        "--policy", default="snapkv", help="the drop policy of the second server (none: no second)"
+    )
     p.add_argument("--keep-ratio", type=float, default=0.5)
     p.add_argument("--kv-budget-tokens", type=int, default=None, help="default: see above")
     p.add_argument("--block-size", type=int, default=16)
@@ -92,6 +104,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--mixed-max-tokens", type=int, nargs=2, default=[128, 2048], metavar=("MIN", "MAX")
     )
+    p.add_argument(
+        "--mixed-load-factor",
+        type=float,
+        default=2.0,
+        help="mixed arrival rate over the baseline's capacity measured by the pilot",
+    )
     p.add_argument("--slo-ttft-s", type=float, default=10.0, help="goodput's TTFT bound")
     p.add_argument("--slo-tpot-ms", type=float, default=50.0, help="goodput's TPOT bound")
     p.add_argument(
@@ -99,11 +117,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also run the baseline with every request held to a regex (needs --model)",
     )
+    p.add_argument(
+        "--repeat", type=int, default=1, help="--structured: plain/guided pairs on one server"
+    )
     args = p.parse_args(argv)
     if args.structured and not args.model:
         p.error("--structured needs --model (a tokenizer for the grammar)")
     if args.num_prompts < 1 or args.max_tokens < 2 or not 0 < args.keep_ratio <= 1:
         p.error("--num-prompts >= 1, --max-tokens >= 2 and --keep-ratio in (0, 1] expected")
+    if args.repeat < 1 or args.mixed_load_factor <= 0:
+        p.error("--repeat >= 1 and --mixed-load-factor > 0 expected")
+    if args.policy == "none" and args.load != "burst":
+        p.error("--policy none is for the burst's structured comparison (--load burst)")
     return args
 
 
@@ -128,17 +153,21 @@ def make_mixed(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], l
     return prompts, [rng.randint(outs_lo, outs_hi) for _ in prompts]
 
 
-def default_budget(lengths: list[int], args: argparse.Namespace) -> int:
-    """Tokens that hold every request at once after the cut, plus room for the longest prompt's
-    prefill beyond its cut size (a request holds its whole prompt until its cut)."""
-    bs, m = args.block_size, args.max_tokens
+def default_budget(
+    lengths: list[int], args: argparse.Namespace, outputs: list[int] | None = None
+) -> int:
+    """Tokens that hold every request at once after the cut (its kept prompt and its output:
+    ``outputs``, else ``--max-tokens``), plus room for the longest prompt's prefill beyond its
+    cut size (a request holds its whole prompt until its cut)."""
+    bs = args.block_size
+    outs = outputs or [args.max_tokens] * len(lengths)
 
     def blocks(tokens: int) -> int:
         return -(-tokens // bs)
 
-    cut = [blocks(math.ceil(args.keep_ratio * n) + m - 1) for n in lengths]
+    cut = [blocks(math.ceil(args.keep_ratio * n) + m - 1) for n, m in zip(lengths, outs)]
     extra = max(max(0, blocks(n) - c) for n, c in zip(lengths, cut))
-    return max(sum(cut) + extra, max(blocks(n + m - 1) for n in lengths)) * bs
+    return max(sum(cut) + extra, max(blocks(n + m - 1) for n, m in zip(lengths, outs))) * bs
 
 
 @dataclass
@@ -211,7 +240,12 @@ class Result:
 
 
 def stream_one(
-    url: str, prompt: list[int], max_tokens: int, out: Result, guided: str | None = None
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    out: Result,
+    guided: str | None = None,
+    salt: str = "",
 ) -> None:
     """One streamed completion. TTFT is when the response's headers arrive: the server sends
     them once the request's first token exists (a server without a tokenizer sends no text
@@ -226,6 +260,8 @@ def stream_one(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if salt:  # a run of its own: no prefix cached by an earlier run of the same prompts
+        body["cache_salt"] = salt
     if guided is not None:  # held to a regex that cannot end early (structured outputs end at EOS)
         body["guided_regex"] = guided
         del body["ignore_eos"]
@@ -262,6 +298,7 @@ def run_clients(
     outputs: list[int] | None = None,
     rate: float | None = None,
     guided: str | None = None,
+    salt: str = "",
 ) -> tuple[list[Result], float]:
     """Every prompt on its own client thread, sent at its arrival time (Poisson at ``rate``,
     default ``--request-rate``), with its own output length when ``outputs`` gives one; the
@@ -281,7 +318,7 @@ def run_clients(
         if wait > 0:
             time.sleep(wait)  # the arrival process, not a readiness wait
         tokens = args.max_tokens if outputs is None else outputs[i]
-        stream_one(url, prompts[i], tokens, results[i], guided)
+        stream_one(url, prompts[i], tokens, results[i], guided, salt)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
     for th in threads:
@@ -346,28 +383,51 @@ class Load:
     rate: float | None = None
     guided: str | None = None
     slos: tuple[float, float] | None = None
+    name: str = ""
+    salt: str = ""
 
 
-def bench(name: str, argv: list[str], load: Load, args: argparse.Namespace) -> dict[str, Any]:
-    log(f"{name}: starting {' '.join(argv[1:])}")
-    server = Server(argv).start()
-    prompts = load.prompts
-    try:
-        warm = Result()  # graphs, allocator and threads warmed before the clock starts
-        stream_one(server.url, prompts[0][:64], 4, warm, load.guided)
-        if warm.error:
-            raise RuntimeError(f"warm-up request failed: {warm.error}")
-        before = json.loads(server.get("/stats"))
-        log(f"{name}: {len(prompts)} clients on {server.url}")
-        results, wall = run_clients(server.url, prompts, args, load.outputs, load.rate, load.guided)
-        stats = json.loads(server.get("/stats"))
-        stats["cut_seconds"] = stats.get("cut_seconds", 0.0) - before.get("cut_seconds", 0.0)
-    finally:
-        server.stop()
+def measure(server: Server, name: str, load: Load, args: argparse.Namespace) -> dict[str, Any]:
+    """One load on a started server: its row."""
+    before = json.loads(server.get("/stats"))
+    log(f"{name}: {len(load.prompts)} clients on {server.url}")
+    results, wall = run_clients(
+        server.url, load.prompts, args, load.outputs, load.rate, load.guided, load.salt
+    )
+    stats = json.loads(server.get("/stats"))
+    for key in ("cut_seconds",):
+        stats[key] = stats.get(key, 0.0) - before.get(key, 0.0)
     row = summarise(name, results, wall, stats, load.slos)
     log(f"{name}: {row['output_tok_s']:.1f} output tok/s in {wall:.1f} s, {row['ok']} ok")
     log(f"{name}: {json.dumps(row, default=str)}")  # kept if a later run is cut short
     return row
+
+
+def bench(
+    name: str,
+    argv: list[str],
+    load: Load | list[Load],
+    args: argparse.Namespace,
+    pilot: Callable[[Server], Load] | None = None,
+) -> list[dict[str, Any]]:
+    """Start a server, warm it, run ``pilot`` (which returns the load to run) or each of
+    ``load`` in turn (a row each, named by its ``name`` or ``name``), stop it."""
+    log(f"{name}: starting {' '.join(argv[1:])}")
+    server = Server(argv).start()
+    loads = load if isinstance(load, list) else [load]
+    try:
+        warm = Result()  # graphs, allocator and threads warmed before the clock starts
+        stream_one(server.url, loads[0].prompts[0][:64], 4, warm, None, "warm-up")
+        if warm.error:
+            raise RuntimeError(f"warm-up request failed: {warm.error}")
+        guided = next((one.guided for one in loads if one.guided), None)
+        if guided is not None:  # the grammar compiled and the masked path warmed too
+            stream_one(server.url, loads[0].prompts[0][:64], 4, warm, guided, "warm-up")
+        if pilot is not None:
+            loads = [pilot(server)]
+        return [measure(server, one.name or name, one, args) for one in loads]
+    finally:
+        server.stop()
 
 
 def ratios(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
@@ -404,16 +464,24 @@ def burst(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
         f"{len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens, {args.max_tokens} output "
         f"tokens each, KV budget {budget} tokens (about {fit:.1f} requests without a cut)"
     )
-    load = Load(prompts)
-    policy = f"{args.policy} {args.keep_ratio:g}"
-    rows = [
-        bench("baseline", server_argv(args, budget, None), load, args),
-        bench(policy, server_argv(args, budget, args.policy), load, args),
-    ]
-    rows.append(ratios(rows[0], rows[1]))
+    rows: list[dict[str, Any]] = []
     if args.structured:  # a regex that cannot end before max_tokens: the mask on every step
-        guided = Load(prompts, guided=f"[a-z ]{{{8 * args.max_tokens}}}")
-        rows.append(bench("structured", server_argv(args, budget, None), guided, args))
+        regex = f"[a-z ]{{{8 * args.max_tokens}}}"
+        pairs = []
+        for i in range(args.repeat):
+            tag = f" {i + 1}" if args.repeat > 1 else ""
+            pairs += [
+                Load(prompts, name=f"baseline{tag}", salt=f"plain-{i}"),
+                Load(prompts, guided=regex, name=f"structured{tag}", salt=f"guided-{i}"),
+            ]
+        served = bench("baseline", server_argv(args, budget, None), pairs, args)
+        for plain, guided in zip(served[::2], served[1::2]):
+            rows += [plain, guided, ratios(plain, guided)]
+    else:
+        rows += bench("baseline", server_argv(args, budget, None), Load(prompts), args)
+    if args.policy != "none":
+        policy = f"{args.policy} {args.keep_ratio:g}"
+        rows += bench(policy, server_argv(args, budget, args.policy), Load(prompts), args)
         rows.append(ratios(rows[0], rows[-1]))
     title = (
         f"benchmarks/serve.py: {args.model or args.model_preset} on {args.device}, "
@@ -430,25 +498,49 @@ def mixed(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     prompts, outputs = make_mixed(args, vocab)
     lengths = [len(p) for p in prompts]
     mean_request = statistics.mean(lengths) + statistics.mean(outputs)
-    budget = args.kv_budget_tokens or default_budget(lengths, args)
+    budget = args.kv_budget_tokens or default_budget(lengths, args, outputs)
     fit = budget / mean_request
-    rate = args.request_rate
-    if not math.isfinite(rate):  # keep the baseline near its budget: `fit` requests in flight
-        rate = fit / _mean_request_s(args, mean_request)
     slos = (args.slo_ttft_s, args.slo_tpot_ms)
     log(
         f"mixed: {len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens, outputs "
-        f"{min(outputs)}-{max(outputs)}, {rate:.3g} requests/s, KV budget {budget} tokens (about "
-        f"{fit:.1f} mean requests without a cut), SLOs TTFT <= {slos[0]:g} s, TPOT <= "
-        f"{slos[1]:g} ms"
+        f"{min(outputs)}-{max(outputs)}, KV budget {budget} tokens (about {fit:.1f} mean "
+        f"requests without a cut), SLOs TTFT <= {slos[0]:g} s, TPOT <= {slos[1]:g} ms"
     )
-    load = Load(prompts, outputs, rate, slos=slos)
+    load = Load(prompts, outputs, args.request_rate, slos=slos, salt="mixed")
+    pilot_prompts = _pilot_prompts(lengths, fit, args, vocab)
+    capacity: dict[str, float] = {}
+
+    def baseline_pilot(server: Server) -> Load:
+        """The pilot, then the load at a rate from it (unless ``--request-rate`` gives one)."""
+        found = pilot(server, pilot_prompts, args)
+        mean_s = (
+            statistics.mean(outputs) * found["tpot_s"]
+            + statistics.mean(lengths) / found["prefill_tok_s"]
+        )
+        capacity.update(found, mean_request_s=mean_s, capacity_req_s=fit / mean_s)
+        if math.isfinite(args.request_rate):
+            return load
+        rate = args.mixed_load_factor * capacity["capacity_req_s"]
+        capacity["rate"] = rate
+        log(
+            f"mixed: the baseline's pilot decodes at {1e3 * found['tpot_s']:.1f} ms a token with "
+            f"{len(pilot_prompts)} running and prefills {found['prefill_tok_s']:.0f} tokens/s: a "
+            f"mean request takes about {mean_s:.1f} s, a capacity of {fit / mean_s:.3g} "
+            f"requests/s; arrivals at {args.mixed_load_factor:g}x that: {rate:.3g}/s"
+        )
+        return replace(load, rate=rate)
+
+    def policy_pilot(server: Server) -> Load:
+        pilot(server, pilot_prompts, args)  # the same warm-up as the baseline's
+        return replace(load, rate=capacity.get("rate", args.request_rate))
+
     policy = f"{args.policy} {args.keep_ratio:g}"
-    rows = [
-        bench("mixed baseline", server_argv(args, budget, None), load, args),
-        bench(f"mixed {policy}", server_argv(args, budget, args.policy), load, args),
-    ]
+    rows = bench("mixed baseline", server_argv(args, budget, None), load, args, baseline_pilot)
+    rows += bench(
+        f"mixed {policy}", server_argv(args, budget, args.policy), load, args, policy_pilot
+    )
     rows.append(ratios(rows[0], rows[1]))
+    rate = capacity.get("rate", args.request_rate)
     title = (
         f"benchmarks/serve.py --load mixed: {args.model or args.model_preset} on {args.device}, "
         f"{len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens, outputs "
@@ -457,13 +549,35 @@ def mixed(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     )
     columns = ["run", "ok", "good", "goodput_req_s", *COLUMNS[2:8], "peak_running"]
     print(format_table(rows, columns, title=title))
-    return {"load": "mixed", "rate": rate, "budget": budget, "rows": rows}
+    return {"load": "mixed", "rate": rate, "budget": budget, "pilot": capacity, "rows": rows}
 
 
-def _mean_request_s(args: argparse.Namespace, tokens: float) -> float:
-    """A rough time one request of ``tokens`` takes: a mean output at the SLO's TPOT plus the
-    SLO's TTFT over two (the default rate's only input; give ``--request-rate`` to set it)."""
-    return statistics.mean(args.mixed_max_tokens) * args.slo_tpot_ms / 1e3 + args.slo_ttft_s / 2
+#: Output tokens of each pilot request.
+PILOT_TOKENS = 32
+
+
+def _pilot_prompts(
+    lengths: list[int], fit: float, args: argparse.Namespace, vocab: int
+) -> list[list[int]]:
+    """As many mean-length prompts as the budget holds without a cut (fresh tokens)."""
+    rng = random.Random(args.seed + 3)
+    n = round(statistics.mean(lengths))
+    return [[rng.randrange(3, vocab) for _ in range(n)] for _ in range(max(1, math.floor(fit)))]
+
+
+def pilot(server: Server, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, float]:
+    """The pilot's findings: ``tpot_s``, the least TPOT of its requests sent at once (the last
+    prefilled decodes after every prefill, with all of them running: decode at the budget's
+    occupancy) and ``prefill_tok_s``, its prompt tokens over the time to the last first token."""
+    results, _ = run_clients(
+        server.url, prompts, args, [PILOT_TOKENS] * len(prompts), math.inf, None, "pilot"
+    )
+    bad = [r.error for r in results if r.error or not r.end]
+    if bad:
+        raise RuntimeError(f"the pilot failed: {bad[:2]}")
+    tpot = min((r.end - r.first) / (r.output_tokens - 1) for r in results)
+    first = max(r.first for r in results) - min(r.sent for r in results)
+    return {"tpot_s": tpot, "prefill_tok_s": sum(map(len, prompts)) / first}
 
 
 def main(argv: list[str] | None = None) -> int:

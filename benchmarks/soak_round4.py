@@ -2,8 +2,10 @@
 
 Engine part: ``kvdrop engine --random-preset tiny --policy knorm`` with a small KV budget (so
 cut requests are preempted) as a subprocess on 127.0.0.1. Four good clients post short greedy
-completions and check each reply against their first (``soak_round3_engine``), first alone
-(quiet), then beside: override bombs (``leverage(sketch_dimension=4000)``, a 3,000-term spec,
+completions and check each reply against their first (``soak_round3_engine``), alone (quiet)
+and beside the hostile clients of ``soak_round4_hostile.py`` (a process of their own),
+alternating, several times each, so that both see the same machine load: override bombs
+(``leverage(sketch_dimension=4000)``, a 3,000-term spec,
 ``expected-attention(n_future_positions=4000000)``, a plugin the operator did not allow: each must
 be a 400), preemption under cut (200-token prompts cut to half, 120 tokens each, several at once:
 each reply must equal that prompt's first reply), ``prompt_logprobs`` (a 3,000-token prompt
@@ -20,148 +22,69 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import socket
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import requests
 import torch
 
-from soak_round3 import _p99, _rss
+from soak_round3 import _p99, _rss, _Tally
 from soak_round3_engine import _engine, _metrics, _run_good
 
 Row = dict[str, Any]
-CUT_PROMPT, CUT_TOKENS = 200, 120
-BOMBS = (
-    "leverage(sketch_dimension=4000)",
-    "+".join(["knorm"] * 3000),
-    "expected-attention(n_future_positions=4000000)",
-    "cap(n_future_positions=400000)",
-    "value-norm",  # a plugin's policy: not allowed by --client-policies builtin
-)
+HOSTILE = Path(__file__).with_name("soak_round4_hostile.py")
 
 
-def _post(url: str, body: dict[str, Any], timeout: float = 120) -> requests.Response:
-    return requests.post(f"{url}/v1/completions", json=body, timeout=timeout)
+def _hostile(url: str, seen: Path, which: str) -> subprocess.Popen[str]:
+    """The hostile clients ``which`` names (``soak_round4_hostile.py``) in a process of their
+    own, running."""
+    proc = subprocess.Popen(
+        [sys.executable, str(HOSTILE), url, str(seen), which],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
 
 
-def _bombs(url: str, count: Callable[[str], None], stop: threading.Event) -> None:
-    """Override bombs, round and round: each must be refused with a 400 at once."""
-    prompt = [3 + t % 400 for t in range(300)]
-    for spec in itertools.cycle(BOMBS):
-        if stop.wait(0.2):
-            return
-        body = {"prompt": prompt, "max_tokens": 4, "kvdrop": {"policy": spec}}
-        started = time.monotonic()
-        try:
-            r = _post(url, body, 30)
-            count(f"override bomb answered {r.status_code}")
-            count(f"override bomb answered within {1 if time.monotonic() - started < 1 else 30} s")
-        except requests.RequestException as exc:
-            count(f"override bomb: {type(exc).__name__}")
+def _hostile_counts(proc: subprocess.Popen[str]) -> Counter[str]:
+    """Stop the hostile clients (they finish what is in flight) and read their counts."""
+    out, _ = proc.communicate("", timeout=600)
+    return Counter(json.loads(out.strip().splitlines()[-1]))
 
 
-def _cut_prompt(n: int) -> list[int]:
-    gen = torch.Generator().manual_seed(n)
-    return torch.randint(3, 500, (CUT_PROMPT,), generator=gen).tolist()
-
-
-def _preempted(url: str, count: Callable[[str], None], stop: threading.Event,
-               seen: dict[int, list[int]], lock: threading.Lock) -> None:  # fmt: skip
-    """Batches of six cut requests of 120 greedy tokens, one a second (beside the scoring they
-    outgrow the budget and are preempted): each reply must equal the first reply to its
-    prompt."""
-    n = 0
-    while not stop.is_set():
-        n += 1
-        prompts = [(n + k) % 6 for k in range(6)]
-        replies: list[Any] = [None] * 6
-        threads = [
-            threading.Thread(target=_one_cut, args=(url, p, replies, k))
-            for k, p in enumerate(prompts)
-        ]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(300)
-        stop.wait(1.0)
-        for p, r in zip(prompts, replies, strict=True):
-            if not isinstance(r, requests.Response) or r.status_code != 200:
-                count(f"cut request failed: {getattr(r, 'status_code', r)!s:.80}")
-                continue
-            toks = r.json()["choices"][0]["logprobs"]["tokens"]
-            with lock:
-                same = seen.setdefault(p, toks) == toks
-            count("cut request: same answer" if same else "cut request: OTHER answer")
-
-
-def _one_cut(url: str, p: int, replies: list[Any], k: int) -> None:
-    body = {"prompt": _cut_prompt(p), "max_tokens": CUT_TOKENS, "temperature": 0}
-    body |= {"ignore_eos": True, "logprobs": 0}
-    try:
-        replies[k] = _post(url, body)
-    except requests.RequestException as exc:
-        replies[k] = exc
-
-
-def _scoring(url: str, count: Callable[[str], None], stop: threading.Event) -> None:
-    """prompt_logprobs: a 3,000-token prompt scored, an answer over the bound (400), and a
-    client that posts 16 x 1,000-token prompts and leaves after 0.3 s."""
-    long = [3 + (t * 7) % 500 for t in range(3000)]
-    many = [[3 + (t * 11 + k) % 500 for t in range(1000)] for k in range(16)]
-    huge = [[3 + (t + k) % 500 for t in range(1000)] for k in range(64)]
-    while not stop.is_set():
-        try:
-            r = _post(url, {"prompt": long, "max_tokens": 1, "prompt_logprobs": 1})
-            count(f"3,000-token prompt_logprobs answered {r.status_code}")
-            body = {"prompt": huge, "max_tokens": 4, "prompt_logprobs": 20, "logprobs": 20}
-            count(f"97 MB-answer request answered {_post(url, body).status_code}")
-            raw = json.dumps({"prompt": many, "max_tokens": 1, "prompt_logprobs": 0}).encode()
-            port = int(url.rsplit(":", 1)[1])
-            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-                s.sendall(
-                    b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
-                    + f"Content-Length: {len(raw)}\r\n\r\n".encode()
-                    + raw
-                )
-                time.sleep(0.3)
-            count("16 x 1,000-token scorings left after 0.3 s")
-        except requests.RequestException as exc:
-            count(f"scoring: {type(exc).__name__}")
-        stop.wait(1.0)
-
-
-def _engine_row(seconds: float) -> Row:
+def _engine_row(seconds: float, segments: int = 4, which: str = "bombs,cut,scoring") -> Row:
+    """Good clients alone and beside the hostile ones, ``segments`` times each, alternating
+    (quiet, hostile, quiet, ...), so both see the same machine load over the run."""
     seen: dict[Any, list[int]] = {}
     flags = ("--policy", "knorm", "--kv-budget-tokens", "3584")
-    with _engine(*flags) as (proc, url):
+    h: Counter[str] = Counter()
+    quiet, loud = _Tally(), _Tally()
+    with _engine(*flags) as (proc, url), tempfile.TemporaryDirectory() as tmp:
         rss0 = _rss(proc.pid)
-        quiet = _run_good(url, seconds, [], seen)
-        before = _metrics(url)
-        h: Counter[str] = Counter()
-        lock, peak = threading.Lock(), [rss0]
-        cut_seen: dict[int, list[int]] = {}
-
-        def count(key: str) -> None:
-            with lock:
-                h[key] += 1
+        peak = [rss0]
 
         def sample(stop: threading.Event) -> None:
             while not stop.wait(0.1):
                 peak[0] = max(peak[0], _rss(proc.pid))
 
-        hostile = [
-            lambda stop: _bombs(url, count, stop),
-            lambda stop: _preempted(url, count, stop, cut_seen, lock),
-            lambda stop: _scoring(url, count, stop),
-            sample,
-        ]
-        loud = _run_good(url, seconds, hostile, seen)
+        before = _metrics(url)
+        for _ in range(segments):
+            _merge(quiet, _run_good(url, seconds / segments, [], seen))
+            hostile = _hostile(url, Path(tmp) / "cut-answers.json", which)
+            try:
+                _merge(loud, _run_good(url, seconds / segments, [sample], seen))
+            finally:
+                h += _hostile_counts(hostile)
         time.sleep(2.0)  # the last abandoned scoring's watcher has cancelled it
         after = _metrics(url)
         stats = requests.get(f"{url}/stats", timeout=10).json()
@@ -174,9 +97,11 @@ def _engine_row(seconds: float) -> Row:
     rss_ok = rss[2] - rss[0] < 100 << 20
     ok = failed == 0 and wrong == 0 and rss_ok and p99h <= 1.5 * max(p99q, 0.005) and bombs_ok
     hostile_s = "; ".join(f"{k}: {v:,}" for k, v in sorted(h.items()))
+    load = os.getloadavg()[0]
     measured = (
-        f"{seconds:g} s quiet then {seconds:g} s with override bombs, preempted cut requests "
-        f"and prompt scoring: good requests {quiet.c['good_requests']:,} + "
+        f"{segments} x {seconds / segments:g} s quiet alternating with {segments} x "
+        f"{seconds / segments:g} s beside override bombs, preempted cut requests and prompt "
+        f"scoring (load average {load:.1f}): good requests {quiet.c['good_requests']:,} + "
         f"{loud.c['good_requests']:,}, failed {failed}; wrong replies {wrong}; good p99 "
         f"{p99q * 1000:.1f} ms quiet, {p99h * 1000:.1f} ms hostile "
         f"({p99h / max(p99q, 1e-9):.2f}x); engine RSS {rss[0] / 2**20:.0f} MiB at start, peak "
@@ -195,7 +120,13 @@ def _engine_row(seconds: float) -> Row:
         "p99_hostile_s": p99h,
         "rss_start": rss[0],
         "rss_end": rss[2],
+        "load_average": load,
     }
+
+
+def _merge(into: _Tally, part: _Tally) -> None:
+    into.c.update(part.c)
+    into.latencies.extend(part.latencies)
 
 
 def soak_round4(args: argparse.Namespace) -> list[Row]:

@@ -4,7 +4,9 @@ An engine that lets each request pick its cut (``"kvdrop": {"policy": SPEC}``) r
 choice of code and parameters. :class:`SpecLimits` bounds that choice before anything is built:
 the spec's length, the number of policy terms it builds (nested ones included), which policies
 may be named, and each parameter's ``serve_max``, declared where the parameter is
-(:func:`kvdrop.param`): ``leverage(sketch_dimension=4000)`` asked for 455 MB of one request.
+(:func:`kvdrop.param`): ``leverage(sketch_dimension=4000)`` asked for 455 MB of one request. A
+bounded parameter given None (no bound: ``h2o(num_queries=null)``, every saved query) is over
+its ``serve_max`` too.
 The operator's own ``--policy`` and library calls are not bounded here.
 """
 
@@ -61,7 +63,9 @@ def check_client_spec(spec: str, limits: SpecLimits) -> None:
         for key, value in params.items():
             p = declared.get(key)
             cap = None if p is None else p.serve_max
-            if cap is not None and is_number(value) and value > cap:
+            # None is no bound at all for a bounded parameter (h2o's num_queries=None: every
+            # saved query, O(T^2) work): over the cap too.
+            if cap is not None and (value is None or (is_number(value) and value > cap)):
                 raise PolicyParamError(
                     f"{name}: parameter {key!r} got {value!r}; a serving client may ask for at "
                     f"most {cap:g} (its cost grows with it; the operator's --policy may set more)"

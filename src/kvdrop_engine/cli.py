@@ -30,7 +30,7 @@ from kvdrop_engine.options import (
     add_model_arguments,
 )
 from kvdrop_engine.request_fields import MAX_BODY_BYTES
-from kvdrop_sdk.http_limits import HTTPLimits, bound_heap
+from kvdrop_sdk.http_limits import HTTPLimits, bound_heap, capped_warnings, log_field
 from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
 
 __all__ = ["add_arguments", "run"]
@@ -466,11 +466,13 @@ def run(args: argparse.Namespace) -> int:
     # The HTTP layer logs what a user should see (a client that disconnected) in one line.
     logging.basicConfig(level=logging.WARNING, format="kvdrop engine: %(message)s")
     logging.getLogger("kvdrop_engine").setLevel(logging.INFO)
-    try:
-        connector, engine, server = _build(args)
-    except EngineSetupError as exc:
-        return _fail(str(exc))
-    return _serve(args, connector, engine, server)
+    # Warnings (a client-chosen policy's, a plugin's) as capped log lines, not raw stderr text.
+    with capped_warnings(logging.getLogger("kvdrop_engine.warnings")):
+        try:
+            connector, engine, server = _build(args)
+        except EngineSetupError as exc:
+            return _fail(str(exc))
+        return _serve(args, connector, engine, server)
 
 
 def _serve(args: argparse.Namespace, connector: Any, engine: Any, server: Any) -> int:
@@ -489,7 +491,7 @@ def _serve(args: argparse.Namespace, connector: Any, engine: Any, server: Any) -
     default = engine.dropper.default if engine.dropper is not None else None
     if default is not None:
         kv_note += (
-            f", prompts of {args.min_drop_tokens}+ tokens cut by {default.spec} to keep "
+            f", prompts of {args.min_drop_tokens}+ tokens cut by {log_field(default.spec)} to keep "
             f"{default.budget}"
         )
     if args.decode_policy is not None:

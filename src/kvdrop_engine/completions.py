@@ -37,7 +37,7 @@ from kvdrop_engine.request_fields import (
     get_token_ids,
 )
 from kvdrop_engine.request_guides import guide_from_body
-from kvdrop_engine.request_options import RequestOptionError, RequestOptions
+from kvdrop_engine.request_options import RequestOptionError, RequestOptions, check_request
 from kvdrop_engine.request_prompts import (
     CHARS_PER_TOKEN_BOUND,
     DEFAULT_MAX_PROMPT_CHARS,
@@ -357,6 +357,10 @@ def parse_request(body: Any, route: Route, settings: Settings) -> CompletionRequ
     prompts = route.prompts(body, settings, tools)
     values["max_tokens"] = route.max_tokens(body, prompts[0], settings)
     params = _sampling(body, route, values, settings)
+    try:
+        check_request(params, options)  # sampling against options: guides, ignore_eos, min_tokens
+    except RequestOptionError as exc:
+        raise BadRequestError(str(exc), param=exc.field) from None
     _check_context(body, prompts, params.max_tokens, settings.max_model_len)
     return CompletionRequest(
         prompt_token_ids=prompts[0],

@@ -348,10 +348,6 @@ class Engine:
         engine's tokenizer are built on the first guided request): :mod:`structured`."""
         if self.tokenizer is None or not hasattr(self.tokenizer, "backend"):
             raise InvalidRequestError("structured outputs need an engine with a tokenizer")
-        if req.params.ignore_eos:
-            raise InvalidRequestError(
-                "structured outputs end at the end-of-sequence token; leave 'ignore_eos' out"
-            )
         with self._cv:
             if self._grammars is None:
                 self._grammars = Grammars(

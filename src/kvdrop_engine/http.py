@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from kvdrop_engine.client_watch import (
@@ -61,6 +61,7 @@ from kvdrop_engine.responses import (
 )
 from kvdrop_engine.sequence import ScoreHandle
 from kvdrop_engine.tokenizer import TextTokenizer
+from kvdrop_sdk.adapters.openai import token_id_text
 from kvdrop_sdk.events import PostCompletion, TokenEvent
 from kvdrop_sdk.http_limits import (
     HTTPLimitError,
@@ -76,9 +77,15 @@ __all__ = ["ROUTES", "CompletionHTTPServer", "ScorePrompt", "check_api_key"]
 #: of each prompt token after the first (``prompt_logprobs``; the CLI builds it from the
 #: engine): ``handle.result()`` waits for them, ``handle.close()`` cancels them.
 ScorePrompt = Callable[[list[int], int, str], ScoreHandle]
-#: Most log-probabilities one answer lists (prompt and sampled tokens, alternatives included):
-#: 64 prompts of 1,000 ids with prompt_logprobs 20 made a 97.2 MB answer (vLLM bounds them too).
-MAX_LOGPROB_ENTRIES = 1 << 18
+#: Most bytes the log-probabilities of one answer may take (prompt and sampled tokens,
+#: alternatives included), as :meth:`CompletionHTTPServer.logprob_bytes` bounds them before
+#: anything runs: 64 prompts of 1,000 ids with prompt_logprobs 20 made a 97.2 MB answer.
+MAX_LOGPROB_BYTES = 32 << 20
+#: Bytes of one log-probability's JSON besides its token's text: the float (at most 24
+#: characters), its rank, the keys, quotes, braces and commas of every route's format.
+LOGPROB_ENTRY_BYTES = 112
+#: The longest token text assumed when the vocabulary cannot be listed (no ``vocab_size``).
+UNLISTED_TOKEN_BYTES = 256
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +210,8 @@ class CompletionHTTPServer:
         self.gauges = gauges
         self.metrics = ServerMetrics(model_name, gauges)
         self.score_prompt = score_prompt
+        #: (longest escaped token text, longest bytes list) by token naming (:meth:`logprob_bytes`).
+        self._token_costs: dict[bool, tuple[int, int]] = {}
         self.api_key = None if api_key is None else check_api_key(api_key)
         self.settings = Settings(
             model_name=model_name,
@@ -300,8 +309,8 @@ class CompletionHTTPServer:
     def scoring_top(self, req: CompletionRequest) -> int | None:
         """The alternatives each prompt token lists when the request asks for prompt logprobs
         (or echoes with logprobs), else None; ``BadRequestError`` when this server cannot
-        score prompts or the answer would list more than :data:`MAX_LOGPROB_ENTRIES`
-        log-probabilities (checked before anything runs)."""
+        score prompts or the answer's log-probabilities could take more than
+        :data:`MAX_LOGPROB_BYTES` (:meth:`logprob_bytes`; checked before anything runs)."""
         top = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
             top = max(top or 0, req.logprobs)
@@ -315,15 +324,43 @@ class CompletionHTTPServer:
         scored = 0 if top is None else sum(max(0, len(p) - 1) for p in req.prompts) * (top + 1)
         sampled = 0 if req.logprobs is None else req.num_choices * req.max_tokens
         entries = scored + sampled * ((req.logprobs or 0) + 1)
-        if entries > MAX_LOGPROB_ENTRIES:
+        each = self.logprob_bytes(req.tokens_as_token_ids, req.chat)
+        if entries * each > MAX_LOGPROB_BYTES:
             raise BadRequestError(
-                f"the answer would list {entries:,} log-probabilities (prompt tokens x "
-                f"(prompt_logprobs + 1) + choices x max_tokens x (logprobs + 1)); at most "
-                f"{MAX_LOGPROB_ENTRIES:,} are answered: ask for fewer alternatives, tokens or "
-                "prompts",
+                f"the answer's log-probabilities could take {entries * each:,} bytes ({entries:,} "
+                f"log-probabilities (prompt tokens x (prompt_logprobs + 1) + choices x "
+                f"max_tokens x (logprobs + 1)) of up to {each:,} bytes each); at most "
+                f"{MAX_LOGPROB_BYTES:,} bytes are answered: ask for fewer alternatives, tokens "
+                "or prompts",
                 param=param if scored else "logprobs",
             )
         return top
+
+    def logprob_bytes(self, as_ids: bool, chat: bool) -> int:
+        """The most bytes one log-probability takes in an answer: :data:`LOGPROB_ENTRY_BYTES`
+        plus its token's text twice (JSON-escaped: as a key and as a value), and in a chat
+        the JSON list of its UTF-8 bytes, for the longest token text of the vocabulary
+        (listed once, on first use; :data:`UNLISTED_TOKEN_BYTES` without ``vocab_size``)."""
+        text, listed = self._longest_token(as_ids)
+        return LOGPROB_ENTRY_BYTES + 2 * text + (listed if chat else 0)
+
+    def _longest_token(self, as_ids: bool) -> tuple[int, int]:
+        """(the longest JSON-escaped token text, the longest JSON list of a token's bytes)."""
+        key = as_ids or self.tokenizer is None
+        if key not in self._token_costs:
+            if as_ids or self.tokenizer is None:
+                texts: Iterable[str] = [token_id_text(max(0, (self.vocab_size or 10**9) - 1))]
+            elif self.vocab_size is None:
+                texts = ["x" * UNLISTED_TOKEN_BYTES]
+            else:
+                decode = self.tokenizer.decode
+                texts = (decode([t]) for t in range(self.vocab_size))
+            text = listed = 2
+            for t in texts:
+                text = max(text, len(json.dumps(t)))
+                listed = max(listed, len(json.dumps(list(t.encode("utf-8", "replace")))))
+            self._token_costs[key] = (text, listed)
+        return self._token_costs[key]
 
 
 class _Handler(LimitedHandler):

@@ -22,7 +22,13 @@ from kvdrop_engine.sampling import SamplingParams
 from kvdrop_engine.structured import Guide, guide_of
 from kvdrop_sdk.protocol import check_salt
 
-__all__ = ["OPTION_KEYS", "RequestOptionError", "RequestOptions", "submission"]
+__all__ = [
+    "OPTION_KEYS",
+    "RequestOptionError",
+    "RequestOptions",
+    "check_request",
+    "submission",
+]
 
 #: The keys of a sampling dict that are request options, not sampling (:func:`submission`),
 #: and the field each fills.
@@ -117,6 +123,30 @@ def submission(
                 if key in sampling_params
             }
         options = RequestOptions(cache_salt, **found)
-    if isinstance(sampling_params, SamplingParams):
-        return sampling_params, options
-    return SamplingParams.from_dict(sampling_params), options
+    if not isinstance(sampling_params, SamplingParams):
+        sampling_params = SamplingParams.from_dict(sampling_params)
+    check_request(sampling_params, options)
+    return sampling_params, options
+
+
+def check_request(params: SamplingParams, options: RequestOptions) -> None:
+    """The rules between a request's sampling and its options, in one place: the OpenAI
+    server's parse calls it (a 400 before anything is posted) and :func:`submission` does, so a
+    Python caller meets the same rule. A structured output (``response_format``, ``guided_*``,
+    a required or named ``tool_choice``) ends where its grammar ends, at the end-of-sequence
+    token, so it takes neither ``ignore_eos`` nor a ``min_tokens`` (which would ban the only
+    token the grammar allows once it is complete). ``RequestOptionError`` names the field."""
+    if options.guide is None:
+        return
+    if params.ignore_eos:
+        raise RequestOptionError(
+            "ignore_eos",
+            "structured outputs end at the end-of-sequence token; leave 'ignore_eos' out",
+        )
+    if params.min_tokens:
+        raise RequestOptionError(
+            "min_tokens",
+            f"'min_tokens' ({params.min_tokens}) cannot be combined with a structured output: "
+            "its grammar decides where the output ends (the end-of-sequence token that "
+            "'min_tokens' would ban); leave 'min_tokens' out",
+        )

@@ -9,9 +9,12 @@ Admission takes the blocks of a request's prompt; each decode step grows it by t
 next token needs (:meth:`Scheduler.grow`), and when the budget runs out the newest running
 request is preempted and later recomputed (vLLM's recompute), so one request whose
 ``max_tokens`` is the whole budget does not make every other wait until it ends. A request that
-waits for blocks keeps its place in line (FIFO, no starvation); a preempted one goes first.
-:func:`plan_step` puts every admitted request in one step: decodes first (one token each), then
-prompt chunks up to ``max_prefill_tokens``.
+waits for blocks keeps its place at the head of the line (a preempted one goes first); a later
+request may pass it only when its blocks are free now and its peak, with the peaks of the others
+that passed this head, leaves the head its blocks once the requests running before it end (so a
+short request does not wait behind a 3,000-token one that waits for others, and the head is
+never starved). :func:`plan_step` puts every admitted request in one step: decodes first (one
+token each), then prompt chunks, ``max_prefill_tokens`` in all, shared max-min fairly.
 
 The :class:`Scheduler` is not thread-safe by itself: the engine calls it under its condition.
 """
@@ -46,6 +49,7 @@ __all__ = [
     "StepPlan",
     "budget_blocks",
     "decoded_store_upto",
+    "fair_shares",
     "follow",
     "plan_prefix",
     "plan_recompute",
@@ -58,6 +62,8 @@ __all__ = [
 SCORE_ROWS_PER_STEP = 256
 #: The engine's KV budget when it is given neither ``num_blocks`` nor ``kv_budget_tokens``.
 DEFAULT_BUDGET_TOKENS = 65536
+#: Waiting requests looked at for one that may pass a head waiting for blocks.
+_MAX_PASS_SCAN = 256
 
 
 def budget_blocks(num_blocks: int | None, kv_budget_tokens: int | None, block_size: int) -> int:
@@ -183,8 +189,10 @@ class StepPlan:
 
 def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
     """Decodes first (one token each, so they never wait behind prefill chunks), then prompt
-    chunks and pieces of reconstruction passes in batch order until ``max_prefill_tokens``
-    tokens are planned (so a long kvzip pass never holds the decodes up)."""
+    chunks and pieces of reconstruction passes, ``max_prefill_tokens`` tokens in all, shared
+    max-min fairly (:func:`fair_shares`): a short prompt beside a 3,000-token one (or sixteen)
+    is prefilled in the next step or two instead of after all of theirs, and a long kvzip pass
+    never holds the decodes up."""
     plan = StepPlan()
     for req in batch:
         if req.prefilling or req.reconstruction is not None:
@@ -196,28 +204,32 @@ def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
         plan.sampled.append(req)
         plan.stepped.append((req, 1))
         plan.num_decode += 1
-    budget, score_budget = max_prefill_tokens, SCORE_ROWS_PER_STEP
+    wants: list[tuple[Request, int]] = []
+    score_budget = SCORE_ROWS_PER_STEP
     for req in batch:
-        if budget <= 0:
-            break
         if req.reconstruction is not None:  # a piece of kvzip's pass, under the same budget
-            n = min(req.reconstruction.next_rows(), budget)
-            budget -= n
-            plan.pieces.append((req, n))
+            wants.append((req, req.reconstruction.next_rows()))
             continue
         if not req.prefilling:
             continue
-        start, known = req.num_computed, req.prefill_tokens
-        n = min(len(known) - start, budget)
+        start = req.num_computed
+        n = len(req.prefill_tokens) - start
         if req.recut:  # the whole prompt first: it is cut again before the rest is computed
             n = min(n, len(req.prompt) - start)
         if req.scoring:  # its scored rows are [rows, V] floats: a bounded slice per step
             first = max(start, req.score_from)
             n = min(n, first - start + score_budget)
             score_budget -= max(0, start + n - first)
-            if n <= 0:
-                continue
-        budget -= n
+        if n > 0:
+            wants.append((req, n))
+    shares = fair_shares([n for _, n in wants], max_prefill_tokens)
+    for (req, _), n in zip(wants, shares, strict=True):
+        if n <= 0:
+            continue
+        if req.reconstruction is not None:
+            plan.pieces.append((req, n))
+            continue
+        start, known = req.num_computed, req.prefill_tokens
         plan.seqs.append(SeqStep(req.rid, req.blocks, start, n))
         plan.tokens.extend(known[start : start + n])
         plan.positions.extend(range(start, start + n))
@@ -233,6 +245,27 @@ def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
         plan.stepped.append((req, n))
         plan.num_prefill += n
     return plan
+
+
+def fair_shares(wants: Sequence[int], budget: int) -> list[int]:
+    """``budget`` tokens split max-min fairly over requests that want ``wants`` (in line
+    order): a request gets what it wants or the level that the smaller wants leave to share
+    equally, whichever is less, and the level's remainder goes one token each to the earliest
+    in line. So a request waits for no other's whole prompt."""
+    shares = list(wants)
+    left, order = budget, sorted(range(len(wants)), key=lambda i: wants[i])
+    for k, i in enumerate(order):
+        level = left // (len(order) - k)
+        if wants[i] <= level:
+            left -= wants[i]
+            continue
+        rest = sorted(order[k:])  # these want more than the level: the level, and the remainder
+        left -= level * len(rest)
+        for j in rest:
+            shares[j] = level + int(left > 0)
+            left -= int(left > 0)
+        break
+    return shares
 
 
 class Scheduler:
@@ -260,6 +293,9 @@ class Scheduler:
         self.load_lock = load_lock
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
+        #: The waiting head that requests were admitted ahead of, and those requests' ids.
+        self._passed_head: int | None = None
+        self._passers: set[int] = set()
 
     def blocks_for(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """The most blocks a request holds: its prompt and every generated token but the last."""
@@ -289,13 +325,43 @@ class Scheduler:
     def _head_fits(self) -> bool:
         return self._admission_blocks(self.waiting[0]) <= self.allocator.num_free
 
+    def _next_admissible(self) -> int | None:
+        """Where in the waiting line the next request to admit is: the head when its blocks are
+        free; else the first later one whose blocks are free and whose peak, with the peaks of
+        the others admitted ahead of this head, leaves the head its blocks once the requests
+        running before it have ended (so passing never starves the head); None: none now."""
+        if not self.waiting:
+            return None
+        if self._head_fits():
+            return 0
+        head = self.waiting[0]
+        if self._passed_head != head.rid:
+            self._passed_head, self._passers = head.rid, set()
+        self._passers &= self.running.keys()  # ended or preempted passers hold nothing
+        held = sum(self.blocks_of(self.running[rid]) for rid in self._passers)
+        reserve = self.allocator.num_blocks - self._admission_blocks(head) - held
+        free = self.allocator.num_free
+        for i in range(1, min(len(self.waiting), _MAX_PASS_SCAN)):
+            req = self.waiting[i]
+            if not req.cancelled and self._admission_blocks(req) <= free:
+                if self.blocks_of(req) <= reserve:
+                    return i
+        return None
+
     def admit(self) -> list[Request]:
-        """Move waiting requests to running, in order, while the head's blocks are free."""
+        """Move waiting requests to running while blocks are free: the head first; a head that
+        waits for blocks is passed only by requests that cannot delay it
+        (:meth:`_next_admissible`), so a short request does not wait behind a long one that
+        waits for others to end."""
         admitted = []
         while self.waiting and len(self.running) < self.max_batch_size:
-            if not self._head_fits():
-                break  # FIFO: the head waits for blocks; later requests do not overtake it
-            req = self.waiting.popleft()
+            i = self._next_admissible()
+            if i is None:
+                break
+            req = self.waiting[i]
+            del self.waiting[i]
+            if i > 0:
+                self._passers.add(req.rid)
             req.blocks = self.allocator.allocate(self._admission_blocks(req))
             if req.swapped is not None:
                 assert self.swap is not None
@@ -388,7 +454,7 @@ class Scheduler:
             if req.load_state is LoadState.IO and (req.cancelled or now >= req.load_deadline):
                 return True
         if self.waiting and len(self.running) < self.max_batch_size:
-            return self.waiting[0].cancelled or self._head_fits()
+            return self.waiting[0].cancelled or self._next_admissible() is not None
         return False
 
     def wait_s(self) -> float | None:

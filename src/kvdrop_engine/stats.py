@@ -47,6 +47,11 @@ class EngineStats:
     decode_kv_tokens: int = 0
     graph_capture_seconds: float = 0.0
     prefix_load_seconds: float = 0.0
+    #: Of ``prefix_load_seconds``, copying loaded prefixes into the blocks (the rest: asking the
+    #: server and the transfer); and the wall time during which at least one load ran (loads
+    #: overlap: the link's rate is the bytes loaded over this, one load's over the sum).
+    prefix_copy_seconds: float = 0.0
+    prefix_load_busy_seconds: float = 0.0
     #: Prompts cut after prefill (``--policy`` or a request's ``"kvdrop"``), their tokens kept
     #: and dropped, and the cuts' wall time on the loop thread (:mod:`kvdrop_engine.drop`).
     prompt_cuts: int = 0

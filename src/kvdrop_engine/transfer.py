@@ -260,6 +260,8 @@ class Transfers:
         self._store_pool: ThreadPoolExecutor | None = None
         self._down_until = 0.0
         self._local = threading.local()  # each load thread's CUDA stream
+        self._loads_running = 0  # with _busy_since: prefix_load_busy_seconds (under _lock)
+        self._busy_since = 0.0
 
     @contextlib.contextmanager
     def _counters(self) -> Iterator[EngineStats]:
@@ -330,6 +332,11 @@ class Transfers:
             req.load_deadline = time.monotonic() + self.load_timeout_s
         self._wake()  # the loop now has a deadline to wait for
         started = time.perf_counter()
+        copied = 0.0
+        with self._counters():
+            if self._loads_running == 0:
+                self._busy_since = started
+            self._loads_running += 1
         try:
             plan = plan_prefix(self.connector, self.capture, req.lookup_tokens, req.cache_salt)
             if self.copy_on_loop:
@@ -339,14 +346,21 @@ class Transfers:
                     return plan
                 req.load_state = LoadState.COPY
             if plan.kv is not None:
+                copying = time.perf_counter()
                 self.cache.load(req.blocks, plan.kv)
                 if plan.kv.is_cuda:  # loaded on the connector's copy stream, read on this one
                     plan.kv.record_stream(torch.cuda.current_stream(plan.kv.device))
+                copied = time.perf_counter() - copying
             req.load_state = LoadState.COPIED
             return plan
         finally:
+            now = time.perf_counter()
             with self._counters() as st:
-                st.prefix_load_seconds += time.perf_counter() - started
+                st.prefix_load_seconds += now - started
+                st.prefix_copy_seconds += copied
+                self._loads_running -= 1
+                if self._loads_running == 0:
+                    st.prefix_load_busy_seconds += now - self._busy_since
 
     def _staged(self, plan: PrefixPlan) -> PrefixPlan:
         """(connector thread) ``plan`` with its prefix already on the cache's GPU: copied there

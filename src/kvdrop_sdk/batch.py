@@ -471,8 +471,12 @@ class BatchedStream:
 
 
 def _add_kv_bytes(metrics: Metrics, edited: Sequence[ModifyResult]) -> None:
-    """The KV bytes ``edited`` moved (sum and per edit) and the paths they took."""
+    """The KV bytes ``edited`` moved (sum and per edit), the paths they took, and each edit's
+    mean fetch / edit / store time (``ModifyResult.fetch_s`` ...)."""
     moved = sum(r.kv_bytes for r in edited)
     metrics.add("kv_bytes", moved, RESULTS)
     metrics.add("kv_bytes_per_edit", moved / len(edited) if edited else 0.0, RESULTS)
     metrics.add("edit_path", ",".join(sorted({r.path for r in edited})) or "-", RESULTS)
+    for part in ("fetch_s", "edit_s", "store_s"):  # per edit, mean (edits overlap)
+        spent = sum(getattr(r, part) for r in edited)
+        metrics.add(f"{part}_per_edit", spent / len(edited) if edited else 0.0, RESULTS)

@@ -114,7 +114,26 @@ class TransfersToDevice(abc.ABC):
 class KeepsOnServer(abc.ABC):
     """Its server applies an index-only edit itself (:mod:`kvdrop_sdk.keep`): ``keep`` stores
     the kept rows of a cached prefix under the kept tokens and ``dst_salt`` without the KV
-    leaving the server, and ``retrieve_keys`` fetches only the keys (``[1, L, T, D]``)."""
+    leaving the server, and ``retrieve_keys`` fetches only the keys (``[1, L, T, D]``).
+    ``keep_rows`` does the same with the kept keys re-rotated in this process (on the edit's
+    device) and the values gathered by index in the server's shared memory, where
+    ``client_keep`` says this process maps it."""
+
+    @property
+    @abc.abstractmethod
+    def client_keep(self) -> bool: ...
+
+    @abc.abstractmethod
+    def keep_rows(
+        self,
+        tokens: Sequence[int],
+        plan: KeepPlan,
+        cache_salt: str = "",
+        *,
+        dst_salt: str,
+        device: torch.device | str | None = None,
+        keys: torch.Tensor | None = None,
+    ) -> tuple[bool, int]: ...
 
     @abc.abstractmethod
     def keep(

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import requests
 import torch
 
+from kvdrop_rope import RopeConfig, rerotate_rows
 from kvdrop_sdk.cache_kind import CacheKind
 from kvdrop_sdk.capabilities import (
     CheapLookup,
@@ -39,7 +40,7 @@ from kvdrop_sdk.errors import (
     ServerUnavailableError,
 )
 from kvdrop_sdk.hashing import TOKEN_BYTES, encode_tokens
-from kvdrop_sdk.keep import KeepPlan, encode_index
+from kvdrop_sdk.keep import KeepPlan, decode_index, encode_index
 from kvdrop_sdk.layout import CacheLayout, dtype_name
 from kvdrop_sdk.protocol import RpcClient, RpcError, check_salt, server_hint
 from kvdrop_sdk.query_capture import UPSTREAM_CAPTURE, QueryCapture
@@ -413,6 +414,85 @@ class Context(StreamContext, CheapLookup, StoresRecords, TransfersToDevice, Keep
         raw = self.encode(tokens)
         reply, _ = self._call("keep", {**fields, "dst_salt": dst_salt, "rope": rope}, [raw, index])
         return stored_chunks(reply) > 0
+
+    @property
+    def client_keep(self) -> bool:
+        """Whether :meth:`keep_rows` can run here: this process maps the server's shared
+        memory (not the socket transport)."""
+        return self.transfer_ctx.mode == "shm"
+
+    def keep_rows(
+        self,
+        tokens: Sequence[int],
+        plan: KeepPlan,
+        cache_salt: str = "",
+        *,
+        dst_salt: str,
+        device: torch.device | str | None = None,
+        keys: torch.Tensor | None = None,
+    ) -> tuple[bool, int]:
+        """:meth:`keep` with the kept keys re-rotated here, on ``device`` (a GPU: read and
+        written by DMA), and the values gathered by index from the cached slots into the new
+        ones in shared memory (a memcpy; no math on the server's CPU). ``keys``: the prefix's
+        keys ``[1, L, T, D]`` when already fetched (a keys-reading edit); else only the source
+        chunks holding kept rows have their keys read. The stored bytes equal what the policy's
+        own call on the whole KV returns (the same gather, the same
+        :func:`kvdrop_rope.rerotate_rows`). Returns (stored, KV bytes moved between the server
+        and this process); ``client_keep`` False: SDKError (use :meth:`keep`)."""
+        self._check_open()
+        self._need_kv("keep_rows")
+        if not self.client_keep:
+            raise SDKError("keep_rows needs the shared-memory transport; use keep()")
+        fields = self._fields(cache_salt)
+        try:
+            check_salt(dst_salt, "dst_salt")
+        except (TypeError, ValueError) as exc:
+            raise SDKError(str(exc)) from None
+        if not isinstance(plan, KeepPlan):
+            raise SDKError(f"plan must be a KeepPlan, got {type(plan).__name__}")
+        layout, c = self.layout, self.chunk_size
+        raw = self.encode(tokens)
+        num_tokens = len(raw) // TOKEN_BYTES
+        try:
+            index = decode_index(encode_index(plan.index), num_tokens, c)
+            rope = None if plan.rope is None else RopeConfig.from_json(plan.rope)
+        except (TypeError, ValueError) as exc:
+            raise SDKError(f"bad keep plan: {exc}") from None
+        if num_tokens % c:
+            raise SDKError(f"keep_rows takes whole chunks of {c} tokens, got {num_tokens}")
+        if keys is not None and tuple(keys.shape) != (1, *layout.shape(self.kind, num_tokens)[1:]):
+            raise SDKError(f"keys must be the prefix's [1, L, T, D], got {tuple(keys.shape)}")
+        token_list = list(tokens) if not isinstance(tokens, torch.Tensor) else tokens.tolist()
+        dst = self.encode([token_list[i] for i in index.tolist()])
+        k = index.numel()
+        row_bytes = layout.num_layers * layout.width * layout.itemsize
+        moved = [k * row_bytes]  # the kept keys written back
+
+        def kept_keys(read: Callable[[Sequence[int]], torch.Tensor]) -> torch.Tensor:
+            moved[0] = k * row_bytes  # (again, should the call be retried)
+            if keys is not None:
+                kept = keys.index_select(2, index.to(keys.device))
+            else:
+                chunks = torch.unique_consecutive(index // c)
+                sub = read(chunks.tolist())
+                moved[0] += chunks.numel() * c * row_bytes
+                at = torch.searchsorted(chunks, index // c) * c + index % c
+                kept = sub.index_select(2, at.to(sub.device))
+            if rope is not None:
+                rerotate_rows(kept[0], index, torch.arange(k), rope, num_tokens, k)
+                if not bool(torch.isfinite(kept[0]).all()):
+                    raise SDKError("re-rotated keys are not finite; check the RoPE parameters")
+            return kept
+
+        dst_fields = {**fields, "salt": dst_salt}
+        where = edit_device(device)
+        stored = self._retry(
+            lambda: self.transfer_ctx.keep_rows(
+                fields, raw, dst_fields, dst, layout, index, kept_keys, where, self._lease_s
+            )
+        )
+        assert stored is not None
+        return stored > 0, moved[0]
 
     def _need_kv(self, what: str) -> None:
         if self.kind is not CacheKind.KV:

@@ -460,6 +460,11 @@ class ModifyResult:
     #: KV bytes that crossed between the server and this process for the edit (fetched +
     #: stored): 0 for an index-only edit, the keys for a keys-only one.
     kv_bytes: int = 0
+    #: Where ``duration`` went: waiting for and fetching the KV (and queries) the edit reads,
+    #: the edit function (or its keep plan), and storing the result (or the server's keep).
+    fetch_s: float = 0.0
+    edit_s: float = 0.0
+    store_s: float = 0.0
 
     @property
     def prompt_tokens(self) -> int:

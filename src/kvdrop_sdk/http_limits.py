@@ -33,6 +33,9 @@ import re
 import socket
 import threading
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
@@ -44,6 +47,7 @@ __all__ = [
     "HTTPLimits",
     "LimitedHTTPServer",
     "LimitedHandler",
+    "capped_warnings",
     "json_cost",
     "loads_bounded",
     "log_field",
@@ -163,6 +167,35 @@ def log_field(value: object, max_chars: int = 200) -> str:
     if len(text) > max_chars:
         text = f"{text[:max_chars]}...(+{len(text) - max_chars} chars)"
     return text.translate(_CONTROL)
+
+
+#: Characters of a warning's text in a server's log (:func:`capped_warnings`).
+MAX_WARNING_CHARS = 1000
+
+
+@contextmanager
+def capped_warnings(logger: logging.Logger, max_chars: int = MAX_WARNING_CHARS) -> Iterator[None]:
+    """While inside, every warning shown (a policy's or a plugin's, whatever text a request
+    made it carry) is one line on ``logger``: its category, its text as a :func:`log_field` of
+    ``max_chars`` and its place, not the raw text on stderr (a compose of 3,000 terms wrote a
+    53,632-character line). The previous ``warnings.showwarning`` comes back on exit."""
+    previous = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: Any = None, line: str | None = None) -> None:  # fmt: skip
+        logger.warning(
+            "%s: %s (%s:%d)",
+            category.__name__,
+            log_field(message, max_chars),
+            log_field(filename),
+            lineno,
+        )
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
 
 
 # -- deadline -------------------------------------------------------------------------------------

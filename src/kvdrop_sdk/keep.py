@@ -15,10 +15,16 @@ when it implements :class:`KeepsRows` (every kvdrop policy does), runs as:
    stores them under the kept tokens and the stream's edit salt (the ``keep`` op). No KV byte
    crosses the link on the way back.
 
+An edit on a GPU (``EditPath.CLIENT``) re-rotates on the GPU instead of the server's CPU: it
+fetches the keys it reads (an index-only edit: only the kept chunks' keys), re-rotates the kept
+ones there with the same :func:`kvdrop_rope.rerotate_rows`, writes them by DMA into the new
+slots, and the values are gathered by index from the cached slots into the new ones in shared
+memory (a memcpy; :meth:`kvdrop_sdk.context.Context.keep_rows`). For chunk-halving at keep 0.5
+that moves a quarter of the KV each way instead of the whole KV out and half back.
+
 Everything else (a function reading values, rewriting bytes, a plain function, another SDK's
-context, ``kv_path="full"``, or by default an edit on a GPU, where the whole KV moves by DMA
-faster than the server re-rotates kept keys on its CPU) takes upstream's path: fetch the whole
-KV, store what ``fn`` returns. :func:`edit_path` is the one rule choosing between them.
+context, ``kv_path="full"``) takes upstream's path: fetch the whole KV, store what ``fn``
+returns. :func:`edit_path` is the one rule choosing between them.
 """
 
 from __future__ import annotations
@@ -50,10 +56,12 @@ __all__ = [
 
 #: Bytes per kept index on the wire (little-endian int64).
 INDEX_BYTES = 8
-#: What ``modify_kv(kv_path=...)`` accepts: ``auto`` (the least that serves the edit on a host
-#: edit, the full path on a GPU edit: see :func:`edit_path`), ``least`` (always the least) or
-#: ``full`` (always the whole KV).
-KV_PATH_CHOICES = ("auto", "least", "full")
+#: What ``modify_kv(kv_path=...)`` accepts (the rule: :func:`edit_path`): ``auto`` (the
+#: default: the fastest measured), ``least`` (move only what the policy reads, the
+#: kept keys re-rotated where the edit runs: by the server's CPU on a host edit, on the GPU on a
+#: GPU edit), ``client`` (re-rotated in this process on any device), ``server`` (by the server
+#: on any device) or ``full`` (the whole KV, upstream's path).
+KV_PATH_CHOICES = ("auto", "least", "client", "server", "full")
 
 
 class EditPath(str, enum.Enum):
@@ -65,6 +73,10 @@ class EditPath(str, enum.Enum):
     KEYS = "keys"
     #: Fetch nothing; the server keeps the chosen rows.
     INDEX = "index"
+    #: Fetch the keys the edit reads (all of them; or, for an index-only edit, the kept
+    #: chunks'), re-rotate the kept keys where the edit runs (a GPU) and store them; the values
+    #: are gathered by index in the server's shared memory (:meth:`Context.keep_rows`).
+    CLIENT = "client"
 
 
 @dataclass(frozen=True)
@@ -97,28 +109,41 @@ def edit_path(
     kv_path: str = "auto",
     device: torch.device | str | None = None,
 ) -> EditPath:
-    """The one rule for how an edit's KV travels. ``least``: ``INDEX`` or ``KEYS`` when ``fn``
-    reads no KV byte or only the keys (:func:`needs_of`), says which rows it keeps
-    (:class:`KeepsRows`) and the context's server keeps them (:class:`KeepsOnServer`); else
-    ``FULL``. ``auto`` (the default) is ``least`` for an edit on the host (``device`` None or a
-    CPU) and ``FULL`` for one on a GPU: there the whole KV crosses the link by DMA (about
-    54 GB/s on an H200) and its keys are re-rotated on the GPU, while the server re-rotates kept
-    keys on its CPU; measured on an H200 (``benchmarks/edit_path.py``, 8 edits of
-    ``[2, 36, 8192, 1024]`` bf16), the least path took 0.72x (chunk-halving) and 0.31x (knorm)
-    the full path's speed, so moving less is only the default where bytes cost more than that."""
+    """The one rule for how an edit's KV travels.
+
+    ``FULL`` when ``kv_path`` is ``full``, ``fn`` reads the values (:func:`needs_of`), does not
+    say which rows it keeps (:class:`KeepsRows`) or the context's server cannot keep rows
+    (:class:`KeepsOnServer`: another SDK's). Otherwise the server keeps the rows (``INDEX`` or
+    ``KEYS`` by what ``fn`` reads), and the kept keys are re-rotated:
+
+    - ``server``: by the server, on its CPU;
+    - ``client``: in this process, on the edit's device (``CLIENT``), where the context maps
+      the server's shared memory (else as ``server``);
+    - ``least``: ``server`` on a host edit (``device`` None or a CPU), ``client`` on a GPU
+      edit;
+    - ``auto`` (the default): ``least``, except a keys-reading edit on a GPU, which takes
+      ``FULL``. Measured on an H200 (``benchmarks/edit_path.py``, 8 edits of
+      ``[2, 36, 8192, 1024]`` bf16 on the GPU, docs/sdk/transport.md): chunk-halving ran
+      0.74 s full, 3.48 s server, 0.39 s client; knorm 0.49 s full, 5.27 s server, 0.72 s
+      client (its scattered values were then gathered chunk by chunk; the row gather that
+      replaced it is not measured there yet).
+    """
     if kv_path not in KV_PATH_CHOICES:
         raise ValueError(f"kv_path must be one of {KV_PATH_CHOICES}, got {kv_path!r}")
-    on_gpu = device is not None and torch.device(device).type == "cuda"
     reads = needs_of(fn).kv
     if (
         kv_path == "full"
-        or (kv_path == "auto" and on_gpu)
         or reads is KVNeed.ALL
         or not isinstance(fn, KeepsRows)
         or not isinstance(kv_ctx, KeepsOnServer)
     ):
         return EditPath.FULL
-    return EditPath.KEYS if reads is KVNeed.KEYS else EditPath.INDEX
+    on_server = EditPath.KEYS if reads is KVNeed.KEYS else EditPath.INDEX
+    on_gpu = device is not None and torch.device(device).type == "cuda"
+    if kv_path == "auto" and on_gpu and reads is KVNeed.KEYS:
+        return EditPath.FULL
+    client = kv_path == "client" or (kv_path in ("least", "auto") and on_gpu)
+    return EditPath.CLIENT if client and kv_ctx.client_keep else on_server
 
 
 def encode_index(index: torch.Tensor) -> bytes:

@@ -89,7 +89,7 @@ from kvdrop_sdk.events import PostCompletion, TokenEvent
 from kvdrop_sdk.foreign import Closeable, StreamContext, as_token_event
 from kvdrop_sdk.keep import EditPath, KeepPlan, KeepsRows, edit_path
 from kvdrop_sdk.protocol import check_salt
-from kvdrop_sdk.query_capture import Needs, needs_of
+from kvdrop_sdk.query_capture import KVNeed, Needs, needs_of
 from kvdrop_sdk.stream_contexts import StreamContexts, edit_device
 from kvdrop_sdk.validate import is_int, token_ids
 from kvdrop_sdk.window import scores_for
@@ -444,13 +444,16 @@ class RequestStream:
         ``RequestStreamError`` when nothing is cached (e.g. before any generate), ``fn`` fails,
         or its output is invalid; the stream and the server are then unchanged.
 
-        ``kv_path`` (kvdrop's): ``"least"`` moves only what ``fn`` reads
-        (:func:`~kvdrop_sdk.keep.edit_path`: an index-only or keys-only kvdrop policy on a
-        kvdrop server is applied by the server, no KV stored back); ``"full"`` always fetches
-        the whole KV and stores what ``fn`` returns (upstream's path); ``"auto"`` (default)
-        is ``least`` for an edit on the host and ``full`` for one on a GPU (faster there).
-        ``ModifyResult.path`` and ``kv_bytes`` say which path ran and how many KV bytes it
-        moved.
+        ``kv_path`` (kvdrop's; the rule is :func:`~kvdrop_sdk.keep.edit_path`): ``"least"``
+        moves only what ``fn`` reads (an index-only or keys-only kvdrop policy on a kvdrop
+        server: the server keeps the rows; on a GPU edit the kept keys are re-rotated on the GPU
+        and only they are stored back, the values gathered by index in shared memory);
+        ``"client"`` / ``"server"`` re-rotate here / on the server on any device; ``"full"``
+        always fetches the whole KV and stores what ``fn`` returns (upstream's path);
+        ``"auto"`` (default) is ``least`` but for a keys-reading edit on a GPU (``full``: the
+        fastest measured there). ``ModifyResult.path``, ``kv_bytes`` and
+        ``fetch_s`` / ``edit_s`` / ``store_s`` say which path ran, what it moved and where
+        its time went.
         """
         if not callable(fn):
             raise TypeError(f"modify function must be callable, got {type(fn).__name__}")
@@ -469,6 +472,7 @@ class RequestStream:
             expected = min(self._expected_cached or 0, (len(current) // chunk) * chunk)
             salt = self.active_cache_salt
             fetched = 0
+            timer = _Phases(start)
             if path is EditPath.FULL:
                 got = self._cache.retrieve_when_cached(
                     current, salt, expected, timeout, poll_interval, _KV_ONLY, dev
@@ -476,8 +480,11 @@ class RequestStream:
                 if got is not None:
                     fetched = got[0][CacheKind.KV].nbytes
             else:
+                fetch = path
+                if path is EditPath.CLIENT:  # what it reads: the keys, or nothing yet
+                    fetch = EditPath.KEYS if needs_of(fn).kv is KVNeed.KEYS else EditPath.INDEX
                 reads = self._cache.retrieve_reads(
-                    current, salt, expected, timeout, poll_interval, path, dev
+                    current, salt, expected, timeout, poll_interval, fetch, dev
                 )
                 got, fetched = (None, 0) if reads is None else reads
             if got is None and self._expected_cached == 0:
@@ -493,6 +500,7 @@ class RequestStream:
             tensors, cached = got
             needs, with_context = needs_of(fn), takes_edit_context(fn)
             queries = self._cache.add_queries(tensors, current, salt, needs, with_context)
+            timer.mark("fetch_s")
             cached = int(tensors[CacheKind.KV].shape[2])
             kept_input = list(current[:cached])
             context = None
@@ -502,8 +510,13 @@ class RequestStream:
             if path is not EditPath.FULL:
                 assert isinstance(fn, KeepsRows)
                 plan = call_keep_plan(fn, tensors, kept_input, context, sid, edit_timeout, dev)
-                return self._keep_on_server(plan, kept_input, current, salt, path, fetched, start)
+                timer.mark("edit_s")
+                keys = tensors[CacheKind.KV][:1] if fetched else None
+                return self._keep_on_server(
+                    plan, kept_input, current, salt, path, fetched, timer, keys, dev
+                )
             new_kv, new_tokens = call_edit(fn, tensors, kept_input, context, sid, edit_timeout, dev)
+            timer.mark("edit_s")
             edited = tensors[CacheKind.KV]
             reference = (edited.shape[1], edited.shape[3], edited.dtype)
             check_edit_tensor(CacheKind.KV, new_kv, new_tokens, reference, chunk, sid)
@@ -511,6 +524,7 @@ class RequestStream:
             stored = self._store_and_commit(
                 {CacheKind.KV: new_kv}, new_tokens, current[cached:], timeout
             )
+            timer.mark("store_s")
             return ModifyResult(
                 total_tokens=cached,
                 kept_tokens=len(new_tokens),
@@ -519,6 +533,7 @@ class RequestStream:
                 duration=time.perf_counter() - start,
                 path=path.value,
                 kv_bytes=fetched + new_kv.nbytes,
+                **timer.parts,
             )
 
     def _check_protected(self, new_tokens: list[int], kept_input: list[int]) -> None:
@@ -538,10 +553,15 @@ class RequestStream:
         salt: str,
         path: EditPath,
         fetched: int,
-        start: float,
+        timer: _Phases,
+        keys: torch.Tensor | None = None,
+        device: torch.device | None = None,
     ) -> ModifyResult:
         """Have the server store the rows ``plan`` keeps of the cached ``kept_input`` under the
-        stream's edit salt (:mod:`kvdrop_sdk.keep`), after the checks a returned edit gets."""
+        stream's edit salt (:mod:`kvdrop_sdk.keep`), after the checks a returned edit gets. On
+        the ``CLIENT`` path the kept keys are re-rotated here, on ``device`` (from ``keys``, the
+        prefix's keys when fetched), unless none moves or no RoPE is known: then there is
+        nothing to re-rotate and the server's keep is a plain copy."""
         sid, cached = self._request_stream_id, len(kept_input)
         index = plan.index
         if (
@@ -567,21 +587,35 @@ class RequestStream:
         dst = edit_salt(self.cache_salt, sid)
         ctx = self._cache.get(CacheKind.KV)
         assert isinstance(ctx, KeepsOnServer)
+        moves = plan.rope is not None and not torch.equal(index, torch.arange(index.numel()))
         try:
-            stored = ctx.keep(kept_input, KeepPlan(index, plan.rope), salt, dst_salt=dst)
+            if path is EditPath.CLIENT and moves:
+                stored, moved = ctx.keep_rows(
+                    kept_input,
+                    KeepPlan(index, plan.rope),
+                    salt,
+                    dst_salt=dst,
+                    device=device,
+                    keys=keys,
+                )
+                fetched += moved
+            else:
+                stored = ctx.keep(kept_input, KeepPlan(index, plan.rope), salt, dst_salt=dst)
         except Exception as exc:  # kvdrop's SDKError (RpcError: bad_index, not_cached, ...)
             raise RequestStreamError(
                 f"stream {sid}: the server could not keep the edited kv: {exc}"
             ) from exc
         self._commit(new_tokens, current[cached:], dst, stored)
+        timer.mark("store_s")
         return ModifyResult(
             total_tokens=cached,
             kept_tokens=len(new_tokens),
             suffix_tokens=len(self._suffix),
             stored=stored,
-            duration=time.perf_counter() - start,
+            duration=time.perf_counter() - timer.start,
             path=path.value,
             kv_bytes=fetched,
+            **timer.parts,
         )
 
     def _edit_context(
@@ -654,6 +688,20 @@ class RequestStream:
             self._suffix = list(suffix)
             self._edit_salt = salt
         self._expected_cached = len(tokens)
+
+
+class _Phases:
+    """Where one edit's time went: each :meth:`mark` charges the time since the last one
+    (from ``start``) to a part (``fetch_s``, ``edit_s``, ``store_s`` of :class:`ModifyResult`)."""
+
+    def __init__(self, start: float) -> None:
+        self.start = self._last = start
+        self.parts: dict[str, float] = {}
+
+    def mark(self, part: str) -> None:
+        now = time.perf_counter()
+        self.parts[part] = self.parts.get(part, 0.0) + now - self._last
+        self._last = now
 
 
 def _checked_params(sampling_params: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -35,3 +35,28 @@ def test_goodput_counts_requests_that_meet_both_slos() -> None:
     row = serve.summarise("run", results, 10.0, {}, (10.0, 50.0))
     assert row["good"] == "2/5" and row["goodput_req_s"] == pytest.approx(0.2)
     assert serve.summarise("run", results, 10.0, {})["good"] == "4/5"  # no SLOs: every answer
+
+
+def test_the_mixed_budget_holds_every_request_after_its_cut_with_its_own_output() -> None:
+    args = serve.parse_args(["--load", "mixed", "--block-size", "16", "--keep-ratio", "0.5"])
+    # kept + output: 38 and 107 blocks; the 3,000-token prompt's prefill needs 81 more
+    assert serve.default_budget([1000, 3000], args, [100, 200]) == (38 + 107 + 81) * 16
+    assert serve.default_budget([1000, 3000], args) == (36 + 98 + 90) * 16  # --max-tokens 64
+
+
+@pytest.mark.timeout(300)
+def test_the_mixed_rate_is_the_factor_times_the_baselines_measured_capacity(
+    tmp_path: pathlib.Path,
+) -> None:
+    out = tmp_path / "mixed.json"
+    argv = ["--model-preset", "tiny", "--threads", "1", "--load", "mixed", "--num-prompts", "4"]
+    argv += ["--mixed-prompt-tokens", "64", "160", "--mixed-max-tokens", "8", "16"]
+    argv += ["--mixed-load-factor", "3", "--json", str(out)]
+    assert serve.main(argv) == 0
+    import json
+
+    report = json.loads(out.read_text())["reports"][0]
+    pilot = report["pilot"]
+    assert pilot["tpot_s"] > 0 and pilot["prefill_tok_s"] > 0
+    assert report["rate"] == pytest.approx(3 * pilot["capacity_req_s"])
+    assert [row["ok"] for row in report["rows"][:2]] == ["4/4", "4/4"]

@@ -421,3 +421,22 @@ def test_an_api_key_from_the_environment_with_its_newline_is_refused_at_start(
     assert main(["engine", "--random-preset", "tiny"]) == 2
     err = capsys.readouterr().err
     assert "--api-key has leading or trailing whitespace" in err and "strip it" in err, err
+
+
+def test_warnings_are_capped_log_lines(tmp_path: Path) -> None:
+    """Issue 33 A: a policy's warning (here the start check of a 300-term compose, most of its
+    parts left without tokens) went raw to stderr, one field per part (3,000 terms: a
+    53,632-character line); the engine logs each warning as one line of capped fields, and
+    its start line caps the spec too."""
+    spec = "+".join(["knorm"] * 300)
+    proc = EngineProcess(
+        tmp_path, "--random-preset", "tiny", "--policy", spec, "--keep-ratio", "0.1"
+    )
+    try:
+        proc.wait_healthy()
+    finally:
+        proc.stop()
+    lines = proc.log().splitlines()
+    warned = [x for x in lines if "PolicyWarning" in x]
+    assert warned and all(x.startswith("kvdrop engine: PolicyWarning: ") for x in warned), lines
+    assert max(map(len, lines)) < 1200, sorted(map(len, lines))[-3:]

@@ -117,6 +117,7 @@ def test_a_bad_policy_fails_its_request_only_and_is_named(
         ("expected-attention(n_future_positions=4000000)", "'n_future_positions' got 4000000"),
         ("cap(n_future_positions=400000)", "at most 8192"),
         ("chunk(policy=leverage(sketch_dimension=1500))", "at most 512"),
+        ("h2o(num_queries=null)", "'num_queries' got None; a serving client may ask for at most"),
         ("+".join(["knorm"] * 3000), "characters; a client may send at most 512"),
         ("+".join(["knorm"] * 40), "builds 40 policy terms; a client may ask for at most 16"),
         ("guard-doubled", "may not be picked by this server's clients"),

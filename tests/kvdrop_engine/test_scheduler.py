@@ -10,7 +10,7 @@ import pytest
 
 from kvdrop_engine.paged import BlockAllocator
 from kvdrop_engine.sampling import SamplingParams
-from kvdrop_engine.scheduler import Scheduler, budget_blocks, plan_step
+from kvdrop_engine.scheduler import Scheduler, budget_blocks, fair_shares, plan_step
 from kvdrop_engine.sequence import LoadState, Request
 
 
@@ -29,9 +29,35 @@ def test_plan_step_puts_decodes_first_and_caps_prefill_tokens() -> None:
     assert [s.seq_id for s in plan.seqs] == [1, 0, 2]
     assert plan.tokens[:1] == [7] and plan.positions[:1] == [5]
     assert (plan.num_decode, plan.num_prefill) == (1, 12)
-    assert plan.stepped == [(b, 1), (a, 10), (c, 2)]  # c gets what is left of the budget
-    assert plan.sampled == [b, a]  # a's prompt ends in this step, c's does not
-    assert plan.sample_rows == [0, 10]
+    assert plan.stepped == [(b, 1), (a, 8), (c, 4)]  # c's 4 are under the fair share of 6
+    assert plan.sampled == [b, c]  # c's prompt ends in this step, a's does not
+    assert plan.sample_rows == [0, 12]
+
+
+def test_fair_shares_are_max_min_fair_with_the_remainder_to_the_earliest() -> None:
+    assert fair_shares([3000, 16, 16], 128) == [96, 16, 16]
+    assert fair_shares([50, 50, 50], 128) == [43, 43, 42]
+    assert fair_shares([5, 5, 5], 2) == [1, 1, 0]
+    assert fair_shares([1, 2, 3], 100) == [1, 2, 3]
+    assert fair_shares([7, 1, 7], 9) == [4, 1, 4]
+    assert fair_shares([], 5) == []
+
+
+def test_a_short_prompt_is_not_prefilled_after_a_long_ones_whole_prompt() -> None:
+    """Issue 33: 16 requests of 1,000 prompt tokens ahead of a 16-token one (prompt_logprobs
+    clients): the short one was prefilled after all of theirs (in step 126, at 128 tokens a
+    step); now in step 3, with 7 or 8 tokens a step for each of the 17."""
+    longs = [req(k, 1000) for k in range(16)]
+    short = req(16, 16)
+    steps = 0
+    while short.prefilling:
+        plan = plan_step([*longs, short], max_prefill_tokens=128)
+        assert plan.num_prefill == 128
+        assert {n for _, n in plan.stepped} <= {7, 8, 16 - short.num_computed}
+        for r, n in plan.stepped:
+            r.num_computed += n
+        steps += 1
+    assert steps == 3 and short in plan.sampled
 
 
 def test_admission_is_fifo_and_the_head_waits_for_its_blocks() -> None:
@@ -43,6 +69,29 @@ def test_admission_is_fifo_and_the_head_waits_for_its_blocks() -> None:
     assert sched.has_work(io_ok=True)  # big is runnable
     sched.finish(big)
     assert sched.admit() == [small, tiny] and sched.allocator.num_free == 0
+
+
+def test_a_short_request_passes_a_head_that_waits_but_never_starves_it() -> None:
+    """Issue 33: a 3,000-token request waiting for the blocks of running ones held every short
+    request behind it (good clients' p99 4x). A later request passes it when its blocks are
+    free and the peaks of those that passed leave the head its blocks once the requests
+    running before it end."""
+    sched = Scheduler(BlockAllocator(20), 16, 64, threading.Lock())
+    running = req(0, 160)  # 10 blocks
+    head = req(1, 150)  # 10 blocks of prompt (peak 11: 150 + 16 - 1 tokens)
+    shorts = [req(2 + k, 8) for k in range(8)]  # 1 block each, peak 2 (8 + 16 - 1 tokens)
+    sched.waiting.append(running)
+    assert sched.admit() == [running]
+    running.num_computed = 160
+    sched.allocator.allocate(1)  # one block taken (by growth, say): the head does not fit
+    sched.waiting.extend([head, *shorts])
+    admitted = sched.admit()
+    # 20 - 10 (the head's admission) = 10 blocks of passers' peaks: five shorts (2 each).
+    assert admitted == shorts[:5] and list(sched.waiting) == [head, *shorts[5:]]
+    sched.finish(shorts[0])  # one ends: its peak no longer counts, one more passes
+    assert sched.admit() == [shorts[5]]
+    sched.finish(running)  # the request that ran before the head ends: the head fits
+    assert sched.admit()[0] is head
 
 
 def test_decodes_grow_and_the_newest_request_is_preempted_when_blocks_run_out() -> None:

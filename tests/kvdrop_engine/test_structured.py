@@ -152,6 +152,7 @@ def test_guided_and_free_requests_share_steps(
         ({"guided_regex": "a", "guided_choice": ["b"]}, "give one structured output"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of"),
         ({"guided_regex": "a", "ignore_eos": True}, "leave 'ignore_eos' out"),
+        ({"guided_regex": "a", "min_tokens": 5}, "leave 'min_tokens' out"),
     ],
 )
 def test_bad_guides_are_400s_that_say_why(
@@ -159,6 +160,35 @@ def test_bad_guides_are_400s_that_say_why(
 ) -> None:
     with pytest.raises(openai.BadRequestError, match=re.escape(fragment)):
         _chat(client, "x", extra_body=extra)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_with_a_guide_is_a_400_before_anything_is_served(
+    client: Any, served: tuple[CompletionHTTPServer, Engine], stream: bool
+) -> None:
+    """A structured output ends at EOS, which min_tokens would ban once the grammar is done: a
+    400 naming min_tokens at the edge (streamed or not, forced tool call too), not a failure
+    mid-request; the engine's Python entry applies the same rule."""
+    steps = served[1].stats().steps
+    fmt = {"type": "json_object"}
+    with pytest.raises(openai.BadRequestError, match="cannot be combined") as caught:
+        _chat(client, "x", response_format=fmt, stream=stream, extra_body={"min_tokens": 4})
+    assert caught.value.param == "min_tokens" and caught.value.status_code == 400
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="cannot be combined"):
+        _chat(client, "x", tools=[tool], tool_choice="required", extra_body={"min_tokens": 4})
+    assert served[1].stats().steps == steps  # nothing reached the model
+    from kvdrop_engine.errors import InvalidRequestError
+
+    guided = {
+        "max_tokens": 8,
+        "min_tokens": 2,
+        "structured_outputs": {"kind": "regex", "value": "a+"},
+    }
+    with pytest.raises(InvalidRequestError, match="leave 'min_tokens' out"):
+        served[1].post_completion([1, 2, 3], guided)
+    ok = _chat(client, "Say a word.", extra_body={"min_tokens": 4}, max_tokens=8)  # unguided: fine
+    assert ok.usage.completion_tokens >= 4
 
 
 def test_without_xgrammar_a_guide_is_a_400_naming_the_extra(

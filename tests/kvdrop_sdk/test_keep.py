@@ -120,35 +120,41 @@ def _edit(
     return result, stream.tokens, stored
 
 
+@pytest.mark.parametrize("kv_path", ["auto", "client"])
 @pytest.mark.parametrize("name", kvdrop.available())
 def test_every_policy_stores_the_same_through_the_path_that_moves_less(
-    contexts: tuple[Context, Context], name: str
+    contexts: tuple[Context, Context], name: str, kv_path: str
 ) -> None:
+    """``auto`` on the host: the server keeps the rows, re-rotating kept keys on its CPU;
+    ``client`` (a GPU edit's ``least``, here on the host): this process re-rotates them and the
+    values are gathered by index in shared memory. Both store the full path's bytes exactly."""
     ctx, q_ctx = contexts
     fn = _policy(name)
-    tokens = _prefill(ctx, f"p-{name}", q_ctx=q_ctx)
-    auto = _edit(ctx, tokens, f"p-{name}", fn, "auto", q_ctx)
-    full = _edit(ctx, tokens, f"p-{name}", fn, "full", q_ctx)
+    salt = f"p-{name}-{kv_path}"
+    tokens = _prefill(ctx, salt, q_ctx=q_ctx)
+    auto = _edit(ctx, tokens, salt, fn, kv_path, q_ctx)
+    full = _edit(ctx, tokens, salt, fn, "full", q_ctx)
     reads = needs_of(fn).kv
-    assert (
-        edit_path(fn, ctx)
-        is {
-            KVNeed.NONE: EditPath.INDEX,
-            KVNeed.KEYS: EditPath.KEYS,
-            KVNeed.ALL: EditPath.FULL,
-        }[reads]
-    )
+    on_server = {KVNeed.NONE: EditPath.INDEX, KVNeed.KEYS: EditPath.KEYS, KVNeed.ALL: EditPath.FULL}
+    client = kv_path == "client" and ctx.client_keep and reads is not KVNeed.ALL
+    assert edit_path(fn, ctx, kv_path) is (EditPath.CLIENT if client else on_server[reads])
     if reads is KVNeed.ALL and auto[0] == "error":  # a plugin wanting other inputs: same path
         assert full == auto
         return
     assert auto[0] != "error", auto
     (a, a_tokens, a_kv), (f, f_tokens, f_kv) = auto, full
-    assert a.path == edit_path(fn, ctx).value and f.path == "full"
+    assert a.path == edit_path(fn, ctx, kv_path).value and f.path == "full"
     assert a_tokens == f_tokens and a.kept_tokens == f.kept_tokens
     assert a_kv is not None and f_kv is not None and torch.equal(a_kv, f_kv)
     kv_bytes = LAYOUT.nbytes(CacheKind.KV, TOKENS)
     assert f.kv_bytes == kv_bytes + f_kv.nbytes
-    assert a.kv_bytes == {KVNeed.NONE: 0, KVNeed.KEYS: kv_bytes // 2, KVNeed.ALL: f.kv_bytes}[reads]
+    least = {KVNeed.NONE: 0, KVNeed.KEYS: kv_bytes // 2, KVNeed.ALL: f.kv_bytes}[reads]
+    if client:  # at most: the keys read (all of them) and the kept keys stored back
+        assert least <= a.kv_bytes <= kv_bytes // 2 + f_kv.nbytes // 2
+    else:
+        assert a.kv_bytes == least
+    assert a.fetch_s >= 0 and a.edit_s >= 0 and a.store_s >= 0
+    assert a.fetch_s + a.edit_s + a.store_s <= a.duration + 1e-6
 
 
 def test_chunk_halving_moves_no_kv_byte_and_snapkv_only_the_keys(
@@ -222,18 +228,95 @@ def test_keys_only_fetch_is_the_first_half_of_the_kv(ctx: Context) -> None:
     assert torch.equal(keys[0], kv[0])
 
 
-def test_auto_moves_the_least_on_the_host_and_everything_for_a_gpu_edit(
-    contexts: tuple[Context, Context],
-) -> None:
-    """The default follows the measured cost: on a GPU the whole KV moves by DMA faster than the
-    server re-rotates kept keys on its CPU, so ``auto`` takes the full path there; ``least``
-    always moves the least."""
+def test_least_re_rotates_where_the_edit_runs(contexts: tuple[Context, Context]) -> None:
+    """``least``: the server keeps the rows of a host edit (re-rotating on its CPU); a GPU
+    edit re-rotates the kept keys on the GPU (``client``) where the shared memory is mapped;
+    ``auto`` follows it but for a keys-reading GPU edit (``full``); ``server`` and ``client``
+    force either; ``full`` moves everything."""
     ctx, _ = contexts
     halve = kvdrop.get("chunk-halving", chunk_size=CHUNK)
+    gpu = EditPath.CLIENT if ctx.client_keep else EditPath.INDEX
+    assert ctx.client_keep == (ctx.transfer_ctx.mode == "shm")
     assert edit_path(halve, ctx) is EditPath.INDEX
     assert edit_path(halve, ctx, "auto", "cpu") is EditPath.INDEX
-    assert edit_path(halve, ctx, "auto", "cuda") is EditPath.FULL
-    assert edit_path(halve, ctx, "least", "cuda") is EditPath.INDEX
+    assert edit_path(halve, ctx, "auto", "cuda") is gpu
+    assert edit_path(halve, ctx, "least", "cuda") is gpu
+    assert edit_path(halve, ctx, "server", "cuda") is EditPath.INDEX
+    assert edit_path(halve, ctx, "client", None) is gpu
+    knorm = kvdrop.get("knorm", keep_ratio=0.5, chunk_size=CHUNK)  # reads the keys
+    assert edit_path(knorm, ctx, "auto", "cpu") is EditPath.KEYS
+    assert edit_path(knorm, ctx, "auto", "cuda") is EditPath.FULL  # faster there, measured
+    assert edit_path(knorm, ctx, "least", "cuda") is (
+        EditPath.CLIENT if ctx.client_keep else EditPath.KEYS
+    )
     assert edit_path(halve, ctx, "full", None) is EditPath.FULL
     with pytest.raises(ValueError, match="kv_path must be one of"):
         edit_path(halve, ctx, "fast")
+
+
+def test_the_client_path_reads_only_the_kept_chunks_keys(
+    contexts: tuple[Context, Context],
+) -> None:
+    """chunk-halving keeps whole chunks: the client path reads those chunks' keys and writes
+    their re-rotated keys back (a quarter of the KV each way at keep 0.5); snapkv reads every
+    key and writes the kept ones."""
+    ctx, q_ctx = contexts
+    if not ctx.client_keep:
+        pytest.skip("the client path needs the shared-memory transport")
+    tokens = _prefill(ctx, "client", q_ctx=q_ctx)
+    row = LAYERS * HEADS * HEAD_DIM * 2  # one token's keys, bf16
+    halved, _, _ = _edit(
+        ctx, tokens, "client", kvdrop.get("chunk-halving", chunk_size=CHUNK), "client"
+    )
+    assert halved.path == "client" and halved.kv_bytes == 2 * halved.kept_tokens * row
+    snapkv = kvdrop.get("snapkv", keep_ratio=0.5, chunk_size=CHUNK)
+    snap, _, _ = _edit(ctx, tokens, "client", snapkv, "client", q_ctx)
+    assert snap.path == "client" and snap.kv_bytes == (TOKENS + snap.kept_tokens) * row
+
+
+def test_keep_rows_refuses_a_bad_plan_and_stores_nothing(ctx: Context) -> None:
+    if not ctx.client_keep:
+        with pytest.raises(SDKError, match="shared-memory"):
+            ctx.keep_rows([1] * TOKENS, KeepPlan(torch.arange(CHUNK)), "x", dst_salt="x.dst")
+        return
+    tokens = _prefill(ctx, "rows")
+    for index in (torch.arange(CHUNK - 1), torch.arange(CHUNK).flip(0)):
+        with pytest.raises(SDKError, match="bad keep plan"):
+            ctx.keep_rows(tokens, KeepPlan(index, ROPE.to_json()), "rows", dst_salt="rows.dst")
+    with pytest.raises(SDKError, match="cached"):  # nothing under that salt
+        ctx.keep_rows(tokens, KeepPlan(torch.arange(CHUNK) + CHUNK), "none", dst_salt="rows.dst")
+    assert ctx.lookup(tokens, "rows.dst") == 0
+    kept = [tokens[i] for i in range(CHUNK, 2 * CHUNK)]
+    assert ctx.lookup(kept, "rows.dst") == 0
+
+
+@pytest.mark.parametrize(("heads", "offset_step"), [(2, 4096), (3, 1024)])
+def test_the_client_keep_gathers_values_by_index_at_any_slot_alignment(
+    heads: int, offset_step: int
+) -> None:
+    """The values a client keep copies are the kept rows of the source slots, whole chunks and
+    scattered rows alike, also where a row (``3 * 8`` bf16 here) does not divide the offsets."""
+    from kvdrop_sdk.transport.contiguous import _gather_values
+
+    layout = CacheLayout(LAYERS, heads, HEAD_DIM, torch.bfloat16)
+    nbytes = layout.nbytes(CacheKind.KV, CHUNK)
+    step = -(-nbytes // offset_step) * offset_step  # slots start on offset_step boundaries
+    n_src, gen = 6, torch.Generator().manual_seed(3)
+    pool = torch.zeros(offset_step + (n_src + 2) * step, dtype=torch.uint8)
+    src = [offset_step + j * step for j in range(n_src)]
+    dst = [(i, offset_step + (n_src + i) * step) for i in range(2)]
+
+    def slot(off: int) -> torch.Tensor:
+        return pool[off : off + nbytes].view(torch.bfloat16).view(layout.shape(CacheKind.KV, CHUNK))
+
+    for off in src:
+        slot(off).copy_(torch.randn(layout.shape(CacheKind.KV, CHUNK), generator=gen))
+    whole = torch.arange(2 * CHUNK, 3 * CHUNK)  # source chunk 2, kept whole: new chunk 0
+    others = torch.arange(3 * CHUNK, n_src * CHUNK)  # new chunk 1: rows of three chunks
+    scattered = others[torch.randperm(others.numel(), generator=gen)[:CHUNK]]
+    index = torch.cat([whole, scattered]).sort().values  # 2 new chunks of kept rows
+    _gather_values(pool, layout, CHUNK, src, dst, index, nbytes)
+    values = torch.cat([slot(off)[1] for off in src], dim=1).index_select(1, index)
+    got = torch.cat([slot(off)[1] for _, off in dst], dim=1)
+    assert torch.equal(got.view(torch.int16), values.view(torch.int16))
+    assert not slot(dst[0][1])[0].any()  # the keys' half is the caller's, untouched

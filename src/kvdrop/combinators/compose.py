@@ -114,10 +114,14 @@ class Compose(NeedsPolicy, SelectorPolicy):
         quotas = self.quotas(budget)
         idle = [p.name for p, q in zip(self.parts, quotas) if q == 0]
         if idle:
+            from kvdrop_sdk.http_limits import log_field  # each field capped: specs can be long
+
             warnings.warn(
-                f"{self.name}: a budget of {budget // self.selector.chunk_size} chunk(s) split "
-                f"by weights {self.weights} leaves {', '.join(idle)} without tokens; keep more "
-                "(keep_ratio/keep_tokens), use a smaller chunk_size or fewer parts",
+                f"{log_field(self.name)}: a budget of {budget // self.selector.chunk_size} "
+                f"chunk(s) split by weights {log_field(self.weights)} leaves "
+                f"{log_field(', '.join(idle))} without tokens ({len(idle)} of "
+                f"{len(self.parts)} parts); keep more (keep_ratio/keep_tokens), use a smaller "
+                "chunk_size or fewer parts",
                 PolicyWarning,
                 stacklevel=3,
             )

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import mmap
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -486,6 +488,140 @@ class ContiguousTransferWrapper:
             out = out[:, :, : valid * c].contiguous()
         return out
 
+    # -- keep with the kept keys from this process ----------------------------------------------
+    def keep_rows(
+        self,
+        fields: dict[str, Any],
+        token_bytes: bytes,
+        dst_fields: dict[str, Any],
+        dst_token_bytes: bytes,
+        layout: CacheLayout,
+        index: torch.Tensor,
+        kept_keys: Callable[[Callable[[Sequence[int]], torch.Tensor]], torch.Tensor],
+        device: torch.device | None,
+        lease_s: float,
+    ) -> int | None:
+        """Store rows ``index`` (sorted int64, CPU) of the prefix cached under ``token_bytes``
+        (whole chunks, all cached) under ``dst_token_bytes`` and ``dst_fields``' salt: the keys
+        from ``kept_keys(read)`` (``[1, L, k, D]`` on ``device``, re-rotated by the caller;
+        ``read(chunks)`` gives the keys of those source chunks there, by DMA on a GPU), the
+        values gathered by index from the pinned source slots straight into the reserved ones
+        (memcpy, no math). The source stays pinned until the values are copied and is checked
+        intact before the commit. Returns the chunks newly stored; None without shared memory
+        (the caller has the server keep instead). An SDKError leaves nothing stored."""
+        if self.mode != "shm":
+            return None
+        c = self.chunk_size
+        kind = CacheKind.KV
+        mapping = self._current()
+        src_chunks = len(token_bytes) // (8 * c)
+        reply, _ = self._rpc.call(
+            "pin", {**fields, "lease_s": lease_s, "layout": layout.to_json()}, [token_bytes]
+        )
+        self._same_server(mapping, reply, "pin")
+        lease = reply.get("lease")
+        src: list[Any] = list(reply.get("offsets") or [])
+        nbytes = layout.nbytes(kind, c)
+        dst_lease = None
+        started = time.monotonic()
+        try:
+            if lease is None or len(src) < src_chunks:
+                raise SDKError(
+                    f"keep needs all {src_chunks * c} tokens cached; {len(src) * c} are "
+                    "(evicted meanwhile?): retrieve and store instead"
+                )
+            if reply.get("nbytes") != nbytes:
+                raise SDKError(f"server slot size {reply.get('nbytes')} does not match the layout")
+            gpu = device is not None and device.type == "cuda"
+            for off in src:  # bounds checked, pages mapped
+                self._slot(mapping, off, nbytes, layout, kind)
+            dma = mapping.dma(src, nbytes) if gpu else None
+            key_shape = (1, *layout.shape(kind, c)[1:])
+
+            def read(chunks: Sequence[int]) -> torch.Tensor:
+                offsets = [src[int(i)] for i in chunks]
+                if dma is not None:
+                    got = dma.read(offsets, key_shape, layout.dtype, device)  # type: ignore[arg-type]
+                    if got is not None:
+                        return got
+                shape = (1, *layout.shape(kind, len(offsets) * c)[1:])
+                out = (
+                    pinned_empty(shape, layout.dtype)
+                    if gpu
+                    else torch.empty(shape, dtype=layout.dtype)
+                )
+                for j, off in enumerate(offsets):
+                    copy_rows(
+                        out[:, :, j * c : (j + 1) * c],
+                        self._slot(mapping, off, nbytes, layout, kind)[:1],
+                    )
+                return out if device is None else out.to(device)
+
+            keys = kept_keys(read)
+            k = index.numel()
+            if (
+                tuple(keys.shape) != (1, layout.num_layers, k, layout.width)
+                or keys.dtype != layout.dtype
+            ):
+                raise SDKError(
+                    f"kept keys have shape {tuple(keys.shape)} {keys.dtype}, expected "
+                    f"{(1, layout.num_layers, k, layout.width)} {layout.dtype}"
+                )
+            dreply, _ = self._rpc.call(
+                "reserve",
+                {**dst_fields, "lease_s": lease_s, "layout": layout.to_json()},
+                [dst_token_bytes],
+            )
+            self._same_server(mapping, dreply, "reserve")
+            dst_lease = dreply.get("lease")
+            if dst_lease is None:
+                return stored_chunks({"stored": 0, **dreply})
+            if dreply.get("nbytes") != nbytes:
+                raise SDKError(f"server slot size {dreply.get('nbytes')} does not match the layout")
+            chunks = list(zip(dreply["chunks"], dreply["offsets"]))
+            for _, off in chunks:
+                self._slot(mapping, off, nbytes, layout, kind)
+            parts = [keys[:, :, i * c : (i + 1) * c] for i, _ in chunks]
+            wrote = False
+            if keys.is_cuda:
+                ddma = mapping.dma([off for _, off in chunks], nbytes)
+                wrote = ddma is not None and ddma.write(parts, [off for _, off in chunks])
+            if not wrote:
+                host = to_host_pinned(keys) if keys.is_cuda else keys.contiguous()
+                for i, off in chunks:
+                    copy_rows(
+                        self._slot(mapping, off, nbytes, layout, kind)[:1],
+                        host[:, :, i * c : (i + 1) * c],
+                    )
+
+            _gather_values(mapping.pool, layout, c, src, chunks, index, nbytes)
+            if time.monotonic() - started > 0.8 * lease_s:
+                raise SDKError(f"keep took longer than its {lease_s:g} s reservation")
+        except BaseException:
+            if dst_lease is not None:
+                try:
+                    self._rpc.call("abort", {"lease": dst_lease})
+                except SDKError:
+                    pass  # the reservation lapses on its own
+            raise
+        finally:
+            valid = 0
+            if lease is not None:
+                try:
+                    released, _ = self._rpc.call("release", {"lease": lease})
+                    valid = int(released["valid_chunks"])
+                except RpcError as exc:
+                    if exc.code != "unknown_lease":
+                        raise
+        if valid < src_chunks:  # evicted or overwritten while read: store nothing
+            try:
+                self._rpc.call("abort", {"lease": dst_lease})
+            except SDKError:
+                pass
+            raise SDKError("the cached prefix changed while its kept rows were copied; retry")
+        committed, _ = self._rpc.call("commit", {"lease": dst_lease})
+        return stored_chunks({**dreply, "stored": committed["stored"]})
+
     def _copy_out(
         self,
         mapping: _Mapping,
@@ -614,3 +750,43 @@ class ContiguousTransferWrapper:
 
 
 TransferHelper = ContiguousTransferWrapper
+
+
+def _gather_values(
+    pool: torch.Tensor,
+    layout: CacheLayout,
+    c: int,
+    src: Sequence[Any],
+    chunks: Sequence[tuple[int, Any]],
+    index: torch.Tensor,
+    nbytes: int,
+) -> None:
+    """Copy the kept values (rows ``index`` of the source slots at ``src``) into the V halves
+    of the reserved slots ``chunks`` (``(i, offset)``: kept rows ``i*c .. (i+1)*c``), in the
+    shared ``pool``. A source chunk kept whole is one ``memmove``; otherwise one gather per new
+    chunk over the pool seen as ``[units, u]`` bytes into a reused buffer, then one ``memmove``;
+    ``u`` is a KV row (``D`` values) where every slot starts on a row boundary, else the largest
+    size dividing the row and every offset (a row is then ``row // u`` units). Pure copies."""
+    layers = layout.num_layers
+    row = layout.width * layout.itemsize
+    unit = math.gcd(row, *(int(o) for o in src), *(int(o) for _, o in chunks))
+    per = row // unit  # units per KV row
+    plane = layers * c  # KV rows per (K or V) plane of a slot
+    units = pool[: pool.numel() // unit * unit].view(-1, unit)
+    src_rows = torch.tensor([int(o) // unit for o in src], dtype=torch.int64)
+    src_rows += plane * per  # the V plane's first unit
+    per_layer = (torch.arange(layers, dtype=torch.int64) * c * per)[:, None, None]
+    in_row = torch.arange(per, dtype=torch.int64)[None, None, :]
+    buffer = torch.empty((plane * per, unit), dtype=torch.uint8)
+    half = nbytes // 2
+    for i, off in chunks:
+        kept = index[i * c : (i + 1) * c]
+        first = int(kept[0])
+        dst = pool.data_ptr() + int(off) + half
+        if first % c == 0 and int(kept[-1]) == first + c - 1:  # a source chunk kept whole
+            ctypes.memmove(dst, pool.data_ptr() + int(src[first // c]) + half, half)
+            continue
+        start = (src_rows[kept // c] + kept % c * per)[None, :, None]
+        at = start + per_layer + in_row  # [L, c, per] pool units, in the slot's V order
+        torch.index_select(units, 0, at.view(-1), out=buffer)
+        ctypes.memmove(dst, buffer.data_ptr(), half)

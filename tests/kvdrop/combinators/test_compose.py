@@ -100,3 +100,15 @@ def test_a_part_left_without_budget_is_reported(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fn(inputs(128), list(range(128)))  # 32 tokens: one chunk each, no warning
+
+
+def test_the_warning_of_a_compose_of_many_parts_is_capped(
+    inputs: Callable[..., dict[Any, torch.Tensor]],
+) -> None:
+    """Issue 33 A: a compose of more parts than chunks named every part and weight in one
+    warning (3,000 terms: a 53,632-character line); each field is a capped log field now."""
+    fn = kvdrop.get("+".join(["knorm"] * 300), keep_tokens=16, chunk_size=16, rerotate=False)
+    with pytest.warns(kvdrop.PolicyWarning, match=r"without tokens \(299 of 300 parts\)") as rec:
+        fn(inputs(64), list(range(64)))
+    (message,) = {str(w.message) for w in rec}
+    assert len(message) < 1000 and "...(+" in message, len(message)

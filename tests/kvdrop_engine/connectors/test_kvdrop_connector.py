@@ -135,6 +135,9 @@ def test_decoding_from_loaded_prefix_equals_recompute(
         st = eng.stats()
     assert st.tokens_loaded == 4 * CHUNK
     assert st.prefill_tokens_computed == 4 * CHUNK + 1 + 7
+    # One load: its copy into the blocks is part of it, and it ran alone (busy = its time).
+    assert 0 < st.prefix_copy_seconds <= st.prefix_load_seconds
+    assert st.prefix_load_busy_seconds == pytest.approx(st.prefix_load_seconds)
     assert out == generate(model, prompt, 6, stop_at_eos=False)
     # logits: paged cache filled from the server, then the suffix, vs dense over everything
     cache = PagedKVCache(
