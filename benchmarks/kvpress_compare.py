@@ -244,6 +244,9 @@ def score_identity(args: argparse.Namespace) -> int:
         ]
         what = f"T={args.tokens}"
     found = {w: kvpress_pairs.setup_rows(s, args.keep_ratio) for w, s in zip(where, setups)}
+    if not args.model_layers:  # kvzip's scores need a whole model: a random one of these heads
+        kvzip = kvpress_pairs.kvzip_pair(args.tokens, args.seed, tuple(args.heads))
+        found = {w: [kvzip if r.pair == "kvzip" else r for r in rs] for w, rs in found.items()}
     if args.json:
         rows = {w: [vars(r) for r in rs] for w, rs in found.items()}
         print(json.dumps({"versions": versions(), "rows": rows}))

@@ -459,6 +459,84 @@ def select_pairs(setup: Setup, ratio: float) -> Iterator[Row]:
         )
 
 
+def byte_tokenizer(folder: str) -> Any:
+    """A byte-level Hugging Face tokenizer (256 ids, no merges, no chat template) saved in
+    ``folder``: KVzipPress loads its model's tokenizer by ``name_or_path``, and without a chat
+    template both sides build the same reconstruction input (no prefix, suffix ``\\n``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    core = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def kvzip_pair(
+    num_tokens: int,
+    seed: int,
+    shape: tuple[int, int, int] = SHAPES[0],
+    chunk_tokens: int = 512,
+    num_layers: int = 2,
+) -> Row:
+    """kvdrop's KVzip reconstruction scores (:class:`~kvdrop.integrations.transformers.KVDropPress`,
+    the engine's chunking and scoring rule) against ``KVzipPress``'s own ``score_val`` (its
+    ``with press(model):`` passes) on a random-weight Llama of ``num_layers`` layers with
+    ``shape`` heads, ``num_tokens`` random token ids of a byte tokenizer, context chunks of
+    ``chunk_tokens``. Compared per layer and KV head, after the ``n_sink`` first tokens (kvdrop
+    scores them 1, kvpress gives them its maximum + 1 when it selects)."""
+    import tempfile
+
+    import kvpress
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from kvdrop.integrations.transformers import KVDropPress, hf_reconstruction_prompt
+
+    heads, kv_heads, head_dim = shape
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rope_theta=10000.0,
+        initializer_range=0.1,
+        attn_implementation="eager",
+    )
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 256, (1, num_tokens + 1))  # the last: kvdrop's uncached tail
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = byte_tokenizer(folder)
+        model.config.name_or_path = folder
+        press = kvpress.KVzipPress(compression_ratio=0.5, chunk_size=chunk_tokens)
+        seen: list[torch.Tensor] = []
+        press.compress_post = lambda _model: seen.append(press.score_val[:, 0].clone())
+        with torch.no_grad(), press(model):
+            model(input_ids=ids[:, :num_tokens], past_key_values=DynamicCache())
+        prompt = hf_reconstruction_prompt(tokenizer, chunk_tokens=chunk_tokens)
+        ours = KVDropPress("kvzip", tokenizer=tokenizer, reconstruction=prompt).prefill(model, ids)
+    theirs = seen[0].float()  # [L, Hkv, T]
+    mine = ours.token_scores
+    assert mine is not None and mine.shape == theirs.shape, (mine, theirs.shape)
+    sinks = press.n_sink
+    return Row(
+        "kvzip",
+        "KVzipPress",
+        _diff(mine[..., sinks:], theirs[..., sinks:]),
+        "T - sinks, per layer and KV head",
+        None,
+        f"reconstruction scores of a {num_layers}-layer random model, chunks of {chunk_tokens} "
+        "(byte tokenizer, no chat template: the same input both sides); selection differs "
+        "(kvpress: a budget per head, ranked over heads and layers; kvdrop: one list)",
+    )
+
+
 #: Pairs not compared on tensors, and why.
 EXCEPTIONS = (
     Row(
@@ -467,9 +545,9 @@ EXCEPTIONS = (
         None,
         "-",
         None,
-        "scores come from the engine's reconstruction pass with the model "
-        "(kvdrop_engine.reconstruct), not from cached tensors; compared by answers instead "
-        "(the section above)",
+        "scores come from the reconstruction pass with the whole model, not from one "
+        "layer's tensors: kvzip_pair compares them on a random-weight model (the random "
+        "--heads case), and the side-by-side by answers",
     ),
 )
 

@@ -32,6 +32,13 @@ kvpress 0.5.5 needs ``transformers<5.3``: run it in kvpress's own virtualenv (do
     python benchmarks/kvpress_side.py --seeds 1 2 --num-samples 8 --results side.jsonl
     python benchmarks/kvpress_side.py --table side.jsonl \\
         --eval-results docs/data/dev-s*-1024-*.jsonl
+
+``--no-kvpress --kvdrop-policies SPEC ...`` answers with full KV and kvdrop's policies alone (no
+kvpress needed): one prefill and one reconstruction pass a prompt for every variant of a policy,
+the cheap way to compare variants on CPU::
+
+    python benchmarks/kvpress_side.py --no-kvpress --kvdrop-policies kvzip 'kvzip(head_agg=mean)' \\
+        --keep-ratios 0.25 --settings inside --tasks kv multikey --results variants.jsonl
 """
 
 from __future__ import annotations
@@ -196,10 +203,8 @@ def kvdrop_answers(
     tail = len(then)
     shared = KVDropPress("kvzip", tail=tail, tokenizer=tokenizer).prefill(model, ids)
     answers = {}
-    for name in args.presses:
-        params: dict[str, Any] = {}
-        if name == "kvzip":
-            params["tokenizer"] = tokenizer
+    for name in args.kvdrop_policies or args.presses:
+        params: dict[str, Any] = {"tokenizer": tokenizer}  # the reconstruction prompt's tokens
         if name == "finch" and window:
             delimiter = prefill[-window - 1]
             if delimiter not in prefill[-window:]:
@@ -214,7 +219,7 @@ def kvdrop_answers(
 
 
 def run(args: argparse.Namespace) -> None:
-    from transformers import PreTrainedTokenizerFast
+    from transformers import DynamicCache, PreTrainedTokenizerFast
 
     from kvdrop_engine.loading import ModelSpec, load_model
 
@@ -251,7 +256,14 @@ def run(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             prefill, then = split(sample, setting)
             window = question_length(sample, setting)
-            texts = kvpress_answers(hf, prefill, then, window, args)
+            if args.no_kvpress:
+                eos, ids = args.eos, torch.tensor([prefill], device=hf.device)
+                cache = DynamicCache()
+                with torch.inference_mode():
+                    hf(input_ids=ids, past_key_values=cache)
+                texts = {"full": decode(hf, cache, then, len(prefill), args.max_tokens, eos)}
+            else:
+                texts = kvpress_answers(hf, prefill, then, window, args)
             texts |= kvdrop_answers(hf, hf_tok, prefill, then, window, args)
             decoded = {k: tokenizer.decode(v) for k, v in texts.items()}
             record = {
@@ -344,6 +356,17 @@ def _order(key: str) -> tuple[int, str, float, int]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presses", nargs="+", default=list(PRESSES), choices=list(PRESSES))
+    p.add_argument(
+        "--kvdrop-policies",
+        nargs="+",
+        metavar="SPEC",
+        help="kvdrop policies or specs for the kvdrop side (default: the presses' names)",
+    )
+    p.add_argument(
+        "--no-kvpress",
+        action="store_true",
+        help="kvdrop's side only (full KV and --kvdrop-policies): variants of one policy",
+    )
     p.add_argument("--keep-ratios", nargs="+", type=float, default=[0.5, 0.25])
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS))

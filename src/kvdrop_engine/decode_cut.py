@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvdrop_engine.client_specs import DEFAULT_CLIENT_POLICIES, ClientSpecs
+from kvdrop_engine.decode_batch import BatchedRank, batched
 from kvdrop_engine.drop import UNSET
 from kvdrop_engine.errors import EngineSetupError, InvalidRequestError
 from kvdrop_engine.model import ModelConfig
@@ -129,13 +130,16 @@ def parse_decode(value: Any) -> DecodeOverride | None:
 class DecodeCut:
     """One request's cut while decoding: the built policy (``keep_tokens=budget``), its spec,
     the budget, the number of generated tokens between cuts and the query rows its policy reads
-    (``capture``: the last ``query_window`` computed tokens, or none)."""
+    (``capture``: the last ``query_window`` computed tokens, or none); ``fast`` ranks a batch
+    of requests in one set of kernels (:mod:`kvdrop_engine.decode_batch`; None: the policy
+    ranks each request)."""
 
     spec: str
     budget: int
     every: int
     policy: Policy
     capture: QueryCapture
+    fast: BatchedRank | None = None
 
     def due(self, num_cached: int) -> bool:
         """Whether a cache of ``num_cached`` tokens is cut before the next decode step (which
@@ -213,10 +217,15 @@ class DecodeCompressor:
         if key not in self._built:
             policy = self._policy(spec, budget)
             self.check(spec, self._policy(spec, _CHECK_BUDGET))
-            capture = QueryCapture.for_policies([policy], window=self.query_window, stride=0)
+            fast = batched(policy, self.config.head_dim)
+            # A batched ranking observes its last ``query_count`` rows: only those are kept.
+            window = self.query_window
+            if fast is not None and fast.reads_queries:
+                window = min(window, fast.query_count())
+            capture = QueryCapture.for_policies([policy], window=window, stride=0)
             if len(self._built) >= _MAX_BUILT:  # requests choose the keys: keep the cache small
                 self._built.pop(next(iter(self._built)))
-            self._built[key] = DecodeCut(spec, budget, every, policy, capture)
+            self._built[key] = DecodeCut(spec, budget, every, policy, capture, fast)
         return self._built[key]
 
     def check(self, spec: str, policy: Policy) -> None:
@@ -305,27 +314,76 @@ class DecodeCompressor:
 
     def cut(self, cache: PagedKVCache, reqs: Sequence[Request]) -> DecodeCutResult:
         """Cut each of ``reqs`` (all due, see :meth:`DecodeCut.due`) to its budget in place: one
-        gather of every request's cache, the policy's choice per request, one scatter of the
-        kept rows to each request's first slots; the blocks past them are freed."""
+        gather of every request's cache; the requests of one policy, length and query slots
+        ranked together (:class:`~kvdrop_engine.decode_batch.BatchedRank`), any other by its
+        policy; one scatter of the kept rows to each request's first slots, one read of the
+        kept indices to the host; the blocks past them are freed."""
         started = time.perf_counter()
-        counts = [req.num_computed for req in reqs]
+        groups: dict[tuple[Any, ...], list[tuple[Request, Any]]] = {}
+        alone: list[Request] = []
+        for req in reqs:
+            cut = req.decode_cut
+            assert cut is not None
+            observed = self._observed(cut, req.num_computed, req.window)
+            if observed is None:
+                alone.append(req)
+                continue
+            qpos = observed[0]
+            key = (id(cut), req.num_computed, None if qpos is None else tuple(qpos.tolist()))
+            groups.setdefault(key, []).append((req, observed))
+        ordered = [req for members in groups.values() for req, _ in members] + alone
+        counts = [req.num_computed for req in ordered]
         with torch.inference_mode():
-            slots = torch.cat([cache.slots(r.blocks, 0, n) for r, n in zip(reqs, counts)])
+            slots = torch.cat([cache.slots(r.blocks, 0, n) for r, n in zip(ordered, counts)])
             kv = cache.read_slots(slots)  # [2, L, sum(counts), Hkv*d], a copy
-            picks = [
-                self._select(req, part)
-                for req, part in zip(reqs, kv.split(counts, dim=2), strict=True)
-            ]
-            base = torch.tensor([0, *counts[:-1]]).cumsum(0).tolist()
+            picks: list[torch.Tensor] = []  # kept row indices per request, on the device
+            offset = 0
+            for members in groups.values():
+                req0, (qpos, _) = members[0]
+                fast = req0.decode_cut.fast
+                n, t = len(members), req0.num_computed
+                keys = kv[0, :, offset : offset + n * t].unflatten(1, (n, t)).transpose(0, 1)
+                queries = None
+                if qpos is not None:
+                    queries = torch.stack([q for _, (_, q) in members]).to(kv.device)
+                picks.extend(fast.select(keys, queries, qpos).unbind(0))
+                offset += n * t
+            for req, part in zip(alone, kv[:, :, offset:].split(counts[len(picks) :], dim=2)):
+                picks.append(self._select(req, part).to(kv.device))
+            base = [0, *torch.tensor(counts[:-1], dtype=torch.int64).cumsum(0).tolist()]
             rows = torch.cat([index + b for index, b in zip(picks, base)])
             kept = torch.cat(
-                [cache.slots(r.blocks, 0, int(i.numel())) for r, i in zip(reqs, picks)]
+                [cache.slots(r.blocks, 0, int(i.numel())) for r, i in zip(ordered, picks)]
             )
-            cache.write_slots(kept, kv.index_select(2, rows.to(kv.device)))
-        for req, index in zip(reqs, picks, strict=True):
+            cache.write_slots(kept, kv.index_select(2, rows))
+            host = torch.cat(picks).cpu().split([int(i.numel()) for i in picks])  # one sync
+        for req, index in zip(ordered, host, strict=True):
             self._shrink(cache, req, index)
-        kept_total = sum(int(i.numel()) for i in picks)
-        return DecodeCutResult(len(reqs), sum(counts), kept_total, time.perf_counter() - started)
+        return DecodeCutResult(len(reqs), sum(counts), len(rows), time.perf_counter() - started)
+
+    @staticmethod
+    def _observed(cut: DecodeCut, num_tokens: int, window: Any) -> tuple[Any, Any] | None:
+        """What ``cut``'s batched ranking reads of a cache of ``num_tokens`` rows whose query
+        capture is ``window`` (a ``WindowCapture`` or its ``rows()``): ``(slots [r], queries
+        [L, r, Hq*d])`` of the rows it observes, ``(None, None)`` for a KV-only policy, or None
+        when the policy itself must rank it (no batched ranking, or the rows the library's
+        ``last_rows`` would warn about or stand in for)."""
+        fast = cut.fast
+        if fast is None:
+            return None
+        if not fast.reads_queries:
+            return None, None
+        rows = window.rows() if hasattr(window, "rows") else window
+        if rows is None:
+            return None
+        qpos, queries = rows
+        first = max(num_tokens - fast.query_count(), 0)
+        take = (qpos >= first).nonzero().squeeze(1)
+        expected = max(0, int(qpos[-1]) - first + 1)
+        if take.numel() == 0 or take.numel() < expected:
+            return None
+        picked = queries.index_select(1, take.to(queries.device))
+        return qpos[take], picked.reshape(picked.shape[0], picked.shape[1], -1)
 
     def _select(self, req: Request, kv: torch.Tensor) -> torch.Tensor:
         """Indices of ``req``'s cached rows ``kv`` its policy keeps (:meth:`select`)."""
@@ -344,12 +402,22 @@ class DecodeCompressor:
         positions: torch.Tensor,
         tokens: Sequence[int],
         rows: tuple[torch.Tensor, torch.Tensor] | None,
+        *,
+        batched: bool = True,
     ) -> torch.Tensor:
         """Indices (sorted, CPU int64) of the rows of ``kv`` ``[2, L, n, Hkv*d]`` (true RoPE
         ``positions``, token ids ``tokens``) that ``cut``'s policy keeps, given the query
-        ``rows`` ``(slots [r], queries [L, r, Hq, d])`` captured since the last cut."""
+        ``rows`` ``(slots [r], queries [L, r, Hq, d])`` captured since the last cut: its
+        batched ranking where it has one (as the engine's cuts), else (or with ``batched=False``)
+        the policy's own call."""
         from kvdrop.policy import checked_index  # the policy library, loaded by the build
 
+        observed = self._observed(cut, kv.shape[2], rows) if batched else None
+        if observed is not None:  # the engine's batched ranking, one request
+            assert cut.fast is not None
+            qpos, queries = observed
+            batch = None if queries is None else queries[None].to(kv.device)
+            return cut.fast.select(kv[0][None], batch, qpos)[0].cpu()
         tensors: dict[Any, torch.Tensor] = {CacheKind.KV: kv}
         qpos = None
         if cut.policy.queries is not QueryNeed.NONE and rows is not None:
@@ -370,7 +438,9 @@ class DecodeCompressor:
         req.dropped += n - k
         req.num_computed = k
         req.decode_cuts += 1
-        req.restart_window(k)  # the rows moved
+        # The rows moved: capture again, from the rows the next cut observes on (the last
+        # ``query_window`` before the cache passes budget + every; none are stored after a cut).
+        req.restart_window(max(k, req.decode_cut.budget + req.decode_cut.every))
         need = blocks_needed(k + 1, cache.block_size)
         if need < len(req.blocks):
             cache.allocator.free(req.blocks[need:])

@@ -92,6 +92,23 @@ class DenseDecode:
             self._cut()
         return self._run([int(token)])[-1]
 
+    def feed_many(self, tokens: Sequence[int]) -> Tensor:
+        """Teacher-force ``tokens``: the next-token logits ``[n, V]`` after each, as
+        :meth:`feed` one at a time would give them (up to float rounding), computed in chunks
+        that end where a cut is due (the cut runs at the same points, on the same rows)."""
+        out: list[Tensor] = []
+        tokens = [int(t) for t in tokens]
+        i = 0
+        while i < len(tokens):
+            if self._due():
+                self._cut()
+            room = len(tokens) - i
+            if self.cut is not None:  # tokens until the cache would pass budget + every
+                room = min(room, max(1, self.cut.budget + self.cut.every - self.cache.length))
+            out.append(self._run(tokens[i : i + room]))
+            i += room
+        return torch.cat(out) if out else torch.empty(0)
+
     def _due(self) -> bool:
         cut = self.cut
         if cut is None or not cut.due(self.cache.length):

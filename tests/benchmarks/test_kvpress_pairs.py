@@ -1,6 +1,7 @@
 """Score identity with NVIDIA kvpress (benchmarks/kvpress_pairs.py) on cases it was not tuned to:
 three head shapes (GQA, MHA, MQA), lengths that are not multiples of the 256-token chunk, two
-seeds and both keep ratios, and the real SmolLM2's layers on an eval prompt.
+seeds and both keep ratios, and the real SmolLM2's layers on an eval prompt; every press, kvzip's
+reconstruction scores on a whole random-weight model.
 
 kvpress 0.5.5 needs ``transformers<5.3`` (the ``lmcache`` extra needs ``>=5.4``), so these run in
 its own virtualenv (docs/quality.md) and are skipped where kvpress is not installed (CI).
@@ -45,6 +46,15 @@ def test_every_press_matches_on_random_layers(
     compared = {r.pair for r in found if r.diff is not None or r.jaccard is not None}
     assert len(compared) >= 19  # every pair of the table: none silently dropped
     assert not _failures(found)
+
+
+@pytest.mark.parametrize("shape", pairs.SHAPES, ids=lambda s: "q{}-kv{}-d{}".format(*s))
+@pytest.mark.parametrize(("tokens", "seed"), [(300, 0), (555, 1)])
+def test_kvzip_scores_match_kvzippress(shape: tuple[int, int, int], tokens: int, seed: int) -> None:
+    # KVzip's scores need the whole model's reconstruction pass: a two-layer random model,
+    # context chunks of 256 (300 and 555 tokens: a partial last chunk, and three chunks).
+    row = pairs.kvzip_pair(tokens, seed, shape, chunk_tokens=256)
+    assert row.diff is not None and row.diff <= pairs.MAX_DIFF, row
 
 
 @pytest.mark.skipif(

@@ -47,3 +47,20 @@ def test_the_table_joins_eval_records_of_the_same_prompts(tmp_path: pathlib.Path
     assert "| 2/2 [" in rows["kvdrop c256"]
     full = [line for line in side.table(records, joined) if "| eval |" in line]
     assert full and "| 1/2 |" in full[0]  # eval's own full KV on the same prompts
+
+
+def test_variants_of_one_policy_get_a_row_each() -> None:
+    # --no-kvpress --kvdrop-policies: full KV and kvdrop's specs only, one row per spec.
+    args = side.parser().parse_args(
+        ["--no-kvpress", "--kvdrop-policies", "kvzip", "kvzip(kernel=3,window=64)"]
+    )
+    assert args.no_kvpress and args.kvdrop_policies == ["kvzip", "kvzip(kernel=3,window=64)"]
+    answers = {
+        "full": True,
+        "kvdrop c1:kvzip:0.25": False,
+        "kvdrop c1:kvzip(kernel=3,window=64):0.25": True,
+    }
+    rows = list(side.table([_record(0, "inside", **answers)], {}))
+    names = [line.split(" | ")[0].lstrip("| ") for line in rows[2:]]
+    assert names == ["full KV", "kvzip", "kvzip(kernel=3,window=64)"]
+    assert "| 1/1 [" in rows[-1] and "| 0/1 [" in rows[-2]

@@ -84,22 +84,19 @@ def test_a_cut_moves_the_kept_rows_exactly(model: Transformer) -> None:
     compressor = DecodeCompressor(model.config, "rkv", budget=32, every=16)
     engine = Engine(model, num_blocks=32, compressor=compressor)
     seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
-    select, cut = compressor._select, compressor.cut
-
-    def spy_select(req, kv):  # type: ignore[no-untyped-def]
-        index = select(req, kv)
-        seen.append((kv.clone(), index, torch.empty(0), 0))
-        return index
+    cut = compressor.cut
 
     def spy_cut(cache, reqs):  # type: ignore[no-untyped-def]
+        req = reqs[0]
+        kv = cache.read(req.blocks, req.num_computed)
+        positions = req.slot_positions(req.num_computed)
         before = engine.num_free_blocks
         done = cut(cache, reqs)
-        kv, index, _, _ = seen[-1]
-        after = cache.read(reqs[0].blocks, reqs[0].num_computed)
-        seen[-1] = (kv, index, after, engine.num_free_blocks - before)
+        index = torch.searchsorted(positions, req.slot_positions(req.num_computed))
+        after = cache.read(req.blocks, req.num_computed)
+        seen.append((kv, index, after, engine.num_free_blocks - before))
         return done
 
-    compressor._select = spy_select  # type: ignore[method-assign]
     compressor.cut = spy_cut  # type: ignore[method-assign]
     with engine:
         engine.generate(prompt_of(60), {"max_tokens": 60, **GREEDY})

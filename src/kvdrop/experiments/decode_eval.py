@@ -95,6 +95,7 @@ class DecodeRow:
             "top1_best_text": max(self.per_text) if self.per_text else math.nan,
             "kl_nats": self.kl_sum / self.positions if self.positions else math.nan,
             "cuts_per_text": self.cuts / max(len(self.per_text), 1),
+            "per_text": list(self.per_text),
             "seconds": self.seconds,
         }
         if self.answered:
@@ -156,11 +157,10 @@ def run_decode_eval(
         for policy, cut in cuts.items():
             started = time.perf_counter()
             dense = DenseDecode(model, cut, compressor, capacity)
-            logits = dense.prefill(sample.inside)
-            got = []
-            for tok in text:
-                got.append(torch.log_softmax(logits.float(), -1))
-                logits = dense.feed(tok)
+            first = dense.prefill(sample.inside)
+            # Teacher-forced in chunks between cuts (the same logits as one token at a time).
+            later = dense.feed_many(text[:-1])
+            got = list(torch.log_softmax(torch.cat([first[None], later]).float(), -1))
             rows[policy].seconds += time.perf_counter() - started
             _count(rows[policy], reference, got, dense.cuts)
     if config.preface_tokens:
