@@ -29,7 +29,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -377,7 +378,7 @@ class PromptDropper:
         # No log-normalisers: every key a captured row attended to is in ``kv`` (the whole
         # prompt, no uncached tail), so a softmax over the cached keys is the true one.
         context = self._context(n, qpos, None, str(kv.device))
-        return CutJob(cut, tensors, req.prompt[:n], context)
+        return CutJob(cut, tensors, req.prompt[:n], context, _LoopStream.after_gather(kv))
 
     def apply(
         self,
@@ -430,15 +431,60 @@ class CutJob:
     tensors: Mapping[Any, torch.Tensor]
     tokens: list[int]
     context: EditContext
+    stream: _LoopStream | None = None
 
     def choose(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """The checked kept indices, the kept rows (keys re-rotated) and their token ids;
         ``PolicyFailedError`` naming the policy when it fails or chooses badly."""
         kv = self.tensors[CacheKind.KV]
-        with torch.inference_mode():
+        with torch.inference_mode(), _on_side(self.stream):
             index = _chosen(self.cut, self.tensors, self.tokens, self.context)
             kept_kv, kept_tokens = _kept(self.cut, kv, self.tokens, index, self.context)
+            if self.stream is not None:
+                self.stream.hand_back(index, kept_kv)
         return index, kept_kv, kept_tokens
+
+
+@dataclass(frozen=True)
+class _LoopStream:
+    """(CUDA) The loop's stream at a cut's gather and an event after it. A cut's policy runs on
+    a high-priority stream of its own: on the loop's stream each of its host syncs (a top-k's
+    indices read back, say) would wait behind every prefill the loop enqueued meanwhile, and a
+    snapkv cut of an 8-14K prompt took 1.3 s on an H200 that way, all of it in the request's
+    time to first token."""
+
+    stream: torch.cuda.Stream
+    gathered: torch.cuda.Event
+
+    @staticmethod
+    def after_gather(kv: torch.Tensor) -> _LoopStream | None:
+        if kv.device.type != "cuda":
+            return None
+        stream = torch.cuda.current_stream(kv.device)
+        return _LoopStream(stream, stream.record_event())
+
+    def hand_back(self, *tensors: torch.Tensor) -> None:
+        """Mark what the policy made on the side stream as used by the loop's stream, so the
+        allocator reuses none of it before the loop's reads end."""
+        for t in tensors:
+            if t.is_cuda:
+                t.record_stream(self.stream)
+
+
+@contextmanager
+def _on_side(loop: _LoopStream | None) -> Iterator[None]:
+    """Run the body on a fresh high-priority stream that starts after the gather (CUDA), or
+    as it is (CPU)."""
+    if loop is None:
+        yield
+        return
+    side = torch.cuda.Stream(loop.stream.device, priority=-1)
+    side.wait_event(loop.gathered)
+    try:
+        with torch.cuda.stream(side):
+            yield
+    finally:
+        side.synchronize()  # the gathered K/V stay read until here, also when the policy fails
 
 
 class PendingCut:

@@ -291,3 +291,26 @@ def test_with_a_connector_the_whole_prompt_is_stored_before_the_cut(model: Trans
     assert stats.tokens_loaded == 192 and stats.prompt_cuts == 2
     assert [e.token_id for e in first] == [e.token_id for e in again]
     assert first[0].kept_prompt_tokens == again[0].kept_prompt_tokens == 100
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec", ["knorm", "snapkv"])
+def test_cuda_cuts_beside_prefills_equal_their_solo_runs(spec: str) -> None:
+    """On CUDA a cut's policy runs on a side stream while the loop prefills other prompts: each
+    of eight requests sent together keeps the tokens and decodes the answer it has alone (a
+    missed stream ordering would read half-written K/V or reuse freed memory)."""
+    gpu = Transformer.random(preset_config("tiny"), seed=0, device="cuda")
+    prompts = [prompt_of(300 + 37 * i, seed=i) for i in range(8)]
+    params = {"max_tokens": 12, **GREEDY}
+
+    def run(batch: list[list[int]]) -> list[tuple[int | None, list[int]]]:
+        dropper = PromptDropper(gpu.config, spec, keep_ratio=0.5)
+        with Engine(gpu, num_blocks=256, dropper=dropper, max_prefill_tokens=128) as engine:
+            streams = [engine.post_completion(p, params) for p in batch]
+            events = [list(s) for s in streams]
+        return [(e[0].kept_prompt_tokens, [x.token_id for x in e]) for e in events]
+
+    together = run(prompts)
+    alone = [run([p])[0] for p in prompts]
+    assert together == alone
+    assert all(kept is not None and kept < len(p) for (kept, _), p in zip(together, prompts))
