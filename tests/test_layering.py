@@ -93,6 +93,17 @@ def test_only_the_lmcache_backend_imports_lmcache() -> None:
 ENGINE_USES_POLICIES = {
     "kvdrop_engine/drop.py": {"kvdrop.errors", "kvdrop.policy", "kvdrop.spec"},
     "kvdrop_engine/decode_cut.py": {"kvdrop.errors", "kvdrop.policy", "kvdrop.spec"},
+    # the decode cut's batched ranking recognises the built-in scorers it batches (and uses
+    # the library's key similarity), so their scores stay the library's own
+    "kvdrop_engine/decode_batch.py": {
+        "kvdrop.attention",
+        "kvdrop.policies.knorm",
+        "kvdrop.policies.rkv",
+        "kvdrop.policies.snapkv",
+        "kvdrop.policies.streaming",
+        "kvdrop.policies.tova",
+        "kvdrop.policy",
+    },
     "kvdrop_engine/client_specs.py": {
         "kvdrop.errors",
         "kvdrop.limits",
