@@ -1,6 +1,7 @@
 """The hostile clients of soak phase ``round4`` (``benchmarks/soak_round4.py``), in a process
-of their own: ``python benchmarks/soak_round4_hostile.py URL SEEN.json [bombs,cut,scoring]`` prints ``ready``, runs
-until its stdin closes, then prints what each client was answered as one JSON line.
+of their own: ``python benchmarks/soak_round4_hostile.py URL SEEN.json [KINDS]`` (``KINDS``:
+``bombs,cut,scoring``) prints ``ready``, runs until its stdin closes, then prints what each
+client was answered as one JSON line.
 
 A process of its own (and no torch import) so that the good clients' latencies measure the
 engine, not the hostile clients' own JSON encoding and reply parsing under the soak's GIL.
