@@ -97,6 +97,7 @@ ENGINE_USES_POLICIES = {
     # the library's key similarity), so their scores stay the library's own
     "kvdrop_engine/decode_batch.py": {
         "kvdrop.attention",
+        "kvdrop.policies._common",
         "kvdrop.policies.knorm",
         "kvdrop.policies.rkv",
         "kvdrop.policies.snapkv",

@@ -48,15 +48,10 @@ def _chunks(total: int, per_item: int, device: torch.device) -> Iterator[slice]:
 
 
 def _reduce(x: Tensor, dim: int, how: str) -> Tensor:
-    if how == "mean":
-        return x.mean(dim)
-    if how == "max":
-        return x.amax(dim)
-    if how == "min":
-        return x.amin(dim)
-    if how == "sum":
-        return x.sum(dim)
-    raise ValueError(f"unknown aggregation {how!r}")
+    """The library's own aggregation, so a batched score aggregates as its scorer does."""
+    from kvdrop.policies._common import reduce
+
+    return reduce(x, dim, how)
 
 
 def _pool(x: Tensor, kernel: int, how: str) -> Tensor:
