@@ -399,13 +399,7 @@ class Context(StreamContext, CheapLookup, StoresRecords, TransfersToDevice, Keep
         (``RpcError`` with code ``bad_index``, ``not_cached``, ...) leaves the server unchanged."""
         self._check_open()
         self._need_kv("keep")
-        fields = self._fields(cache_salt)
-        try:
-            check_salt(dst_salt, "dst_salt")
-        except (TypeError, ValueError) as exc:
-            raise SDKError(str(exc)) from None
-        if not isinstance(plan, KeepPlan):
-            raise SDKError(f"plan must be a KeepPlan, got {type(plan).__name__}")
+        fields = self._keep_fields(cache_salt, dst_salt, plan)
         try:
             index = encode_index(plan.index)
         except (TypeError, ValueError) as exc:
@@ -414,6 +408,18 @@ class Context(StreamContext, CheapLookup, StoresRecords, TransfersToDevice, Keep
         raw = self.encode(tokens)
         reply, _ = self._call("keep", {**fields, "dst_salt": dst_salt, "rope": rope}, [raw, index])
         return stored_chunks(reply) > 0
+
+    def _keep_fields(self, cache_salt: str, dst_salt: str, plan: Any) -> dict[str, Any]:
+        """The request fields of a keep (:meth:`keep`, :meth:`keep_rows`), its salts and plan
+        checked: SDKError naming what was wrong."""
+        fields = self._fields(cache_salt)
+        try:
+            check_salt(dst_salt, "dst_salt")
+        except (TypeError, ValueError) as exc:
+            raise SDKError(str(exc)) from None
+        if not isinstance(plan, KeepPlan):
+            raise SDKError(f"plan must be a KeepPlan, got {type(plan).__name__}")
+        return fields
 
     @property
     def client_keep(self) -> bool:
@@ -443,13 +449,7 @@ class Context(StreamContext, CheapLookup, StoresRecords, TransfersToDevice, Keep
         self._need_kv("keep_rows")
         if not self.client_keep:
             raise SDKError("keep_rows needs the shared-memory transport; use keep()")
-        fields = self._fields(cache_salt)
-        try:
-            check_salt(dst_salt, "dst_salt")
-        except (TypeError, ValueError) as exc:
-            raise SDKError(str(exc)) from None
-        if not isinstance(plan, KeepPlan):
-            raise SDKError(f"plan must be a KeepPlan, got {type(plan).__name__}")
+        fields = self._keep_fields(cache_salt, dst_salt, plan)
         layout, c = self.layout, self.chunk_size
         raw = self.encode(tokens)
         num_tokens = len(raw) // TOKEN_BYTES

@@ -218,6 +218,24 @@ class ContiguousTransferWrapper:
             raise SDKError("this transfer helper has no shared-memory mapping (closed?)")
         return mapping
 
+    def _reserve(
+        self,
+        mapping: _Mapping,
+        fields: dict[str, Any],
+        token_bytes: bytes,
+        layout: CacheLayout,
+        lease_s: float,
+    ) -> dict[str, Any]:
+        """Reserve slots for the chunks of ``token_bytes`` on the server ``mapping`` maps (a
+        store, or a keep's destination); the reply's ``lease`` is None when all were stored."""
+        reply, _ = self._rpc.call(
+            "reserve",
+            {**fields, "lease_s": lease_s, "layout": layout.to_json()},
+            [token_bytes],
+        )
+        self._same_server(mapping, reply, "reserve")
+        return reply
+
     def _same_server(self, mapping: _Mapping, reply: dict[str, Any], op: str) -> None:
         """Raise ``ServerRestartedError`` (after ending the lease ``reply`` granted, if any)
         unless ``reply`` comes from the instance ``mapping`` belongs to."""
@@ -316,12 +334,7 @@ class ContiguousTransferWrapper:
             host = to_host_pinned(kv) if kv.is_cuda else kv
             return self._socket_store(fields, host, token_bytes, layout, kind)
         mapping = self._current()
-        reply, _ = self._rpc.call(
-            "reserve",
-            {**fields, "lease_s": lease_s, "layout": layout.to_json()},
-            [token_bytes],
-        )
-        self._same_server(mapping, reply, "reserve")
+        reply = self._reserve(mapping, fields, token_bytes, layout, lease_s)
         lease = reply.get("lease")
         if lease is None:
             return stored_chunks({"stored": 0, **reply})
@@ -567,12 +580,7 @@ class ContiguousTransferWrapper:
                     f"kept keys have shape {tuple(keys.shape)} {keys.dtype}, expected "
                     f"{(1, layout.num_layers, k, layout.width)} {layout.dtype}"
                 )
-            dreply, _ = self._rpc.call(
-                "reserve",
-                {**dst_fields, "lease_s": lease_s, "layout": layout.to_json()},
-                [dst_token_bytes],
-            )
-            self._same_server(mapping, dreply, "reserve")
+            dreply = self._reserve(mapping, dst_fields, dst_token_bytes, layout, lease_s)
             dst_lease = dreply.get("lease")
             if dst_lease is None:
                 return stored_chunks({"stored": 0, **dreply})
