@@ -146,11 +146,16 @@ class DecodeCut:
         adds one): it would pass ``budget + every``."""
         return num_cached + 1 > self.budget + self.every
 
+    def held_tokens(self, cached: int, entering: int) -> int:
+        """KV tokens a request that holds ``cached`` tokens holds at most while ``entering``
+        more enter its cache: it is cut before it passes ``budget + every`` (never less than
+        ``cached``). The one rule of what admission and the cuts reserve for it."""
+        return max(cached, min(cached + entering, self.budget + self.every))
+
     def peak_tokens(self, num_prompt: int, decode_start: int, max_tokens: int) -> int:
         """KV tokens a request ever holds: its prompt while it prefills, then from
         ``decode_start`` tokens growing by ``max_tokens - 1``, at most ``budget + every``."""
-        grown = decode_start + max_tokens - 1
-        return max(num_prompt, min(grown, self.budget + self.every))
+        return max(num_prompt, self.held_tokens(decode_start, max_tokens - 1))
 
 
 @dataclass(frozen=True)
@@ -432,7 +437,9 @@ class DecodeCompressor:
 
     def _shrink(self, cache: PagedKVCache, req: Request, index: torch.Tensor) -> None:
         """``req`` after its cut to the rows at ``index``: their true positions, the dropped
-        count, a fresh query window, and its blocks past the next token's freed."""
+        count, a fresh query window, and its blocks past what it may grow to before its next
+        cut freed (:meth:`Request.hold_tokens`: the others stay reserved, so growing never
+        preempts another request)."""
         n, k = req.num_computed, int(index.numel())
         req.kept_positions = req.slot_positions(n)[index]
         req.dropped += n - k
@@ -441,7 +448,7 @@ class DecodeCompressor:
         # The rows moved: capture again, from the rows the next cut observes on (the last
         # ``query_window`` before the cache passes budget + every; none are stored after a cut).
         req.restart_window(max(k, req.decode_cut.budget + req.decode_cut.every))
-        need = blocks_needed(k + 1, cache.block_size)
+        need = blocks_needed(req.hold_tokens(k), cache.block_size)
         if need < len(req.blocks):
             cache.allocator.free(req.blocks[need:])
             req.blocks = req.blocks[:need]

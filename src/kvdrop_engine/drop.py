@@ -391,13 +391,14 @@ class PromptDropper:
         """(on the loop) Write the kept rows back: afterwards ``req``'s blocks hold them at
         positions ``0..k-1``, ``req.prompt`` is the kept token ids, ``req.num_computed`` is
         ``k`` and ``req.kept_index`` the kept indices; blocks past the next token's are freed
-        (decoding grows the request again, block by block: ``Scheduler.grow``)."""
+        (decoding grows the request again, block by block: ``Scheduler.grow``), or with a decode
+        cut past what it may grow to before that cut (:meth:`Request.hold_tokens`)."""
         index, kept_kv, kept_tokens = chosen
         n, k = len(job.tokens), len(kept_tokens)
         if k < n:
             with torch.inference_mode():
                 cache.load(req.blocks, kept_kv.to(cache.dtype), 0)
-        _resize(cache.allocator, req, blocks_needed(k + 1, cache.block_size))
+        _resize(cache.allocator, req, blocks_needed(req.hold_tokens(k), cache.block_size))
         req.uncut_prompt = req.prompt[:n]
         req.kept_index = index
         req.prompt = kept_tokens + req.prompt[n:]

@@ -180,12 +180,31 @@ class Request:
         """Tokens the request's blocks must hold on admission: what it computes before its first
         sample (its prompt; after a preemption everything it had; a cut one its whole prompt
         first), or its swapped cache and the token it decodes next (it decodes at once: the
-        blocks it grows by were given out)."""
+        blocks it grows by were given out). A request with a decode cut reserves all it may
+        grow to from there (:meth:`hold_tokens`, at most ``budget + every`` past its prompt),
+        so the cut requests admitted never outgrow the budget and preempt each other."""
         if self.swapped is not None:
-            return int(self.swapped.shape[2]) + 1
-        if self.recut:  # its whole prompt, or its kept rows and generated tokens if more
-            return max(len(self.prompt), self.recut_tokens)
-        return len(self.prefill_tokens)
+            need = int(self.swapped.shape[2]) + 1
+        elif self.recut:  # its whole prompt, or its kept rows and generated tokens if more
+            need = max(len(self.prompt), self.recut_tokens)
+        else:
+            need = len(self.prefill_tokens)
+        if self.decode_cut is not None:
+            need = int(self.decode_cut.held_tokens(need, self._entering))
+        return need
+
+    @property
+    def _entering(self) -> int:
+        """Generated tokens still to enter the cache (every one but the last is fed back)."""
+        return self.params.max_tokens - max(1, len(self.output))
+
+    def hold_tokens(self, cached: int) -> int:
+        """KV tokens whose blocks the request keeps while it holds ``cached``: the next token's
+        slot too; with a decode cut, all it may grow to before that cut
+        (``DecodeCut.held_tokens`` of the generated tokens still to enter its cache)."""
+        if self.decode_cut is None:
+            return cached + 1
+        return max(cached + 1, int(self.decode_cut.held_tokens(cached, self._entering)))
 
     def slot_positions(self, n: int) -> Tensor:
         """True RoPE positions (CPU int64) of the rows in slots ``0..n-1``."""

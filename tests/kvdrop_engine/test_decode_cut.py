@@ -167,22 +167,25 @@ def test_preempted_cut_requests_keep_their_tokens(model: Transformer) -> None:
     """Three cut requests in a budget too small for all three at their peaks: those preempted
     after a cut are swapped to host memory and back (not recomputed), and every request decodes
     what it decodes alone."""
-    prompts = [prompt_of(n, 10 + i) for i, n in enumerate((70, 50, 30))]
-    params = {"max_tokens": 150, **GREEDY}
+    prompts = [prompt_of(n, 10 + i) for i, n in enumerate((20, 70, 50, 30))]
+    base = {"max_tokens": 150, **GREEDY}
+    # The first is not cut: it grows to 169 tokens and preempts the (newer) cut requests,
+    # which reserve what they hold at most and so never preempt by themselves.
+    params = [{**base, "kvdrop": {"decode": None}}, base, base, base]
 
     def compressor() -> DecodeCompressor:
         return DecodeCompressor(model.config, "rkv", budget=40, every=16)
 
     with Engine(model, num_blocks=64, compressor=compressor()) as solo:
-        want = [solo.generate(p, params) for p in prompts]
-    # 10 blocks of 16: a cut request holds 3-4 blocks (41-56 tokens); three do not fit at once.
-    with Engine(model, num_blocks=10, compressor=compressor()) as engine:
-        with engine._cv:  # all three submitted before the loop's first step (one schedule)
-            streams = [engine.post_completion(p, params) for p in prompts]
+        want = [solo.generate(p, q) for p, q in zip(prompts, params)]
+    # 12 blocks of 16: a cut request holds 4-5 blocks (56-70 tokens); not all fit at once.
+    with Engine(model, num_blocks=12, compressor=compressor()) as engine:
+        with engine._cv:  # all submitted before the loop's first step (one schedule)
+            streams = [engine.post_completion(p, q) for p, q in zip(prompts, params)]
         got: list[list[int]] = [[] for _ in prompts]
         readers = [
             threading.Thread(target=lambda i=i: got[i].extend(e.token_id for e in streams[i]))
-            for i in range(3)
+            for i in range(len(prompts))
         ]
         for r in readers:
             r.start()
@@ -363,3 +366,37 @@ def test_a_generation_longer_than_the_budget_fits_when_cut(model: Transformer) -
         assert engine.stats().peak_decode_kv_tokens == 80
         with pytest.raises(RequestTooLargeError):
             engine.post_completion(prompt_of(100), {**params, "kvdrop": {"decode": None}})
+
+
+def test_cut_requests_are_admitted_by_what_they_hold_at_most(model: Transformer) -> None:
+    """The long-generation job at tiny shape: eight 20-60-token prompts, 200 tokens each, cut
+    to 32 + 16, in 16 blocks of 16. Admitted by their prompts, they outgrow the budget and
+    preempt each other (each recompute re-prefills); admitted by what they hold at most
+    (``max(prompt, budget + every)``), none is preempted, none holds more than budget + every
+    while it decodes, and each decodes what it decodes alone."""
+    prompts = [prompt_of(20 + 5 * i, 30 + i) for i in range(8)]
+    params = {"max_tokens": 200, **GREEDY}
+
+    def compressor() -> DecodeCompressor:
+        return DecodeCompressor(model.config, "knorm", budget=32, every=16)
+
+    with Engine(model, num_blocks=64, compressor=compressor()) as solo:
+        want = [solo.generate(p, params) for p in prompts]
+    with Engine(model, num_blocks=16, compressor=compressor()) as engine:
+        with engine._cv:  # all submitted before the loop's first step (one schedule)
+            streams = [engine.post_completion(p, params) for p in prompts]
+        got: list[list[int]] = [[] for _ in prompts]
+        readers = [
+            threading.Thread(target=lambda i=i: got[i].extend(e.token_id for e in streams[i]))
+            for i in range(len(prompts))
+        ]
+        for r in readers:
+            r.start()
+        for r in readers:
+            r.join(240)
+        st = engine.stats()
+    assert got == want
+    assert st.preemptions == 0 and st.swaps == 0
+    assert st.peak_decode_kv_tokens <= 32 + 16
+    assert st.peak_running >= 4  # 3-4 blocks each: four or five run side by side
+    assert engine.num_free_blocks == engine.num_blocks
