@@ -43,6 +43,7 @@ from kvdrop_engine.sampling import (
 )
 from kvdrop_engine.scheduler import (
     DEFAULT_BUDGET_TOKENS,
+    DEFAULT_CLIENT_PREFILL_TOKENS,
     Scheduler,
     StepPlan,
     budget_blocks,
@@ -104,6 +105,7 @@ class Engine:
         block_size: int = 16,
         max_batch_size: int = 256,
         max_prefill_tokens: int = 2048,
+        max_client_prefill_tokens: int | None = DEFAULT_CLIENT_PREFILL_TOKENS,
         connector: KVConnector | None = None,
         cuda_graphs: bool | None = None,
         graph_batch_sizes: Sequence[int] | None = None,
@@ -121,6 +123,8 @@ class Engine:
             num_blocks = budget_blocks(num_blocks, kv_budget_tokens, block_size)
             positive_int(max_batch_size, "max_batch_size")
             positive_int(max_prefill_tokens, "max_prefill_tokens")
+            if max_client_prefill_tokens is not None:
+                positive_int(max_client_prefill_tokens, "max_client_prefill_tokens")
             positive_int(load_concurrency, "load_concurrency")
             check_seconds(
                 load_timeout_s=load_timeout_s,
@@ -156,6 +160,7 @@ class Engine:
         self._graphs = self.runner.graphs
         self.block_size, self.max_batch_size = block_size, max_batch_size
         self.max_prefill_tokens, self.load_concurrency = max_prefill_tokens, load_concurrency
+        self.max_client_prefill_tokens = max_client_prefill_tokens
         self.load_timeout_s = float(load_timeout_s)
         self.store_timeout_s = float(store_timeout_s)
         self.connector_backoff_s = float(connector_backoff_s)
@@ -488,7 +493,7 @@ class Engine:
         raises is retried with each request alone, so its failure reaches only the requests
         causing it; after the forward every failure is one request's own."""
         started = time.perf_counter()
-        plan = plan_step(batch, self.max_prefill_tokens)
+        plan = plan_step(batch, self.max_prefill_tokens, self.max_client_prefill_tokens)
         self._reconstruct(plan)
         if not plan.seqs:
             return

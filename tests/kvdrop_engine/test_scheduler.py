@@ -10,7 +10,14 @@ import pytest
 
 from kvdrop_engine.paged import BlockAllocator
 from kvdrop_engine.sampling import SamplingParams
-from kvdrop_engine.scheduler import Scheduler, budget_blocks, fair_shares, plan_step
+from kvdrop_engine.scheduler import (
+    DEFAULT_CLIENT_PREFILL_TOKENS,
+    Scheduler,
+    budget_blocks,
+    client_shares,
+    fair_shares,
+    plan_step,
+)
 from kvdrop_engine.sequence import LoadState, Request
 
 
@@ -58,6 +65,29 @@ def test_a_short_prompt_is_not_prefilled_after_a_long_ones_whole_prompt() -> Non
             r.num_computed += n
         steps += 1
     assert steps == 3 and short in plan.sampled
+
+
+def test_one_clients_prompts_get_at_most_its_cap_in_a_step_beside_another_clients_work() -> None:
+    """Issue 33 (soak p99): one client's prompt tokens are work on the one loop. Sixteen
+    1,000-token prompts under one ``cache_salt`` beside another client's decode took the whole
+    2,048-token step (each its own fair share); now that client gets the cap, shared among its
+    requests, and alone it still gets the whole budget."""
+    hostile = [req(k, 1000) for k in range(16)]
+    for r in hostile:
+        r.cache_salt = "tenant-h"
+    good = req(16, 4, 5, [7])  # decoding
+    plan = plan_step([*hostile, good], max_prefill_tokens=2048)
+    assert plan.num_decode == 1
+    assert plan.num_prefill == DEFAULT_CLIENT_PREFILL_TOKENS == 256
+    assert {n for _, n in plan.stepped if _ is not good} == {16}
+    # an unsalted request is a client of its own: capped beside others too
+    long, short = req(17, 3000), req(18, 16)
+    plan = plan_step([long, short, good], max_prefill_tokens=2048)
+    assert dict((r.rid, n) for r, n in plan.stepped) == {16: 1, 17: 256, 18: 16}
+    # alone, or with the cap off, the budget is not held back
+    assert plan_step(hostile, max_prefill_tokens=2048).num_prefill == 2048
+    assert plan_step([*hostile, good], 2048, max_client_prefill_tokens=None).num_prefill == 2048
+    assert client_shares([("a", 500), ("a", 500), ("b", 30)], {"a", "b"}, 128, 256) == [49, 49, 30]
 
 
 def test_admission_is_fifo_and_the_head_waits_for_its_blocks() -> None:
