@@ -30,7 +30,6 @@ from kvdrop_engine.options import (
     add_model_arguments,
 )
 from kvdrop_engine.request_fields import MAX_BODY_BYTES
-from kvdrop_engine.scheduler import DEFAULT_CLIENT_PREFILL_TOKENS
 from kvdrop_sdk.http_limits import HTTPLimits, bound_heap, capped_warnings, log_field
 from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
 
@@ -120,10 +119,10 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument(
         "--max-client-prefill-tokens",
         type=int,
-        default=DEFAULT_CLIENT_PREFILL_TOKENS,
+        default=None,
         help="prompt tokens one client (one cache_salt, or one unsalted request) may have in a "
-        "step that carries another client's work; 0: no cap (default "
-        f"{DEFAULT_CLIENT_PREFILL_TOKENS})",
+        "step that carries another client's work; 0: no cap (default: a quarter of "
+        "--max-prefill-tokens)",
     )
 
 
@@ -247,7 +246,7 @@ def _check_args(args: argparse.Namespace) -> None:
     _positive("--block-size", args.block_size)
     _positive("--max-batch-size", args.max_batch_size)
     _positive("--max-prefill-tokens", args.max_prefill_tokens)
-    if args.max_client_prefill_tokens < 0:
+    if args.max_client_prefill_tokens is not None and args.max_client_prefill_tokens < 0:
         raise EngineSetupError(
             f"--max-client-prefill-tokens must be >= 0, got {args.max_client_prefill_tokens}"
         )
@@ -403,7 +402,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
             block_size=args.block_size,
             max_batch_size=args.max_batch_size,
             max_prefill_tokens=args.max_prefill_tokens,
-            max_client_prefill_tokens=args.max_client_prefill_tokens or None,
+            max_client_prefill_tokens=args.max_client_prefill_tokens,
             connector=connector,
             dropper=dropper,
             compressor=compressor,

@@ -43,7 +43,6 @@ from kvdrop_engine.sampling import (
 )
 from kvdrop_engine.scheduler import (
     DEFAULT_BUDGET_TOKENS,
-    DEFAULT_CLIENT_PREFILL_TOKENS,
     Scheduler,
     StepPlan,
     budget_blocks,
@@ -105,7 +104,7 @@ class Engine:
         block_size: int = 16,
         max_batch_size: int = 256,
         max_prefill_tokens: int = 2048,
-        max_client_prefill_tokens: int | None = DEFAULT_CLIENT_PREFILL_TOKENS,
+        max_client_prefill_tokens: int | None = None,
         connector: KVConnector | None = None,
         cuda_graphs: bool | None = None,
         graph_batch_sizes: Sequence[int] | None = None,
@@ -123,7 +122,7 @@ class Engine:
             num_blocks = budget_blocks(num_blocks, kv_budget_tokens, block_size)
             positive_int(max_batch_size, "max_batch_size")
             positive_int(max_prefill_tokens, "max_prefill_tokens")
-            if max_client_prefill_tokens is not None:
+            if max_client_prefill_tokens:  # None: a quarter of max_prefill_tokens; 0: no cap
                 positive_int(max_client_prefill_tokens, "max_client_prefill_tokens")
             positive_int(load_concurrency, "load_concurrency")
             check_seconds(

@@ -42,14 +42,15 @@ if TYPE_CHECKING:
     from kvdrop_engine.decode_cut import KVSwap
 
 __all__ = [
+    "CLIENT_PREFILL_SHARE",
     "DEFAULT_BUDGET_TOKENS",
-    "DEFAULT_CLIENT_PREFILL_TOKENS",
     "SCORE_ROWS_PER_STEP",
     "PrefixPlan",
     "Scheduler",
     "StepPlan",
     "budget_blocks",
     "client_of",
+    "client_prefill_cap",
     "client_shares",
     "decoded_store_upto",
     "fair_shares",
@@ -65,9 +66,20 @@ __all__ = [
 SCORE_ROWS_PER_STEP = 256
 #: The engine's KV budget when it is given neither ``num_blocks`` nor ``kv_budget_tokens``.
 DEFAULT_BUDGET_TOKENS = 65536
-#: Prompt tokens one client may have in a step that carries another client's work (the
-#: engine's ``max_client_prefill_tokens``, ``--max-client-prefill-tokens``).
-DEFAULT_CLIENT_PREFILL_TOKENS = 256
+#: By default one client may have ``max_prefill_tokens // CLIENT_PREFILL_SHARE`` prompt tokens
+#: in a step that carries another client's work (the engine's ``max_client_prefill_tokens``,
+#: ``--max-client-prefill-tokens``).
+CLIENT_PREFILL_SHARE = 4
+
+
+def client_prefill_cap(max_prefill_tokens: int, max_client: int | None) -> int | None:
+    """The per-client cap a step plan uses: ``max_client`` (None: a
+    :data:`CLIENT_PREFILL_SHARE`-th of ``max_prefill_tokens``, at least 1; 0: no cap)."""
+    if max_client is None:
+        return max(1, max_prefill_tokens // CLIENT_PREFILL_SHARE)
+    return max_client or None
+
+
 #: Waiting requests looked at for one that may pass a head waiting for blocks.
 _MAX_PASS_SCAN = 256
 
@@ -196,7 +208,7 @@ class StepPlan:
 def plan_step(
     batch: Sequence[Request],
     max_prefill_tokens: int,
-    max_client_prefill_tokens: int | None = DEFAULT_CLIENT_PREFILL_TOKENS,
+    max_client_prefill_tokens: int | None = None,
 ) -> StepPlan:
     """Decodes first (one token each, so they never wait behind prefill chunks), then prompt
     chunks and pieces of reconstruction passes, ``max_prefill_tokens`` tokens in all, shared
@@ -206,7 +218,8 @@ def plan_step(
 
     The shares go to clients (:func:`client_of`: one ``cache_salt``, or one unsalted request),
     then to each client's requests; while the step carries another client's work a client gets
-    at most ``max_client_prefill_tokens`` (None: no cap), so one client's prompts cannot make
+    at most ``max_client_prefill_tokens`` (:func:`client_prefill_cap`), so
+    one client's prompts cannot make
     every step of the others long. Alone, a client gets the whole budget."""
     plan = StepPlan()
     for req in batch:
@@ -241,7 +254,7 @@ def plan_step(
         [(client_of(req), n) for req, n in wants],
         {client_of(req) for req in batch},
         max_prefill_tokens,
-        max_client_prefill_tokens,
+        client_prefill_cap(max_prefill_tokens, max_client_prefill_tokens),
     )
     for (req, _), n in zip(wants, shares, strict=True):
         if n <= 0:
