@@ -116,6 +116,14 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=2048,
         help="prompt tokens computed per engine step (default 2048)",
     )
+    eng.add_argument(
+        "--max-client-prefill-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens one client (one cache_salt, or one unsalted request) may have in a "
+        "step that carries another client's work; 0: no cap (default: a quarter of "
+        "--max-prefill-tokens)",
+    )
 
 
 def _drop_arguments(parser: argparse.ArgumentParser) -> None:
@@ -238,6 +246,10 @@ def _check_args(args: argparse.Namespace) -> None:
     _positive("--block-size", args.block_size)
     _positive("--max-batch-size", args.max_batch_size)
     _positive("--max-prefill-tokens", args.max_prefill_tokens)
+    if args.max_client_prefill_tokens is not None and args.max_client_prefill_tokens < 0:
+        raise EngineSetupError(
+            f"--max-client-prefill-tokens must be >= 0, got {args.max_client_prefill_tokens}"
+        )
     if args.kv_budget_tokens < args.block_size:
         raise EngineSetupError(
             f"--kv-budget-tokens ({args.kv_budget_tokens}) must be at least one block "
@@ -390,6 +402,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
             block_size=args.block_size,
             max_batch_size=args.max_batch_size,
             max_prefill_tokens=args.max_prefill_tokens,
+            max_client_prefill_tokens=args.max_client_prefill_tokens,
             connector=connector,
             dropper=dropper,
             compressor=compressor,

@@ -10,7 +10,8 @@ asks it three things and owns nothing else about dropping:
 2. for admission, :meth:`PromptCut.peak_tokens`: the most KV the request ever holds, the whole
    prompt while it prefills or the kept part plus its generated tokens, whichever is larger, so
    a dropped request reserves fewer blocks and more requests share the same KV budget;
-3. after the prefill (before the first token is handed out), :meth:`PromptDropper.cut`: the
+3. after the prefill (as the first token, from the prefill's logits, is handed out; the request
+   decodes on once the cut is applied), :meth:`PromptDropper.cut`: the
    prompt's K/V are gathered from the request's blocks on their device, the policy picks the
    tokens to keep (with the captured queries), the kept keys are
    re-rotated to positions ``0..k-1`` (as every kvdrop edit does, so decoding continues at
@@ -492,18 +493,10 @@ class PendingCut:
     """A cut running on a thread of its own (:meth:`PromptDropper.start` then
     :meth:`CutJob.choose`), with its deadline: the loop steps every other request meanwhile,
     and applies it (or fails its request) once :meth:`ready`. A policy still running at the
-    deadline is abandoned (Python cannot stop a thread; its late result is dropped). ``token``
-    and ``logprobs`` are the first token's, handed over after the cut."""
+    deadline is abandoned (Python cannot stop a thread; its late result is dropped)."""
 
-    def __init__(
-        self,
-        job: CutJob,
-        timeout_s: float,
-        wake: Callable[[], None],
-        token: int,
-        logprobs: Any,
-    ) -> None:
-        self.job, self.token, self.logprobs = job, token, logprobs
+    def __init__(self, job: CutJob, timeout_s: float, wake: Callable[[], None]) -> None:
+        self.job = job
         self.started = time.perf_counter()
         self.deadline = time.monotonic() + timeout_s
         self.timeout_s = timeout_s
@@ -545,7 +538,7 @@ def prepare_cut(
     """(at submission, for :func:`kvdrop_engine.plan.plan_request`) ``req``'s prompt cut for its
     parsed ``"kvdrop"`` ``override`` (``UNSET``: none sent); asking for a cut from an engine
     without a dropper is an ``InvalidRequestError``. A request that may be cut reports its kept
-    prompt tokens on its first event."""
+    prompt tokens once (:class:`~kvdrop_sdk.events.TokenEvent`)."""
     if dropper is None:
         if override is not UNSET and override is not None:
             raise InvalidRequestError(
@@ -564,15 +557,16 @@ def prepare_cut(
 @dataclass(frozen=True)
 class CutPrompt:
     """(after prefill) Cut the prompt's cache by the request's policy, off the loop: the first
-    event is held until the cut is applied (``Engine._finish_cut``). An action of a
+    token (from the prefill's logits) is handed over at once, and the request decodes on once
+    the cut is applied (``Engine._finish_cut``). An action of a
     :class:`~kvdrop_engine.plan.RequestPlan`; a request that ends with its first token, or
     whose cut was applied already (a preempted one recomputing), is not cut."""
 
     def run(self, host: Any, req: Request, step: Any) -> bool:
         if req.kept_index is not None or step.reason is not None:
             return False
-        host.start_cut(req, step.token, step.logprobs)
-        return True
+        host.start_cut(req)
+        return False  # the first event goes out now: its token does not depend on the cut
 
 
 def _resize(allocator: BlockAllocator, req: Request, need: int) -> None:

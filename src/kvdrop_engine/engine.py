@@ -104,6 +104,7 @@ class Engine:
         block_size: int = 16,
         max_batch_size: int = 256,
         max_prefill_tokens: int = 2048,
+        max_client_prefill_tokens: int | None = None,
         connector: KVConnector | None = None,
         cuda_graphs: bool | None = None,
         graph_batch_sizes: Sequence[int] | None = None,
@@ -121,6 +122,8 @@ class Engine:
             num_blocks = budget_blocks(num_blocks, kv_budget_tokens, block_size)
             positive_int(max_batch_size, "max_batch_size")
             positive_int(max_prefill_tokens, "max_prefill_tokens")
+            if max_client_prefill_tokens:  # None: a quarter of max_prefill_tokens; 0: no cap
+                positive_int(max_client_prefill_tokens, "max_client_prefill_tokens")
             positive_int(load_concurrency, "load_concurrency")
             check_seconds(
                 load_timeout_s=load_timeout_s,
@@ -156,6 +159,7 @@ class Engine:
         self._graphs = self.runner.graphs
         self.block_size, self.max_batch_size = block_size, max_batch_size
         self.max_prefill_tokens, self.load_concurrency = max_prefill_tokens, load_concurrency
+        self.max_client_prefill_tokens = max_client_prefill_tokens
         self.load_timeout_s = float(load_timeout_s)
         self.store_timeout_s = float(store_timeout_s)
         self.connector_backoff_s = float(connector_backoff_s)
@@ -488,7 +492,7 @@ class Engine:
         raises is retried with each request alone, so its failure reaches only the requests
         causing it; after the forward every failure is one request's own."""
         started = time.perf_counter()
-        plan = plan_step(batch, self.max_prefill_tokens)
+        plan = plan_step(batch, self.max_prefill_tokens, self.max_client_prefill_tokens)
         self._reconstruct(plan)
         if not plan.seqs:
             return
@@ -610,10 +614,10 @@ class Engine:
         windows: Mapping[int, WindowRecord | None] | None = None,
     ) -> None:
         """Hand a request's step result over by walking its plan (:mod:`kvdrop_engine.plan`):
-        after its prefill the ``after_prefill`` actions (store the prompt, cut it: a cut holds
-        the first event until it is applied), then its event, and before the last one the
-        ``after_finish`` actions (stores, kvzip's pass, which holds the event). A scoring
-        request hands over its rows."""
+        after its prefill the ``after_prefill`` actions (store the prompt, start its cut: the
+        first token, from the prefill's logits, goes out meanwhile), then its event, and before
+        the last one the ``after_finish`` actions (stores, kvzip's pass, which holds the
+        event). A scoring request hands over its rows."""
         try:
             if tok is None:
                 parts = req.score_parts
@@ -626,7 +630,9 @@ class Engine:
                         return  # held: the action hands the event over later
             text = "" if req.detok is None else req.detok.add(tok, final=reason is not None)
             lp, top = (None, ()) if logprobs is None else logprobs
-            kept, req.kept_prompt = req.kept_prompt, None  # on the first event only
+            kept = None
+            if req.cutting is None:  # reported once, by the first event that knows it
+                kept, req.kept_prompt = req.kept_prompt, None
             step.event = TokenEvent(
                 tok, text, reason, logprob=lp, top_logprobs=top, kept_prompt_tokens=kept
             )
@@ -665,9 +671,9 @@ class Engine:
         """The server I/O (None without a connector); the plan's store actions submit to it."""
         return self._transfers
 
-    def start_cut(self, req: Request, tok: int, logprobs: TokenLogprobs | None) -> None:
+    def start_cut(self, req: Request) -> None:
         """(the plan's :class:`~kvdrop_engine.drop.CutPrompt`) Start the prompt cut."""
-        self._start_cut(req, tok, logprobs)
+        self._start_cut(req)
 
     def add_seconds(self, counter: str, seconds: float) -> None:
         """Add ``seconds`` to the counter ``counter`` of :class:`EngineStats`."""
@@ -688,19 +694,21 @@ class Engine:
         except Exception as exc:
             self._fail(req, exc)
 
-    def _start_cut(self, req: Request, tok: int, logprobs: TokenLogprobs | None) -> None:
+    def _start_cut(self, req: Request) -> None:
         """(after prefill) Start cutting the prompt's cache by its policy on a thread of its own
         (:class:`~kvdrop_engine.drop.PendingCut`): the loop steps the other requests
-        meanwhile, and :meth:`_finish_cut` applies it once it ends or its deadline passes."""
+        meanwhile (this one's first token is handed over now; it decodes on once the cut is
+        applied), and :meth:`_finish_cut` applies it once it ends or its deadline passes."""
         assert self.dropper is not None
         job = self.dropper.start(self.cache, req, req.cut)
-        pending = PendingCut(job, self.dropper.cut_timeout_s, self._wake, tok, logprobs)
+        pending = PendingCut(job, self.dropper.cut_timeout_s, self._wake)
         with self._cv:
             req.cutting = pending
 
     def _finish_cut(self, req: Request) -> None:
-        """(on the loop) Apply a cut whose policy ended, then hand the first token over; a
-        failed or late cut fails its request only (its blocks were never changed)."""
+        """(on the loop) Apply a cut whose policy ended; its request's next event reports the
+        kept prompt tokens. A failed or late cut fails its request only (its blocks were never
+        changed; its first token was handed over already)."""
         pending, req.cutting = req.cutting, None
         with self._cv:
             running = self._sched.running.get(req.rid) is req
@@ -710,12 +718,10 @@ class Engine:
             self._cut(req, pending)
         except Exception as exc:
             self._fail(req, exc)
-            return
-        self._ship(req, pending.token, pending.logprobs, None)
 
     def _cut(self, req: Request, pending: PendingCut) -> None:
         """Apply ``pending``'s kept rows (:meth:`~kvdrop_engine.drop.PromptDropper.apply`);
-        the first event reports the kept prompt tokens."""
+        the request's next event reports the kept prompt tokens."""
         assert self.dropper is not None
         chosen = pending.result()
         done = self.dropper.apply(self.cache, req, pending.job, chosen, pending.started)

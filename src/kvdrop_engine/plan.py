@@ -91,8 +91,8 @@ class RequestPlan:
     (:func:`plan_request`) and never changed: its prompt ``cut`` after prefill (a
     :class:`~kvdrop_engine.drop.PromptCut`, None: kept whole), its ``decode`` cut (a
     :class:`~kvdrop_engine.decode_cut.DecodeCut`, None: none), the query window the connector
-    stores for it (``store``), and the ordered actions that run ``after_prefill`` (before the
-    first token is handed over) and ``after_finish`` (before the last one is), each an object of
+    stores for it (``store``), and the ordered actions that run ``after_prefill`` (as the first
+    token is handed over) and ``after_finish`` (before the last one is), each an object of
     the module that owns it with ``run(host, req, step) -> held``. Whether it loads a cached
     prefix is ``load``; the :class:`~kvdrop_engine.scheduler.PrefixPlan` of admission says what.
     """

@@ -42,12 +42,16 @@ if TYPE_CHECKING:
     from kvdrop_engine.decode_cut import KVSwap
 
 __all__ = [
+    "CLIENT_PREFILL_SHARE",
     "DEFAULT_BUDGET_TOKENS",
     "SCORE_ROWS_PER_STEP",
     "PrefixPlan",
     "Scheduler",
     "StepPlan",
     "budget_blocks",
+    "client_of",
+    "client_prefill_cap",
+    "client_shares",
     "decoded_store_upto",
     "fair_shares",
     "follow",
@@ -62,6 +66,20 @@ __all__ = [
 SCORE_ROWS_PER_STEP = 256
 #: The engine's KV budget when it is given neither ``num_blocks`` nor ``kv_budget_tokens``.
 DEFAULT_BUDGET_TOKENS = 65536
+#: By default one client may have ``max_prefill_tokens // CLIENT_PREFILL_SHARE`` prompt tokens
+#: in a step that carries another client's work (the engine's ``max_client_prefill_tokens``,
+#: ``--max-client-prefill-tokens``).
+CLIENT_PREFILL_SHARE = 4
+
+
+def client_prefill_cap(max_prefill_tokens: int, max_client: int | None) -> int | None:
+    """The per-client cap a step plan uses: ``max_client`` (None: a
+    :data:`CLIENT_PREFILL_SHARE`-th of ``max_prefill_tokens``, at least 1; 0: no cap)."""
+    if max_client is None:
+        return max(1, max_prefill_tokens // CLIENT_PREFILL_SHARE)
+    return max_client or None
+
+
 #: Waiting requests looked at for one that may pass a head waiting for blocks.
 _MAX_PASS_SCAN = 256
 
@@ -187,12 +205,22 @@ class StepPlan:
     num_decode: int = 0
 
 
-def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
+def plan_step(
+    batch: Sequence[Request],
+    max_prefill_tokens: int,
+    max_client_prefill_tokens: int | None = None,
+) -> StepPlan:
     """Decodes first (one token each, so they never wait behind prefill chunks), then prompt
     chunks and pieces of reconstruction passes, ``max_prefill_tokens`` tokens in all, shared
     max-min fairly (:func:`fair_shares`): a short prompt beside a 3,000-token one (or sixteen)
     is prefilled in the next step or two instead of after all of theirs, and a long kvzip pass
-    never holds the decodes up."""
+    never holds the decodes up.
+
+    The shares go to clients (:func:`client_of`: one ``cache_salt``, or one unsalted request),
+    then to each client's requests; while the step carries another client's work a client gets
+    at most ``max_client_prefill_tokens`` (:func:`client_prefill_cap`), so
+    one client's prompts cannot make
+    every step of the others long. Alone, a client gets the whole budget."""
     plan = StepPlan()
     for req in batch:
         if req.prefilling or req.reconstruction is not None:
@@ -222,7 +250,12 @@ def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
             score_budget -= max(0, start + n - first)
         if n > 0:
             wants.append((req, n))
-    shares = fair_shares([n for _, n in wants], max_prefill_tokens)
+    shares = client_shares(
+        [(client_of(req), n) for req, n in wants],
+        {client_of(req) for req in batch},
+        max_prefill_tokens,
+        client_prefill_cap(max_prefill_tokens, max_client_prefill_tokens),
+    )
     for (req, _), n in zip(wants, shares, strict=True):
         if n <= 0:
             continue
@@ -245,6 +278,33 @@ def plan_step(batch: Sequence[Request], max_prefill_tokens: int) -> StepPlan:
         plan.stepped.append((req, n))
         plan.num_prefill += n
     return plan
+
+
+def client_of(req: Request) -> object:
+    """The client whose share a request's prompt tokens count against: its ``cache_salt`` (a
+    tenant's isolation key), or the request itself when it has none."""
+    return ("salt", req.cache_salt) if req.cache_salt else ("rid", req.rid)
+
+
+def client_shares(
+    wants: Sequence[tuple[object, int]],
+    clients: Collection[object],
+    budget: int,
+    cap: int | None,
+) -> list[int]:
+    """:func:`fair_shares` over clients, then over each client's wants (in line order). With
+    more than one client in ``clients`` (the step's requests, decoding ones too) each client's
+    share is at most ``cap``."""
+    owners: dict[object, list[int]] = {}
+    for i, (owner, _) in enumerate(wants):
+        owners.setdefault(owner, []).append(i)
+    limit = cap if cap is not None and len(clients) > 1 else budget
+    totals = [min(limit, sum(wants[i][1] for i in idx)) for idx in owners.values()]
+    shares = [0] * len(wants)
+    for idx, total in zip(owners.values(), fair_shares(totals, budget), strict=True):
+        for i, n in zip(idx, fair_shares([wants[i][1] for i in idx], total), strict=True):
+            shares[i] = n
+    return shares
 
 
 def fair_shares(wants: Sequence[int], budget: int) -> list[int]:

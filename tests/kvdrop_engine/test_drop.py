@@ -19,6 +19,7 @@ from kvdrop_engine.metrics import engine_load
 from kvdrop_engine.model import DenseAttention, ModelConfig, Transformer
 from kvdrop_sdk import CacheKind
 from kvdrop_sdk.edit import EditContext
+from kvdrop_sdk.events import kept_prompt_tokens
 from kvdrop_sdk.query_capture import QueryCapture
 
 pytestmark = pytest.mark.timeout(120)
@@ -80,7 +81,8 @@ def test_cut_equals_the_policy_on_a_dense_cache(model: Transformer) -> None:
         events = list(engine.post_completion(prompt, {"max_tokens": 8, **GREEDY}))
         stats = engine.stats()
     assert [e.token_id for e in events] == dense_cut_reference(model, prompt, "knorm", 8)
-    assert events[0].kept_prompt_tokens == 100 and events[1].kept_prompt_tokens is None
+    # the first token goes out while the cut runs; the next event reports what it kept
+    assert [e.kept_prompt_tokens for e in events[:3]] == [None, 100, None]
     assert (stats.prompt_cuts, stats.prompt_tokens_kept, stats.prompt_tokens_dropped) == (
         1,
         100,
@@ -137,7 +139,7 @@ def test_overrides_and_threshold(model: Transformer) -> None:
     params = {"max_tokens": 3, **GREEDY}
 
     def kept(engine: Engine, extra: dict, tokens: list[int] = prompt) -> int | None:
-        return next(iter(engine.post_completion(tokens, {**params, **extra}))).kept_prompt_tokens
+        return kept_prompt_tokens(engine.post_completion(tokens, {**params, **extra}))
 
     dropper = PromptDropper(
         model.config, "snapkv", keep_ratio=0.5, min_prompt_tokens=150, client_policies="all"
@@ -172,11 +174,10 @@ def test_a_spec_keep_ratio_is_the_engines_one_rule(model: Transformer) -> None:
         model, num_blocks=64, dropper=PromptDropper(model.config, "knorm", keep_ratio=0.5)
     )
     with engine:
-        first = next(iter(engine.post_completion(prompt_of(200), params)))
-        assert first.kept_prompt_tokens == 100
+        assert kept_prompt_tokens(engine.post_completion(prompt_of(200), params)) == 100
         ask = {"policy": "knorm(keep_ratio=0.25)"}  # the engine's 0.5 is only a default
-        first = next(iter(engine.post_completion(prompt_of(200), {**params, "kvdrop": ask})))
-        assert first.kept_prompt_tokens == 50
+        events = engine.post_completion(prompt_of(200), {**params, "kvdrop": ask})
+        assert kept_prompt_tokens(events) == 50
         with pytest.raises(
             InvalidRequestError, match=r"sets keep_ratio=0\.25 and keep_ratio 0\.75"
         ):
@@ -184,8 +185,8 @@ def test_a_spec_keep_ratio_is_the_engines_one_rule(model: Transformer) -> None:
                 prompt_of(200), {**params, "kvdrop": {**ask, "keep_ratio": 0.75}}
             )
     with Engine(model, num_blocks=64, dropper=dropper) as engine:
-        first = next(iter(engine.post_completion(prompt_of(200), params)))
-    assert first.kept_prompt_tokens == 60
+        kept = kept_prompt_tokens(engine.post_completion(prompt_of(200), params))
+    assert kept == 60
 
 
 @pytest.mark.parametrize(
@@ -290,7 +291,7 @@ def test_with_a_connector_the_whole_prompt_is_stored_before_the_cut(model: Trans
     assert list(conn.chunks) == [tuple(prompt[:192])]
     assert stats.tokens_loaded == 192 and stats.prompt_cuts == 2
     assert [e.token_id for e in first] == [e.token_id for e in again]
-    assert first[0].kept_prompt_tokens == again[0].kept_prompt_tokens == 100
+    assert kept_prompt_tokens(first) == kept_prompt_tokens(again) == 100
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -308,7 +309,7 @@ def test_cuda_cuts_beside_prefills_equal_their_solo_runs(spec: str) -> None:
         with Engine(gpu, num_blocks=256, dropper=dropper, max_prefill_tokens=128) as engine:
             streams = [engine.post_completion(p, params) for p in batch]
             events = [list(s) for s in streams]
-        return [(e[0].kept_prompt_tokens, [x.token_id for x in e]) for e in events]
+        return [(kept_prompt_tokens(e), [x.token_id for x in e]) for e in events]
 
     together = run(prompts)
     alone = [run([p])[0] for p in prompts]

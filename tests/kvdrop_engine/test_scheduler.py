@@ -10,7 +10,13 @@ import pytest
 
 from kvdrop_engine.paged import BlockAllocator
 from kvdrop_engine.sampling import SamplingParams
-from kvdrop_engine.scheduler import Scheduler, budget_blocks, fair_shares, plan_step
+from kvdrop_engine.scheduler import (
+    Scheduler,
+    budget_blocks,
+    client_shares,
+    fair_shares,
+    plan_step,
+)
 from kvdrop_engine.sequence import LoadState, Request
 
 
@@ -25,7 +31,7 @@ def test_plan_step_puts_decodes_first_and_caps_prefill_tokens() -> None:
     a = req(0, 10, 0, [])  # prefilling, 10 tokens
     b = req(1, 4, 5, [7])  # decoding: prompt + 1 generated token computed
     c = req(2, 6, 2, [])  # prefilling, 4 tokens left
-    plan = plan_step([a, b, c], max_prefill_tokens=12)
+    plan = plan_step([a, b, c], max_prefill_tokens=12, max_client_prefill_tokens=0)
     assert [s.seq_id for s in plan.seqs] == [1, 0, 2]
     assert plan.tokens[:1] == [7] and plan.positions[:1] == [5]
     assert (plan.num_decode, plan.num_prefill) == (1, 12)
@@ -58,6 +64,30 @@ def test_a_short_prompt_is_not_prefilled_after_a_long_ones_whole_prompt() -> Non
             r.num_computed += n
         steps += 1
     assert steps == 3 and short in plan.sampled
+
+
+def test_one_clients_prompts_get_at_most_its_cap_in_a_step_beside_another_clients_work() -> None:
+    """Issue 33 (soak p99): one client's prompt tokens are work on the one loop. Sixteen
+    1,000-token prompts under one ``cache_salt`` beside another client's decode took the whole
+    2,048-token step (each its own fair share); now that client gets the cap (a quarter of the
+    step by default), shared among its
+    requests, and alone it still gets the whole budget."""
+    hostile = [req(k, 1000) for k in range(16)]
+    for r in hostile:
+        r.cache_salt = "tenant-h"
+    good = req(16, 4, 5, [7])  # decoding
+    plan = plan_step([*hostile, good], max_prefill_tokens=2048)
+    assert plan.num_decode == 1
+    assert plan.num_prefill == 2048 // 4
+    assert {n for r, n in plan.stepped if r is not good} == {32}
+    # an unsalted request is a client of its own: capped beside others too
+    long, short = req(17, 3000), req(18, 16)
+    plan = plan_step([long, short, good], max_prefill_tokens=2048)
+    assert dict((r.rid, n) for r, n in plan.stepped) == {16: 1, 17: 512, 18: 16}
+    # alone, or with the cap off, the budget is not held back
+    assert plan_step(hostile, max_prefill_tokens=2048).num_prefill == 2048
+    assert plan_step([*hostile, good], 2048, max_client_prefill_tokens=0).num_prefill == 2048
+    assert client_shares([("a", 500), ("a", 500), ("b", 30)], {"a", "b"}, 128, 256) == [49, 49, 30]
 
 
 def test_admission_is_fifo_and_the_head_waits_for_its_blocks() -> None:
