@@ -181,17 +181,7 @@ def test_preempted_cut_requests_keep_their_tokens(model: Transformer) -> None:
         want = [solo.generate(p, q) for p, q in zip(prompts, params)]
     # 12 blocks of 16: a cut request holds 4-5 blocks (56-70 tokens); not all fit at once.
     with Engine(model, num_blocks=12, compressor=compressor()) as engine:
-        with engine._cv:  # all submitted before the loop's first step (one schedule)
-            streams = [engine.post_completion(p, q) for p, q in zip(prompts, params)]
-        got: list[list[int]] = [[] for _ in prompts]
-        readers = [
-            threading.Thread(target=lambda i=i: got[i].extend(e.token_id for e in streams[i]))
-            for i in range(len(prompts))
-        ]
-        for r in readers:
-            r.start()
-        for r in readers:
-            r.join(240)
+        got = _run_together(engine, prompts, params)
         st = engine.stats()
     assert got == want
     assert st.swaps >= 1 and st.preemptions >= st.swaps
@@ -384,20 +374,27 @@ def test_cut_requests_are_admitted_by_what_they_hold_at_most(model: Transformer)
     with Engine(model, num_blocks=64, compressor=compressor()) as solo:
         want = [solo.generate(p, params) for p in prompts]
     with Engine(model, num_blocks=16, compressor=compressor()) as engine:
-        with engine._cv:  # all submitted before the loop's first step (one schedule)
-            streams = [engine.post_completion(p, params) for p in prompts]
-        got: list[list[int]] = [[] for _ in prompts]
-        readers = [
-            threading.Thread(target=lambda i=i: got[i].extend(e.token_id for e in streams[i]))
-            for i in range(len(prompts))
-        ]
-        for r in readers:
-            r.start()
-        for r in readers:
-            r.join(240)
+        got = _run_together(engine, prompts, [params] * len(prompts))
         st = engine.stats()
     assert got == want
     assert st.preemptions == 0 and st.swaps == 0
     assert st.peak_decode_kv_tokens <= 32 + 16
     assert st.peak_running >= 4  # 3-4 blocks each: four or five run side by side
     assert engine.num_free_blocks == engine.num_blocks
+
+
+def _run_together(engine: Engine, prompts: list[list[int]], params: list[dict]) -> list[list[int]]:
+    """Each prompt's generated token ids, all submitted before the loop's first step (one
+    schedule) and read on threads of their own."""
+    with engine._cv:
+        streams = [engine.post_completion(p, q) for p, q in zip(prompts, params, strict=True)]
+    got: list[list[int]] = [[] for _ in prompts]
+    readers = [
+        threading.Thread(target=lambda i=i: got[i].extend(e.token_id for e in streams[i]))
+        for i in range(len(prompts))
+    ]
+    for r in readers:
+        r.start()
+    for r in readers:
+        r.join(240)
+    return got
