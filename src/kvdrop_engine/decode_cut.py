@@ -309,13 +309,49 @@ class DecodeCompressor:
     @staticmethod
     def due(req: Request) -> bool:
         """Whether ``req`` is cut after this step: its cache would pass ``budget + every`` with
-        the next token, and a policy that reads queries has at least one captured row (right
-        after a prompt cut it waits one step for its first decoded query)."""
+        the next token, and a policy that reads queries has at least one captured row (it has
+        one whenever it is due: the prompt's tail is captured while it prefills, and after a
+        prompt cut :meth:`after_prompt_cut` moves those rows to the kept cache)."""
         cut = req.decode_cut
         if cut is None or not cut.due(req.num_computed):
             return False
         reads = cut.policy.queries is not QueryNeed.NONE
         return not reads or (req.window is not None and req.window.num_rows > 0)
+
+    def after_prompt_cut(
+        self,
+        req: Request,
+        rows: tuple[torch.Tensor, torch.Tensor] | None,
+        num_prompt: int,
+    ) -> None:
+        """(after a prompt cut of ``num_prompt`` tokens to the ``req.num_computed`` kept ones,
+        their keys re-rotated to ``0..k-1``, and its window restarted) Where the decode cut is
+        due at once (``k`` past ``budget + every``) and reads queries, give the fresh window the
+        prompt's last query rows ``rows`` ``(slots [r], queries [L, r, Hq, d])`` it captured
+        while prefilling, moved back by the tokens the prompt cut dropped (slot and RoPE
+        position ``p - (num_prompt - k)``), so the decode cut ranks before the request's first
+        decode step and it never decodes past ``budget + every``. The rows are those of the
+        kept tokens where the prompt cut kept the prompt's tail (window policies do), else the
+        prompt's last queries standing at the kept cache's end."""
+        cut, window = req.decode_cut, req.window
+        k = req.num_computed
+        if cut is None or not cut.due(k) or rows is None or window is None:
+            return
+        if cut.policy.queries is QueryNeed.NONE or window.num_rows:
+            return
+        from kvdrop.rope import rerotate_keys, rope_config  # the policy library
+
+        qpos, queries = rows
+        shift = num_prompt - k
+        take = (qpos >= max(num_prompt - cut.capture.window, shift)).nonzero().squeeze(1)
+        if take.numel() == 0:
+            return
+        old = qpos[take]
+        picked = queries.index_select(1, take.to(queries.device))
+        layers, r, heads, dim = picked.shape
+        flat = picked.reshape(layers, r, heads * dim)
+        moved = rerotate_keys(flat, old, old - shift, rope_config(self.rope_json))
+        window.add((old - shift).tolist(), moved.view(layers, r, heads, dim))
 
     def cut(self, cache: PagedKVCache, reqs: Sequence[Request]) -> DecodeCutResult:
         """Cut each of ``reqs`` (all due, see :meth:`DecodeCut.due`) to its budget in place: one
