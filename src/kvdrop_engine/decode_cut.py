@@ -355,10 +355,11 @@ class DecodeCompressor:
 
     def cut(self, cache: PagedKVCache, reqs: Sequence[Request]) -> DecodeCutResult:
         """Cut each of ``reqs`` (all due, see :meth:`DecodeCut.due`) to its budget in place: one
-        gather of every request's cache; the requests of one policy, length and query slots
-        ranked together (:class:`~kvdrop_engine.decode_batch.BatchedRank`), any other by its
-        policy; one scatter of the kept rows to each request's first slots, one read of the
-        kept indices to the host; the blocks past them are freed."""
+        gather of the keys of every request a batched ranking ranks (the requests of one policy,
+        length and query slots together, :class:`~kvdrop_engine.decode_batch.BatchedRank`: they
+        read no values) and of the whole cache of any other (ranked by its policy); one move of
+        the kept rows' keys and values to each request's first slots, one read of the kept
+        indices to the host; the blocks past them are freed."""
         started = time.perf_counter()
         groups: dict[tuple[Any, ...], list[tuple[Request, Any]]] = {}
         alone: list[Request] = []
@@ -374,29 +375,35 @@ class DecodeCompressor:
             groups.setdefault(key, []).append((req, observed))
         ordered = [req for members in groups.values() for req, _ in members] + alone
         counts = [req.num_computed for req in ordered]
+        device = cache.device
         with torch.inference_mode():
             slots = torch.cat([cache.slots(r.blocks, 0, n) for r, n in zip(ordered, counts)])
-            kv = cache.read_slots(slots)  # [2, L, sum(counts), Hkv*d], a copy
+            ranked = sum(counts[: len(ordered) - len(alone)])
+            keys_all = cache.read_keys(slots[:ranked])  # [L, ranked, Hkv*d], a copy
             picks: list[torch.Tensor] = []  # kept row indices per request, on the device
             offset = 0
             for members in groups.values():
                 req0, (qpos, _) = members[0]
                 fast = req0.decode_cut.fast
                 n, t = len(members), req0.num_computed
-                keys = kv[0, :, offset : offset + n * t].unflatten(1, (n, t)).transpose(0, 1)
+                keys = keys_all[:, offset : offset + n * t].unflatten(1, (n, t)).transpose(0, 1)
                 queries = None
                 if qpos is not None:
-                    queries = torch.stack([q for _, (_, q) in members]).to(kv.device)
+                    queries = torch.stack([q for _, (_, q) in members]).to(device)
                 picks.extend(fast.select(keys, queries, qpos).unbind(0))
                 offset += n * t
-            for req, part in zip(alone, kv[:, :, offset:].split(counts[len(picks) :], dim=2)):
-                picks.append(self._select(req, part).to(kv.device))
+            del keys_all
+            if alone:
+                kv = cache.read_slots(slots[ranked:])  # [2, L, rest, Hkv*d], a copy
+                for req, part in zip(alone, kv.split(counts[len(picks) :], dim=2)):
+                    picks.append(self._select(req, part).to(device))
+                del kv
             base = [0, *torch.tensor(counts[:-1], dtype=torch.int64).cumsum(0).tolist()]
             rows = torch.cat([index + b for index, b in zip(picks, base)])
             kept = torch.cat(
                 [cache.slots(r.blocks, 0, int(i.numel())) for r, i in zip(ordered, picks)]
             )
-            cache.write_slots(kept, kv.index_select(2, rows))
+            cache.move_slots(slots.index_select(0, rows), kept)
             host = torch.cat(picks).cpu().split([int(i.numel()) for i in picks])  # one sync
         for req, index in zip(ordered, host, strict=True):
             self._shrink(cache, req, index)
