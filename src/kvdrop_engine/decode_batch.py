@@ -10,8 +10,8 @@ stack, every layer and head in a few large launches, and one stable sort over ``
 scores; nothing is read back to the host until the kept indices are.
 
 It covers the common policies with their library parameters: ``rkv`` (importance minus
-redundancy; on a GPU the redundancy from a dense float32 similarity of every head, in groups
-under a tile bound, with no host synchronisation), ``snapkv``, ``tova``, ``knorm`` and
+redundancy; on a GPU the redundancy of every head at once, a float16 filter then float32 for the
+rows it keeps, with one host read: :func:`_last_similar`), ``snapkv``, ``tova``, ``knorm`` and
 ``streaming``, with the library's selector rules (the first ``n_sink`` rows and the last
 ``window`` always kept, then the highest scores, ties to the earlier row). The maths is the
 library's, in float32; the kept rows equal the policy's own choice but where two scores differ
