@@ -10,8 +10,8 @@ stack, every layer and head in a few large launches, and one stable sort over ``
 scores; nothing is read back to the host until the kept indices are.
 
 It covers the common policies with their library parameters: ``rkv`` (importance minus
-redundancy; on a GPU the redundancy from a dense float32 similarity of every head, in groups
-under a tile bound, with no host synchronisation), ``snapkv``, ``tova``, ``knorm`` and
+redundancy; on a GPU the redundancy of every head at once, a float16 filter then float32 for the
+rows it keeps, with one host read: :func:`_last_similar`), ``snapkv``, ``tova``, ``knorm`` and
 ``streaming``, with the library's selector rules (the first ``n_sink`` rows and the last
 ``window`` always kept, then the highest scores, ties to the earlier row). The maths is the
 library's, in float32; the kept rows equal the policy's own choice but where two scores differ
@@ -213,9 +213,10 @@ class BatchedRank:
         """R-KV's redundancy ``[B, L, Hkv, T]`` (the definition of
         :func:`kvdrop.attention.key_redundancy`, ``threshold >= 0``) of every head of every
         request. On the CPU the library's scan, a layer's heads at a time (it stops early); on
-        an accelerator a dense float32 similarity per head, heads in groups under the tile
-        bound: a few large launches and no host synchronisation (the scan's float16 filter
-        reads the device once per column block). ``dense`` picks the way (None: by device)."""
+        an accelerator every head at once (:func:`_last_similar`): a float16 filter, then a
+        float32 similarity of the rows it cannot rule out, with one host read in all (the
+        library's scan reads the device once per column block). ``dense`` picks the way
+        (None: by device)."""
         from kvdrop.attention import key_redundancy, unit_keys
 
         b, num_layers, num_tokens, hkv, d = k.shape
@@ -226,23 +227,72 @@ class BatchedRank:
             return red.view(b, num_layers, hkv, num_tokens)
         col_sum = torch.einsum("nd,ntd->nt", unit.sum(dim=1), unit)
         col_sum -= torch.einsum("ntd,ntd->nt", unit, unit)  # the zeroed diagonal
-        last = torch.empty(unit.shape[0], num_tokens, dtype=torch.int64, device=k.device)
+        last = _last_similar(unit, threshold)
         diag = torch.arange(num_tokens, device=k.device)
-        for part in _chunks(unit.shape[0], 7 * num_tokens * num_tokens, k.device):
-            u = unit[part]
-            sim = torch.matmul(u, u.transpose(1, 2))  # [n, T, T] float32
-            sim[:, diag, diag] = -math.inf  # the diagonal never counts as similar
-            similar = sim > threshold
-            del sim
-            found = similar.any(dim=-1)
-            col = (num_tokens - 1) - similar.view(torch.uint8).flip(-1).argmax(dim=-1)
-            last[part] = torch.where(found, col, 0)  # none: column 0, as upstream's argmax
         # The entry each row zeroes, S[i, last[i]] (0 on the diagonal), off its column's sum.
         partner = torch.gather(unit, 1, last[..., None].expand(-1, -1, d))
         entry = (unit * partner).sum(dim=-1)
         col_sum.scatter_add_(1, last, -torch.where(last == diag, 0.0, entry))
         red = torch.softmax(col_sum / num_tokens, dim=-1)
         return red.view(b, num_layers, hkv, num_tokens)
+
+
+def _last_similar(unit: Tensor, threshold: float) -> Tensor:
+    """``[n, T]`` int64: per head of unit keys ``unit`` ``[n, T, d]`` and row ``i``, the last
+    column ``j != i`` whose float32 similarity passes ``threshold`` (0: none).
+
+    A float16 product first finds each row's largest similarity (the fused
+    :func:`kvdrop.kernels.similarity_row_max` where Triton runs: no ``[T, T]`` tile); a row
+    whose largest is below ``threshold`` minus :func:`kvdrop.attention.fp16_filter_margin` has
+    no similar key, exactly. Only the other rows (each head padded to the head with most of
+    them) are multiplied again in float32 and decided as the library decides; one host read
+    (that count). Keys in few directions (every row passes the filter) cost one float16 pass
+    more than the float32 product alone; keys in many cost a fraction of it."""
+    from kvdrop.attention import fp16_filter_margin
+
+    n, num_tokens, d = unit.shape
+    device = unit.device
+    last = torch.zeros(n, num_tokens, dtype=torch.int64, device=device)
+    todo = _rough_row_max(unit) > threshold - fp16_filter_margin(d)
+    most = int(todo.sum(dim=-1).max())  # the one host read
+    if most == 0:
+        return last
+    cols = torch.arange(num_tokens, device=device)
+    order = None  # every row
+    if most < num_tokens:  # the rows to decide first, per head (stable: in order), padded
+        order = torch.argsort(todo.to(torch.int8), dim=-1, descending=True, stable=True)
+        order = order[:, :most]
+    for part in _chunks(n, 7 * most * num_tokens, device):
+        u = unit[part]
+        index = cols.expand(u.shape[0], -1) if order is None else order[part]
+        rows = u if order is None else torch.gather(u, 1, index[..., None].expand(-1, -1, d))
+        sim = torch.matmul(rows, u.transpose(1, 2))  # [p, most, T] float32
+        sim.masked_fill_(index[..., None] == cols, -math.inf)  # the diagonal never counts
+        similar = sim > threshold
+        del sim
+        found = similar.any(dim=-1)  # a padded row (ruled out by the filter) finds none
+        col = (num_tokens - 1) - similar.view(torch.uint8).flip(-1).argmax(dim=-1)
+        last[part] = last[part].scatter(1, index, torch.where(found, col, 0))
+    return last
+
+
+def _rough_row_max(unit: Tensor) -> Tensor:
+    """``[n, T]`` float32: each row's largest float16 similarity to another key of its head."""
+    from kvdrop import kernels
+
+    half = unit.to(torch.float16)
+    if kernels.available(half):
+        try:
+            return kernels.similarity_row_max(half, 0, half.shape[1])
+        except Exception:  # a Triton that cannot compile it here: the product below
+            pass
+    n, num_tokens, _ = half.shape
+    best = torch.empty(n, num_tokens, dtype=torch.float32, device=unit.device)
+    for part in _chunks(n, 2 * num_tokens * num_tokens, unit.device):
+        rough = torch.matmul(half[part], half[part].transpose(1, 2))  # [p, T, T] float16
+        rough.diagonal(dim1=1, dim2=2).fill_(-math.inf)
+        best[part] = rough.amax(dim=-1).float()
+    return best
 
 
 def batched(policy: Any, head_dim: int) -> BatchedRank | None:

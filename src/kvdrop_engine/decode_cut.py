@@ -309,20 +309,57 @@ class DecodeCompressor:
     @staticmethod
     def due(req: Request) -> bool:
         """Whether ``req`` is cut after this step: its cache would pass ``budget + every`` with
-        the next token, and a policy that reads queries has at least one captured row (right
-        after a prompt cut it waits one step for its first decoded query)."""
+        the next token, and a policy that reads queries has at least one captured row (it has
+        one whenever it is due: the prompt's tail is captured while it prefills, and after a
+        prompt cut :meth:`after_prompt_cut` moves those rows to the kept cache)."""
         cut = req.decode_cut
         if cut is None or not cut.due(req.num_computed):
             return False
         reads = cut.policy.queries is not QueryNeed.NONE
         return not reads or (req.window is not None and req.window.num_rows > 0)
 
+    def after_prompt_cut(
+        self,
+        req: Request,
+        rows: tuple[torch.Tensor, torch.Tensor] | None,
+        num_prompt: int,
+    ) -> None:
+        """(after a prompt cut of ``num_prompt`` tokens to the ``req.num_computed`` kept ones,
+        their keys re-rotated to ``0..k-1``, and its window restarted) Where the decode cut is
+        due at once (``k`` past ``budget + every``) and reads queries, give the fresh window the
+        prompt's last query rows ``rows`` ``(slots [r], queries [L, r, Hq, d])`` it captured
+        while prefilling, moved back by the tokens the prompt cut dropped (slot and RoPE
+        position ``p - (num_prompt - k)``), so the decode cut ranks before the request's first
+        decode step and it never decodes past ``budget + every``. The rows are those of the
+        kept tokens where the prompt cut kept the prompt's tail (window policies do), else the
+        prompt's last queries standing at the kept cache's end."""
+        cut, window = req.decode_cut, req.window
+        k = req.num_computed
+        if cut is None or not cut.due(k) or rows is None or window is None:
+            return
+        if cut.policy.queries is QueryNeed.NONE or window.num_rows:
+            return
+        from kvdrop.rope import rerotate_keys, rope_config  # the policy library
+
+        qpos, queries = rows
+        shift = num_prompt - k
+        take = (qpos >= max(num_prompt - cut.capture.window, shift)).nonzero().squeeze(1)
+        if take.numel() == 0:
+            return
+        old = qpos[take]
+        picked = queries.index_select(1, take.to(queries.device))
+        layers, r, heads, dim = picked.shape
+        flat = picked.reshape(layers, r, heads * dim)
+        moved = rerotate_keys(flat, old, old - shift, rope_config(self.rope_json))
+        window.add((old - shift).tolist(), moved.view(layers, r, heads, dim))
+
     def cut(self, cache: PagedKVCache, reqs: Sequence[Request]) -> DecodeCutResult:
         """Cut each of ``reqs`` (all due, see :meth:`DecodeCut.due`) to its budget in place: one
-        gather of every request's cache; the requests of one policy, length and query slots
-        ranked together (:class:`~kvdrop_engine.decode_batch.BatchedRank`), any other by its
-        policy; one scatter of the kept rows to each request's first slots, one read of the
-        kept indices to the host; the blocks past them are freed."""
+        gather of the keys of every request a batched ranking ranks (the requests of one policy,
+        length and query slots together, :class:`~kvdrop_engine.decode_batch.BatchedRank`: they
+        read no values) and of the whole cache of any other (ranked by its policy); one move of
+        the kept rows' keys and values to each request's first slots, one read of the kept
+        indices to the host; the blocks past them are freed."""
         started = time.perf_counter()
         groups: dict[tuple[Any, ...], list[tuple[Request, Any]]] = {}
         alone: list[Request] = []
@@ -338,29 +375,35 @@ class DecodeCompressor:
             groups.setdefault(key, []).append((req, observed))
         ordered = [req for members in groups.values() for req, _ in members] + alone
         counts = [req.num_computed for req in ordered]
+        device = cache.device
         with torch.inference_mode():
             slots = torch.cat([cache.slots(r.blocks, 0, n) for r, n in zip(ordered, counts)])
-            kv = cache.read_slots(slots)  # [2, L, sum(counts), Hkv*d], a copy
+            ranked = sum(counts[: len(ordered) - len(alone)])
+            keys_all = cache.read_keys(slots[:ranked])  # [L, ranked, Hkv*d], a copy
             picks: list[torch.Tensor] = []  # kept row indices per request, on the device
             offset = 0
             for members in groups.values():
                 req0, (qpos, _) = members[0]
                 fast = req0.decode_cut.fast
                 n, t = len(members), req0.num_computed
-                keys = kv[0, :, offset : offset + n * t].unflatten(1, (n, t)).transpose(0, 1)
+                keys = keys_all[:, offset : offset + n * t].unflatten(1, (n, t)).transpose(0, 1)
                 queries = None
                 if qpos is not None:
-                    queries = torch.stack([q for _, (_, q) in members]).to(kv.device)
+                    queries = torch.stack([q for _, (_, q) in members]).to(device)
                 picks.extend(fast.select(keys, queries, qpos).unbind(0))
                 offset += n * t
-            for req, part in zip(alone, kv[:, :, offset:].split(counts[len(picks) :], dim=2)):
-                picks.append(self._select(req, part).to(kv.device))
+            del keys_all
+            if alone:
+                kv = cache.read_slots(slots[ranked:])  # [2, L, rest, Hkv*d], a copy
+                for req, part in zip(alone, kv.split(counts[len(picks) :], dim=2)):
+                    picks.append(self._select(req, part).to(device))
+                del kv
             base = [0, *torch.tensor(counts[:-1], dtype=torch.int64).cumsum(0).tolist()]
             rows = torch.cat([index + b for index, b in zip(picks, base)])
             kept = torch.cat(
                 [cache.slots(r.blocks, 0, int(i.numel())) for r, i in zip(ordered, picks)]
             )
-            cache.write_slots(kept, kv.index_select(2, rows))
+            cache.move_slots(slots.index_select(0, rows), kept)
             host = torch.cat(picks).cpu().split([int(i.numel()) for i in picks])  # one sync
         for req, index in zip(ordered, host, strict=True):
             self._shrink(cache, req, index)

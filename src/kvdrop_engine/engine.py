@@ -575,7 +575,8 @@ class Engine:
                 st.decode_step_seconds += time.perf_counter() - started - out.capture_seconds
                 st.graph_capture_seconds += out.capture_seconds
                 st.decode_kv_tokens += sum(s.start + 1 for s in plan.seqs)
-            held = [s.start + 1 for s in plan.seqs if s.num_new == 1]
+            # The decodes lead the plan (a 1-token prefill chunk is no decode: not counted)
+            held = [s.start + 1 for s in plan.seqs[: plan.num_decode]]
             if held:
                 st.peak_decode_kv_tokens = max(st.peak_decode_kv_tokens, max(held))
             else:
@@ -721,12 +722,18 @@ class Engine:
 
     def _cut(self, req: Request, pending: PendingCut) -> None:
         """Apply ``pending``'s kept rows (:meth:`~kvdrop_engine.drop.PromptDropper.apply`);
-        the request's next event reports the kept prompt tokens."""
+        the request's next event reports the kept prompt tokens. A decode cut that is due
+        already (more kept than ``budget + every``) runs at once, before its first decode step
+        (:meth:`DecodeCompressor.after_prompt_cut`)."""
         assert self.dropper is not None
         chosen = pending.result()
+        rows = None if req.window is None else req.window.rows()  # the prompt's, before the cut
         done = self.dropper.apply(self.cache, req, pending.job, chosen, pending.started)
         req.restart_window(done.num_kept)
         req.kept_prompt = done.num_kept
+        if self.compressor is not None:  # a kept prompt past budget + every: cut before decoding
+            self.compressor.after_prompt_cut(req, rows, done.num_prompt)
+            self._decode_cut([req])
         with self._cv:
             st = self._stats
             st.prompt_cuts += 1

@@ -227,6 +227,17 @@ class PagedKVCache:
         torch.index_select(self.v.view(flat), 1, slots, out=out[1])
         return out.view(2, self.num_layers, num_tokens, -1)
 
+    def read_keys(self, slots: Tensor) -> Tensor:
+        """Keys at flat ``slots`` ``[T]`` as ``[L, T, Hkv*d]``, a copy on the cache's device
+        (:meth:`read_slots` without the values)."""
+        flat = (self.num_layers, -1, self.num_kv_heads, self.head_dim)
+        return torch.index_select(self.k.view(flat), 1, slots).flatten(2)
+
+    def move_slots(self, src: Tensor, dst: Tensor) -> None:
+        """Copy the KV at flat slots ``src`` to ``dst`` (``[N]`` each, on the cache's device):
+        read whole first, so the two may overlap (a cut moving kept rows to its first slots)."""
+        self.write_slots(dst, self.read_slots(src))
+
     def write_slots(self, slots: Tensor, kv: Tensor) -> None:
         """Write ``kv`` ``[2, L, T, Hkv*d]`` (on the cache's device) at flat ``slots`` ``[T]``."""
         n = slots.numel()

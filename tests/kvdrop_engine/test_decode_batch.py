@@ -45,11 +45,14 @@ def test_the_batch_keeps_what_the_policy_keeps(spec: str) -> None:
         assert torch.equal(together[i], alone)
 
 
-def test_the_dense_redundancy_equals_the_librarys_scan() -> None:
-    """The accelerator's dense similarity gives R-KV's redundancy of the library's scan."""
+@pytest.mark.parametrize("offset", [0.0, 0.4, 1.2])
+def test_the_dense_redundancy_equals_the_librarys_scan(offset: float) -> None:
+    """The accelerator's way (a float16 filter, then float32 for the rows it keeps) gives
+    R-KV's redundancy of the library's scan: keys in many directions (the filter rules out
+    most rows, or all at 0.9), a shared direction (some similar keys, or many: every row)."""
     gen = torch.Generator().manual_seed(1)
     k = torch.randn(2, 3, 90, 2, 16, generator=gen)
-    k += 1.2 * torch.randn(1, 1, 1, 2, 16, generator=gen)  # many similar keys
+    k += offset * torch.randn(1, 1, 1, 2, 16, generator=gen)
     for threshold in (0.0, 0.5, 0.9):
         dense = BatchedRank._redundancy(k, threshold, dense=True)
         scan = BatchedRank._redundancy(k, threshold, dense=False)

@@ -188,18 +188,50 @@ def test_preempted_cut_requests_keep_their_tokens(model: Transformer) -> None:
     assert engine.num_free_blocks == engine.num_blocks
 
 
-def test_it_composes_with_the_prompt_cut(model: Transformer) -> None:
-    """A prompt cut to half, then cuts while decoding: the first event reports the kept prompt,
-    and decoding stays within budget + every."""
-    dropper = PromptDropper(model.config, "knorm", keep_ratio=0.5)
+def _largest_decode(engine: Engine) -> list[int]:
+    """Spy on ``engine``'s forward: the list's one item becomes the most cached tokens a
+    decode step of any request read (its ``start + 1``; prefill chunks are not decodes)."""
+    largest = [0]
+    forward = engine.runner.forward
+
+    def spy(plan):  # type: ignore[no-untyped-def]
+        for s in plan.seqs[: plan.num_decode]:
+            largest[0] = max(largest[0], s.start + 1)
+        return forward(plan)
+
+    engine.runner.forward = spy  # type: ignore[method-assign]
+    return largest
+
+
+@pytest.mark.parametrize("prompt_cut", ["knorm", "snapkv"])
+def test_it_composes_with_the_prompt_cut(model: Transformer, prompt_cut: str) -> None:
+    """A 200-token prompt cut to half (100 kept, past budget + every = 50), then cuts while
+    decoding: the first event reports the kept prompt, and the decode cut runs as the prompt
+    cut is applied (on the prompt's last query rows), so no decode step reads more than 50."""
+    dropper = PromptDropper(model.config, prompt_cut, keep_ratio=0.5)
     compressor = DecodeCompressor(model.config, "rkv", budget=40, every=10)
     with Engine(model, num_blocks=64, dropper=dropper, compressor=compressor) as engine:
+        largest = _largest_decode(engine)
         events = list(engine.post_completion(prompt_of(200), {"max_tokens": 80, **GREEDY}))
         st = engine.stats()
     assert len(events) == 80 and kept_prompt_tokens(events) == 100
-    assert st.prompt_cuts == 1 and st.decode_cuts >= 5
-    # right after the prompt cut rkv waits one step for its first decoded query row
-    assert st.peak_decode_kv_tokens <= 101
+    assert st.prompt_cuts == 1 and st.decode_cuts >= 7
+    assert 0 < largest[0] <= 50 and st.peak_decode_kv_tokens == largest[0]
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_a_one_token_prefill_chunk_is_not_a_decode(model: Transformer) -> None:
+    """Peak KV per request counts decode steps only: a 100-token prompt prefilled as 99 + 1
+    tokens (``max_prefill_tokens=99``) is cut to budget + every = 52 after its prefill, and
+    no decode reads more (the 1-token chunk at 100 is a prefill; counted, it read 100)."""
+    compressor = DecodeCompressor(model.config, "rkv", budget=40, every=12)
+    engine = Engine(model, num_blocks=64, max_prefill_tokens=99, compressor=compressor)
+    with engine:
+        largest = _largest_decode(engine)
+        assert len(engine.generate(prompt_of(100), {"max_tokens": 60, **GREEDY})) == 60
+        st = engine.stats()
+    assert st.decode_cuts >= 5
+    assert 0 < largest[0] <= 52 and st.peak_decode_kv_tokens == largest[0]
 
 
 def test_per_request_overrides(model: Transformer) -> None:
