@@ -651,6 +651,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--round4-s", type=float, default=20.0, help="seconds of each run of the round4 phase"
     )
+    p.add_argument(
+        "--engine-args",
+        default="",
+        help="extra `kvdrop engine` flags for the round4 phase's engine, e.g. "
+        "'--max-client-prefill-tokens 16'",
+    )
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated of {list(PHASES)}")
     p.add_argument("--json", action="store_true")
     p.add_argument("--markdown", action="store_true", help="print the tables as markdown")

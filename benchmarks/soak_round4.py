@@ -23,6 +23,7 @@ import argparse
 import itertools
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -62,11 +63,14 @@ def _hostile_counts(proc: subprocess.Popen[str]) -> Counter[str]:
     return Counter(json.loads(out.strip().splitlines()[-1]))
 
 
-def _engine_row(seconds: float, segments: int = 4, which: str = "bombs,cut,scoring") -> Row:
+def _engine_row(
+    seconds: float, segments: int = 4, which: str = "bombs,cut,scoring", extra: str = ""
+) -> Row:
     """Good clients alone and beside the hostile ones, ``segments`` times each, alternating
-    (quiet, hostile, quiet, ...), so both see the same machine load over the run."""
+    (quiet, hostile, quiet, ...), so both see the same machine load over the run; ``extra``:
+    more engine flags (``soak.py --engine-args``)."""
     seen: dict[Any, list[int]] = {}
-    flags = ("--policy", "knorm", "--kv-budget-tokens", "3584")
+    flags = ("--policy", "knorm", "--kv-budget-tokens", "3584", *shlex.split(extra))
     h: Counter[str] = Counter()
     quiet, loud = _Tally(), _Tally()
     with _engine(*flags) as (proc, url), tempfile.TemporaryDirectory() as tmp:
@@ -99,6 +103,7 @@ def _engine_row(seconds: float, segments: int = 4, which: str = "bombs,cut,scori
     hostile_s = "; ".join(f"{k}: {v:,}" for k, v in sorted(h.items()))
     load = os.getloadavg()[0]
     measured = (
+        f"{'engine ' + extra + ': ' if extra else ''}"
         f"{segments} x {seconds / segments:g} s quiet alternating with {segments} x "
         f"{seconds / segments:g} s beside override bombs, preempted cut requests and prompt "
         f"scoring (load average {load:.1f}): good requests {quiet.c['good_requests']:,} + "
@@ -132,7 +137,8 @@ def _merge(into: _Tally, part: _Tally) -> None:
 def soak_round4(args: argparse.Namespace) -> list[Row]:
     """The rows of the ``round4`` phase."""
     seconds = float(getattr(args, "round4_s", 20.0))
-    return [_engine_row(seconds), _server_row(seconds)]
+    extra = str(getattr(args, "engine_args", ""))
+    return [_engine_row(seconds, extra=extra), _server_row(seconds)]
 
 
 def _server_row(seconds: float) -> Row:
@@ -202,6 +208,7 @@ def _server_row(seconds: float) -> Row:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--round4-s", type=float, default=20.0)
+    p.add_argument("--engine-args", default="", help="extra `kvdrop engine` flags")
     for r in soak_round4(p.parse_args()):
         print(f"{r['result']}  {r['check']}: {r['measured']}")
     sys.exit(0)

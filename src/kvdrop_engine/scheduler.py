@@ -14,7 +14,8 @@ request may pass it only when its blocks are free now and its peak, with the pea
 that passed this head, leaves the head its blocks once the requests running before it end (so a
 short request does not wait behind a 3,000-token one that waits for others, and the head is
 never starved). :func:`plan_step` puts every admitted request in one step: decodes first (one
-token each), then prompt chunks, ``max_prefill_tokens`` in all, shared max-min fairly.
+token each), then prompt chunks, ``max_prefill_tokens`` in all, in :func:`prefill_shares`' order
+(first come, first served, short prompts passing long ones, a per-client cap).
 
 The :class:`Scheduler` is not thread-safe by itself: the engine calls it under its condition.
 """
@@ -51,13 +52,12 @@ __all__ = [
     "budget_blocks",
     "client_of",
     "client_prefill_cap",
-    "client_shares",
     "decoded_store_upto",
-    "fair_shares",
     "follow",
     "plan_prefix",
     "plan_recompute",
     "plan_step",
+    "prefill_shares",
 ]
 
 #: Rows of log-probabilities (each ``[V]`` floats) scoring requests compute per step, all
@@ -211,16 +211,18 @@ def plan_step(
     max_client_prefill_tokens: int | None = None,
 ) -> StepPlan:
     """Decodes first (one token each, so they never wait behind prefill chunks), then prompt
-    chunks and pieces of reconstruction passes, ``max_prefill_tokens`` tokens in all, shared
-    max-min fairly (:func:`fair_shares`): a short prompt beside a 3,000-token one (or sixteen)
-    is prefilled in the next step or two instead of after all of theirs, and a long kvzip pass
-    never holds the decodes up.
+    chunks and pieces of reconstruction passes, ``max_prefill_tokens`` tokens in all, handed
+    out by :func:`prefill_shares` in arrival order (request id): the oldest prompt first, then
+    prompts that end within their client's share (a short prompt beside a 3,000-token one, or
+    sixteen, is prefilled in this step), then the rest first come, first served, so a request
+    admitted later never thins the share of one already prefilling, and a long kvzip pass never
+    holds the decodes up.
 
-    The shares go to clients (:func:`client_of`: one ``cache_salt``, or one unsalted request),
-    then to each client's requests; while the step carries another client's work a client gets
-    at most ``max_client_prefill_tokens`` (:func:`client_prefill_cap`), so
-    one client's prompts cannot make
-    every step of the others long. Alone, a client gets the whole budget."""
+    A client is :func:`client_of` (one ``cache_salt``, or one unsalted request); while the step
+    carries another client's work a client gets at most ``max_client_prefill_tokens`` in all
+    (:func:`client_prefill_cap`: a quarter of the budget by default, so about four long prompts
+    are prefilled at once), so one client's prompts cannot make every step of the others long.
+    Alone, a client gets the whole budget."""
     plan = StepPlan()
     for req in batch:
         if req.prefilling or req.reconstruction is not None:
@@ -234,7 +236,7 @@ def plan_step(
         plan.num_decode += 1
     wants: list[tuple[Request, int]] = []
     score_budget = SCORE_ROWS_PER_STEP
-    for req in batch:
+    for req in sorted(batch, key=lambda r: r.rid):  # arrival order: prefill_shares' turns
         if req.reconstruction is not None:  # a piece of kvzip's pass, under the same budget
             wants.append((req, req.reconstruction.next_rows()))
             continue
@@ -250,7 +252,7 @@ def plan_step(
             score_budget -= max(0, start + n - first)
         if n > 0:
             wants.append((req, n))
-    shares = client_shares(
+    shares = prefill_shares(
         [(client_of(req), n) for req, n in wants],
         {client_of(req) for req in batch},
         max_prefill_tokens,
@@ -286,45 +288,35 @@ def client_of(req: Request) -> object:
     return ("salt", req.cache_salt) if req.cache_salt else ("rid", req.rid)
 
 
-def client_shares(
+def prefill_shares(
     wants: Sequence[tuple[object, int]],
     clients: Collection[object],
     budget: int,
     cap: int | None,
 ) -> list[int]:
-    """:func:`fair_shares` over clients, then over each client's wants (in line order). With
-    more than one client in ``clients`` (the step's requests, decoding ones too) each client's
-    share is at most ``cap``."""
-    owners: dict[object, list[int]] = {}
-    for i, (owner, _) in enumerate(wants):
-        owners.setdefault(owner, []).append(i)
-    limit = cap if cap is not None and len(clients) > 1 else budget
-    totals = [min(limit, sum(wants[i][1] for i in idx)) for idx in owners.values()]
+    """The one prefill order: ``budget`` prompt tokens handed out over ``wants`` (``(client,
+    tokens)`` pairs in arrival order). With more than one client in ``clients`` (the step's
+    requests, decoding ones too) a client gets at most ``cap`` in all, so at most
+    ``budget // cap`` long prompts are prefilled at once; alone, it may take the whole budget.
+
+    Turns, each taking what it wants or what its client's limit and the budget leave: the
+    oldest want first (nothing starves), then every want that ends within its client's limit
+    (a short prompt passes long ones: it is prefilled in this step), then the rest in arrival
+    order (first come, first served). So a later request never delays an earlier one's first
+    token by more than its own short prompt, and requests admitted later (into memory a cut
+    freed, say) do not dilute the shares of those already prefilling."""
+    limit = budget if cap is None or len(clients) <= 1 else cap
+    later = range(1, len(wants))
+    order = [i for i in later if wants[i][1] <= limit] + [i for i in later if wants[i][1] > limit]
     shares = [0] * len(wants)
-    for idx, total in zip(owners.values(), fair_shares(totals, budget), strict=True):
-        for i, n in zip(idx, fair_shares([wants[i][1] for i in idx], total), strict=True):
-            shares[i] = n
-    return shares
-
-
-def fair_shares(wants: Sequence[int], budget: int) -> list[int]:
-    """``budget`` tokens split max-min fairly over requests that want ``wants`` (in line
-    order): a request gets what it wants or the level that the smaller wants leave to share
-    equally, whichever is less, and the level's remainder goes one token each to the earliest
-    in line. So a request waits for no other's whole prompt."""
-    shares = list(wants)
-    left, order = budget, sorted(range(len(wants)), key=lambda i: wants[i])
-    for k, i in enumerate(order):
-        level = left // (len(order) - k)
-        if wants[i] <= level:
-            left -= wants[i]
-            continue
-        rest = sorted(order[k:])  # these want more than the level: the level, and the remainder
-        left -= level * len(rest)
-        for j in rest:
-            shares[j] = level + int(left > 0)
-            left -= int(left > 0)
-        break
+    used: dict[object, int] = {}
+    left = budget
+    for i in [0, *order] if wants else []:
+        client, want = wants[i]
+        n = max(0, min(want, limit - used.get(client, 0), left))
+        shares[i] = n
+        used[client] = used.get(client, 0) + n
+        left -= n
     return shares
 
 

@@ -13,9 +13,8 @@ from kvdrop_engine.sampling import SamplingParams
 from kvdrop_engine.scheduler import (
     Scheduler,
     budget_blocks,
-    client_shares,
-    fair_shares,
     plan_step,
+    prefill_shares,
 )
 from kvdrop_engine.sequence import LoadState, Request
 
@@ -31,47 +30,87 @@ def test_plan_step_puts_decodes_first_and_caps_prefill_tokens() -> None:
     a = req(0, 10, 0, [])  # prefilling, 10 tokens
     b = req(1, 4, 5, [7])  # decoding: prompt + 1 generated token computed
     c = req(2, 6, 2, [])  # prefilling, 4 tokens left
-    plan = plan_step([a, b, c], max_prefill_tokens=12, max_client_prefill_tokens=0)
+    plan = plan_step([c, a, b], max_prefill_tokens=12, max_client_prefill_tokens=0)
     assert [s.seq_id for s in plan.seqs] == [1, 0, 2]
     assert plan.tokens[:1] == [7] and plan.positions[:1] == [5]
     assert (plan.num_decode, plan.num_prefill) == (1, 12)
-    assert plan.stepped == [(b, 1), (a, 8), (c, 4)]  # c's 4 are under the fair share of 6
-    assert plan.sampled == [b, c]  # c's prompt ends in this step, a's does not
-    assert plan.sample_rows == [0, 12]
+    # no cap: first come, first served (by request id, not batch order): a's whole prompt, then c
+    assert plan.stepped == [(b, 1), (a, 10), (c, 2)]
+    assert plan.sampled == [b, a]  # a's prompt ends in this step, c's does not
+    assert plan.sample_rows == [0, 10]
 
 
-def test_fair_shares_are_max_min_fair_with_the_remainder_to_the_earliest() -> None:
-    assert fair_shares([3000, 16, 16], 128) == [96, 16, 16]
-    assert fair_shares([50, 50, 50], 128) == [43, 43, 42]
-    assert fair_shares([5, 5, 5], 2) == [1, 1, 0]
-    assert fair_shares([1, 2, 3], 100) == [1, 2, 3]
-    assert fair_shares([7, 1, 7], 9) == [4, 1, 4]
-    assert fair_shares([], 5) == []
+def test_prefill_shares_serve_the_oldest_then_short_prompts_then_first_come() -> None:
+    clients = {"a", "b", "c", "d", "e"}
+    # the oldest, then those that end within the cap (short ones pass), then arrival order
+    assert prefill_shares([("a", 3000), ("b", 16), ("c", 3000), ("d", 16)], clients, 128, 32) == [
+        32, 16, 32, 16,
+    ]  # fmt: skip
+    assert prefill_shares([("a", 50), ("b", 50), ("c", 50)], clients, 128, 64) == [50, 50, 28]
+    assert prefill_shares([("a", 50), ("b", 50), ("c", 50)], clients, 128, 32) == [32, 32, 32]
+    # a client's wants share its cap: the tenant's first request takes it, the second waits
+    assert prefill_shares([("a", 500), ("a", 500), ("b", 30)], clients, 128, 64) == [64, 0, 30]
+    # alone (or no cap) the oldest may take the whole budget: vLLM's first-come chunked prefill
+    assert prefill_shares([("a", 500), ("a", 16)], {"a"}, 128, 32) == [128, 0]
+    assert prefill_shares([("a", 500), ("b", 16)], clients, 128, None) == [128, 0]
+    assert prefill_shares([("a", 100), ("b", 16)], clients, 128, None) == [100, 16]
+    assert prefill_shares([], clients, 5, 2) == []
+
+
+def _prefill_until_done(
+    reqs: list[Request], budget: int, admit: dict[int, list[Request]] | None = None
+) -> dict[int, int]:
+    """Steps ``reqs`` (prompts prefilled, then one decode a step, as the engine does; ``admit``:
+    requests joining the batch at a step) until every prompt is prefilled; the step each one
+    got its first token in, by request id."""
+    batch, first, step = list(reqs), {}, 0
+    while any(r.prefilling for r in batch):
+        step += 1
+        batch += (admit or {}).get(step, [])
+        plan = plan_step(batch, max_prefill_tokens=budget)
+        for r, n in plan.stepped:
+            r.num_computed += n
+        for r in plan.sampled:
+            r.output.append(7)
+            first.setdefault(r.rid, step)
+    return first
+
+
+def test_first_come_first_served_and_later_admissions_do_not_delay_earlier_prompts() -> None:
+    """Issue 34 (H200 burst, snapkv's median TTFT 1.017x the baseline's): with the prompt
+    tokens shared max-min fairly, every long prompt of a burst got its first token at about
+    the same late step, and requests admitted into the memory a cut freed thinned the shares
+    of those still prefilling. Now the prompts end in arrival order, about four at once (the
+    cap is a quarter of the step), and requests admitted later do not move an earlier one's
+    first token."""
+    alone = _prefill_until_done([req(k, 1000) for k in range(8)], 128)
+    # four at once, 32 tokens (the cap) each a step: the first four in step 32, not all in 63
+    assert [alone[k] for k in range(8)] == [32, 32, 32, 32, 63, 63, 63, 64]
+    late = {10: [req(100 + k, 1000) for k in range(4)], 30: [req(200 + k, 1000) for k in range(4)]}
+    joined = _prefill_until_done([req(k, 1000) for k in range(8)], 128, late)
+    assert {k: joined[k] for k in range(8)} == alone
+    assert min(joined[r.rid] for rs in late.values() for r in rs) > alone[7]
 
 
 def test_a_short_prompt_is_not_prefilled_after_a_long_ones_whole_prompt() -> None:
     """Issue 33: 16 requests of 1,000 prompt tokens ahead of a 16-token one (prompt_logprobs
     clients): the short one was prefilled after all of theirs (in step 126, at 128 tokens a
-    step); now in step 3, with 7 or 8 tokens a step for each of the 17."""
+    step); with max-min fair shares in step 3; now in step 1: a prompt that ends within its
+    client's cap passes the long ones, which are served first come, first served, 32 tokens
+    (the cap) each."""
     longs = [req(k, 1000) for k in range(16)]
     short = req(16, 16)
-    steps = 0
-    while short.prefilling:
-        plan = plan_step([*longs, short], max_prefill_tokens=128)
-        assert plan.num_prefill == 128
-        assert {n for _, n in plan.stepped} <= {7, 8, 16 - short.num_computed}
-        for r, n in plan.stepped:
-            r.num_computed += n
-        steps += 1
-    assert steps == 3 and short in plan.sampled
+    plan = plan_step([*longs, short], max_prefill_tokens=128)
+    assert plan.num_prefill == 128 and short in plan.sampled
+    assert [(r.rid, n) for r, n in plan.stepped] == [(0, 32), (1, 32), (2, 32), (3, 16), (16, 16)]
 
 
 def test_one_clients_prompts_get_at_most_its_cap_in_a_step_beside_another_clients_work() -> None:
     """Issue 33 (soak p99): one client's prompt tokens are work on the one loop. Sixteen
     1,000-token prompts under one ``cache_salt`` beside another client's decode took the whole
     2,048-token step (each its own fair share); now that client gets the cap (a quarter of the
-    step by default), shared among its
-    requests, and alone it still gets the whole budget."""
+    step by default), its requests served first come, first served, and alone it still gets
+    the whole budget."""
     hostile = [req(k, 1000) for k in range(16)]
     for r in hostile:
         r.cache_salt = "tenant-h"
@@ -79,7 +118,7 @@ def test_one_clients_prompts_get_at_most_its_cap_in_a_step_beside_another_client
     plan = plan_step([*hostile, good], max_prefill_tokens=2048)
     assert plan.num_decode == 1
     assert plan.num_prefill == 2048 // 4
-    assert {n for r, n in plan.stepped if r is not good} == {32}
+    assert [(r.rid, n) for r, n in plan.stepped if r is not good] == [(0, 512)]
     # an unsalted request is a client of its own: capped beside others too
     long, short = req(17, 3000), req(18, 16)
     plan = plan_step([long, short, good], max_prefill_tokens=2048)
@@ -87,7 +126,6 @@ def test_one_clients_prompts_get_at_most_its_cap_in_a_step_beside_another_client
     # alone, or with the cap off, the budget is not held back
     assert plan_step(hostile, max_prefill_tokens=2048).num_prefill == 2048
     assert plan_step([*hostile, good], 2048, max_client_prefill_tokens=0).num_prefill == 2048
-    assert client_shares([("a", 500), ("a", 500), ("b", 30)], {"a", "b"}, 128, 256) == [49, 49, 30]
 
 
 def test_admission_is_fifo_and_the_head_waits_for_its_blocks() -> None:
