@@ -92,11 +92,14 @@ def test_only_the_lmcache_backend_imports_lmcache() -> None:
 #: on purpose.
 ENGINE_USES_POLICIES = {
     "kvdrop_engine/drop.py": {"kvdrop.errors", "kvdrop.policy", "kvdrop.spec"},
-    "kvdrop_engine/decode_cut.py": {"kvdrop.errors", "kvdrop.policy", "kvdrop.spec"},
+    # the decode cut re-rotates the prompt's captured query rows with the library's RoPE rule
+    "kvdrop_engine/decode_cut.py": {"kvdrop.errors", "kvdrop.policy", "kvdrop.rope", "kvdrop.spec"},
     # the decode cut's batched ranking recognises the built-in scorers it batches (and uses
-    # the library's key similarity), so their scores stay the library's own
+    # the library's key similarity and its fused row-max kernel), so their scores stay the
+    # library's own
     "kvdrop_engine/decode_batch.py": {
         "kvdrop.attention",
+        "kvdrop.kernels",
         "kvdrop.policies._common",
         "kvdrop.policies.knorm",
         "kvdrop.policies.rkv",

@@ -278,7 +278,7 @@ def _last_similar(unit: Tensor, threshold: float) -> Tensor:
 
 def _rough_row_max(unit: Tensor) -> Tensor:
     """``[n, T]`` float32: each row's largest float16 similarity to another key of its head."""
-    from kvdrop import kernels
+    import kvdrop.kernels as kernels
 
     half = unit.to(torch.float16)
     if kernels.available(half):
