@@ -24,6 +24,7 @@ from kvdrop_sdk.http_limits import (
     HTTPLimits,
     LimitedHandler,
     LimitedHTTPServer,
+    dumps_sliced,
     freeze_heap,
     json_cost,
     loads_bounded,
@@ -299,6 +300,38 @@ def test_freeze_heap_collects_garbage_then_freezes_what_is_alive() -> None:
         gc.unfreeze()
         gc.enable()
     assert any(o is alive for o in gc.get_objects())
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=7) | st.dictionaries(st.text(), inner, max_size=5),
+    max_leaves=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON, st.integers(1, 4), st.integers(0, 5))
+def test_dumps_sliced_is_json_dumps(value: Any, items: int, depth: int) -> None:
+    assert dumps_sliced(value, items, depth) == json.dumps(value)
+
+
+def test_dumps_sliced_encodes_a_long_list_in_bounded_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No single ``json.dumps`` (which holds the GIL throughout) gets more than ``items`` list
+    items, however deep the long list is within ``depth``."""
+    scores = [{"17": {"logprob": -0.5 * i, "rank": 1}} for i in range(3000)]
+    answer = {"choices": [{"index": 0, "prompt_logprobs": [None, *scores]}], "id": "x"}
+    expected = json.dumps(answer)
+    sizes: list[int] = []
+    dumps = json.dumps
+
+    def counted(value: Any, **kwargs: Any) -> str:
+        sizes.append(len(value) if isinstance(value, list) else 0)
+        return dumps(value, **kwargs)
+
+    monkeypatch.setattr(json, "dumps", counted)
+    assert dumps_sliced(answer, items=256) == expected
+    assert max(sizes) == 256
+    assert sum(sizes) == 3001
 
 
 # -- G: log fields ---------------------------------------------------------------------------------
