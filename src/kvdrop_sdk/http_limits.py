@@ -18,6 +18,9 @@ below lives here once:
   are answered 503 and closed without a thread.
 - **Log fields.** :func:`log_field` escapes control characters (ESC, BEL, backspace, ...) and caps
   length, so a path cannot forge or flood log lines; the handler's access log uses it.
+- **No stalls.** Connections send without Nagle's delay (``TCP_NODELAY``); :func:`dumps_sliced`
+  encodes a large answer in bounded calls and :func:`freeze_heap` keeps collections off the
+  start-up heap, so one client's answer does not hold the GIL for tens of milliseconds.
 
 Only the standard library; nothing here imports torch or ZMQ.
 """
