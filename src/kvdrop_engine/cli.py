@@ -30,7 +30,13 @@ from kvdrop_engine.options import (
     add_model_arguments,
 )
 from kvdrop_engine.request_fields import MAX_BODY_BYTES
-from kvdrop_sdk.http_limits import HTTPLimits, bound_heap, capped_warnings, log_field
+from kvdrop_sdk.http_limits import (
+    HTTPLimits,
+    bound_heap,
+    capped_warnings,
+    freeze_heap,
+    log_field,
+)
 from kvdrop_sdk.query_capture import QueryCapture, QueryNeed
 
 __all__ = ["add_arguments", "run"]
@@ -499,6 +505,7 @@ def _serve(args: argparse.Namespace, connector: Any, engine: Any, server: Any) -
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    freeze_heap()  # collections while serving skip the start-up heap (kvdrop_sdk.http_limits)
     engine.start()
     server.start()
     kv_note = f", {args.cache_server} KV store {args.kvdrop_url}" if connector is not None else ""

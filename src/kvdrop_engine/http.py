@@ -68,6 +68,7 @@ from kvdrop_sdk.http_limits import (
     HTTPLimits,
     LimitedHandler,
     LimitedHTTPServer,
+    dumps_sliced,
     log_field,
 )
 
@@ -416,7 +417,7 @@ class _Handler(LimitedHandler):
         )
 
     def _send_json(self, status: int, payload: dict[str, Any]) -> None:
-        data = json.dumps(payload).encode()
+        data = dumps_sliced(payload).encode()  # other threads run between its slices
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))

@@ -18,6 +18,9 @@ below lives here once:
   are answered 503 and closed without a thread.
 - **Log fields.** :func:`log_field` escapes control characters (ESC, BEL, backspace, ...) and caps
   length, so a path cannot forge or flood log lines; the handler's access log uses it.
+- **No stalls.** Connections send without Nagle's delay (``TCP_NODELAY``); :func:`dumps_sliced`
+  encodes a large answer in bounded calls and :func:`freeze_heap` keeps collections off the
+  start-up heap, so one client's answer does not hold the GIL for tens of milliseconds.
 
 Only the standard library; nothing here imports torch or ZMQ.
 """
@@ -25,6 +28,7 @@ Only the standard library; nothing here imports torch or ZMQ.
 from __future__ import annotations
 
 import ctypes
+import gc
 import io
 import json
 import logging
@@ -125,6 +129,28 @@ def json_cost(raw: bytes, limits: HTTPLimits) -> tuple[int, int, int]:
                 break  # unbalanced brackets: malformed, left to json.loads
             brackets, depth = inner, depth + 1
     return containers, values, depth
+
+
+#: Most list items one ``json.dumps`` call of :func:`dumps_sliced` encodes.
+SLICE_ITEMS = 256
+
+
+def dumps_sliced(value: Any, items: int = SLICE_ITEMS, depth: int = 4) -> str:
+    """``json.dumps(value)``, the same text, built from calls that each encode at most ``items``
+    items of a list (dicts and lists are entered ``depth`` levels down). One ``json.dumps`` holds
+    the GIL from start to end: a 3,000-token ``prompt_logprobs`` answer held it 16-21 ms while the
+    engine's loop waited (benchmarks/engine_probe.py); between calls other threads run."""
+    if depth <= 0:
+        return json.dumps(value)
+    if isinstance(value, dict) and all(type(k) is str for k in value):
+        parts = (f"{json.dumps(k)}: {dumps_sliced(v, items, depth - 1)}" for k, v in value.items())
+        return "{" + ", ".join(parts) + "}"
+    if isinstance(value, (list, tuple)) and len(value) > items:
+        slices = (json.dumps(value[i : i + items])[1:-1] for i in range(0, len(value), items))
+        return "[" + ", ".join(slices) + "]"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(dumps_sliced(v, items, depth - 1) for v in value) + "]"
+    return json.dumps(value)
 
 
 def loads_bounded(raw: bytes, limits: HTTPLimits) -> Any:
@@ -323,6 +349,10 @@ class LimitedHandler(BaseHTTPRequestHandler):
 
     server: LimitedHTTPServer
     access_log: ClassVar[logging.Logger] = log
+    #: TCP_NODELAY on every connection: a response's headers and body are separate writes, and
+    #: with Nagle's algorithm the body waited for the client's delayed ACK of the headers (about
+    #: 40 ms on Linux: a 1 ms ``GET /health`` took 44 ms on a keep-alive connection).
+    disable_nagle_algorithm = True
     #: ``Content-Length`` of the current request (0 without one), set once its headers are read.
     body_length: int = 0
 
@@ -423,6 +453,20 @@ class LimitedHandler(BaseHTTPRequestHandler):
 
 #: glibc's ``mallopt`` parameter for the number of heap arenas.
 _M_ARENA_MAX = -8
+
+
+def freeze_heap() -> int:
+    """Collect, then move every object alive now (imported modules, the model, torch's
+    registries: about 300,000 objects in ``kvdrop engine --random-preset tiny``) into the
+    permanent generation, which the cyclic garbage collector skips (``gc.freeze``; vLLM's
+    ``freeze_gc_heap`` does the same after start-up). A full collection while serving then walks
+    only what requests made: before, one walked the start-up heap too, 145 ms with the GIL held,
+    and every stream stood still meanwhile (benchmarks/soak_round4.py). Call once, after start-up
+    and before traffic; returns how many objects are frozen. Objects made later are collected
+    as before."""
+    gc.collect()  # garbage frozen now would never be freed
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def bound_heap(arenas: int = 2) -> bool:

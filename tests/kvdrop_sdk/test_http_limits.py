@@ -3,6 +3,7 @@ before parsing, a whole-request deadline, a bound on open connections, safe log 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import select
@@ -10,6 +11,7 @@ import socket
 import threading
 import time
 import tracemalloc
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +24,8 @@ from kvdrop_sdk.http_limits import (
     HTTPLimits,
     LimitedHandler,
     LimitedHTTPServer,
+    dumps_sliced,
+    freeze_heap,
     json_cost,
     loads_bounded,
     log_field,
@@ -45,7 +49,8 @@ class _Echo(LimitedHandler):
         self._send(200, {"type": type(body).__name__, "len": len(body)})
 
     def do_GET(self) -> None:
-        self._send(200, {"ok": True})
+        nodelay = self.connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        self._send(200, {"ok": True, "nodelay": bool(nodelay)})
 
     def _send(self, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode()
@@ -263,6 +268,70 @@ def test_open_connections_are_bounded(serve: Any) -> None:
     finally:
         for sock in idle:
             sock.close()
+
+
+def test_connections_send_without_nagles_delay(serve: Any) -> None:
+    """A response's headers and body are two writes: with Nagle's algorithm on, the body
+    waited for the client's delayed ACK of the headers (about 40 ms a response on Linux)."""
+    httpd = serve()
+    with _connect(httpd) as sock:
+        for _ in range(2):  # and again on the kept-alive connection
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, reply = _response(sock)
+            assert status == 200
+            assert json.loads(reply) == {"ok": True, "nodelay": True}
+
+
+def test_freeze_heap_collects_garbage_then_freezes_what_is_alive() -> None:
+    class Node:
+        def __init__(self) -> None:
+            self.me = self  # a reference cycle: only the cyclic collector frees it
+
+    alive, garbage = Node(), Node()
+    gone = weakref.ref(garbage)
+    del garbage
+    gc.disable()  # no collection but freeze_heap's own
+    try:
+        frozen = freeze_heap()
+        assert gone() is None  # collected first, not frozen for ever
+        assert frozen == gc.get_freeze_count() > 0
+        assert not any(o is alive for o in gc.get_objects())  # collections skip it now
+    finally:
+        gc.unfreeze()
+        gc.enable()
+    assert any(o is alive for o in gc.get_objects())
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=7) | st.dictionaries(st.text(), inner, max_size=5),
+    max_leaves=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON, st.integers(1, 4), st.integers(0, 5))
+def test_dumps_sliced_is_json_dumps(value: Any, items: int, depth: int) -> None:
+    assert dumps_sliced(value, items, depth) == json.dumps(value)
+
+
+def test_dumps_sliced_encodes_a_long_list_in_bounded_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No single ``json.dumps`` (which holds the GIL throughout) gets more than ``items`` list
+    items, however deep the long list is within ``depth``."""
+    scores = [{"17": {"logprob": -0.5 * i, "rank": 1}} for i in range(3000)]
+    answer = {"choices": [{"index": 0, "prompt_logprobs": [None, *scores]}], "id": "x"}
+    expected = json.dumps(answer)
+    sizes: list[int] = []
+    dumps = json.dumps
+
+    def counted(value: Any, **kwargs: Any) -> str:
+        sizes.append(len(value) if isinstance(value, list) else 0)
+        return dumps(value, **kwargs)
+
+    monkeypatch.setattr(json, "dumps", counted)
+    assert dumps_sliced(answer, items=256) == expected
+    assert max(sizes) == 256
+    assert sum(sizes) == 3001
 
 
 # -- G: log fields ---------------------------------------------------------------------------------
