@@ -3,17 +3,12 @@ library's rows, and the engine's whole cut of the same requests is timed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
+from _bench import load_benchmark
 
-_PATH = pathlib.Path(__file__).parents[2] / "benchmarks" / "decode_cut_cost.py"
-_spec = importlib.util.spec_from_file_location("decode_cut_cost", _PATH)
-assert _spec is not None and _spec.loader is not None
-decode_cut_cost = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(decode_cut_cost)
+decode_cut_cost = load_benchmark("decode_cut_cost")
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import pathlib
 from typing import Any
 
 import pytest
+from _bench import load_benchmark
 
-_PATH = pathlib.Path(__file__).parents[2] / "benchmarks" / "decode_gain.py"
-_spec = importlib.util.spec_from_file_location("decode_gain", _PATH)
-assert _spec is not None and _spec.loader is not None
-decode_gain = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(decode_gain)
+decode_gain = load_benchmark("decode_gain")
 
 
 def _row(run: str, prefill: float, decode: float, **kw: Any) -> dict[str, Any]:

@@ -4,16 +4,13 @@ a task, which are the same prompts)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 from typing import Any
 
-_PATH = pathlib.Path(__file__).parents[2] / "benchmarks" / "kvpress_side.py"
-_spec = importlib.util.spec_from_file_location("kvpress_side", _PATH)
-assert _spec is not None and _spec.loader is not None
-side: Any = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(side)
+from _bench import load_benchmark
+
+side: Any = load_benchmark("kvpress_side")
 
 
 def _record(index: int, setting: str, **correct: bool) -> dict[str, Any]:

@@ -3,17 +3,12 @@ within budget + every, the full row not."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
+from _bench import load_benchmark
 
-_PATH = pathlib.Path(__file__).parents[2] / "benchmarks" / "long_generation.py"
-_spec = importlib.util.spec_from_file_location("long_generation", _PATH)
-assert _spec is not None and _spec.loader is not None
-long_generation = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(long_generation)
+long_generation = load_benchmark("long_generation")
 
 pytestmark = pytest.mark.timeout(300)
 

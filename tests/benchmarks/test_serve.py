@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
-import sys
 
 import pytest
+from _bench import load_benchmark
 
-_PATH = pathlib.Path(__file__).parents[2] / "benchmarks" / "serve.py"
-_spec = importlib.util.spec_from_file_location("serve_bench", _PATH)
-assert _spec is not None and _spec.loader is not None
-serve = importlib.util.module_from_spec(_spec)
-sys.modules["serve_bench"] = serve  # its dataclasses look their module up
-_spec.loader.exec_module(serve)
+serve = load_benchmark("serve", "serve_bench")
 
 
 def test_the_mixed_load_spans_its_ranges_the_same_way_every_run() -> None:
