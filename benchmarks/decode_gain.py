@@ -38,6 +38,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -310,13 +311,15 @@ def run(
     needs_query: bool,
     salt: str,
     reconstruct: bool = False,
+    queries: QueryCapture | None = None,
 ) -> dict[str, Any]:
     """One side of the comparison (`run_pipeline`, as the demo uses it): a table row.
     ``reconstruct``: the prefill runs KVzip's reconstruction pass (policies declaring
-    ``token_scores``); its loop-thread time is reported next to the prefill's."""
+    ``token_scores``); its loop-thread time is reported next to the prefill's. ``queries``: the
+    query engine's capture (:func:`query_capture`)."""
     uses_q = (needs_query or reconstruct) and policy_fn is not None
     kinds = [CacheKind.KV] + ([CacheKind.QUERY] if uses_q else [])
-    capture = QueryCapture(QueryNeed(args.query_capture), scores=reconstruct)
+    capture = replace(queries or QueryCapture(QueryNeed(args.query_capture)), scores=reconstruct)
     ctxs = [connect(k, server.url, server.http_url, model_name, capture=capture) for k in kinds]
     greedy = {"temperature": 0.0, "ignore_eos": True, "max_tokens": args.max_tokens}
     log(f"{name}: prefill, {'modify, ' if policy_fn else ''}decode {len(prompts)} prompts")
@@ -409,6 +412,7 @@ def job(
     policy_fn: Any,
     needs_query: bool,
     reconstruct: bool = False,
+    queries: QueryCapture | None = None,
 ) -> dict[str, Any]:
     """The same requests as one pipelined job (``BatchedStream.job``): each request's edit
     starts once its prefill is stored and its decode once its edit is back, while the others
@@ -417,7 +421,7 @@ def job(
     Returns the job's wall time (first prompt sent to last token received) and its failures."""
     uses_q = (needs_query or reconstruct) and policy_fn is not None
     kinds = [CacheKind.KV] + ([CacheKind.QUERY] if uses_q else [])
-    capture = QueryCapture(QueryNeed(args.query_capture), scores=reconstruct)
+    capture = replace(queries or QueryCapture(QueryNeed(args.query_capture)), scores=reconstruct)
     ctxs = [connect(k, server.url, server.http_url, model_name, capture=capture) for k in kinds]
     greedy = {"temperature": 0.0, "ignore_eos": True, "max_tokens": args.max_tokens}
     if policy_fn is None:
@@ -489,6 +493,14 @@ def build_policy(name: str, cfg: ModelConfig, args: argparse.Namespace) -> Any:
     return fn
 
 
+def query_capture(args: argparse.Namespace, policies: list[Any]) -> QueryCapture:
+    """What the query engine stores and the runs' contexts read: ``--query-capture``'s mode,
+    with the strided sample only when one of ``policies`` reads it
+    (:meth:`QueryCapture.for_policies`: snapkv, tova, rkv and finch read the last rows alone)."""
+    lean = QueryCapture.for_policies(policies, args.query_capture)
+    return QueryCapture(QueryNeed(args.query_capture), stride=lean.stride)
+
+
 def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
     """Baseline and every ``--policy`` side by side on one server: the report (setup + rows)."""
     cfg = model.config
@@ -500,6 +512,7 @@ def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
     needs = {name: needs_of(policies[name]) for name in args.policy}
     needs_q = {name: needs[name].reads_queries for name in args.policy}
     scores = {name: needs[name].token_scores for name in args.policy}
+    queries = query_capture(args, [policies[n] for n in args.policy if needs_q[n]])
 
     # Budget: the decode request is prompt + 1 prefill token, then max_tokens more.
     if args.kv_budget_tokens:
@@ -531,7 +544,7 @@ def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
                 server.http_url,
                 model_name,
                 transfer_query=transfer_query,
-                queries=QueryCapture(QueryNeed(args.query_capture)),
+                queries=queries,
             )
             engine = Engine(
                 model,
@@ -612,13 +625,23 @@ def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
                             needs_q[name],
                             name,
                             reconstruct=scores[name],
+                            queries=queries,
                         )
                     )
                     if not args.no_job:
                         fn, q = policies[name], needs_q[name]
                         rows[-1].update(
                             job(
-                                name, engine, server, model_name, prompts, args, fn, q, scores[name]
+                                name,
+                                engine,
+                                server,
+                                model_name,
+                                prompts,
+                                args,
+                                fn,
+                                q,
+                                scores[name],
+                                queries,
                             )
                         )
             connector.close()
@@ -652,6 +675,7 @@ def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "policies": " ".join(args.policy),
         "query_capture": args.query_capture,
+        "query_stride": queries.stride,
         "keep_ratio": args.keep_ratio,
         "chunk_size": args.chunk_size,
         "block_size": args.block_size,

@@ -92,6 +92,9 @@ class Scorer:
     reads_keys: ClassVar[bool] = True
     #: Reads ``selection.token_scores`` (the engine's reconstruction pass), e.g. ``kvzip``.
     token_scores: ClassVar[bool] = False
+    #: A ``WINDOW`` reader that reads only the last query rows (``last_rows``) says False: the
+    #: engine then stores no strided sample for it (``Needs.query_sample``).
+    reads_query_sample: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -12,7 +12,11 @@ An edit function declares what it reads with these attributes:
   ``kv[0]``. Together they are ``Needs.kv`` (a :class:`KVNeed`): ``NONE`` (an index-only edit,
   e.g. chunk-halving: the SDK has the server keep the chosen rows, no KV crosses the link),
   ``KEYS`` (e.g. knorm, snapkv: only the keys are fetched) or ``ALL`` (values too, or undeclared:
-  the whole KV is fetched and the edit's bytes are stored, upstream's path).
+  the whole KV is fetched and the edit's bytes are stored, upstream's path);
+* ``reads_query_sample`` (a bool, default True): whether a ``WINDOW`` reader reads the strided
+  sample of rows besides the last ``window`` (H2O's accumulated attention does; SnapKV, TOVA,
+  R-KV and FINCH read only the last rows). ``Needs.query_sample``; a capture for policies that
+  read none stores no sample (``stride`` 0): at 14K tokens, 64 rows a layer instead of 288.
 
 :func:`needs_of` reads them into one frozen :class:`Needs`, with one default for a function that
 declares nothing (upstream's: every query, no scores); it is the only place that tests the
@@ -117,15 +121,23 @@ class _DeclaresKeyReads(Protocol):
     def reads_keys(self) -> bool: ...
 
 
+@runtime_checkable
+class _DeclaresSampleReads(Protocol):
+    @property
+    def reads_query_sample(self) -> bool: ...
+
+
 @dataclass(frozen=True)
 class Needs:
     """What one edit function reads: which ``queries``, whether the engine's ``token_scores``,
-    and which of the cached ``kv`` (a :class:`KVNeed`; the SDK moves only that). Combine with
-    ``|`` (the widest of both)."""
+    and which of the cached ``kv`` (a :class:`KVNeed`; the SDK moves only that); a ``WINDOW``
+    reader's ``query_sample`` says whether it reads the strided sample besides the last rows.
+    Combine with ``|`` (the widest of both)."""
 
     queries: QueryNeed = QueryNeed.FULL
     token_scores: bool = False
     kv: KVNeed = KVNeed.ALL
+    query_sample: bool = True
 
     def __post_init__(self) -> None:
         try:
@@ -140,6 +152,8 @@ class Needs:
         except ValueError:
             modes = [m.value for m in KVNeed]
             raise ValueError(f"kv must be one of {modes}, got {self.kv!r}") from None
+        if not isinstance(self.query_sample, bool):
+            raise ValueError(f"query_sample must be a bool, got {self.query_sample!r}")
 
     @property
     def reads_queries(self) -> bool:
@@ -149,26 +163,29 @@ class Needs:
     def __or__(self, other: Needs) -> Needs:
         wider = max(self.queries, other.queries, key=lambda q: q.rank)
         kv = max(self.kv, other.kv, key=lambda k: k.rank)
-        return Needs(wider, self.token_scores or other.token_scores, kv)
+        # Only a part that reads queries can want their sample.
+        sample = any(n.query_sample for n in (self, other) if n.reads_queries)
+        return Needs(wider, self.token_scores or other.token_scores, kv, sample)
 
 
 #: The needs of a function that declares nothing: upstream's edit functions read the full
 #: queries (when the engine stores them), the whole KV, and know no token scores.
 UPSTREAM_NEEDS = Needs(QueryNeed.FULL, False, KVNeed.ALL)
 #: Nothing at all (the start of a union).
-NO_NEEDS = Needs(QueryNeed.NONE, False, KVNeed.NONE)
+NO_NEEDS = Needs(QueryNeed.NONE, False, KVNeed.NONE, query_sample=False)
 
 
 def needs_of(fn: object, default: Needs = UPSTREAM_NEEDS) -> Needs:
     """What ``fn`` reads: its ``needs`` when it declares them whole (every kvdrop policy), else
-    its declared ``queries``, ``token_scores`` and ``reads_values`` / ``reads_keys``, each
-    defaulting to ``default``'s (upstream's; a plugin factory's declaration for the functions it
-    builds). The one reader of those declarations."""
+    its declared ``queries``, ``token_scores``, ``reads_values`` / ``reads_keys`` and
+    ``reads_query_sample``, each defaulting to ``default``'s (upstream's; a plugin factory's
+    declaration for the functions it builds). The one reader of those declarations."""
     if isinstance(fn, _DeclaresNeeds) and isinstance(fn.needs, Needs):
         return fn.needs
     queries = fn.queries if isinstance(fn, _DeclaresQueries) else default.queries
     scores = fn.token_scores if isinstance(fn, _DeclaresTokenScores) else default.token_scores
-    return Needs(QueryNeed(queries), bool(scores), _kv_need(fn, default.kv))
+    sample = fn.reads_query_sample if isinstance(fn, _DeclaresSampleReads) else default.query_sample
+    return Needs(QueryNeed(queries), bool(scores), _kv_need(fn, default.kv), bool(sample))
 
 
 def _kv_need(fn: object, default: KVNeed) -> KVNeed:
@@ -237,9 +254,10 @@ class QueryCapture:
         stride: int = DEFAULT_QUERY_STRIDE,
     ) -> QueryCapture:
         """The final capture for ``policies`` (their :func:`needs_of`): none when none reads
-        queries, else the lean window, or every query when one needs them all or ``mode`` is
-        ``"full"``; ``scores`` when one reads token scores. ``"auto"`` and ``"window"`` are the
-        least capture that serves them all."""
+        queries, else the lean window (its strided sample, every ``stride``-th row, only when
+        one reads it: ``Needs.query_sample``), or every query when one needs them all or
+        ``mode`` is ``"full"``; ``scores`` when one reads token scores. ``"auto"`` and
+        ``"window"`` are the least capture that serves them all."""
         if mode not in CAPTURE_CHOICES:
             raise ValueError(f"query capture must be one of {CAPTURE_CHOICES}, got {mode!r}")
         needs = NO_NEEDS
@@ -248,6 +266,8 @@ class QueryCapture:
         queries = needs.queries
         if queries is not QueryNeed.NONE and mode == "full":
             queries = QueryNeed.FULL
+        if queries is QueryNeed.WINDOW and not needs.query_sample:
+            stride = 0
         return cls(queries, window, stride, needs.token_scores)
 
 

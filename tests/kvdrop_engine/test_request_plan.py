@@ -122,7 +122,23 @@ def test_query_window_reaches_the_cut(model: Transformer) -> None:
     with Engine(model, num_blocks=64, dropper=dropper) as engine:
         seen = spy_rows(engine)
         engine.generate(prompt_of(200), {"max_tokens": 2, **GREEDY})
-    assert seen == [128 + 2]  # positions 72..199, and the strided sample's 0 and 64
+    # Positions 72..199: snapkv reads the last rows only, so no strided sample is captured
+    # for it (Needs.query_sample; with one, 0 and 64 came too).
+    assert seen == [128]
+
+
+@pytest.mark.parametrize(("spec", "rows"), [("snapkv", 64), ("h2o", 64 + 3)])
+def test_the_strided_sample_is_captured_only_for_a_policy_that_reads_it(
+    model: Transformer, spec: str, rows: int
+) -> None:
+    """A 200-token prompt, window 64 (positions 136..199): h2o's accumulated attention also
+    gets the strided sample (0, 64 and 128); snapkv reads the last rows alone and gets no
+    sample, at 14K tokens 64 rows a layer where h2o gets 288."""
+    dropper = PromptDropper(model.config, spec, keep_ratio=0.5)
+    with Engine(model, num_blocks=64, dropper=dropper) as engine:
+        seen = spy_rows(engine)
+        engine.generate(prompt_of(200), {"max_tokens": 2, **GREEDY})
+    assert seen == [rows]
 
 
 class QueryRecorder(DenseAttention):

@@ -10,6 +10,7 @@ import pytest
 import kvdrop
 from kvdrop.function_policy import FunctionPolicy
 from kvdrop_sdk.query_capture import (
+    DEFAULT_QUERY_STRIDE,
     UPSTREAM_NEEDS,
     KVNeed,
     Needs,
@@ -110,3 +111,23 @@ def test_capture_takes_the_widest_need_and_says_what_it_serves() -> None:
     assert QueryCapture(QueryNeed.FULL).serves(UPSTREAM_NEEDS) == UPSTREAM_NEEDS
     with pytest.raises(ValueError, match=r"query capture must be one of \('auto'"):
         QueryCapture.for_policies([], "none")  # type: ignore[arg-type]
+
+
+def test_the_strided_sample_is_captured_only_for_a_policy_that_reads_it() -> None:
+    """snapkv, tova, rkv and finch read the last rows only: their capture stores no strided
+    sample (stride 0); h2o's accumulated attention reads it, and so does any union with h2o or
+    a function that does not say (upstream's default)."""
+    lean = [kvdrop.get(p, keep_ratio=0.5) for p in ("snapkv", "tova", "rkv", "finch")]
+    assert {needs_of(fn).query_sample for fn in lean} == {False}
+    assert QueryCapture.for_policies(lean).stride == 0
+    assert QueryCapture.for_policies(lean, "window", stride=16).stride == 0
+    h2o = kvdrop.get("h2o", keep_ratio=0.5)
+    assert QueryCapture.for_policies([h2o]).stride == DEFAULT_QUERY_STRIDE
+    assert QueryCapture.for_policies([*lean, h2o], stride=16).stride == 16
+    assert QueryCapture.for_policies([*lean, Declares()]).stride == DEFAULT_QUERY_STRIDE
+    # A part that reads no queries wants no sample; a composition asks its parts.
+    assert QueryCapture.for_policies([*lean, kvdrop.get("knorm")]).stride == 0
+    assert QueryCapture.for_policies([kvdrop.get("streaming+snapkv")]).stride == 0
+    assert QueryCapture.for_policies([kvdrop.get("knorm+h2o")]).stride == DEFAULT_QUERY_STRIDE
+    with pytest.raises(ValueError, match="query_sample must be a bool"):
+        Needs(QueryNeed.WINDOW, query_sample=1)  # type: ignore[arg-type]

@@ -80,6 +80,7 @@ class FinchScorer(Scorer):
     """
 
     queries = QueryNeed.WINDOW
+    reads_query_sample = False  # the last rows only (last_rows)
     needs_selection = True  # observes the selector's window (the question)
     reads_values = False
     head_dim: int | None = query_head_dim()

@@ -36,6 +36,7 @@ class TovaScorer(Scorer):
     """
 
     queries = QueryNeed.WINDOW
+    reads_query_sample = False  # the last rows only (last_rows)
     needs_selection = True  # reads where the query rows sit
     reads_values = False
     head_dim: int | None = query_head_dim()

@@ -14,7 +14,9 @@ factory (a :class:`kvdrop.PolicyFactory`, registered or not):
   queries and token scores) bit for bit unchanged, be deterministic, and accept another SDK's
   cache-kind enum by value. Every failure names the example's parameters and shape. A query
   policy that takes a query window (``QueryNeed.WINDOW``) is also called the way the engine
-  calls it: the last rows of a longer prompt with their positions (:func:`check_window_path`).
+  calls it: the last rows of a longer prompt with their positions (:func:`check_window_path`);
+  one that says it reads no strided sample (``reads_query_sample = False``) keeps the same
+  tokens without it (:func:`check_query_sample`).
 - :func:`check_invalid_parameters`: bad ``keep_ratio``/``chunk_size``/unknown parameters raise
   ``PolicyParamError`` naming the parameter.
 - :func:`check_wrong_shapes`: wrongly shaped inputs raise ``PolicyInputError`` (and
@@ -63,7 +65,7 @@ from kvdrop.registry import available, factory, source
 from kvdrop_sdk import CacheKind
 from kvdrop_sdk.dry_run import dry_run_inputs
 from kvdrop_sdk.edit import EditContext
-from kvdrop_sdk.query_capture import Needs, QueryCapture, QueryNeed
+from kvdrop_sdk.query_capture import Needs, QueryCapture, QueryNeed, needs_of
 
 __all__ = [
     "DTYPES",
@@ -74,6 +76,7 @@ __all__ = [
     "check_invariants",
     "check_parameter_values",
     "check_policy",
+    "check_query_sample",
     "check_window_path",
     "check_wrong_shapes",
     "describe_case",
@@ -373,6 +376,50 @@ def check_parameter_values(ref: PolicyRef) -> None:
             _invariants(ref, case)
             if window:
                 check_window_path(ref, case, 8, 16)
+        if window:
+            check_query_sample(ref)
+
+
+#: check_query_sample's prompt and capture: a window wider than any example's observation
+#: window (64), and a sample of every 5th row before it.
+_SAMPLE_TOKENS, _SAMPLE_WINDOW, _SAMPLE_STRIDE = 240, 80, 5
+
+
+def check_query_sample(ref: PolicyRef) -> None:
+    """A window policy that declares it reads no strided sample (``Needs.query_sample``
+    False: the engine then stores none for it) keeps the same tokens when the query rows hold
+    the last ``_SAMPLE_WINDOW`` rows alone as when they hold a strided sample too, at its
+    example's parameters. A policy that reads the sample is not checked (it may use it)."""
+    make = _factory(ref)
+    policy = make(**dict(make.info.example))
+    if policy.queries is not QueryNeed.WINDOW or needs_of(policy).query_sample:
+        return
+    case = _base_case(make.info, torch.float32, num_tokens=_SAMPLE_TOKENS)
+    d = case.head_dim
+    layout = _Layout(case.kv.shape[1], case.kv.shape[3] // d, case.query.shape[3] // d, d)
+    capture = QueryCapture(QueryNeed.WINDOW, window=_SAMPLE_WINDOW, stride=_SAMPLE_STRIDE)
+    run = dry_run_inputs(layout, _SAMPLE_TOKENS, Needs(QueryNeed.WINDOW), capture, seed=3)
+    positions = run.context.query_positions
+    assert positions is not None
+    last = positions >= _SAMPLE_TOKENS - _SAMPLE_WINDOW
+    kept = []
+    for rows in (torch.ones_like(last), last):
+        query = run.tensors[CacheKind.QUERY][:, :, rows]
+        context = EditContext(
+            positions=torch.arange(_SAMPLE_TOKENS),
+            query_positions=positions[rows],
+            prompt_tokens=_SAMPLE_TOKENS,
+            head_dim=d,
+        )
+        tensors = {CacheKind.KV: case.kv, CacheKind.QUERY: query}
+        label = f"{describe_case(make.info.name, case)}, {int(rows.sum())} query rows"
+        with _quiet():
+            kept.append(list(_call(label, make(**case.params), tensors, case, context)[1]))
+    assert kept[0] == kept[1], (
+        f"{make.info.name} declares reads_query_sample = False, but the strided sample of "
+        f"query rows changes what it keeps ({len(set(kept[0]) ^ set(kept[1]))} tokens differ): "
+        "declare reads_query_sample = True, or read only the last rows (last_rows)"
+    )
 
 
 def check_window_path(ref: PolicyRef, case: Case, tail: int, rows: int) -> None:

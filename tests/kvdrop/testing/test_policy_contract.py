@@ -169,3 +169,36 @@ def test_a_duplicate_index_is_named_as_such() -> None:
         AssertionError, match=r"kept positions \[0\] more than once \(a duplicate index\)"
     ):
         check_policy(FunctionFactory("twice", _twice_first), max_examples=3)
+
+
+@dataclass(frozen=True)
+class ReadsTheSampleSilently(Scorer):
+    """Scores keys by the mean query over EVERY saved row (the strided sample included), yet
+    declares that it reads only the last rows: the engine would then store no sample for it."""
+
+    queries = QueryNeed.WINDOW
+    reads_query_sample = False
+    reads_values = False
+    head_dim: int = param(4, "head dimension", allowed="> 0", check=lambda d: d > 0)
+
+    def score(self, kv: torch.Tensor, query: torch.Tensor | None) -> torch.Tensor:
+        assert query is not None
+        keys = kv[0].float()  # [L, T, Hkv*d]
+        q = query[0].float().mean(dim=1)  # [L, Hq*d]
+        d = self.head_dim
+        q = q.view(q.shape[0], -1, d).mean(dim=1)  # [L, d]
+        k = keys.view(keys.shape[0], keys.shape[1], -1, d).mean(dim=2)  # [L, T, d]
+        return torch.einsum("ltd,ld->t", k, q)
+
+
+def test_a_policy_that_reads_the_sample_it_disowns_fails_the_kit() -> None:
+    """``reads_query_sample = False`` tells the engine to store no strided sample of query rows
+    (snapkv, tova, rkv, finch: 64 rows a layer instead of 288 at 14K tokens); a scorer that says
+    so but reads every row keeps other tokens without the sample, and the kit says so."""
+    factory = ScorerFactory("sample-bug", ReadsTheSampleSilently, "planted bug")
+    with pytest.raises(AssertionError, match=r"declares reads_query_sample = False"):
+        check_policy(factory)
+    honest = dataclass(frozen=True)(
+        type("ReadsTheSample", (ReadsTheSampleSilently,), {"reads_query_sample": True})
+    )
+    check_policy(ScorerFactory("sample-ok", honest, "reads the sample and says so"))
