@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-tokens", type=int, default=2048, help="reconstruction chunk")
     p.add_argument("--max-prefill-tokens", type=int, default=8192, help="rows a step/piece")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--repeat", type=int, default=3, help="untimed warm-up, then best of this")
+    p.add_argument("--repeat", type=int, default=3, help="a warm-up, then best of this (in turns)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object a length")
     args = p.parse_args(argv)
@@ -161,6 +161,22 @@ def best_of(fn: Callable[[], None], timer: Timer, repeat: int) -> float:
     return min(times)
 
 
+def best_of_each(fns: list[Callable[[], None]], timer: Timer, repeat: int) -> list[float]:
+    """The best time of each of ``fns``, run in turn ``repeat`` times after a warm-up (so that
+    a busy spell of a shared machine falls on all of them alike)."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, out in zip(fns, times, strict=True):
+            timer.sync()
+            started = time.perf_counter()
+            fn()
+            timer.sync()
+            out.append(time.perf_counter() - started)
+    return [min(t) for t in times]
+
+
 def measure(model: Transformer, n: int, args: argparse.Namespace) -> dict[str, Any]:
     cfg, dev = model.config, model.device
     gen = torch.Generator().manual_seed(args.seed + n)
@@ -177,7 +193,15 @@ def measure(model: Transformer, n: int, args: argparse.Namespace) -> dict[str, A
     out: dict[str, Any] = {"prompt_tokens": n}
     with torch.inference_mode():
         pre: dict[str, float] = {}
-        pre["total_s"] = best_of(lambda: prefill(model, cache, table, ids, step), timer, args.repeat)
+        ps: dict[str, float] = {}
+        pre["total_s"], ps["total_s"] = best_of_each(
+            [
+                lambda: prefill(model, cache, table, ids, step),
+                lambda: run_pass(new_pass(model, cache, table, ids, prompt), step),
+            ],
+            timer,
+            args.repeat,
+        )
         pre["proj_mlp_s"] = best_of(
             lambda: prefill(model, cache, table, ids, step, _null_attention), timer, args.repeat
         )
@@ -190,16 +214,14 @@ def measure(model: Transformer, n: int, args: argparse.Namespace) -> dict[str, A
         pre["other_s"] = timed - pre["attention_s"] - pre["proj_mlp_s"]
 
         rows = new_pass(model, cache, table, ids, prompt).total_rows
-        ps: dict[str, float] = {}
-        ps["total_s"] = best_of(
-            lambda: run_pass(new_pass(model, cache, table, ids, prompt), step), timer, args.repeat
-        )
 
         def null_rows() -> None:  # the pass's rows and pieces through the weights alone
             run = new_pass(model, cache, table, ids, prompt)
-            run.model = lambda tokens, positions, attn, logits_rows: model(  # type: ignore[assignment]
-                tokens, positions, _null_attention, logits_rows
-            )
+
+            def weights_only(tokens: Any, positions: Any, attn: Any, logits_rows: Any) -> Any:
+                return model(tokens, positions, _null_attention, logits_rows)
+
+            run.model = weights_only  # type: ignore[assignment]
             run_pass(run, step, host=lambda t: t)
 
         ps["proj_mlp_s"] = best_of(null_rows, timer, args.repeat)
@@ -265,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
             ])  # fmt: skip
     print(table(rows))
     print("\nparts from a second run with a device sync around each timed call; total_s from an")
-    print("untimed run (best of --repeat); x_prefill = total_s / the prefill's total_s")
+    print(
+        "untimed run (best of --repeat, prefill and pass in turns); x_prefill = total_s / the prefill's total_s"
+    )
     return 0
 
 
