@@ -286,10 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{total / r['prefill_total_s']:.3f}",
             ])  # fmt: skip
     print(table(rows))
-    print("\nparts from a second run with a device sync around each timed call; total_s from an")
-    print(
-        "untimed run (best of --repeat, prefill and pass in turns); x_prefill = total_s / the prefill's total_s"
-    )
+    print("\nparts: a second run, a device sync around each timed call; total_s: an untimed run")
+    print("(best of --repeat, prefill and pass in turns); x_prefill: total_s / the prefill's")
     return 0
 
 
