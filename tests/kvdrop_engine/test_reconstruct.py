@@ -251,3 +251,29 @@ def test_split_attention_equals_one_softmax_over_cache_and_own() -> None:
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
     assert scored.shape == (hkv, 4 + 15 + r, d)
     torch.testing.assert_close(lse, reconstruct._partial(q, scored, scored, causal=True)[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_gpu_flash_split_equals_one_softmax(dtype: torch.dtype) -> None:
+    """On a GPU in half precision the split runs the flash kernel (bottom-right causal for the
+    scored part): its attention, log-normalisers and KVzip scores equal a float64 softmax over
+    the whole cache and the own rows, and the float32 tiled path on the same inputs."""
+    gen = torch.Generator().manual_seed(5)
+    s, r, m, hq, hkv, d, start, end = 700, 40, 24, 16, 4, 128, 300, 500
+    kc, vc = (torch.randn(s, hkv, d, generator=gen) for _ in range(2))
+    k_own, v_own = (torch.randn(r, hkv, d, generator=gen) for _ in range(2))
+    q = torch.randn(m, hq, d, generator=gen)
+    cuda = [t.to("cuda", dtype) for t in (q, kc, vc, k_own, v_own)]
+    assert reconstruct._flash_lse_ok(cuda[0])
+    out, lse, scored = reconstruct.split_attention(*cuda, start, end, 4)
+    half = [t.to(dtype).double() for t in (q, kc, vc, k_own, v_own)]
+    k_all = torch.cat([half[1], half[3]]).transpose(0, 1)
+    v_all = torch.cat([half[2], half[4]]).transpose(0, 1)
+    want = causal_attention(half[0], k_all, v_all, s + r - m)
+    torch.testing.assert_close(out.double().cpu(), want, rtol=2e-2, atol=2e-2)
+    tiled = reconstruct._partial_tiled(cuda[0], scored, scored, causal=True)[1]
+    torch.testing.assert_close(lse, tiled, rtol=1e-4, atol=1e-3)
+    got = reconstruct.scored_max(cuda[0], scored, 4, end - start, lse).cpu()
+    ref = _reference_max_probs(half[0].float(), scored.float().cpu(), 4, end - start)
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=1e-4)
