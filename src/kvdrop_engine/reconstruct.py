@@ -23,6 +23,7 @@ the ``kvzip`` policy reads it from the edit context. Nothing is written to the p
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvdrop_engine.model import Transformer, causal_attention
+from kvdrop_engine.model import Transformer
 from kvdrop_engine.tokenizer import ChatTurns
 from kvdrop_sdk.validate import check_fields
 
@@ -44,6 +45,8 @@ __all__ = [
     "ScorePrompt",
     "chunk_scores",
     "reconstruction_scores",
+    "scored_max",
+    "split_attention",
 ]
 
 #: The paper's reconstruction prompt for the first chunk, and for the later ones (which go on
@@ -128,6 +131,12 @@ class ReconstructionAttention:
     themselves, and records the piece's scores of cached tokens ``start..end-1`` into
     ``scores`` ``[L, Hkv, N]`` (the max with what earlier pieces recorded).
 
+    The attention is split by keys into the ones KVzip scores against (the first ``n_sink``
+    cached tokens, the chunk's cached tokens, the reconstruction's own: causal) and the rest of
+    the cache (seen by every row), each part with its log-normaliser, merged by those
+    (:func:`split_attention`): the scored part's normaliser is the one the scores need, so the
+    keys are read once and no softmax over the whole cache is formed.
+
     ``keys(layer)``/``values(layer)`` give the cached ``[S, Hkv, d]`` of a layer."""
 
     def __init__(
@@ -147,19 +156,136 @@ class ReconstructionAttention:
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Attention output ``[M, Hq, d]``; scores of this layer as a side effect."""
         kc, vc = self.keys(layer), self.values(layer)
-        cached = kc.shape[0]
         k, v = k.to(kc.dtype), v.to(vc.dtype)
         if layer in self.own:
             prev_k, prev_v = self.own[layer]
             k, v = torch.cat([prev_k, k]), torch.cat([prev_v, v])
         self.own[layer] = (k, v)
-        k_all = torch.cat([kc, k]).transpose(0, 1)  # [Hkv, S + rows so far, d]
-        v_all = torch.cat([vc, v]).transpose(0, 1)
-        out = causal_attention(q, k_all, v_all, k_all.shape[1] - q.shape[0])
+        out, lse, scored = split_attention(q, kc, vc, k, v, self.start, self.end, self.n_sink)
         region = self.scores[layer, :, self.start : self.end]
-        piece = chunk_scores(q, k_all, self.start, self.end, self.n_sink, cached=cached)
+        sink = min(self.n_sink, self.start)
+        piece = scored_max(q, scored, sink, self.end - self.start, lse)
         torch.maximum(region, piece, out=region)
         return out
+
+
+def split_attention(
+    q: Tensor,
+    kc: Tensor,
+    vc: Tensor,
+    k_own: Tensor,
+    v_own: Tensor,
+    start: int,
+    end: int,
+    n_sink: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention of a reconstruction piece ``q [M, Hq, d]`` over the cache ``kc``/``vc [S,
+    Hkv, d]`` and the chunk's own ``k_own``/``v_own [R, Hkv, d]`` (its last ``M`` rows are
+    ``q``'s, causal): ``(out [M, Hq, d], lse [M, Hq], scored [Hkv, sink + W + R, d])``, where
+    ``lse`` is the rows' float32 log-normaliser over the ``scored`` keys alone (the first
+    ``min(n_sink, start)`` cached, the chunk's ``W = end - start``, the own ``R``). The rest of
+    the cache is attended without a mask and merged through the log-normalisers."""
+    sink = min(n_sink, start)
+    scored_k = torch.cat([kc[:sink], kc[start:end], k_own]).transpose(0, 1)
+    scored_v = torch.cat([vc[:sink], vc[start:end], v_own]).transpose(0, 1)
+    scored = _partial(q, scored_k, scored_v, causal=True)
+    parts = [scored]
+    for a, b in ((sink, start), (end, kc.shape[0])):
+        if b > a:
+            parts.append(_partial(q, kc[a:b].transpose(0, 1), vc[a:b].transpose(0, 1)))
+    return _merge(parts, q.dtype), scored[1], scored_k
+
+
+def _grouped(q: Tensor, hkv: int) -> Tensor:
+    """``q [M, Hq, d]`` as ``[Hkv, M * G, d]``: the ``G`` query heads of a KV head as its rows,
+    ordered (token, group member)."""
+    m, hq, d = q.shape
+    return q.reshape(m, hkv, hq // hkv, d).permute(1, 0, 2, 3).reshape(hkv, m * (hq // hkv), d)
+
+
+def _ungrouped(t: Tensor, m: int) -> Tensor:
+    """:func:`_grouped`'s inverse on ``[Hkv, M * G, ...]``: ``[M, Hkv * G, ...]``."""
+    hkv, rows = t.shape[:2]
+    g = rows // m
+    return t.view(hkv, m, g, *t.shape[2:]).transpose(0, 1).reshape(m, hkv * g, *t.shape[2:])
+
+
+def _partial(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> tuple[Tensor, Tensor]:
+    """Attention of ``q [M, Hq, d]`` over head-major ``k``/``v [Hkv, K, d]``: ``(out [M, Hq,
+    d], lse [M, Hq] float32)``; ``causal``: bottom-right (row ``j`` sees keys ``0 .. K - M +
+    j``). A flash kernel where there is one (CUDA in half precision; the host's, the causal part
+    in float32 so that its log-normaliser is that of the exact products), else float32 tiles."""
+    m, hq, d = q.shape
+    hkv, total = k.shape[0], k.shape[1]
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d)
+    if _flash_lse_ok(q):
+        if causal:  # bottom-right causal needs the heads unstacked (small: the scored keys)
+            qh = q.transpose(0, 1).unsqueeze(0)
+            kh = k.repeat_interleave(group, dim=0).unsqueeze(0).to(q.dtype)
+            vh = v.repeat_interleave(group, dim=0).unsqueeze(0).to(q.dtype)
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+                qh, kh, vh, 0.0, True, False, scale=scale
+            )[:2]
+            return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            _grouped(q, hkv).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, False, False,
+            scale=scale,
+        )[:2]  # fmt: skip
+        return _ungrouped(out[0], m), _ungrouped(lse[0], m)
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        qg, mask = _grouped(q, hkv).unsqueeze(0), None
+        kh, vh = k.unsqueeze(0), v.unsqueeze(0)
+        if causal:
+            qg, kh, vh = qg.float(), kh.float(), vh.float()
+            mask = _host_causal_mask(m, total, group)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qg, kh.to(qg.dtype), vh.to(qg.dtype), 0.0, False, attn_mask=mask, scale=scale
+        )[:2]
+        return _ungrouped(out[0], m), _ungrouped(lse[0], m)
+    return _partial_tiled(q, k, v, causal)
+
+
+@functools.lru_cache(maxsize=2)
+def _host_causal_mask(m: int, total: int, group: int) -> Tensor:
+    """The float32 bottom-right causal mask ``[M * G, K]`` of grouped rows (0 or -inf), kept
+    for the next layers of the same piece (building it costs a third of the attention)."""
+    seen = torch.arange(total)[None, :] <= (total - m + torch.arange(m))[:, None]
+    mask = torch.zeros(seen.shape).masked_fill_(~seen, -torch.inf)
+    return mask.repeat_interleave(group, dim=0)
+
+
+def _partial_tiled(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    """:func:`_partial` in float32 tiles of rows (any device and dtype)."""
+    m, hq, d = q.shape
+    hkv, total = k.shape[0], k.shape[1]
+    scale = 1.0 / math.sqrt(d)
+    qg, kt, vf = _grouped(q, hkv), k.transpose(1, 2), v.float()
+    tile = SCORE_TILE_BYTES_CUDA if q.device.type == "cuda" else SCORE_TILE_BYTES
+    step = max(1, tile // (4 * hkv * total))  # rows of qg per tile
+    group = hq // hkv
+    outs, lses = [], []
+    for i in range(0, qg.shape[1], step):
+        logits = _logits(qg[:, i : i + step], kt).mul_(scale)  # [Hkv, r, K]
+        if causal:
+            token = torch.arange(i, i + logits.shape[1], device=q.device) // group
+            hidden = torch.arange(total, device=q.device)[None, :] > (total - m + token)[:, None]
+            logits.masked_fill_(hidden, -torch.inf)
+        lse = torch.logsumexp(logits, dim=-1)
+        outs.append(torch.bmm(logits.sub_(lse[..., None]).exp_(), vf))
+        lses.append(lse)
+    return _ungrouped(torch.cat(outs, dim=1), m), _ungrouped(torch.cat(lses, dim=1), m)
+
+
+def _merge(parts: Sequence[tuple[Tensor, Tensor]], dtype: torch.dtype) -> Tensor:
+    """The attention over the union of the parts' keys, from each part's ``(out, lse)``."""
+    if len(parts) == 1:
+        return parts[0][0].to(dtype)
+    lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)
+    out = torch.zeros(parts[0][0].shape, dtype=torch.float32, device=lse.device)
+    for o, part_lse in parts:
+        out.addcmul_(o.float(), (part_lse - lse).exp_().unsqueeze(-1))
+    return out.to(dtype)
 
 
 def chunk_scores(
@@ -171,7 +297,8 @@ def chunk_scores(
     ``M`` rows of ``q``; ``cached`` defaults to ``S + R - M``, one piece); each cached token
     ``start..end-1`` gets the max softmax probability any query (and GQA head) pays it over the
     first ``n_sink`` cached tokens, the chunk's cached tokens and the reconstruction's own
-    (causal). Shared by the engine and the transformers integration, so both score alike."""
+    (causal). Shared by the engine (through :func:`split_attention` and :func:`scored_max`)
+    and the transformers integration, so both score alike."""
     if cached is None:
         cached = keys.shape[1] - q.shape[0]
     sink = min(n_sink, start)
@@ -191,17 +318,13 @@ def _logits(qh: Tensor, kt: Tensor) -> Tensor:
 def _max_probs(q: Tensor, keys: Tensor, sink: int, width: int) -> Tensor:
     """``[Hkv, width]``: per KV head, the max over query rows and the GQA group of the softmax
     probability (over all of ``keys``, the last ``M`` of which are the rows' own, causal) of keys
-    ``sink .. sink+width-1``. On a GPU in half precision each row's log-normaliser comes from the
-    flash kernel (never materialising its scores) and only the scored keys' logits are formed;
-    elsewhere float32 tiles. Either way the softmax is never written:
-    ``max_rows exp(l - lse) = exp(max_rows (l - lse))``."""
-    if _flash_lse_ok(q):
-        return _max_probs_flash(q, keys, sink, width)
-    return _max_probs_tiled(q, keys, sink, width)
+    ``sink .. sink+width-1``: :func:`scored_max` with the rows' log-normalisers over ``keys``."""
+    lse = _partial(q, keys, keys, causal=True)[1]
+    return scored_max(q, keys, sink, width, lse)
 
 
 def _flash_lse_ok(q: Tensor) -> bool:
-    """Whether :func:`_max_probs_flash` applies: CUDA, half precision, a flash-sized head."""
+    """Whether the flash kernel gives :func:`_partial`: CUDA, half precision, a flash head."""
     return (
         q.device.type == "cuda"
         and q.dtype in (torch.bfloat16, torch.float16)
@@ -209,51 +332,26 @@ def _flash_lse_ok(q: Tensor) -> bool:
     )
 
 
-def _max_probs_flash(q: Tensor, keys: Tensor, sink: int, width: int) -> Tensor:
-    """:func:`_max_probs` with the rows' log-normalisers from the flash kernel (bottom-right
-    causal over all ``keys``: row ``j`` sees the cached keys and its own ``0..j``), then the
-    ``[Hkv, M * group, width]`` float32 logits of the scored keys alone, in one matrix product."""
-    m, hq, d = q.shape
+def scored_max(q: Tensor, keys: Tensor, sink: int, width: int, lse: Tensor) -> Tensor:
+    """``[Hkv, width]``: per KV head, the max over ``q [M, Hq, d]``'s rows and the GQA group of
+    ``exp(l - lse)``, ``l`` the scaled logit of key ``sink + i`` of ``keys [Hkv, K, d]`` and
+    ``lse [M, Hq]`` the row's float32 log-normaliser. Only the scored keys' logits are formed
+    (float32, rows blocked under the tile bound) and the softmax is never written:
+    ``max_rows exp(s * l' - lse) = exp(s * max_rows (l' - lse / s))`` for the scale ``s > 0``
+    (one pass less over the logits than scaling them)."""
     hkv = keys.shape[0]
-    group = hq // hkv
-    scale = 1.0 / math.sqrt(d)
-    qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, M, d]
-    kh = keys.repeat_interleave(group, dim=0).unsqueeze(0).to(q.dtype)  # [1, Hq, K, d]
-    lse = torch.ops.aten._scaled_dot_product_flash_attention(
-        qh, kh, kh, 0.0, True, False, scale=scale
-    )[1]  # [1, Hq, M] float32, natural log of the scaled scores' exp-sum
-    rows = q.reshape(m, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, m * group, d)
-    scored = keys[:, sink : sink + width].transpose(1, 2)  # [Hkv, d, width]
-    logits = _logits(rows, scored).mul_(scale).view(hkv, m, group, width)
-    norm = lse[0].view(hkv, group, m).transpose(1, 2)  # [Hkv, M, group]
-    logits.sub_(norm.unsqueeze(-1))
-    return logits.amax(dim=(1, 2)).exp_()
-
-
-def _max_probs_tiled(q: Tensor, keys: Tensor, sink: int, width: int) -> Tensor:
-    """:func:`_max_probs` in float32 tiles of all logits, rows blocked under the tile bound."""
-    m, hq, d = q.shape
-    hkv, total = keys.shape[0], keys.shape[1]
-    group = hq // hkv
-    kt = keys.transpose(1, 2)  # [Hkv, d, K]
-    own = total - m
-    best = torch.full((hkv, width), -torch.inf, dtype=torch.float32, device=q.device)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    rows = _grouped(q, hkv)  # [Hkv, M * G, d]
+    norm = _grouped(lse.unsqueeze(-1), hkv).squeeze(-1).div(scale)  # [Hkv, M * G]
+    kt = keys[:, sink : sink + width].transpose(1, 2)  # [Hkv, d, width]
     tile = SCORE_TILE_BYTES_CUDA if q.device.type == "cuda" else SCORE_TILE_BYTES
-    step = max(1, tile // (4 * hq * total))
-    scale = 1.0 / math.sqrt(d)
-    cols = torch.arange(total, device=q.device)
-    for i in range(0, m, step):
-        rows = q[i : i + step]  # [r, Hq, d]
-        r = rows.shape[0]
-        qh = rows.reshape(r, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, r * group, d)
-        logits = _logits(qh, kt).mul_(scale).view(hkv, r, group, total)
-        # Row j of the chunk sees its own tokens 0..j only.
-        hidden = cols[None, :] > (own + torch.arange(i, i + r, device=q.device))[:, None]
-        logits.masked_fill_(hidden[None, :, None, :], -torch.inf)
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        part = (logits[..., sink : sink + width] - lse).amax(dim=(1, 2))
-        best = torch.maximum(best, part)
-    return best.exp_()
+    step = max(1, tile // (4 * hkv * max(width, 1)))
+    best = torch.full((hkv, width), -torch.inf, dtype=torch.float32, device=q.device)
+    for i in range(0, rows.shape[1], step):
+        logits = _logits(rows[:, i : i + step], kt)
+        logits.sub_(norm[:, i : i + step, None])
+        best = torch.maximum(best, logits.amax(dim=1))
+    return best.mul_(scale).exp_()
 
 
 @dataclass(frozen=True)

@@ -211,12 +211,14 @@ class ModelRunner:
         ``num_computed`` cached tokens (:mod:`kvdrop_engine.reconstruct`); run it with
         :meth:`reconstruct_piece` (the request's blocks must stay its own until it is done)."""
         cache = self.cache
+        heads = (-1, cache.num_kv_heads, cache.head_dim)
+        slots = cache.slots(blocks, 0, num_computed)  # once a pass, not per layer and piece
         return ReconstructionPass(
             self.model,
             prompt,
             num_computed,
-            lambda layer: cache.keys(blocks, layer, num_computed),
-            lambda layer: cache.values(blocks, layer, num_computed),
+            lambda layer: cache.k[layer].view(heads)[slots],
+            lambda layer: cache.v[layer].view(heads)[slots],
             reconstruction,
         )
 

@@ -12,7 +12,7 @@ from kvdrop_engine import reconstruct
 from kvdrop_engine.connectors.kvdrop import ServerConnector
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import preset_config
-from kvdrop_engine.model import DenseAttention, Transformer
+from kvdrop_engine.model import DenseAttention, Transformer, causal_attention
 from kvdrop_engine.reconstruct import (
     ReconstructionPass,
     ReconstructionPrompt,
@@ -209,3 +209,71 @@ def test_tiled_scores_equal_the_plain_rule_and_keep_the_same_tokens(
     for h in range(hkv):
         kept = set(got[h].topk(k).indices.tolist())
         assert len(kept & set(want[h].topk(k).indices.tolist())) / k >= 0.99
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_partial_attention_paths_agree(causal: bool, dtype: torch.dtype) -> None:
+    """The host's flash path and the tiled path (a GPU without flash) give the same attention
+    and log-normalisers, and equal a plain softmax over the keys (bottom-right causal)."""
+    gen = torch.Generator().manual_seed(3)
+    m, hq, hkv, d, total = 9, 8, 2, 16, 30
+    q = torch.randn(m, hq, d, generator=gen).to(dtype)
+    k, v = (torch.randn(hkv, total, d, generator=gen).to(dtype) for _ in range(2))
+    out, lse = reconstruct._partial(q, k, v, causal)
+    tiled_out, tiled_lse = reconstruct._partial_tiled(q, k, v, causal)
+    logits = torch.einsum("mhd,hkd->mhk", q.double(), k.double().repeat_interleave(4, dim=0))
+    logits = logits / math.sqrt(d)
+    if causal:
+        hidden = torch.arange(total)[None, :] > (total - m + torch.arange(m))[:, None]
+        logits = logits.masked_fill(hidden[:, None], -torch.inf)
+    want_lse = torch.logsumexp(logits, dim=-1).float()
+    want = torch.einsum("mhk,hkd->mhd", logits.softmax(-1), v.double().repeat_interleave(4, 0))
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for got_out, got_lse in ((out, lse), (tiled_out, tiled_lse)):
+        assert got_lse.shape == (m, hq) and got_lse.dtype == torch.float32
+        torch.testing.assert_close(got_lse, want_lse, rtol=1e-5, atol=1e-4 if causal else 2e-2)
+        torch.testing.assert_close(got_out.float(), want.float(), **tol)
+
+
+def test_split_attention_equals_one_softmax_over_cache_and_own() -> None:
+    """The cache split into the scored keys and the rest, merged by log-normalisers, is the
+    attention over all of them at once (the model's own backend)."""
+    gen = torch.Generator().manual_seed(4)
+    s, r, m, hq, hkv, d = 50, 12, 5, 8, 2, 16
+    kc, vc = (torch.randn(s, hkv, d, generator=gen) for _ in range(2))
+    k_own, v_own = (torch.randn(r, hkv, d, generator=gen) for _ in range(2))
+    q = torch.randn(m, hq, d, generator=gen)
+    out, lse, scored = reconstruct.split_attention(q, kc, vc, k_own, v_own, 20, 35, 4)
+    k_all = torch.cat([kc, k_own]).transpose(0, 1)
+    v_all = torch.cat([vc, v_own]).transpose(0, 1)
+    want = causal_attention(q, k_all, v_all, s + r - m)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    assert scored.shape == (hkv, 4 + 15 + r, d)
+    torch.testing.assert_close(lse, reconstruct._partial(q, scored, scored, causal=True)[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_gpu_flash_split_equals_one_softmax(dtype: torch.dtype) -> None:
+    """On a GPU in half precision the split runs the flash kernel (bottom-right causal for the
+    scored part): its attention, log-normalisers and KVzip scores equal a float64 softmax over
+    the whole cache and the own rows, and the float32 tiled path on the same inputs."""
+    gen = torch.Generator().manual_seed(5)
+    s, r, m, hq, hkv, d, start, end = 700, 40, 24, 16, 4, 128, 300, 500
+    kc, vc = (torch.randn(s, hkv, d, generator=gen) for _ in range(2))
+    k_own, v_own = (torch.randn(r, hkv, d, generator=gen) for _ in range(2))
+    q = torch.randn(m, hq, d, generator=gen)
+    cuda = [t.to("cuda", dtype) for t in (q, kc, vc, k_own, v_own)]
+    assert reconstruct._flash_lse_ok(cuda[0])
+    out, lse, scored = reconstruct.split_attention(*cuda, start, end, 4)
+    half = [t.to(dtype).double() for t in (q, kc, vc, k_own, v_own)]
+    k_all = torch.cat([half[1], half[3]]).transpose(0, 1)
+    v_all = torch.cat([half[2], half[4]]).transpose(0, 1)
+    want = causal_attention(half[0], k_all, v_all, s + r - m)
+    torch.testing.assert_close(out.double().cpu(), want, rtol=2e-2, atol=2e-2)
+    tiled = reconstruct._partial_tiled(cuda[0], scored, scored, causal=True)[1]
+    torch.testing.assert_close(lse, tiled, rtol=1e-4, atol=1e-3)
+    got = reconstruct.scored_max(cuda[0], scored, 4, end - start, lse).cpu()
+    ref = _reference_max_probs(half[0].float(), scored.float().cpu(), 4, end - start)
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=1e-4)
