@@ -483,7 +483,6 @@ class Scheduler:
             need = blocks_needed(req.num_computed + 1, self.block_size) - len(req.blocks)
             while need > self.allocator.num_free:
                 victim = self._victim()
-                assert victim is not None
                 swapped = self.swap is not None and self.swap.holds(victim)
                 preempted.append((victim, 0 if swapped else victim.num_computed))
                 self._preempt(victim)
@@ -507,33 +506,43 @@ class Scheduler:
 
     def reclaim(self) -> list[tuple[Request, int]]:
         """When the head of :meth:`_admission_order` keeps its client within its KV share and
-        its blocks are not free, preempt requests of clients over their share for it
-        (:meth:`_victim`, as :meth:`grow` does) until they are, or none is over: a client over its
-        share cannot keep another waiting for the memory it holds beyond it. Returns the
+        its blocks are not free, preempt requests of clients over their share for it, chosen as
+        :meth:`grow` chooses (:meth:`_victim`, never the oldest running request), only as long
+        as their client stays over its share and only when that frees its blocks: a client over
+        its share cannot keep another waiting for the memory it holds beyond it. Returns the
         preempted requests with the tokens each had computed (as :meth:`grow`). One client is
         never over: nothing."""
-        preempted: list[tuple[Request, int]] = []
         if not self.waiting or len(self.running) >= self.max_batch_size:
-            return preempted
+            return []
         head = self.waiting[self._admission_order()[0]]
-        while not head.cancelled and self._admission_blocks(head) > self.allocator.num_free:
-            if not self._within_share(head, self.kv_excess()):
+        need, free = self._admission_blocks(head), self.allocator.num_free
+        excess = self.kv_excess()
+        if head.cancelled or need <= free or not self._within_share(head, excess):
+            return []
+        oldest = next(iter(self.running.values()), None)
+        able = [r for r in self._preemptible() if r is not oldest]  # it always goes on
+        chosen: list[Request] = []
+        while free < need and able:
+            victim = self._victim_of(able, excess)
+            if excess[kv_client_of(victim)] <= 0:
                 break
-            victim = self._victim(over_share_only=True)
-            if victim is None:
-                break
+            able.remove(victim)
+            chosen.append(victim)
+            excess[kv_client_of(victim)] -= len(victim.blocks)
+            free += len(victim.blocks)
+        if free < need:
+            return []
+        preempted = []
+        for victim in chosen:
             swapped = self.swap is not None and self.swap.holds(victim)
             preempted.append((victim, 0 if swapped else victim.num_computed))
             self._preempt(victim)
         return preempted
 
-    def _victim(self, over_share_only: bool = False) -> Request | None:
-        """The request preempted when blocks run out: of those that may be (a decoding one
-        always may), the newest of the client holding the most blocks above its fair share
-        (:meth:`kv_excess`), never the oldest running request while another may go (so it
-        always ends, and then the next oldest: no request starves). One client: the newest.
-        ``over_share_only``: a request of a client over its share, or None."""
-        able = [
+    def _preemptible(self) -> list[Request]:
+        """The running requests that may be preempted (a decoding one always may), oldest
+        first."""
+        return [
             r
             for r in self.running.values()
             if r.loading is None
@@ -541,19 +550,25 @@ class Scheduler:
             and r.cutting is None
             and not r.cancelled
         ]
+
+    def _victim(self) -> Request:
+        """The request preempted when blocks run out: of those that may be, the newest of the
+        client holding the most blocks above its fair share (:meth:`kv_excess`), never the
+        oldest running request while another may go (so it always ends, and then the next
+        oldest: no request starves). One client: the newest."""
+        able = self._preemptible()
         if not able:
-            if over_share_only:
-                return None
             raise AssertionError("a decoding request is always preemptible")
         if len(able) > 1 and able[0] is next(iter(self.running.values())):
             able = able[1:]
-        if not over_share_only and len({kv_client_of(r) for r in able}) == 1:
+        if len({kv_client_of(r) for r in able}) == 1:
             return able[-1]
-        excess = self.kv_excess()
-        victim = max(reversed(able), key=lambda r: excess[kv_client_of(r)])
-        if over_share_only and excess[kv_client_of(victim)] <= 0:
-            return None
-        return victim
+        return self._victim_of(able, self.kv_excess())
+
+    @staticmethod
+    def _victim_of(able: Sequence[Request], excess: Mapping[str, float]) -> Request:
+        """The newest of ``able`` (oldest first) of the client most over its share."""
+        return max(reversed(able), key=lambda r: excess[kv_client_of(r)])
 
     def _preempt(self, req: Request) -> None:
         self.running.pop(req.rid)
