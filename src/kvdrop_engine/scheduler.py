@@ -13,13 +13,13 @@ whole budget does not make every other wait until it ends. The KV budget is shar
 :meth:`Scheduler.kv_excess`, that both ask: the victim is the newest request of the client that
 holds the most blocks above its fair share, a waiting request that keeps its client within its
 share is admitted before those that do not, and reclaims its blocks from clients over theirs
-when they are not free. With one client (every request
-unsalted, or one salt) that is vLLM's rule: the newest request is the victim, first come, first
-served. A request that waits for blocks keeps its place at the head of the line (a preempted one
-goes first); a later request may pass it only when its blocks are free now and its peak, with
-the peaks of the others that passed this head, leaves the head its blocks once the requests
-running before it end (so a short request does not wait behind a 3,000-token one that waits for
-others, and the head is never starved). :func:`plan_step` puts every admitted request in one
+when they are not free. With one client (every request unsalted, or one salt) that is vLLM's
+rule: the newest request is the victim, first come, first served. A request that waits for
+blocks keeps its place at the head of the line (a preempted one goes first); a later request may
+pass it only when its blocks are free now and its peak, with the peaks of the others that passed
+this head, leaves the head its blocks once the requests running before it end (so a short
+request does not wait behind a 3,000-token one that waits for others, and the head is never
+starved). :func:`plan_step` puts every admitted request in one
 step: decodes first (one token each), then prompt chunks, ``max_prefill_tokens`` in all, in
 :func:`prefill_shares`' order (first come, first served, short prompts passing long ones, a
 per-client cap).
@@ -507,7 +507,7 @@ class Scheduler:
     def reclaim(self) -> list[tuple[Request, int]]:
         """When the head of :meth:`_admission_order` keeps its client within its KV share and
         its blocks are not free, preempt requests of clients over their share for it, chosen as
-        :meth:`grow` chooses (:meth:`_victim`, never the oldest running request), only as long
+        :meth:`grow` chooses (:meth:`_victim_of`, never the oldest running request), only as long
         as their client stays over its share and only when that frees its blocks: a client over
         its share cannot keep another waiting for the memory it holds beyond it. Returns the
         preempted requests with the tokens each had computed (as :meth:`grow`). One client is
