@@ -110,6 +110,7 @@ def main() -> None:
     p.add_argument("--segments", type=int, default=2)
     p.add_argument("--seconds", type=float, default=4.0, help="of each quiet or hostile segment")
     p.add_argument("--engine-args", default="", help="extra `kvdrop engine` flags")
+    p.add_argument("--salt", default="hostile", help="the hostile requests' cache_salt")
     args = p.parse_args()
     out = str(Path(tempfile.mkdtemp(prefix="engine-probe-")) / "probe.txt")
     proc, url = _engine(out, shlex.split(args.engine_args))
@@ -122,7 +123,7 @@ def main() -> None:
                 for phase in ("quiet", "hostile"):
                     bad = None
                     if phase == "hostile":
-                        bad = _hostile(url, Path(tmp) / "seen.json", "bombs,cut,scoring")
+                        bad = _hostile(url, Path(tmp) / "seen.json", "bombs,cut,scoring", args.salt)
                     t0 = time.time()
                     _merge(tallies[phase], _run_good(url, args.seconds, [], seen))
                     spans[phase].append((t0, time.time()))

@@ -657,6 +657,12 @@ def main(argv: list[str] | None = None) -> int:
         help="extra `kvdrop engine` flags for the round4 phase's engine, e.g. "
         "'--max-client-prefill-tokens 16'",
     )
+    p.add_argument(
+        "--round4-salt",
+        default="hostile",
+        help="the cache_salt of the round4 phase's hostile requests (one tenant, as the engine's "
+        "per-client prefill and KV shares see it); '' for none",
+    )
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated of {list(PHASES)}")
     p.add_argument("--json", action="store_true")
     p.add_argument("--markdown", action="store_true", help="print the tables as markdown")

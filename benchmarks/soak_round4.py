@@ -44,11 +44,11 @@ Row = dict[str, Any]
 HOSTILE = Path(__file__).with_name("soak_round4_hostile.py")
 
 
-def _hostile(url: str, seen: Path, which: str) -> subprocess.Popen[str]:
-    """The hostile clients ``which`` names (``soak_round4_hostile.py``) in a process of their
-    own, running."""
+def _hostile(url: str, seen: Path, which: str, salt: str) -> subprocess.Popen[str]:
+    """The hostile clients ``which`` names (``soak_round4_hostile.py``; every request with
+    ``cache_salt`` ``salt`` when given) in a process of their own, running."""
     proc = subprocess.Popen(
-        [sys.executable, str(HOSTILE), url, str(seen), which],
+        [sys.executable, str(HOSTILE), url, str(seen), which, salt],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -64,11 +64,18 @@ def _hostile_counts(proc: subprocess.Popen[str]) -> Counter[str]:
 
 
 def _engine_row(
-    seconds: float, segments: int = 4, which: str = "bombs,cut,scoring", extra: str = ""
+    seconds: float,
+    segments: int = 4,
+    which: str = "bombs,cut,scoring",
+    extra: str = "",
+    salt: str = "hostile",
 ) -> Row:
-    """Good clients alone and beside the hostile ones, ``segments`` times each, alternating
-    (quiet, hostile, quiet, ...), so both see the same machine load over the run; ``extra``:
-    more engine flags (``soak.py --engine-args``)."""
+    """Good clients (unsalted) alone and beside the hostile ones, ``segments`` times each,
+    alternating (quiet, hostile, quiet, ...), so both see the same machine load over the run;
+    ``extra``: more engine flags (``soak.py --engine-args``); ``salt``: the hostile requests'
+    ``cache_salt`` (one tenant, as the engine's per-client shares see it; "": none, so each
+    hostile request is a client of its own for the prefill shares and, with the good ones, the
+    one unsalted client for the KV shares)."""
     seen: dict[Any, list[int]] = {}
     flags = ("--policy", "knorm", "--kv-budget-tokens", "3584", *shlex.split(extra))
     h: Counter[str] = Counter()
@@ -84,7 +91,7 @@ def _engine_row(
         before = _metrics(url)
         for _ in range(segments):
             _merge(quiet, _run_good(url, seconds / segments, [], seen))
-            hostile = _hostile(url, Path(tmp) / "cut-answers.json", which)
+            hostile = _hostile(url, Path(tmp) / "cut-answers.json", which, salt)
             try:
                 _merge(loud, _run_good(url, seconds / segments, [sample], seen))
             finally:
@@ -104,6 +111,7 @@ def _engine_row(
     load = os.getloadavg()[0]
     measured = (
         f"{'engine ' + extra + ': ' if extra else ''}"
+        f"hostile cache_salt {salt!r}: "
         f"{segments} x {seconds / segments:g} s quiet alternating with {segments} x "
         f"{seconds / segments:g} s beside override bombs, preempted cut requests and prompt "
         f"scoring (load average {load:.1f}): good requests {quiet.c['good_requests']:,} + "
@@ -138,7 +146,8 @@ def soak_round4(args: argparse.Namespace) -> list[Row]:
     """The rows of the ``round4`` phase."""
     seconds = float(getattr(args, "round4_s", 20.0))
     extra = str(getattr(args, "engine_args", ""))
-    return [_engine_row(seconds, extra=extra), _server_row(seconds)]
+    salt = str(getattr(args, "round4_salt", "hostile"))
+    return [_engine_row(seconds, extra=extra, salt=salt), _server_row(seconds)]
 
 
 def _server_row(seconds: float) -> Row:
@@ -209,6 +218,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--round4-s", type=float, default=20.0)
     p.add_argument("--engine-args", default="", help="extra `kvdrop engine` flags")
+    p.add_argument("--round4-salt", default="hostile", help="the hostile requests' cache_salt")
     for r in soak_round4(p.parse_args()):
         print(f"{r['result']}  {r['check']}: {r['measured']}")
     sys.exit(0)

@@ -1,7 +1,8 @@
 """The hostile clients of soak phase ``round4`` (``benchmarks/soak_round4.py``), in a process
-of their own: ``python benchmarks/soak_round4_hostile.py URL SEEN.json [KINDS]`` (``KINDS``:
-``bombs,cut,scoring``) prints ``ready``, runs until its stdin closes, then prints what each
-client was answered as one JSON line.
+of their own: ``python benchmarks/soak_round4_hostile.py URL SEEN.json [KINDS] [SALT]``
+(``KINDS``: ``bombs,cut,scoring``; ``SALT``: the ``cache_salt`` of every hostile request, so
+the engine sees one client, a tenant; none by default) prints ``ready``, runs until its stdin
+closes, then prints what each client was answered as one JSON line.
 
 A process of its own (and no torch import) so that the good clients' latencies measure the
 engine, not the hostile clients' own JSON encoding and reply parsing under the soak's GIL.
@@ -39,6 +40,9 @@ BOMBS = (
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 120) -> requests.Response:
+    """``body`` posted to ``url`` (``url#SALT``: with ``"cache_salt": SALT``)."""
+    url, _, salt = url.partition("#")
+    body = {**body, "cache_salt": salt} if salt else body
     return requests.post(f"{url}/v1/completions", json=body, timeout=timeout)
 
 
@@ -107,8 +111,10 @@ def _scoring(url: str, count: Callable[[str], None], stop: threading.Event) -> N
     long = [3 + (t * 7) % 500 for t in range(3000)]
     many = [[3 + (t * 11 + k) % 500 for t in range(1000)] for k in range(16)]
     huge = [[3 + (t + k) % 500 for t in range(1000)] for k in range(64)]
-    raw = json.dumps({"prompt": many, "max_tokens": 1, "prompt_logprobs": 0}).encode()
-    port = int(url.rsplit(":", 1)[1])
+    url_only, _, salt = url.partition("#")
+    left = {"prompt": many, "max_tokens": 1, "prompt_logprobs": 0}
+    raw = json.dumps({**left, "cache_salt": salt} if salt else left).encode()
+    port = int(url_only.rsplit(":", 1)[1])
     while not stop.is_set():
         try:
             r = _post(url, {"prompt": long, "max_tokens": 1, "prompt_logprobs": 1})
@@ -128,9 +134,10 @@ def _scoring(url: str, count: Callable[[str], None], stop: threading.Event) -> N
         stop.wait(1.0)
 
 
-def main(url: str, seen_path: str, which: str = "bombs,cut,scoring") -> None:
-    """Run the hostile clients ``which`` names until stdin closes; print their counts (one
-    JSON line)."""
+def main(url: str, seen_path: str, which: str = "bombs,cut,scoring", salt: str = "") -> None:
+    """Run the hostile clients ``which`` names (every request with ``cache_salt`` ``salt``,
+    when given) until stdin closes; print their counts (one JSON line)."""
+    url = f"{url}#{salt}" if salt else url
     path = Path(seen_path)
     seen: dict[str, list[Any]] = json.loads(path.read_text()) if path.exists() else {}
     h: Counter[str] = Counter()
@@ -158,4 +165,4 @@ def main(url: str, seen_path: str, which: str = "bombs,cut,scoring") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -452,7 +452,7 @@ class Engine:
                 sched.drop_cancelled()
                 cuts = sched.cuts_ready(time.monotonic())
                 st = self._stats
-                for victim, computed in sched.grow():
+                for victim, computed in sched.grow() + sched.reclaim():
                     st.preemptions += 1
                     st.recomputed_tokens += computed
                     st.swaps += victim.swapped is not None

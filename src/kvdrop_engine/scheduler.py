@@ -6,22 +6,30 @@ query capture; :func:`follow` applies that decision to the request. (Which query
 keeps was decided at submission: :mod:`kvdrop_engine.plan`.)
 
 Admission takes the blocks of a request's prompt; each decode step grows it by the block its
-next token needs (:meth:`Scheduler.grow`), and when the budget runs out the newest running
-request is preempted and later recomputed (vLLM's recompute), so one request whose
-``max_tokens`` is the whole budget does not make every other wait until it ends. A request that
-waits for blocks keeps its place at the head of the line (a preempted one goes first); a later
-request may pass it only when its blocks are free now and its peak, with the peaks of the others
-that passed this head, leaves the head its blocks once the requests running before it end (so a
-short request does not wait behind a 3,000-token one that waits for others, and the head is
-never starved). :func:`plan_step` puts every admitted request in one step: decodes first (one
-token each), then prompt chunks, ``max_prefill_tokens`` in all, in :func:`prefill_shares`' order
-(first come, first served, short prompts passing long ones, a per-client cap).
+next token needs (:meth:`Scheduler.grow`), and when the budget runs out a running request is
+preempted and later recomputed (vLLM's recompute), so one request whose ``max_tokens`` is the
+whole budget does not make every other wait until it ends. The KV budget is shared per client
+(:func:`kv_client_of`: one ``cache_salt``; the unsalted requests together are one) by one rule,
+:meth:`Scheduler.kv_excess`, that both ask: the victim is the newest request of the client that
+holds the most blocks above its fair share, a waiting request that keeps its client within its
+share is admitted before those that do not, and reclaims its blocks from clients over theirs
+when they are not free. With one client (every request unsalted, or one salt) that is vLLM's
+rule: the newest request is the victim, first come, first served. A request that waits for
+blocks keeps its place at the head of the line (a preempted one goes first); a later request may
+pass it only when its blocks are free now and its peak, with the peaks of the others that passed
+this head, leaves the head its blocks once the requests running before it end (so a short
+request does not wait behind a 3,000-token one that waits for others, and the head is never
+starved). :func:`plan_step` puts every admitted request in one
+step: decodes first (one token each), then prompt chunks, ``max_prefill_tokens`` in all, in
+:func:`prefill_shares`' order (first come, first served, short prompts passing long ones, a
+per-client cap).
 
 The :class:`Scheduler` is not thread-safe by itself: the engine calls it under its condition.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -54,6 +62,7 @@ __all__ = [
     "client_prefill_cap",
     "decoded_store_upto",
     "follow",
+    "kv_client_of",
     "plan_prefix",
     "plan_recompute",
     "plan_step",
@@ -288,6 +297,13 @@ def client_of(req: Request) -> object:
     return ("salt", req.cache_salt) if req.cache_salt else ("rid", req.rid)
 
 
+def kv_client_of(req: Request) -> str:
+    """The client whose KV share a request's blocks count against: its ``cache_salt``; the
+    unsalted requests together are one client (``""``), so a server whose requests carry no salt
+    (or one) keeps vLLM's preemption and admission order."""
+    return req.cache_salt
+
+
 def prefill_shares(
     wants: Sequence[tuple[object, int]],
     clients: Collection[object],
@@ -374,45 +390,77 @@ class Scheduler:
         it later."""
         return blocks_needed(req.admission_tokens, self.block_size)
 
-    def _head_fits(self) -> bool:
-        return self._admission_blocks(self.waiting[0]) <= self.allocator.num_free
+    def kv_excess(self) -> dict[str, float]:
+        """The one KV-share rule that preemption and admission ask: for each client
+        (:func:`kv_client_of`) with running work or waiting work (in the part of the line that
+        admission looks at), the blocks its running requests hold minus its fair share, the
+        budget over the number of such clients (> 0: over its share). One client alone holds at
+        most the budget: never over."""
+        held: dict[str, int] = {}
+        for req in self.running.values():
+            client = kv_client_of(req)
+            held[client] = held.get(client, 0) + len(req.blocks)
+        for req in itertools.islice(self.waiting, _MAX_PASS_SCAN):
+            if not req.cancelled:
+                held.setdefault(kv_client_of(req), 0)
+        share = self.allocator.num_blocks / max(1, len(held))
+        return {client: n - share for client, n in held.items()}
 
-    def _next_admissible(self) -> int | None:
-        """Where in the waiting line the next request to admit is: the head when its blocks are
-        free; else the first later one whose blocks are free and whose peak, with the peaks of
-        the others admitted ahead of this head, leaves the head its blocks once the requests
-        running before it have ended (so passing never starves the head); None: none now."""
+    def _admission_order(self) -> list[int]:
+        """Positions in the waiting line, in the order admission considers them: the requests
+        that keep their client within its KV share (:meth:`_within_share`), then the others,
+        each in line order (one client: the line's order)."""
+        line = range(min(len(self.waiting), _MAX_PASS_SCAN))
+        excess = self.kv_excess()
+        if len(excess) <= 1:
+            return list(line)
+        late = [not self._within_share(self.waiting[i], excess) for i in line]
+        return [i for i in line if not late[i]] + [i for i in line if late[i]]
+
+    def _within_share(self, req: Request, excess: Mapping[str, float]) -> bool:
+        """Whether admitting ``req`` keeps its client within its KV share (``excess``:
+        :meth:`kv_excess`)."""
+        return excess[kv_client_of(req)] + self._admission_blocks(req) <= 0
+
+    def _next_admissible(self) -> tuple[int, bool] | None:
+        """Where in the waiting line the next request to admit is, and whether it passes the
+        head (the first of :meth:`_admission_order`): the head when its blocks are free; else
+        the first later one whose blocks are free and whose peak, with the peaks of the others
+        admitted ahead of this head, leaves the head its blocks once the requests running before
+        it have ended (so passing never starves the head); None: none now."""
         if not self.waiting:
             return None
-        if self._head_fits():
-            return 0
-        head = self.waiting[0]
+        first, *rest = self._admission_order()
+        head = self.waiting[first]
+        if self._admission_blocks(head) <= self.allocator.num_free:
+            return first, False
         if self._passed_head != head.rid:
             self._passed_head, self._passers = head.rid, set()
         self._passers &= self.running.keys()  # ended or preempted passers hold nothing
         held = sum(self.blocks_of(self.running[rid]) for rid in self._passers)
         reserve = self.allocator.num_blocks - self._admission_blocks(head) - held
         free = self.allocator.num_free
-        for i in range(1, min(len(self.waiting), _MAX_PASS_SCAN)):
+        for i in rest:
             req = self.waiting[i]
             if not req.cancelled and self._admission_blocks(req) <= free:
                 if self.blocks_of(req) <= reserve:
-                    return i
+                    return i, True
         return None
 
     def admit(self) -> list[Request]:
-        """Move waiting requests to running while blocks are free: the head first; a head that
-        waits for blocks is passed only by requests that cannot delay it
-        (:meth:`_next_admissible`), so a short request does not wait behind a long one that
-        waits for others to end."""
+        """Move waiting requests to running while blocks are free, in :meth:`_admission_order`:
+        its head first; a head that waits for blocks is passed only by requests that cannot
+        delay it (:meth:`_next_admissible`), so a short request does not wait behind a long one
+        that waits for others to end."""
         admitted = []
         while self.waiting and len(self.running) < self.max_batch_size:
-            i = self._next_admissible()
-            if i is None:
+            found = self._next_admissible()
+            if found is None:
                 break
+            i, passes = found
             req = self.waiting[i]
             del self.waiting[i]
-            if i > 0:
+            if passes:
                 self._passers.add(req.rid)
             req.blocks = self.allocator.allocate(self._admission_blocks(req))
             if req.swapped is not None:
@@ -424,8 +472,8 @@ class Scheduler:
 
     def grow(self) -> list[tuple[Request, int]]:
         """Give each decoding request (oldest first) the block its next token needs; when none
-        is free, preempt the newest running request (vLLM's recompute: its blocks come back, it
-        goes first in the waiting line, and is recomputed when admitted again). Returns the
+        is free, preempt :meth:`_victim` (vLLM's recompute: its blocks come back, it goes first
+        in the waiting line, and is recomputed when admitted again). Returns the
         preempted requests with the tokens each had computed. A request whose load or
         reconstruction pass runs is not preempted (its blocks are being read or written)."""
         preempted: list[tuple[Request, int]] = []
@@ -456,17 +504,71 @@ class Scheduler:
             and bool(req.output)
         )
 
+    def reclaim(self) -> list[tuple[Request, int]]:
+        """When the head of :meth:`_admission_order` keeps its client within its KV share and
+        its blocks are not free, preempt requests of clients over their share for it, chosen as
+        :meth:`grow` chooses (:meth:`_victim_of`, never the oldest running request), only as long
+        as their client stays over its share and only when that frees its blocks: a client over
+        its share cannot keep another waiting for the memory it holds beyond it. Returns the
+        preempted requests with the tokens each had computed (as :meth:`grow`). One client is
+        never over: nothing."""
+        if not self.waiting or len(self.running) >= self.max_batch_size:
+            return []
+        head = self.waiting[self._admission_order()[0]]
+        need, free = self._admission_blocks(head), self.allocator.num_free
+        excess = self.kv_excess()
+        if head.cancelled or need <= free or not self._within_share(head, excess):
+            return []
+        oldest = next(iter(self.running.values()), None)
+        able = [r for r in self._preemptible() if r is not oldest]  # it always goes on
+        chosen: list[Request] = []
+        while free < need and able:
+            victim = self._victim_of(able, excess)
+            if excess[kv_client_of(victim)] <= 0:
+                break
+            able.remove(victim)
+            chosen.append(victim)
+            excess[kv_client_of(victim)] -= len(victim.blocks)
+            free += len(victim.blocks)
+        if free < need:
+            return []
+        preempted = []
+        for victim in chosen:
+            swapped = self.swap is not None and self.swap.holds(victim)
+            preempted.append((victim, 0 if swapped else victim.num_computed))
+            self._preempt(victim)
+        return preempted
+
+    def _preemptible(self) -> list[Request]:
+        """The running requests that may be preempted (a decoding one always may), oldest
+        first."""
+        return [
+            r
+            for r in self.running.values()
+            if r.loading is None
+            and r.reconstruction is None
+            and r.cutting is None
+            and not r.cancelled
+        ]
+
     def _victim(self) -> Request:
-        """The newest running request that may be preempted (a decoding one always may)."""
-        for req in reversed(self.running.values()):
-            if (
-                req.loading is None
-                and req.reconstruction is None
-                and req.cutting is None
-                and not req.cancelled
-            ):
-                return req
-        raise AssertionError("a decoding request is always preemptible")
+        """The request preempted when blocks run out: of those that may be, the newest of the
+        client holding the most blocks above its fair share (:meth:`kv_excess`), never the
+        oldest running request while another may go (so it always ends, and then the next
+        oldest: no request starves). One client: the newest."""
+        able = self._preemptible()
+        if not able:
+            raise AssertionError("a decoding request is always preemptible")
+        if len(able) > 1 and able[0] is next(iter(self.running.values())):
+            able = able[1:]
+        if len({kv_client_of(r) for r in able}) == 1:
+            return able[-1]
+        return self._victim_of(able, self.kv_excess())
+
+    @staticmethod
+    def _victim_of(able: Sequence[Request], excess: Mapping[str, float]) -> Request:
+        """The newest of ``able`` (oldest first) of the client most over its share."""
+        return max(reversed(able), key=lambda r: excess[kv_client_of(r)])
 
     def _preempt(self, req: Request) -> None:
         self.running.pop(req.rid)

@@ -41,12 +41,20 @@ def test_a_request_of_the_whole_budget_does_not_hold_short_ones(model: Transform
         assert at_short < 400, f"the short request waited for {at_short} of 500 long tokens"
 
 
-def test_preempted_requests_are_recomputed_to_the_same_tokens(model: Transformer) -> None:
+@pytest.mark.parametrize("salts", [("", "", ""), ("light", "heavy", "heavy")])
+def test_preempted_requests_are_recomputed_to_the_same_tokens(
+    model: Transformer, salts: tuple[str, ...]
+) -> None:
+    """One client (unsalted), and two (the KV budget shared per client: the heavy one's
+    requests are the victims and the light one's reclaims blocks from them)."""
     prompts = [tokens(20, 10 + i) for i in range(3)]
     want = [generate(model, p, 100, stop_at_eos=False) for p in prompts]
     # 12 blocks of 16: each request (120 tokens, 8 blocks) fits alone, not all three at once.
     with Engine(model, num_blocks=12) as eng:
-        streams = [eng.post_completion(p, {**GREEDY, "max_tokens": 100}) for p in prompts]
+        streams = [
+            eng.post_completion(p, {**GREEDY, "max_tokens": 100}, salt)
+            for p, salt in zip(prompts, salts, strict=True)
+        ]
         got: list[list[int]] = [[] for _ in prompts]
         readers = [
             threading.Thread(target=lambda i=i: got[i].extend(e.token_id for e in streams[i]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import random
 import threading
 from concurrent.futures import Future
 
@@ -177,6 +178,128 @@ def test_decodes_grow_and_the_newest_request_is_preempted_when_blocks_run_out() 
     assert list(sched.waiting) == [new] and new.preempted and new.num_computed == 0
     assert new.prefilling and new.prefill_tokens == new.prompt + [7] * 16  # ... recomputed
     assert sched.admit() == []  # it needs 3 blocks for its 32 tokens; 1 is free
+
+
+def _serve(salt: str, steps: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    """A random single-client workload (every request with ``cache_salt`` ``salt``) over 24
+    blocks of 4 tokens, stepped as the engine does (admit, grow and reclaim, one planned step,
+    finish);
+    the preempted and the admitted request ids, in order."""
+    rng = random.Random(seed)
+    sched = Scheduler(BlockAllocator(24), 4, 8, threading.Lock())
+    victims: list[int] = []
+    admitted: list[int] = []
+    rid = 0
+    for _ in range(steps):
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            n, m = rng.randint(1, 30), rng.randint(1, 40)
+            r = Request(rid, [1] * n, SamplingParams(max_tokens=m), salt, queue.Queue(),
+                        None, None)  # fmt: skip
+            sched.waiting.append(r)
+            rid += 1
+        admitted += [r.rid for r in sched.admit()]
+        victims += [r.rid for r, _ in sched.grow() + sched.reclaim()]
+        plan = plan_step(sched.runnable(), 16)
+        for r, n in plan.stepped:
+            r.num_computed += n
+        for r in plan.sampled:
+            r.output.append(7)
+            if len(r.output) == r.params.max_tokens:
+                sched.finish(r)
+    return victims, admitted
+
+
+def test_one_client_keeps_the_newest_victim_and_first_come_admission() -> None:
+    """The KV share changes nothing for one client: every request unsalted (together one
+    client) or under one salt, the victims and the admission order are those recorded on main
+    fe24fe2 (the newest running request preempted, first come, first served), 22 preemptions in
+    50 steps."""
+    victims, admitted = _serve("", 50)
+    assert victims == [6, 4, 6, 3, 3, 4, 13, 4, 4, 16, 7, 7, 10, 3, 8, 15, 20, 8, 27, 20, 30, 27]
+    assert admitted == [
+        0, 1, 2, 3, 4, 6, 6, 3, 6, 4, 13, 13, 4, 4, 14, 16, 16, 4, 7, 7, 10, 21, 10, 7, 3, 8, 15,
+        15, 8, 20, 8, 20, 27, 27, 30,
+    ]  # fmt: skip
+    # one salt: the prefill shares differ from unsalted requests' (one client, not many)
+    victims, admitted = _serve("tenant", 50)
+    assert victims == [6, 4, 4, 6, 3, 4, 6, 13, 13, 7, 10, 16, 8, 21, 21, 21, 16, 8, 15, 8, 15, 20]
+    assert admitted == [
+        0, 1, 2, 3, 4, 6, 4, 6, 6, 4, 6, 4, 13, 13, 13, 3, 7, 10, 14, 10, 7, 8, 16, 16, 21, 21, 21,
+        16, 21, 8, 15, 27, 15, 8, 20,
+    ]  # fmt: skip
+
+
+def _salted(rid: int, prompt_len: int, salt: str, computed: int = 0) -> Request:
+    r = req(rid, prompt_len, computed, [7] if computed else [])
+    r.cache_salt = salt
+    return r
+
+
+def test_kv_memory_is_shared_per_client_in_preemption_and_admission() -> None:
+    """Issue 33 (soak p99 3.3-5.0x): the newest running request was the victim, in the hostile
+    phase most often a good client's short one, and a hostile client's preempted request went
+    first in line. Now the victim is the newest request of the client holding the most blocks
+    above its fair share (the budget over the clients with work), and a client under its share
+    is admitted first."""
+    sched = Scheduler(BlockAllocator(8), 4, 8, threading.Lock())
+    h0, h1 = _salted(0, 12, "heavy"), _salted(1, 12, "heavy")  # 3 blocks each
+    light = _salted(2, 3, "light")  # 1 block, the newest; its next token fits
+    sched.waiting.extend([h0, h1])
+    assert sched.admit() == [h0, h1]
+    sched.waiting.append(light)
+    assert sched.admit() == [light]
+    for r in (h0, h1, light):  # prefilled, one token out; the heavy ones need a 4th block
+        r.num_computed, r.output = len(r.prompt), [7]
+    assert sched.kv_excess() == {"heavy": 2.0, "light": -3.0}  # 6 and 1 of 8 blocks, share 4
+    # h0 takes the last free block, h1 needs one: the heavy client's newest goes
+    assert sched.grow() == [(h1, 12)]  # on main: [(light, 3)], and h1 grew into its block
+    assert list(sched.running) == [0, 2] and list(sched.waiting) == [h1]
+
+    # admission: the heavy client holds 6 of 8 blocks; its request heads the line, 2 are free
+    sched = Scheduler(BlockAllocator(8), 4, 8, threading.Lock())
+    sched.waiting.append(_salted(0, 24, "heavy"))
+    assert len(sched.admit()[0].blocks) == 6
+    h1, light = _salted(1, 8, "heavy"), _salted(2, 8, "light")  # 2 blocks each
+    sched.waiting.extend([h1, light])
+    assert sched.admit() == [light]  # on main: [h1]
+    assert list(sched.waiting) == [h1]
+    # the unsalted requests are one client too: beside the heavy one, under its share
+    sched.finish(light)
+    anonymous = req(3, 8)
+    sched.waiting.append(anonymous)
+    assert sched.reclaim() == [] and sched.admit() == [anonymous]
+
+    # the heavy client holds every block: a light request reclaims what it needs from the
+    # heavy client's newest (on main it waits until a heavy request ends)
+    sched = Scheduler(BlockAllocator(8), 4, 8, threading.Lock())
+    h0, h1 = _salted(0, 16, "heavy"), _salted(1, 16, "heavy")  # 4 blocks each
+    sched.waiting.extend([h0, h1])
+    assert sched.admit() == [h0, h1] and sched.allocator.num_free == 0
+    light = _salted(2, 8, "light")
+    sched.waiting.append(light)
+    assert sched.reclaim() == [(h1, 0)] and sched.admit() == [light]
+    assert list(sched.waiting) == [h1]  # it would take the heavy client over its share (4)
+    # a request that would take its client over its share reclaims nothing
+    later = _salted(3, 12, "light")  # 3 blocks; 2 are free; light holds 2 of its 4
+    sched.waiting.append(later)
+    assert sched.reclaim() == [] and sched.admit() == []
+
+
+def test_the_oldest_running_request_is_never_the_victim_while_another_may_go() -> None:
+    """A client over its share whose only request is the oldest running one keeps it (so it
+    ends, and every request after it: none starves); the newest of the next client goes."""
+    sched = Scheduler(BlockAllocator(6), 4, 8, threading.Lock())
+    big = _salted(0, 16, "heavy")  # 4 blocks, the oldest
+    a, b = _salted(1, 3, "light"), _salted(2, 3, "light")  # their next token fits
+    sched.waiting.append(big)
+    assert sched.admit() == [big]
+    sched.waiting.extend([a, b])
+    assert sched.admit() == [a, b]
+    for r in (big, a, b):
+        r.num_computed, r.output = len(r.prompt), [7]
+    assert sched.kv_excess()["heavy"] > 0
+    assert sched.grow() == [(b, 3)]  # big needs a 5th block: the light client's newest goes
+    assert list(sched.running) == [0, 1] and len(big.blocks) == 5
 
 
 def test_cancelled_requests_are_dropped_unless_their_prefix_is_being_copied() -> None:
