@@ -613,37 +613,11 @@ def measure(args: argparse.Namespace, model: Transformer) -> dict[str, Any]:
             connector, engine = engine_for(True)
             with engine:
                 for name in query_runs:
-                    rows.append(
-                        run(
-                            name,
-                            engine,
-                            server,
-                            model_name,
-                            prompts,
-                            args,
-                            policies[name],
-                            needs_q[name],
-                            name,
-                            reconstruct=scores[name],
-                            queries=queries,
-                        )
-                    )
+                    fn, q, sc = policies[name], needs_q[name], scores[name]
+                    same = (engine, server, model_name, prompts, args, fn, q)
+                    rows.append(run(name, *same, name, reconstruct=sc, queries=queries))
                     if not args.no_job:
-                        fn, q = policies[name], needs_q[name]
-                        rows[-1].update(
-                            job(
-                                name,
-                                engine,
-                                server,
-                                model_name,
-                                prompts,
-                                args,
-                                fn,
-                                q,
-                                scores[name],
-                                queries,
-                            )
-                        )
+                        rows[-1].update(job(name, *same, sc, queries))
             connector.close()
         holder.close()
     base = rows[0]

