@@ -40,7 +40,7 @@ class Logged(kvdrop.PolicyWrapper):
 def test_a_users_wrapper_declares_what_its_policy_reads() -> None:
     kvzip, snapkv = Logged(kvdrop.get("kvzip")), Logged(kvdrop.get("snapkv", keep_ratio=0.5))
     assert kvdrop.needs_of(kvzip) == Needs(QueryNeed.NONE, True, KVNeed.NONE)
-    assert kvdrop.needs_of(snapkv) == Needs(QueryNeed.WINDOW, False, KVNeed.KEYS)
+    assert kvdrop.needs_of(snapkv) == Needs(QueryNeed.WINDOW, False, KVNeed.KEYS, False)
     assert snapkv.name == "snapkv" and snapkv.rerotate
     capture = QueryCapture.for_policies([kvzip, snapkv])
     assert capture.mode is QueryNeed.WINDOW and capture.scores
