@@ -406,12 +406,13 @@ class Scheduler:
         share = self.allocator.num_blocks / max(1, len(held))
         return {client: n - share for client, n in held.items()}
 
-    def _admission_order(self) -> list[int]:
+    def _admission_order(self, excess: Mapping[str, float] | None = None) -> list[int]:
         """Positions in the waiting line, in the order admission considers them: the requests
-        that keep their client within its KV share (:meth:`_within_share`), then the others,
-        each in line order (one client: the line's order)."""
+        that keep their client within its KV share (:meth:`_within_share`; ``excess``:
+        :meth:`kv_excess`, computed when not given), then the others, each in line order (one
+        client: the line's order)."""
         line = range(min(len(self.waiting), _MAX_PASS_SCAN))
-        excess = self.kv_excess()
+        excess = self.kv_excess() if excess is None else excess
         if len(excess) <= 1:
             return list(line)
         late = [not self._within_share(self.waiting[i], excess) for i in line]
@@ -483,9 +484,7 @@ class Scheduler:
             need = blocks_needed(req.num_computed + 1, self.block_size) - len(req.blocks)
             while need > self.allocator.num_free:
                 victim = self._victim()
-                swapped = self.swap is not None and self.swap.holds(victim)
-                preempted.append((victim, 0 if swapped else victim.num_computed))
-                self._preempt(victim)
+                preempted.append(self._preempt(victim))
                 if victim is req:
                     break
             else:
@@ -514,9 +513,11 @@ class Scheduler:
         never over: nothing."""
         if not self.waiting or len(self.running) >= self.max_batch_size:
             return []
-        head = self.waiting[self._admission_order()[0]]
-        need, free = self._admission_blocks(head), self.allocator.num_free
         excess = self.kv_excess()
+        if len(excess) <= 1:
+            return []
+        head = self.waiting[self._admission_order(excess)[0]]
+        need, free = self._admission_blocks(head), self.allocator.num_free
         if head.cancelled or need <= free or not self._within_share(head, excess):
             return []
         oldest = next(iter(self.running.values()), None)
@@ -532,12 +533,7 @@ class Scheduler:
             free += len(victim.blocks)
         if free < need:
             return []
-        preempted = []
-        for victim in chosen:
-            swapped = self.swap is not None and self.swap.holds(victim)
-            preempted.append((victim, 0 if swapped else victim.num_computed))
-            self._preempt(victim)
-        return preempted
+        return [self._preempt(victim) for victim in chosen]
 
     def _preemptible(self) -> list[Request]:
         """The running requests that may be preempted (a decoding one always may), oldest
@@ -570,13 +566,19 @@ class Scheduler:
         """The newest of ``able`` (oldest first) of the client most over its share."""
         return max(reversed(able), key=lambda r: excess[kv_client_of(r)])
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request) -> tuple[Request, int]:
+        """Preempt ``req`` (swapped out when the swap holds it, else recomputed later): back
+        to the head of the line, its blocks freed. Returns it with the tokens it will recompute
+        (0 when swapped)."""
+        swapped = self.swap is not None and self.swap.holds(req)
+        computed = 0 if swapped else req.num_computed  # before preempt() resets it
         self.running.pop(req.rid)
-        if self.swap is not None and self.swap.holds(req):
+        if swapped:
             self.swap.out(req)
         self.free(req)
         req.preempt()
         self.waiting.appendleft(req)
+        return req, computed
 
     def drop_cancelled(self) -> None:
         """Free cancelled requests -- except one whose prefix a load thread is copying into its
