@@ -39,11 +39,17 @@ BOMBS = (
 )
 
 
+#: Every hostile request's ``cache_salt`` ("": none); set once by :func:`main`.
+SALT = ""
+
+
+def _salted(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with the hostile tenant's ``cache_salt`` (:data:`SALT`), when there is one."""
+    return {**body, "cache_salt": SALT} if SALT else body
+
+
 def _post(url: str, body: dict[str, Any], timeout: float = 120) -> requests.Response:
-    """``body`` posted to ``url`` (``url#SALT``: with ``"cache_salt": SALT``)."""
-    url, _, salt = url.partition("#")
-    body = {**body, "cache_salt": salt} if salt else body
-    return requests.post(f"{url}/v1/completions", json=body, timeout=timeout)
+    return requests.post(f"{url}/v1/completions", json=_salted(body), timeout=timeout)
 
 
 def _bombs(url: str, count: Callable[[str], None], stop: threading.Event) -> None:
@@ -111,10 +117,8 @@ def _scoring(url: str, count: Callable[[str], None], stop: threading.Event) -> N
     long = [3 + (t * 7) % 500 for t in range(3000)]
     many = [[3 + (t * 11 + k) % 500 for t in range(1000)] for k in range(16)]
     huge = [[3 + (t + k) % 500 for t in range(1000)] for k in range(64)]
-    url_only, _, salt = url.partition("#")
-    left = {"prompt": many, "max_tokens": 1, "prompt_logprobs": 0}
-    raw = json.dumps({**left, "cache_salt": salt} if salt else left).encode()
-    port = int(url_only.rsplit(":", 1)[1])
+    raw = json.dumps(_salted({"prompt": many, "max_tokens": 1, "prompt_logprobs": 0})).encode()
+    port = int(url.rsplit(":", 1)[1])
     while not stop.is_set():
         try:
             r = _post(url, {"prompt": long, "max_tokens": 1, "prompt_logprobs": 1})
@@ -137,7 +141,8 @@ def _scoring(url: str, count: Callable[[str], None], stop: threading.Event) -> N
 def main(url: str, seen_path: str, which: str = "bombs,cut,scoring", salt: str = "") -> None:
     """Run the hostile clients ``which`` names (every request with ``cache_salt`` ``salt``,
     when given) until stdin closes; print their counts (one JSON line)."""
-    url = f"{url}#{salt}" if salt else url
+    global SALT
+    SALT = salt
     path = Path(seen_path)
     seen: dict[str, list[Any]] = json.loads(path.read_text()) if path.exists() else {}
     h: Counter[str] = Counter()
