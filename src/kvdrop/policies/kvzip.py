@@ -10,7 +10,10 @@ policy itself runs without the model, on CPU or GPU, and costs about as much as 
 kvdrop keeps one token list for every head and layer (the cache is keyed by token ids), so the
 per-head scores are combined: over the KV heads of a layer by ``head_agg`` (``max`` by default:
 a token one head needs to reproduce the context is kept, as KVzip's per-head selection would)
-and over layers by ``layer_agg``.
+and over layers by ``layer_agg``. ``select="vote"`` instead mimics KVzipPress's one budget over
+every head and layer: the ``budget x L x H`` best (layer, head, token) scores are chosen
+together, and a token ranks by how many of them it holds (ties by the pooled score), so a token
+many heads need outranks one a single head needs a little more.
 """
 
 from __future__ import annotations
@@ -51,6 +54,13 @@ class KVzipScorer(Scorer):
     layer_agg: str = layer_agg_param("mean", "how layers combine")
     kernel: int = odd_kernel(1)
     pooling: str = param("max", "pooling of token scores (with kernel > 1)", choices=("avg", "max"))
+    select: str = param(
+        "pool",
+        "how one token list comes from per-head scores: 'pool' (head_agg, then layer_agg) or "
+        "'vote' (the budget x L x H best (layer, head, token) scores, as KVzipPress's global "
+        "budget; a token ranks by its share of them)",
+        choices=("pool", "vote"),
+    )
 
     def score(
         self, kv: torch.Tensor, query: torch.Tensor | None, selection: Selection
@@ -65,10 +75,25 @@ class KVzipScorer(Scorer):
             )
         scores = scores.to(device=kv.device, dtype=torch.float32)[:, :, :num_tokens]
         per_layer = pool1d(reduce(scores, 1, self.head_agg), self.kernel, self.pooling)  # [L, S]
-        if per_layer.shape[1] < num_tokens:
-            pad = torch.ones(num_layers, num_tokens - per_layer.shape[1], device=kv.device)
-            per_layer = torch.cat([per_layer, pad], dim=1)
-        return reduce(per_layer, 0, self.layer_agg)
+        pooled = reduce(per_layer, 0, self.layer_agg)  # [S]
+        # Tokens decoded after the pass score as the largest attention (1) in every layer.
+        top = float(reduce(torch.ones(num_layers, 1), 0, self.layer_agg))
+        if self.select == "vote" and pooled.numel():
+            pooled = _votes(pool1d(scores, self.kernel, self.pooling), pooled, selection.budget)
+            top = float(scores.shape[0] * scores.shape[1] + 1)  # above every count
+        pad = torch.full((num_tokens - pooled.shape[0],), top, device=kv.device)
+        return torch.cat([pooled, pad])
+
+
+def _votes(scores: torch.Tensor, pooled: torch.Tensor, budget: int) -> torch.Tensor:
+    """KVzipPress's global budget on a token-keyed cache: of ``scores`` ``[L, H, S]`` the
+    ``budget * L * H`` largest entries are chosen; a token scores the number it holds, plus its
+    ``pooled`` score scaled into [0, 0.5) to order equal counts."""
+    flat = scores.flatten()
+    picks = min(flat.numel(), max(1, budget) * scores.shape[0] * scores.shape[1])
+    threshold = flat.topk(picks).values[-1]
+    counts = (scores >= threshold).sum(dim=(0, 1)).to(torch.float32)
+    return counts + 0.5 * pooled / (pooled.max().clamp_min(1e-30) * (1 + 1e-6))
 
 
 kvzip = ScorerFactory(

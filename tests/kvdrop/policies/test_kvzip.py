@@ -121,3 +121,26 @@ def test_kernel_pools_each_layer_so_the_span_around_a_needed_token_is_kept() -> 
         kept[kernel] = fn.select_indices({CacheKind.KV: _kv(1, 8)}, list(range(8)), context=context)
     assert kept[1][1].tolist() == [0, 1, 4]  # ties among the zeros: the earlier tokens
     assert kept[3][1].tolist() == [3, 4, 5]  # max pooling over 3 tokens keeps 4's neighbours
+
+
+def test_vote_keeps_the_tokens_most_heads_need_over_one_head_that_needs_one_more() -> None:
+    """select='vote' (KVzipPress's one budget over every head and layer): token 2 holds a
+    top entry in three of four heads, token 5 the largest score of one head only. The pooled
+    rule (max over heads, mean over layers) ranks 5 first; the vote ranks 2 first."""
+    scores = torch.zeros(2, 2, 8)
+    scores[0, 0, 5] = 1.0
+    scores[0, 0, 2] = scores[0, 1, 2] = scores[1, 0, 2] = 0.3
+    scores[1, 1, 6] = 0.2
+    context = EditContext.of(8, token_scores=scores)
+    kept = {}
+    for select in ("pool", "vote"):
+        fn = kvdrop.get("kvzip", keep_tokens=1, chunk_size=1, n_sink=0, select=select)
+        kept[select] = fn.select_indices(
+            {CacheKind.KV: _kv(2, 8)}, list(range(8)), context=context
+        )[1].tolist()
+    assert kept == {"pool": [5], "vote": [2]}
+    # Tokens decoded after the pass outrank every vote; budget 2 x 2 x 2 = 8 entries.
+    fn = kvdrop.get("kvzip", keep_tokens=2, chunk_size=1, n_sink=0, select="vote")
+    short = EditContext.of(10, token_scores=scores)
+    _, index = fn.select_indices({CacheKind.KV: _kv(2, 10)}, list(range(10)), context=short)
+    assert index.tolist() == [8, 9]
