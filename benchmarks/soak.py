@@ -658,6 +658,12 @@ def main(argv: list[str] | None = None) -> int:
         "'--max-client-prefill-tokens 16'",
     )
     p.add_argument(
+        "--engine-cpus",
+        default="",
+        help="CPUs for the round4 phase's engine, e.g. '0-3' (the soak and its clients take the "
+        "others, as clients on other machines would); '' shares every CPU",
+    )
+    p.add_argument(
         "--round4-salt",
         default="hostile",
         help="the cache_salt of the round4 phase's hostile requests (one tenant, as the engine's "

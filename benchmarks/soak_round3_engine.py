@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import os
 import re
 import select
 import socket
@@ -52,15 +53,18 @@ def _free_port() -> int:
 
 
 @contextmanager
-def _engine(*extra: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+def _engine(
+    *extra: str, cpus: frozenset[int] = frozenset()
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """``kvdrop engine`` (with ``extra`` flags) on a free port, ready on ``/health``; stopped
-    (and reaped) after."""
+    (and reaped) after. ``cpus``: the engine's CPU affinity (empty: inherited)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "kvdrop", "engine", "--random-preset", "tiny", "--port", str(port)]
     cmd += ["--max-connections", str(MAX_CONNECTIONS), "--request-timeout-s", "2"]
     cmd += ["--max-prefill-tokens", "128", "--return-tokens-as-token-ids", *extra]
     log = tempfile.TemporaryFile()  # not a pipe: a full pipe would block the engine's logging
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120

@@ -69,18 +69,19 @@ def _engine_row(
     which: str = "bombs,cut,scoring",
     extra: str = "",
     salt: str = "hostile",
+    cpus: frozenset[int] = frozenset(),
 ) -> Row:
     """Good clients (unsalted) alone and beside the hostile ones, ``segments`` times each,
     alternating (quiet, hostile, quiet, ...), so both see the same machine load over the run;
     ``extra``: more engine flags (``soak.py --engine-args``); ``salt``: the hostile requests'
     ``cache_salt`` (one tenant, as the engine's per-client shares see it; "": none, so each
     hostile request is a client of its own for the prefill shares and, with the good ones, the
-    one unsalted client for the KV shares)."""
+    one unsalted client for the KV shares); ``cpus``: the engine's CPUs (empty: all)."""
     seen: dict[Any, list[int]] = {}
     flags = ("--policy", "knorm", "--kv-budget-tokens", "3584", *shlex.split(extra))
     h: Counter[str] = Counter()
     quiet, loud = _Tally(), _Tally()
-    with _engine(*flags) as (proc, url), tempfile.TemporaryDirectory() as tmp:
+    with _engine(*flags, cpus=cpus) as (proc, url), tempfile.TemporaryDirectory() as tmp:
         rss0 = _rss(proc.pid)
         peak = [rss0]
 
@@ -111,6 +112,7 @@ def _engine_row(
     load = os.getloadavg()[0]
     measured = (
         f"{'engine ' + extra + ': ' if extra else ''}"
+        f"{f'engine on CPUs {sorted(cpus)}, clients on the others: ' if cpus else ''}"
         f"hostile cache_salt {salt!r}: "
         f"{segments} x {seconds / segments:g} s quiet alternating with {segments} x "
         f"{seconds / segments:g} s beside override bombs, preempted cut requests and prompt "
@@ -147,7 +149,21 @@ def soak_round4(args: argparse.Namespace) -> list[Row]:
     seconds = float(getattr(args, "round4_s", 20.0))
     extra = str(getattr(args, "engine_args", ""))
     salt = str(getattr(args, "round4_salt", "hostile"))
-    return [_engine_row(seconds, extra=extra, salt=salt), _server_row(seconds)]
+    cpus = parse_cpus(str(getattr(args, "engine_cpus", "")))
+    if cpus:  # the clients (this process and its children) on the other CPUs
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - cpus)
+    return [_engine_row(seconds, extra=extra, salt=salt, cpus=cpus), _server_row(seconds)]
+
+
+def parse_cpus(spec: str) -> frozenset[int]:
+    """``'0-3,8'`` -> {0, 1, 2, 3, 8}; ValueError if it leaves no CPU for the clients."""
+    cpus: set[int] = set()
+    for part in filter(None, spec.split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    if cpus and not os.sched_getaffinity(0) - cpus:
+        raise ValueError(f"--engine-cpus {spec!r} leaves no CPU for the clients")
+    return frozenset(cpus)
 
 
 def _server_row(seconds: float) -> Row:
