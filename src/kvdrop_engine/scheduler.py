@@ -426,9 +426,13 @@ class Scheduler:
     def _next_admissible(self) -> tuple[int, bool] | None:
         """Where in the waiting line the next request to admit is, and whether it passes the
         head (the first of :meth:`_admission_order`): the head when its blocks are free; else
-        the first later one whose blocks are free and whose peak, with the peaks of the others
-        admitted ahead of this head, leaves the head its blocks once the requests running before
-        it have ended (so passing never starves the head); None: none now."""
+        the first later request of another client (:func:`kv_client_of`) whose blocks are free
+        and whose peak, with the peaks of the others admitted ahead of this head, leaves the head
+        its blocks once the requests running before it have ended (so passing never starves the
+        head); None: none now. A client's own requests never pass each other: within a client
+        admission is first come, first served, as vLLM's, since a passer takes the blocks the
+        running requests grow into and so preempts one of them (one client, 30 long prompts:
+        1.45x the recomputed prompt tokens when they passed)."""
         if not self.waiting:
             return None
         first, *rest = self._admission_order()
@@ -443,6 +447,8 @@ class Scheduler:
         free = self.allocator.num_free
         for i in rest:
             req = self.waiting[i]
+            if kv_client_of(req) == kv_client_of(head):
+                continue
             if not req.cancelled and self._admission_blocks(req) <= free:
                 if self.blocks_of(req) <= reserve:
                     return i, True

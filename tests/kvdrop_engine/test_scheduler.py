@@ -142,18 +142,25 @@ def test_admission_is_fifo_and_the_head_waits_for_its_blocks() -> None:
 
 def test_a_short_request_passes_a_head_that_waits_but_never_starves_it() -> None:
     """Issue 33: a 3,000-token request waiting for the blocks of running ones held every short
-    request behind it (good clients' p99 4x). A later request passes it when its blocks are
-    free and the peaks of those that passed leave the head its blocks once the requests
-    running before it end."""
+    request behind it (good clients' p99 4x). A later request of another client passes it when
+    its blocks are free and the peaks of those that passed leave the head its blocks once the
+    requests running before it end; the head's own client does not pass it (first come, first
+    served within a client, so passers do not preempt a one-client job's running requests)."""
     sched = Scheduler(BlockAllocator(20), 16, 64, threading.Lock())
     running = req(0, 160)  # 10 blocks
     head = req(1, 150)  # 10 blocks of prompt (peak 11: 150 + 16 - 1 tokens)
+    head.cache_salt = "tenant"
+    same = req(10, 8)  # the head's client: it waits behind the head
+    same.cache_salt = "tenant"
     shorts = [req(2 + k, 8) for k in range(8)]  # 1 block each, peak 2 (8 + 16 - 1 tokens)
     sched.waiting.append(running)
     assert sched.admit() == [running]
     running.num_computed = 160
     sched.allocator.allocate(1)  # one block taken (by growth, say): the head does not fit
-    sched.waiting.extend([head, *shorts])
+    sched.waiting.extend([head, same])
+    assert sched.admit() == []
+    sched.waiting.remove(same)
+    sched.waiting.extend(shorts)
     admitted = sched.admit()
     # 20 - 10 (the head's admission) = 10 blocks of passers' peaks: five shorts (2 each).
     assert admitted == shorts[:5] and list(sched.waiting) == [head, *shorts[5:]]
@@ -197,7 +204,10 @@ def _serve(salt: str, steps: int, seed: int = 0) -> tuple[list[int], list[int]]:
                         None, None)  # fmt: skip
             sched.waiting.append(r)
             rid += 1
-        admitted += [r.rid for r in sched.admit()]
+        line = [r.rid for r in sched.waiting]
+        got = [r.rid for r in sched.admit()]
+        assert got == line[: len(got)], "one client: admitted in the waiting line's order"
+        admitted += got
         victims += [r.rid for r, _ in sched.grow() + sched.reclaim()]
         plan = plan_step(sched.runnable(), 16)
         for r, n in plan.stepped:
@@ -210,23 +220,19 @@ def _serve(salt: str, steps: int, seed: int = 0) -> tuple[list[int], list[int]]:
 
 
 def test_one_client_keeps_the_newest_victim_and_first_come_admission() -> None:
-    """The KV share changes nothing for one client: every request unsalted (together one
-    client) or under one salt, the victims and the admission order are those recorded on main
-    fe24fe2 (the newest running request preempted, first come, first served), 22 preemptions in
-    50 steps."""
+    """The KV share changes nothing for one client, and within a client admission is first come,
+    first served (``_serve`` checks each step that the admitted requests are the waiting line's
+    first): every request unsalted (together one client) or under one salt, the victims and the
+    admission order are pinned (the newest running request preempted). Recorded on main after
+    f7d9cff, when requests stopped passing a waiting head of their own client: 7 preemptions in
+    50 steps where passing made 22."""
     victims, admitted = _serve("", 50)
-    assert victims == [6, 4, 6, 3, 3, 4, 13, 4, 4, 16, 7, 7, 10, 3, 8, 15, 20, 8, 27, 20, 30, 27]
-    assert admitted == [
-        0, 1, 2, 3, 4, 6, 6, 3, 6, 4, 13, 13, 4, 4, 14, 16, 16, 4, 7, 7, 10, 21, 10, 7, 3, 8, 15,
-        15, 8, 20, 8, 20, 27, 27, 30,
-    ]  # fmt: skip
+    assert victims == [4, 3, 3, 3, 8, 7, 9]
+    assert admitted == [0, 1, 2, 3, 4, 3, 3, 3, 4, 5, 6, 7, 8, 7, 8, 9]
     # one salt: the prefill shares differ from unsalted requests' (one client, not many)
     victims, admitted = _serve("tenant", 50)
-    assert victims == [6, 4, 4, 6, 3, 4, 6, 13, 13, 7, 10, 16, 8, 21, 21, 21, 16, 8, 15, 8, 15, 20]
-    assert admitted == [
-        0, 1, 2, 3, 4, 6, 4, 6, 6, 4, 6, 4, 13, 13, 13, 3, 7, 10, 14, 10, 7, 8, 16, 16, 21, 21, 21,
-        16, 21, 8, 15, 27, 15, 8, 20,
-    ]  # fmt: skip
+    assert victims == [4, 4, 3, 3, 8, 7, 7, 7, 9, 8]
+    assert admitted == [0, 1, 2, 3, 4, 4, 3, 3, 4, 5, 6, 7, 8, 7, 7, 7, 8, 9]
 
 
 def _salted(rid: int, prompt_len: int, salt: str, computed: int = 0) -> Request:
