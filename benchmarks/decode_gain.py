@@ -769,8 +769,9 @@ def end_to_end(rows: list[dict[str, Any]], share_prefill: bool) -> list[dict[str
     return out
 
 
-def print_report(report: dict[str, Any]) -> None:
-    """The setup, the side-by-side table and the step-vs-floor table."""
+def print_report(report: dict[str, Any], timeline: bool = False) -> None:
+    """The setup, the side-by-side table, the step-vs-floor table, the end-to-end table and the
+    jobs' stages (``timeline``: and each job's timeline per request)."""
     setup, rows = report["setup"], report["runs"]
     base, bandwidth = rows[0], setup["copy_gb_s"] * 1e9
     print(format_table([setup], list(setup)[:9], title="Setup"))
@@ -862,7 +863,7 @@ def print_report(report: dict[str, Any]) -> None:
             )
         )
         print()
-    if report.get("timeline"):
+    if timeline:
         for r in timed:
             marks = [{"request": sid, **m} for sid, m in r["job_timeline"].items()]
             marks.sort(key=lambda m: m.get("prefill_start", m.get("decode_start", 0.0)))
@@ -967,11 +968,10 @@ def main(argv: list[str] | None = None) -> int:
             log(f"plot written to {args.plot}")
         return 0
     report = measure(args, model)
-    report["timeline"] = args.timeline
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print_report(report)
+        print_report(report, timeline=args.timeline)
     return 0
 
 
