@@ -153,6 +153,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "edit and decode chained, all at once, under a fresh cache salt); its wall time is "
         "what e2e_gain compares",
     )
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="print each job's timeline: per request, when its prefill, edit and decode began "
+        "and ended (seconds since the job started; in --json always, as job_timeline)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument(
@@ -454,7 +460,46 @@ def job(
         "job_tok_s": float(report["output_tput"]),
         "job_failed": failed,
         "job_fallbacks": stats.connector_fallbacks + stats.store_failures,
+        "job_timeline": {sid: dict(marks) for sid, marks in batch.timeline.items()},
+        # The engine's loop thread over the job: what it computed and where its time went.
+        "job_engine": {
+            "steps": stats.steps,
+            "decode_only_steps": stats.decode_only_steps,
+            "prefill_steps_s": stats.prefill_step_seconds,
+            "decode_steps_s": stats.decode_step_seconds,
+            "pass_s": stats.reconstruction_seconds,
+            "idle_s": stats.idle_seconds,
+            "peak_running": stats.peak_running,
+            "preemptions": stats.preemptions,
+            "recomputed_tokens": stats.recomputed_tokens,
+            "loaded_tokens": stats.tokens_loaded,
+        },
     }
+
+
+def job_spans(timeline: dict[str, dict[str, float]]) -> dict[str, float | None]:
+    """When the job's stages began and ended (seconds since it started, over its streams):
+    ``decode_before_prefill_end`` > 0 says decodes ran while prompts were still prefilled,
+    ``decode_before_modify_end`` > 0 that they ran while edits were in flight."""
+
+    def at(event: str, pick: Any) -> float | None:
+        times = [marks[event] for marks in timeline.values() if event in marks]
+        return pick(times) if times else None
+
+    spans = {
+        "last_prefill_end": at("prefill_end", max),
+        "first_modify_start": at("modify_start", min),
+        "last_modify_end": at("modify_end", max),
+        "first_decode_start": at("decode_start", min),
+        "last_decode_end": at("decode_end", max),
+    }
+    first = spans["first_decode_start"]
+    for stage, end in (("prefill", "last_prefill_end"), ("modify", "last_modify_end")):
+        last = spans[end]
+        spans[f"decode_before_{stage}_end"] = (
+            None if first is None or last is None else max(0.0, last - first)
+        )
+    return spans
 
 
 def log_precapture(engine: Engine) -> None:
@@ -724,8 +769,9 @@ def end_to_end(rows: list[dict[str, Any]], share_prefill: bool) -> list[dict[str
     return out
 
 
-def print_report(report: dict[str, Any]) -> None:
-    """The setup, the side-by-side table and the step-vs-floor table."""
+def print_report(report: dict[str, Any], timeline: bool = False) -> None:
+    """The setup, the side-by-side table, the step-vs-floor table, the end-to-end table and the
+    jobs' stages (``timeline``: and each job's timeline per request)."""
     setup, rows = report["setup"], report["runs"]
     base, bandwidth = rows[0], setup["copy_gb_s"] * 1e9
     print(format_table([setup], list(setup)[:9], title="Setup"))
@@ -803,6 +849,28 @@ def print_report(report: dict[str, Any]) -> None:
         )
     )
     print()
+    timed = [r for r in rows if r.get("job_timeline")]
+    if timed:
+        spans = [
+            {"run": r["run"], **job_spans(r["job_timeline"]), **r["job_engine"]} for r in timed
+        ]
+        print(
+            format_table(
+                spans,
+                list(spans[0]),
+                title="The pipelined job's stages (seconds since it started; decode_before_*_end:"
+                " how long decodes ran before the last prefill / edit ended)",
+            )
+        )
+        print()
+    if timeline:
+        for r in timed:
+            marks = [{"request": sid, **m} for sid, m in r["job_timeline"].items()]
+            marks.sort(key=lambda m: m.get("prefill_start", m.get("decode_start", 0.0)))
+            cols = ["request", "prefill_start", "prefill_end", "modify_start", "modify_end"]
+            cols += ["decode_start", "decode_first", "decode_end"]
+            print(format_table(marks, cols, title=f"{r['run']}: the job's timeline per request"))
+            print()
     for row in rows[1:]:
         print(
             f"decode throughput: baseline {base['decode_tok_s']:.1f} tok/s, {row['run']} "
@@ -903,7 +971,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print_report(report)
+        print_report(report, timeline=args.timeline)
     return 0
 
 

@@ -5,7 +5,8 @@
 # still leaves the runs it finished.
 #
 #   PART=e2e bash benchmarks/gpu_jobs/i31.sh    # the issue's command: 30 prompts of 8-14K, 512
-#                                               # decoded, chunk-halving snapkv kvzip (~8 min)
+#                                               # decoded, chunk-halving snapkv kvzip (~8 min),
+#                                               # each job's timeline per request too
 #   PART=long bash benchmarks/gpu_jobs/i31.sh   # the same at 5,120 decoded tokens, snapkv
 #   PART=fail bash benchmarks/gpu_jobs/i31.sh   # registration forced to fail, 4 prompts (~1 min)
 #   PART=recon bash benchmarks/gpu_jobs/i31.sh  # kvzip's pass against the prefill, by part
@@ -38,7 +39,7 @@ case "$PART" in
   e2e)
     read -r -a pol <<< "${POLICIES:-chunk-halving snapkv kvzip}"
     if [ "$DEVICE" = cuda ]; then tok=512; else tok=16; fi
-    gain e2e --num-requests "$N" --max-tokens "$tok" --policy "${pol[@]}"
+    gain e2e --num-requests "$N" --max-tokens "$tok" --policy "${pol[@]}" --timeline
     ;;
   long)
     if [ "$DEVICE" = cuda ]; then tok=5120; else tok=64; fi

@@ -126,7 +126,8 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-client-prefill-tokens",
         type=int,
         default=None,
-        help="prompt tokens one client (one cache_salt, or one unsalted request) may have in a "
+        help="prompt tokens one client (one cache_salt with its streams' edit salts, or one "
+        "unsalted request) may have in a "
         "step that carries another client's work, so about max-prefill / this many long prompts "
         "are prefilled at once, first come, first served; 0: no cap, the oldest prompt may take "
         "the whole step (default: a quarter of --max-prefill-tokens)",

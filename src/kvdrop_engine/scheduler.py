@@ -9,7 +9,8 @@ Admission takes the blocks of a request's prompt; each decode step grows it by t
 next token needs (:meth:`Scheduler.grow`), and when the budget runs out a running request is
 preempted and later recomputed (vLLM's recompute), so one request whose ``max_tokens`` is the
 whole budget does not make every other wait until it ends. The KV budget is shared per client
-(:func:`kv_client_of`: one ``cache_salt``; the unsalted requests together are one) by one rule,
+(:func:`kv_client_of`: one ``cache_salt``, with the SDK's edit salts of its streams; the unsalted
+requests together are one) by one rule,
 :meth:`Scheduler.kv_excess`, that both ask: the victim is the newest request of the client that
 holds the most blocks above its fair share, a waiting request that keeps its client within its
 share is admitted before those that do not, and reclaims its blocks from clients over theirs
@@ -44,6 +45,7 @@ from kvdrop_engine.errors import EngineError, RequestTooLargeError
 from kvdrop_engine.paged import BlockAllocator, SeqStep, blocks_needed
 from kvdrop_engine.sampling import finish_reason
 from kvdrop_engine.sequence import LoadState, Request
+from kvdrop_sdk.protocol import tenant_salt
 from kvdrop_sdk.query_capture import QueryCapture
 from kvdrop_sdk.validate import positive_int
 
@@ -292,16 +294,19 @@ def plan_step(
 
 
 def client_of(req: Request) -> object:
-    """The client whose share a request's prompt tokens count against: its ``cache_salt`` (a
-    tenant's isolation key), or the request itself when it has none."""
-    return ("salt", req.cache_salt) if req.cache_salt else ("rid", req.rid)
+    """The client whose share a request's prompt tokens count against: its tenant
+    (:func:`kv_client_of`), or the request itself when it has none."""
+    tenant = kv_client_of(req)
+    return ("salt", tenant) if tenant else ("rid", req.rid)
 
 
 def kv_client_of(req: Request) -> str:
-    """The client whose KV share a request's blocks count against: its ``cache_salt``; the
-    unsalted requests together are one client (``""``), so a server whose requests carry no salt
-    (or one) keeps vLLM's preemption and admission order."""
-    return req.cache_salt
+    """The client whose KV share a request's blocks count against: the tenant of its
+    ``cache_salt`` (:func:`~kvdrop_sdk.protocol.tenant_salt`: a stream's edited KV, under a salt
+    of its own, counts with its tenant's other requests); the unsalted requests together are
+    one client (``""``), so a server whose requests carry no salt (or one) keeps vLLM's
+    preemption and admission order."""
+    return tenant_salt(req.cache_salt)
 
 
 def prefill_shares(

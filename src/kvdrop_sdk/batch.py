@@ -90,6 +90,11 @@ class BatchedStream:
         self.request_streams: dict[str, RequestStream] = {}
         self.perf_metrics: dict[str, StreamPerfMetrics] = {}
         self.modify_results: dict[str, ModifyResult] = {}
+        #: The last ``job``'s timeline: stream id -> {event: seconds since the job started}
+        #: (``prefill_start``, ``prefill_end``, ``modify_start``, ``modify_end``,
+        #: ``decode_start``, ``decode_first`` (its first token), ``decode_end``; a stream
+        #: without ``fn`` has only the decode's).
+        self.timeline: dict[str, dict[str, float]] = {}
 
     # ----------------------------------------------------------------- membership
     def add(self, request_stream: RequestStream) -> None:
@@ -232,11 +237,19 @@ class BatchedStream:
         def whole(s: RequestStream) -> StreamPerfMetrics:
             sid = s.request_stream_id
             spent = stages.setdefault(sid, {"prefill_s": 0.0, "modify_s": 0.0, "decode_s": 0.0})
-            t = time.perf_counter()
+            marks = timeline.setdefault(sid, {})
+
+            def mark(event: str) -> float:
+                now = time.perf_counter()
+                marks[event] = now - started
+                return now
+
             if fn is not None:
+                t = mark("prefill_start")
                 s.generate(first)
-                spent["prefill_s"], t = time.perf_counter() - t, time.perf_counter()
+                spent["prefill_s"] = mark("prefill_end") - t
                 with edits:
+                    t = mark("modify_start")
                     edited[sid] = s.modify_kv(
                         fn,
                         timeout,
@@ -245,16 +258,22 @@ class BatchedStream:
                         edit_timeout=timeout,
                         kv_path=kv_path,
                     )
-                spent["modify_s"], t = time.perf_counter() - t, time.perf_counter()
+                    spent["modify_s"] = mark("modify_end") - t
                 if s.is_done:  # the engine stopped it at its first token
                     return StreamPerfMetrics()
+            t = mark("decode_start")
             perf = s.generate(params)
-            spent["decode_s"] = time.perf_counter() - t
+            spent["decode_s"] = mark("decode_end") - t
+            if perf.output_tokens:
+                marks["decode_first"] = t - started + perf.ttft
             return perf
 
         streams = [s for s in self._select(stream_ids) if not s.is_done]
         self.perf_metrics.clear()
         self.modify_results.clear()
+        self.timeline.clear()
+        timeline = self.timeline
+        started = time.perf_counter()
         results, failures, duration = self._run("job", streams, whole, self.max_concurrency)
         self.perf_metrics.update(results)
         self.modify_results.update(edited)

@@ -30,7 +30,7 @@ import torch
 from kvdrop_sdk.cache_kind import CacheKind, KindMap, kind_value
 from kvdrop_sdk.errors import EditTimeoutError, RequestStreamError
 from kvdrop_sdk.keep import KeepPlan, KeepsRows
-from kvdrop_sdk.protocol import scoped_salt
+from kvdrop_sdk.protocol import EDIT_SCOPE, scoped_salt
 from kvdrop_sdk.validate import check_fields, is_int, token_ids
 
 __all__ = [
@@ -481,5 +481,6 @@ class ModifyResult:
 def edit_salt(cache_salt: str, request_stream_id: str) -> str:
     """The salt a stream's edited KV lives under: its own, so no other request can read it
     (``f"{cache_salt}.edit.{request_stream_id}"``; the rule is
-    :func:`kvdrop_sdk.protocol.scoped_salt`'s)."""
-    return scoped_salt(cache_salt, f"edit.{request_stream_id}")
+    :func:`kvdrop_sdk.protocol.scoped_salt`'s). Engines count it as ``cache_salt``'s tenant
+    (:func:`kvdrop_sdk.protocol.tenant_salt`)."""
+    return scoped_salt(cache_salt, f"{EDIT_SCOPE}.{request_stream_id}")

@@ -27,6 +27,7 @@ from kvdrop_sdk.errors import SDKError, ServerUnavailableError
 from kvdrop_sdk.validate import check_text, is_int, json_surrogate
 
 __all__ = [
+    "EDIT_SCOPE",
     "MAX_HEADER_BYTES",
     "MAX_SALT_CHARS",
     "PROTOCOL_VERSION",
@@ -41,6 +42,7 @@ __all__ = [
     "peek_rid",
     "scoped_salt",
     "server_hint",
+    "tenant_salt",
 ]
 
 PROTOCOL_VERSION = 1
@@ -98,6 +100,23 @@ def scoped_salt(cache_salt: str, scope: str) -> str:
         digest = hashlib.sha256(cache_salt.encode()).hexdigest()[:32]
         salt = f"{digest}.{scope}"
     return salt
+
+
+#: The scope of one stream's edited KV (:func:`kvdrop_sdk.edit.edit_salt`):
+#: ``f"{cache_salt}.{EDIT_SCOPE}.{request_stream_id}"``.
+EDIT_SCOPE = "edit"
+_EDIT_MARK = f".{EDIT_SCOPE}."
+
+
+def tenant_salt(salt: str) -> str:
+    """The tenant a request's salt belongs to: the salt a stream's edit salt was scoped from
+    (``"t.edit.<stream id>"`` -> ``"t"``; ``".edit.<id>"`` -> ``""``, unsalted), else ``salt``.
+    An engine shares its memory and prefill budget per tenant, so a tenant's edited streams
+    count with its other requests, not each as a client of its own. (A tenant salt that
+    :func:`scoped_salt` had to hash, longer than LMCache accepts with the scope, has its edited
+    streams counted under the hash.)"""
+    cut = salt.rfind(_EDIT_MARK)
+    return salt if cut < 0 else salt[:cut]
 
 
 def _error(reply: dict[str, Any]) -> RpcError:

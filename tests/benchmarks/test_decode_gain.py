@@ -94,6 +94,7 @@ def test_a_real_runs_decode_parts_are_never_negative_and_sum_to_the_phase() -> N
         assert all(v >= 0 for v in parts.values()), (row["run"], parts)
         assert sum(parts.values()) == pytest.approx(phases["decode_s"])
         assert row["job_failed"] == 0 and row["job_s"] > 0  # the pipelined job ran whole
+        assert len(row["job_timeline"]) == 3 and row["job_engine"]["steps"] > 0
     e2e = report["end_to_end"]
     assert e2e[1]["e2e_gain"] == pytest.approx(e2e[0]["job_s"] / e2e[1]["job_s"])
     # By default each edit moves only what its policy reads: chunk-halving no KV byte (the
@@ -101,3 +102,20 @@ def test_a_real_runs_decode_parts_are_never_negative_and_sum_to_the_phase() -> N
     paths = {row["run"]: (row["edit_path"], row["kv_MB_per_edit"]) for row in report["runs"]}
     assert paths["chunk-halving"] == ("index", 0.0)
     assert paths["snapkv"][0] == "keys" and paths["snapkv"][1] > 0
+
+
+def test_job_spans_say_how_long_decodes_ran_before_the_last_prefill_and_edit_ended() -> None:
+    timeline = {
+        "a": {"prefill_start": 0.0, "prefill_end": 1.0, "modify_start": 1.0, "modify_end": 1.5,
+              "decode_start": 1.5, "decode_end": 4.0},
+        "b": {"prefill_start": 0.0, "prefill_end": 3.0, "modify_start": 3.0, "modify_end": 3.25,
+              "decode_start": 3.25, "decode_end": 5.0},
+    }  # fmt: skip
+    spans = decode_gain.job_spans(timeline)
+    assert spans["last_prefill_end"] == 3.0 and spans["first_decode_start"] == 1.5
+    assert spans["decode_before_prefill_end"] == 1.5
+    assert spans["decode_before_modify_end"] == 1.75
+    assert spans["last_decode_end"] == 5.0
+    # the baseline's job: decodes only
+    plain = decode_gain.job_spans({"a": {"decode_start": 0.0, "decode_end": 2.0}})
+    assert plain["last_prefill_end"] is None and plain["decode_before_prefill_end"] is None

@@ -12,6 +12,7 @@ import torch
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer, generate
+from kvdrop_sdk.edit import edit_salt
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -68,3 +69,23 @@ def test_preempted_requests_are_recomputed_to_the_same_tokens(
         assert got == want
         assert st.preemptions >= 1
         assert eng.num_free_blocks == eng.num_blocks and eng.load() == (0, 0)
+
+
+def test_a_prompt_beside_its_tenants_edited_streams_gets_the_whole_prefill_budget(
+    model: Transformer,
+) -> None:
+    """Issue 31 (the pipelined job): an SDK stream decodes its edited KV under a salt of its own
+    (``edit_salt``), so while one decoded, its tenant's next prompt counted as another client's
+    and got the per-client cap, a quarter of the step: 16 steps of 64 tokens for 1,024 tokens
+    beside one decoding stream. They are one tenant: 4 steps of 256."""
+    with Engine(model, num_blocks=128, max_prefill_tokens=256) as eng:
+        edited = eng.post_completion(
+            tokens(8, 3), {**GREEDY, "max_tokens": 400}, edit_salt("job", "stream-0")
+        )
+        next(edited)  # decoding: every step from now on carries it
+        before = eng.stats().steps
+        prompt = eng.post_completion(tokens(1024, 4), {**GREEDY, "max_tokens": 1}, "job")
+        assert len(list(prompt)) == 1
+        steps = eng.stats().steps - before
+        edited.close()
+    assert steps <= 4 + 2, f"{steps} steps for 1,024 prompt tokens at 256 a step"

@@ -14,10 +14,13 @@ from kvdrop_engine.sampling import SamplingParams
 from kvdrop_engine.scheduler import (
     Scheduler,
     budget_blocks,
+    client_of,
+    kv_client_of,
     plan_step,
     prefill_shares,
 )
 from kvdrop_engine.sequence import LoadState, Request
+from kvdrop_sdk.edit import edit_salt
 
 
 def req(rid: int, prompt_len: int, computed: int = 0, output: list[int] | None = None) -> Request:
@@ -127,6 +130,33 @@ def test_one_clients_prompts_get_at_most_its_cap_in_a_step_beside_another_client
     # alone, or with the cap off, the budget is not held back
     assert plan_step(hostile, max_prefill_tokens=2048).num_prefill == 2048
     assert plan_step([*hostile, good], 2048, max_client_prefill_tokens=0).num_prefill == 2048
+
+
+def test_a_tenants_edited_streams_are_its_own_client_not_each_another() -> None:
+    """Issue 31 (the pipelined job): an SDK stream decodes its edited KV under a salt of its own
+    (``edit_salt``: ``"job.edit.<id>"``). Each such stream counted as a client apart, so while
+    any decoded, the tenant's other prompts (and kvzip passes) got the per-client cap, a
+    quarter of the step, and its memory share was the budget over the number of streams. They
+    are one tenant: its prompts get the whole budget and its blocks one share."""
+    prefilling = [_salted(k, 1000, "job") for k in range(4)]
+    decoding = [_salted(4 + k, 64, edit_salt("job", f"stream{k}"), 65) for k in range(3)]
+    plan = plan_step([*prefilling, *decoding], max_prefill_tokens=2048)
+    assert plan.num_decode == 3
+    assert plan.num_prefill == 2048  # on main: 512, the cap of the client "job"
+    assert {kv_client_of(r) for r in [*prefilling, *decoding]} == {"job"}
+    # another tenant is still a client apart, and capped beside the job
+    other = _salted(7, 1000, "other")
+    plan = plan_step([*prefilling, *decoding, other], max_prefill_tokens=2048)
+    assert dict((r.rid, n) for r, n in plan.stepped if n > 1) == {0: 512, 7: 512}
+    # an unsalted stream's edit salt is unsalted: one request, one client
+    lone = _salted(8, 1000, edit_salt("", "s"))
+    assert kv_client_of(lone) == "" and client_of(lone) == ("rid", 8)
+    sched = Scheduler(BlockAllocator(64), 16, 16, threading.Lock())
+    sched.running.update({r.rid: r for r in [*prefilling, *decoding]})
+    for r in sched.running.values():
+        r.blocks = sched.allocator.allocate(2)
+    sched.waiting.append(other)
+    assert sched.kv_excess() == {"job": 14 - 32.0, "other": -32.0}
 
 
 def test_admission_is_fifo_and_the_head_waits_for_its_blocks() -> None:

@@ -434,6 +434,18 @@ def test_a_job_pipelines_each_stream_through_prefill_edit_and_decode(
 
     job = batch.job({"max_tokens": 4}, gated_edit, timeout=60)
     assert saw_decode.is_set()
+    # The timeline (seconds since the job started) shows it: each stream's stages in order,
+    # and another stream decoding before the gated edit ended.
+    marks = batch.timeline
+    assert set(marks) == set(batch.request_streams)
+    stages = ["prefill_start", "prefill_end", "modify_start", "modify_end", "decode_start"]
+    stages += ["decode_first", "decode_end"]
+    for m in marks.values():
+        assert [m[e] for e in stages] == sorted(m[e] for e in stages)
+    assert (
+        min(m["decode_start"] for sid, m in marks.items() if sid != gated)
+        < (marks[gated]["modify_end"])
+    )
     assert job.title == "Batched Stream Job Metrics"
     assert job["num_requests"] == 4 and job["num_failed"] == 0
     assert job["output_tokens"] == 16 and job["output_tput"] == pytest.approx(16 / job["duration"])
@@ -456,4 +468,7 @@ def test_a_job_pipelines_each_stream_through_prefill_edit_and_decode(
     report = fresh.job({"max_tokens": 3})
     assert report["num_requests"] == 4 and report["output_tokens"] == 12
     assert report["kept_fraction"] == 1.0 and len(engine.calls) == before + 4
+    assert all(
+        set(m) == {"decode_start", "decode_first", "decode_end"} for m in fresh.timeline.values()
+    )
     assert all(len(s.generated_tokens) == 3 for s in plain)

@@ -140,3 +140,17 @@ def test_one_salt_rule_and_short_scoped_salts() -> None:
     long = scoped_salt("y" * 4000, "edit.r1")
     assert len(long) <= 128 and long.endswith(".edit.r1") and "/" not in long
     assert long == scoped_salt("y" * 4000, "edit.r1") != scoped_salt("z" * 4000, "edit.r1")
+
+
+def test_an_edit_salts_tenant_is_the_salt_it_was_scoped_from() -> None:
+    """Engines share memory and the prefill budget per tenant: a stream's edit salt counts as
+    the salt its stream began under (issue 31's pipelined job)."""
+    from kvdrop_sdk.edit import edit_salt
+    from kvdrop_sdk.protocol import scoped_salt, tenant_salt
+
+    assert tenant_salt(edit_salt("job", "r1")) == "job" == tenant_salt("job")
+    assert tenant_salt(edit_salt("a.b", "r1")) == "a.b" and tenant_salt("") == ""
+    assert tenant_salt(edit_salt("", "r1")) == ""  # an unsalted stream's edit: unsalted
+    # a salt too long for LMCache with the scope is hashed: its edits count under the hash
+    digest = scoped_salt("y" * 4000, "edit.r1").removesuffix(".edit.r1")
+    assert tenant_salt(edit_salt("y" * 4000, "r1")) == digest
