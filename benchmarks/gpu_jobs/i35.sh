@@ -5,8 +5,10 @@
 # them), the tables in $OUT/i35/tables.md (part A's per seed in tables-seeds.md), nvidia-smi and
 # free samples and every process's log tail in $OUT/i35/logs.txt.
 #
-#   source benchmarks/gpu_jobs/setup.sh && JOIN=1 PART=A bash benchmarks/gpu_jobs/i35.sh
-#   source benchmarks/gpu_jobs/setup.sh && PART=B bash benchmarks/gpu_jobs/i35.sh
+#   export CALL_T0=$(date +%s); source benchmarks/gpu_jobs/setup.sh &&
+#     JOIN=1 PART=A bash benchmarks/gpu_jobs/i35.sh
+#   export CALL_T0=$(date +%s); source benchmarks/gpu_jobs/setup.sh &&
+#     PART=B bash benchmarks/gpu_jobs/i35.sh
 #   DEVICE=cpu SMOKE=1 OUT=/tmp/i35smoke PART=A bash benchmarks/gpu_jobs/i35.sh   # the check
 #
 # PART=A: the keep-0.25 lever and its confirmation. A_POLICIES (below) at keep 0.5 and 0.25,
@@ -21,12 +23,13 @@
 # Each part is a queue of units (a unit: one process, one seed, one length, some tasks, a policy
 # group), started in the queue's order (= priority) whenever fewer than NPROC run, host memory
 # has MIN_FREE_GB available and the GPU has MIN_GPU_GB free. Every process runs under `timeout`
-# to one DEADLINE (LIM seconds after this script starts); a unit not started by DEADLINE -
-# MIN_LEFT (60 s) is listed as not started. Every JSONL is also kept in PREV (/tmp/i35-prev) on
-# the machine: a later call there (PART=A again, or PART=C after B) resumes a unit from its
-# file, and PART=B's tables pool part A's kvzip rows on seeds 1 and 2 from it. JOIN=1 first
-# joins the model from its two halves (/tmp/mstore/part00, carried .m2/part01) into
-# /tmp/smol.gguf and checks its sha256.
+# to one DEADLINE: CALL_S = 500 s after CALL_T0 (the call's start, before the set-up) when set,
+# else LIM = 440 s after this script's start; with the 15 s kill grace and the tables the call
+# ends by about 525 s. A unit not started by DEADLINE - MIN_LEFT (60 s) is listed as not started.
+# Every JSONL is also kept in PREV (/tmp/i35-prev) on the machine: a later call there (PART=A
+# again, or PART=C after B) resumes a unit from its file, and PART=B's tables pool part A's kvzip
+# rows on seeds 1 and 2 from it. JOIN=1 first joins the model from its two halves
+# (/tmp/mstore/part00, carried .m2/part01) into /tmp/smol.gguf and checks its sha256.
 #
 # Memory (per process, BT = --batch-tokens = 16384 at every length): eval's rule, about 0.4 MB
 # a token (float32, with queries), gives 6.5 GB of GPU memory, x 6 processes = 39 GB (H100: 80);
@@ -82,7 +85,11 @@ if [ -n "${SMOKE:-}" ]; then
 else
   L1=1024 L4=4096 L8=8192 N=16 N8=8 LIM=${LIM:-440}
 fi
-DEADLINE=$((T0 + LIM))
+if [ -n "${CALL_T0:-}" ]; then  # the call's own start (before set-up): its end, less 40 s
+  DEADLINE=$((CALL_T0 + ${CALL_S:-500}))
+else
+  DEADLINE=$((T0 + LIM))
+fi
 D=$RAW/i35
 if [ -n "${SMOKE:-}" ]; then PREV=${PREV:-$RAW/prev}; else PREV=${PREV:-/tmp/i35-prev}; fi
 LOGS=/tmp/i35logs-$PART
@@ -229,7 +236,8 @@ roomy() {  # enough host memory (and GPU memory on cuda) for one more process
   fi
 }
 
-echo "PART=$PART: ${#QUEUE[@]} units, $NPROC at once, --batch-tokens $BT, deadline ${LIM}s"
+echo "PART=$PART: ${#QUEUE[@]} units, $NPROC at once, --batch-tokens $BT," \
+  "deadline in $((DEADLINE - T0)) s"
 printf 'unit\tstart_s\tend_s\trc\trecords\n' > "$D/units.tsv"
 sample > "$D/smi.txt" 2>&1 &
 SAMPLER=$!
