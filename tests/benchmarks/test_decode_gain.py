@@ -119,3 +119,23 @@ def test_job_spans_say_how_long_decodes_ran_before_the_last_prefill_and_edit_end
     # the baseline's job: decodes only
     plain = decode_gain.job_spans({"a": {"decode_start": 0.0, "decode_end": 2.0}})
     assert plain["last_prefill_end"] is None and plain["decode_before_prefill_end"] is None
+
+
+def test_prefill_phases_put_the_capture_apart_and_leave_the_wait() -> None:
+    """The prefill phase's split (issue 31: where a query engine's prefill time goes): the
+    window finalising apart from the rest of shipping, and what the loop did not spend working
+    (waiting for the stores the phase awaits) as ``rest_s``, never negative."""
+    engine = {
+        "prefill_step_seconds": 16.0,
+        "window_seconds": 0.5,
+        "ship_seconds": 1.0,
+        "load_apply_seconds": 0.25,
+        "reconstruction_seconds": 0.0,
+        "steps": 40,
+    }
+    phases = decode_gain.prefill_phases(engine, 20.0, 10)
+    assert phases["window_s"] == 0.5 and phases["ship_s"] == 0.5
+    assert phases["rest_s"] == pytest.approx(2.75) and phases["window_ms_per_req"] == 50.0
+    parts = ("steps_s", "window_s", "ship_s", "load_apply_s", "reconstruct_s", "rest_s")
+    assert sum(phases[p] for p in parts) == pytest.approx(20.0)
+    assert decode_gain.prefill_phases(engine, 10.0, 10)["rest_s"] == 0.0

@@ -473,3 +473,61 @@ def test_prefix_staged_on_a_load_thread_under_cuda_graphs(server: ServerHandle) 
     with Engine(gpu_model, num_blocks=32) as plain:
         assert out == plain.generate(prompt, {**GREEDY, "max_tokens": 8})
     conn.close()
+
+
+def test_a_window_capture_copies_the_window_rows_only_once(
+    model: Transformer, server: ServerHandle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The capture's work in a chunked prefill (issue 31: a query engine's prefill must cost
+    the window's bytes, not the prompt's): the chunks before the window capture no row, each
+    layer keeps only the window's rows of the chunks holding it, the window copies each row once,
+    and the request's finalised window reaches the host in one synchronisation."""
+    import kvdrop_engine.capture as capture_mod
+    import kvdrop_engine.paged as paged_mod
+    import kvdrop_engine.runner as runner_mod
+
+    window, chunk = 8, 12
+    prompt = tokens(5 * CHUNK + 5, seed=50)  # 85 tokens: 8 chunks of 12 (the last 1)
+    seen: dict[str, list[int]] = {"added": [], "layer_rows": [], "syncs": []}
+    add, call, to_host_all = (
+        capture_mod.WindowCapture.add,
+        paged_mod.PagedAttention.__call__,
+        runner_mod.to_host_all,
+    )
+
+    def counted_add(self: object, positions: list[int], rows: torch.Tensor) -> None:
+        seen["added"].append(int(rows.shape[1]))
+        add(self, positions, rows)  # type: ignore[arg-type]
+
+    def counted_call(self: PagedAttention, *args: torch.Tensor) -> torch.Tensor:
+        index = self._capture_index
+        seen["layer_rows"].append(0 if index is None else int(index.numel()))
+        return call(self, *args)
+
+    def counted_sync(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        seen["syncs"].append(len(tensors))
+        return to_host_all(*tensors)
+
+    monkeypatch.setattr(capture_mod.WindowCapture, "add", counted_add)
+    monkeypatch.setattr(paged_mod.PagedAttention, "__call__", counted_call)
+    monkeypatch.setattr(runner_mod, "to_host_all", counted_sync)
+    conn = ServerConnector(
+        server.url,
+        server.http_url,
+        "window-work",
+        queries=QueryCapture(QueryNeed.WINDOW, window, 0),
+    )
+    with Engine(model, num_blocks=16, connector=conn, max_prefill_tokens=chunk) as eng:
+        out = eng.generate(prompt, {**GREEDY, "max_tokens": 1})
+        st = eng.stats()
+    layers = model.config.num_layers
+    # The window (positions 77..84) spans the last two chunks (72..83 and 84): 7 rows, then 1.
+    assert seen["layer_rows"] == [0] * 6 * layers + [7] * layers + [1] * layers
+    assert seen["added"] == [7, 1] and sum(seen["added"]) == window
+    assert seen["syncs"] == [3]  # positions, queries, lse: one call, one synchronisation
+    assert st.query_rows_stored == window and st.query_tokens_stored == 0
+    _, q_ctx = contexts(server, "window-work")
+    stored = retrieve_window(q_ctx, prompt + out)
+    assert stored is not None and stored.positions.tolist() == list(range(77, 85))
+    q_ctx.close()
+    conn.close()
