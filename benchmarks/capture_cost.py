@@ -11,9 +11,10 @@ host synchronisations (``to_host``/``to_host_all`` calls) and window stores per 
 
     python benchmarks/capture_cost.py --model-preset tiny --num-requests 8 \\
         --prompt-tokens 1500 2500 --max-prefill-tokens 1024 --repeats 2 --profile
-    # the GPU shape (one H200/H100, about 3 minutes):
+    # the GPU shape (one H200/H100, about 4 minutes): PART=capture benchmarks/gpu_jobs/i31.sh
     python benchmarks/capture_cost.py --device cuda --dtype bfloat16 --model-preset qwen3-8b \\
-        --num-requests 30 --prompt-tokens 8192 14336 --max-prefill-tokens 8192
+        --num-requests 30 --prompt-tokens 8192 14336 --max-prefill-tokens 8192 \\
+        --kv-budget-tokens 131072 --repeats 2
 """
 
 from __future__ import annotations
@@ -119,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--kv-budget-tokens", type=int, default=None, help="per engine (default: every prompt)"
+    )
     p.add_argument("--pool-runs", type=float, default=1.5, help="pool size in runs' KV")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="cProfile each engine's loop thread")
@@ -135,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     # every store evicts, as in its query engine's runs.
     gb = max(0.25, args.pool_runs * total * 1.15 / 2**30)
     blocks = sum(-(-(len(x) + 1) // args.block_size) for x in prompts) + 8
+    if args.kv_budget_tokens:  # each engine's budget (two engines live at once)
+        blocks = args.kv_budget_tokens // args.block_size
     _count_work()
     profiles: dict[str, cProfile.Profile] = {}
     rows = []
@@ -190,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                             "record_batches": WORK["window_record_batches"],
                             "windows_stored": st["query_rows_stored"] and WORK["window_records"],
                             "query_B_stored_per_req": st["query_bytes_stored"] / n,
+                            "kv_store_s_per_req": st["kv_store_seconds"] / n,
+                            "window_store_s_per_req": st["window_store_seconds"] / n,
                         }
                     )
         finally:

@@ -348,6 +348,7 @@ def run(
         for c in ctxs:
             c.close()
     log(f"{name}: done (decode graphs captured: {engine.graphs and engine.graphs.captured})")
+    memory = host_memory()
     mod = None if res.modify is None else float(res.modify["duration"])
     log(
         f"{name}: prefill {float(res.prefill['duration']):.2f} s, modify {mod} s, decode "
@@ -402,7 +403,10 @@ def run(
         "prefix_copy_s": res.engine.get("prefix_copy_seconds", 0.0),
         "prefix_load_busy_s": res.engine.get("prefix_load_busy_seconds", 0.0),
         "phases": decode_phases(res.engine, float(res.decode["duration"])),
-        "prefill_phases": prefill_phases(res.prefill_engine, prefill_s, len(prompts)),
+        "prefill_phases": {
+            **prefill_phases(res.prefill_engine, prefill_s, len(prompts)),
+            **memory,
+        },
         "outputs": res.outputs,
         # Its prefill only loaded the baseline's KV (--share-prefill): end_to_end charges the
         # baseline's computed prefill instead.
@@ -740,6 +744,29 @@ def decode_phases(engine: dict[str, Any], decode_s: float) -> dict[str, float]:
     return {"decode_s": decode_s, **parts}
 
 
+def host_memory() -> dict[str, float]:
+    """This machine's available memory and this process's page-locked host memory held by
+    torch's caching allocator (GB; NaN where unknown), after a run: a pool, its registration
+    and cached page-locked buffers together can leave the host short, which slows every later
+    run's copies."""
+    avail = math.nan
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    pinned = math.nan
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if torch.cuda.is_available() and stats is not None:
+        try:
+            pinned = float(stats().get("reserved_bytes.current", math.nan)) / 1e9
+        except (RuntimeError, AttributeError):
+            pass
+    return {"host_avail_gb_after": avail, "pinned_gb_after": pinned}
+
+
 def prefill_phases(engine: dict[str, Any], prefill_s: float, num_requests: int) -> dict[str, Any]:
     """Where the prefill phase's wall time went on the engine's loop thread (its counters, read
     after the modify phase, in which the loop only idles): steps computing prompt tokens,
@@ -762,6 +789,11 @@ def prefill_phases(engine: dict[str, Any], prefill_s: float, num_requests: int) 
         "rest_s": max(0.0, prefill_s - sum(parts.values())),
         "steps": int(engine["steps"]),
         "window_ms_per_req": 1e3 * parts["window_s"] / max(num_requests, 1),
+        # Store threads (several at once): seconds per request of the KV and window stores.
+        "kv_store_s_per_req": float(engine.get("kv_store_seconds", 0.0)) / max(num_requests, 1),
+        "window_store_s_per_req": (
+            float(engine.get("window_store_seconds", 0.0)) / max(num_requests, 1)
+        ),
     }
 
 
@@ -879,7 +911,8 @@ def print_report(report: dict[str, Any], timeline: bool = False) -> None:
                 pre,
                 list(pre[0]),
                 title="Prefill phase on the loop thread (window_s: the query capture's part; "
-                "rest_s: waiting for the stores the phase awaits)",
+                "rest_s: waiting for the stores the phase awaits; *_store_s_per_req: store "
+                "threads; host memory after the run)",
             )
         )
         print()

@@ -10,6 +10,8 @@
 #   PART=long bash benchmarks/gpu_jobs/i31.sh   # the same at 5,120 decoded tokens, snapkv
 #   PART=fail bash benchmarks/gpu_jobs/i31.sh   # registration forced to fail, 4 prompts (~1 min)
 #   PART=recon bash benchmarks/gpu_jobs/i31.sh  # kvzip's pass against the prefill, by part
+#   PART=capture bash benchmarks/gpu_jobs/i31.sh  # prefill with query capture on/off, A/B
+#                                                 # on one server (~4 min)
 #   DEVICE=cpu PART=... bash benchmarks/gpu_jobs/i31.sh   # the same commands at a tiny shape
 #
 # PYTHON (default python) runs everything; kvdrop is installed (editable, no dependencies) only
@@ -49,6 +51,18 @@ case "$PART" in
     KVDROP_CUDA_HOST_REGISTER=fail gain fail --num-requests 4 --max-tokens 32 \
       --policy chunk-halving snapkv
     ;;
+  capture)
+    # Query capture on/off, engines alternated on one server (issue 31's +20% prefill).
+    if [ "$DEVICE" = cuda ]; then
+      CC=(--device cuda --dtype bfloat16 --model-preset qwen3-8b --num-requests 30
+        --prompt-tokens 8192 14336 --max-prefill-tokens 8192 --kv-budget-tokens 131072)
+    else
+      CC=(--model-preset tiny --num-requests 8 --prompt-tokens 1500 2500)
+    fi
+    echo "== capture_cost.py ${CC[*]}"
+    "$PY" benchmarks/capture_cost.py "${CC[@]}" --repeats 2 --profile --top 30 |
+      tee "$RAW/capture.txt" || echo "FAILED: capture_cost.py"
+    ;;
   recon)
     if [ "$DEVICE" = cuda ]; then
       RC=(--device cuda --dtype bfloat16 --model-preset qwen3-8b --prompt-tokens 8192 14336)
@@ -59,6 +73,6 @@ case "$PART" in
     "$PY" benchmarks/reconstruct_cost.py "${RC[@]}" | tee "$RAW/recon.txt" ||
       echo "FAILED: reconstruct_cost.py"
     ;;
-  *) echo "PART must be e2e, long, fail or recon, got $PART" >&2; exit 2 ;;
+  *) echo "PART must be e2e, long, fail, capture or recon, got $PART" >&2; exit 2 ;;
 esac
 date -u

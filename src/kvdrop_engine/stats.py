@@ -75,6 +75,11 @@ class EngineStats:
     ship_seconds: float = 0.0
     window_seconds: float = 0.0
     idle_seconds: float = 0.0
+    #: Store-thread time (summed over the stores, which run several at once): the prompts' KV
+    #: stores (with their query chunks in full mode), the query windows' and kvzip's scores'.
+    kv_store_seconds: float = 0.0
+    window_store_seconds: float = 0.0
+    scores_store_seconds: float = 0.0
     connector_fallbacks: int = 0  # loads that failed, timed out or were skipped: recomputed
     store_failures: int = 0  # stores that failed, timed out or were skipped
     #: The wall time these counters cover (since construction or ``reset_stats``), as of the

@@ -438,9 +438,24 @@ class Transfers:
             with self._counters() as st:
                 st.store_failures += 1
             return
-        future = self._pool("store").submit(job.run, self.connector)
+        future = self._pool("store").submit(self._run_store, job)
         future.add_done_callback(lambda f: self._stored(job, f))
         req.stores.append(future)
+
+    def _run_store(self, job: StoreJob | WindowJob | ScoresJob) -> Any:
+        """(store thread) ``job.run``, its seconds added to its kind's store counter."""
+        started = time.perf_counter()
+        try:
+            return job.run(self.connector)
+        finally:
+            with self._counters() as st:
+                seconds = time.perf_counter() - started
+                if isinstance(job, WindowJob):
+                    st.window_store_seconds += seconds
+                elif isinstance(job, ScoresJob):
+                    st.scores_store_seconds += seconds
+                else:
+                    st.kv_store_seconds += seconds
 
     def await_stores(self, req: Request) -> None:
         """(caller) Wait for ``req``'s started stores, each up to ``store_timeout_s``; never

@@ -526,6 +526,9 @@ def test_a_window_capture_copies_the_window_rows_only_once(
     assert seen["added"] == [7, 1] and sum(seen["added"]) == window
     assert seen["syncs"] == [3]  # positions, queries, lse: one call, one synchronisation
     assert st.query_rows_stored == window and st.query_tokens_stored == 0
+    # The stores ran on the store threads, each kind on its own counter.
+    assert st.kv_store_seconds > 0 and st.window_store_seconds > 0
+    assert st.scores_store_seconds == 0
     _, q_ctx = contexts(server, "window-work")
     stored = retrieve_window(q_ctx, prompt + out)
     assert stored is not None and stored.positions.tolist() == list(range(77, 85))
