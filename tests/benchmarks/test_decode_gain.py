@@ -139,3 +139,36 @@ def test_prefill_phases_put_the_capture_apart_and_leave_the_wait() -> None:
     parts = ("steps_s", "window_s", "ship_s", "load_apply_s", "reconstruct_s", "rest_s")
     assert sum(phases[p] for p in parts) == pytest.approx(20.0)
     assert decode_gain.prefill_phases(engine, 10.0, 10)["rest_s"] == 0.0
+
+
+def test_the_query_engine_is_built_after_the_first_engine_is_freed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine sits in reference cycles: ``del`` alone kept the baseline engine's KV cache (and
+    on a GPU its decode graphs) alive while the query engine was built beside it (issue 31)."""
+    import weakref
+
+    from kvdrop_engine.engine import Engine
+
+    built: list[weakref.ref[Engine]] = []
+    alive_at_build: list[bool] = []
+    init = Engine.__init__
+
+    def recording(self: Engine, *args: Any, **kwargs: Any) -> None:
+        alive_at_build.append(any(ref() is not None for ref in built))
+        init(self, *args, **kwargs)
+        built.append(weakref.ref(self))
+
+    monkeypatch.setattr(Engine, "__init__", recording)
+    args = decode_gain.parse_args(
+        "--model-preset tiny --prompt-tokens 300 600 --max-prefill-tokens 1024 --share-prefill "
+        "--num-requests 2 --max-tokens 4 --policy snapkv --no-job --no-warmup".split()
+    )
+    report = decode_gain.measure(args, decode_gain.build_model(args))
+    assert [r["run"] for r in report["runs"]] == ["baseline", "snapkv"]
+    assert alive_at_build == [False, False]
+    base, snapkv = report["runs"]
+    assert base["query_B_per_tok"] == 0 < snapkv["query_B_per_tok"]
+    assert snapkv["prefill_phases"]["window_s"] > 0
+    assert snapkv["prefill_phases"]["window_store_s_per_req"] > 0
+    assert base["prefill_phases"]["window_store_s_per_req"] == 0
