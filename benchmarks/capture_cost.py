@@ -169,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             kv.prepare_dma()
         q = connect(CacheKind.QUERY, server.url, server.http_url, "bench", capture=capture)
         try:
-            for name, (engine, _) in engines.items():  # warm-up (outside the table)
-                engine.generate(prompts[0][:300], {"max_tokens": 1}, f"warm-{name}")
+            # Warm-up outside the table: a full prefill chunk and a window, on each engine.
+            warm = prompts[0][: args.max_prefill_tokens + 7]
+            for name, (engine, _) in engines.items():
+                engine.generate(warm, {"max_tokens": 1}, f"warm-{name}")
             for rep in range(args.repeats):
                 for name, (engine, tq) in engines.items():
                     WORK.clear()
