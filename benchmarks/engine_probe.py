@@ -33,18 +33,23 @@ import requests
 
 from soak_round3 import _p99, _Tally
 from soak_round3_engine import MAX_CONNECTIONS, _free_port, _run_good
-from soak_round4 import _hostile, _hostile_counts, _merge
+from soak_round4 import _hostile, _hostile_counts, _merge, parse_cpus
 
 HOOK = Path(__file__).with_name("engine_probe_hook.py")
 
 
-def _engine(out: str, extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+def _engine(
+    out: str, extra: list[str], cpus: frozenset[int] = frozenset()
+) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     cmd = [sys.executable, str(HOOK), out, "engine", "--random-preset", "tiny", "--port",
            str(port), "--max-connections", str(MAX_CONNECTIONS), "--request-timeout-s", "2",
            "--max-prefill-tokens", "128", "--return-tokens-as-token-ids", "--policy", "knorm",
            "--kv-budget-tokens", "3584", *extra]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pin
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -111,9 +116,15 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=4.0, help="of each quiet or hostile segment")
     p.add_argument("--engine-args", default="", help="extra `kvdrop engine` flags")
     p.add_argument("--salt", default="hostile", help="the hostile requests' cache_salt")
+    p.add_argument(
+        "--engine-cpus", default="", help="the engine's CPUs, e.g. '0' (the clients: the others)"
+    )
     args = p.parse_args()
     out = str(Path(tempfile.mkdtemp(prefix="engine-probe-")) / "probe.txt")
-    proc, url = _engine(out, shlex.split(args.engine_args))
+    cpus = parse_cpus(args.engine_cpus)
+    if cpus:
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - cpus)
+    proc, url = _engine(out, shlex.split(args.engine_args), cpus)
     seen: dict[Any, list[int]] = {}
     tallies = {"quiet": _Tally(), "hostile": _Tally()}
     spans: dict[str, list[tuple[float, float]]] = {"quiet": [], "hostile": []}
