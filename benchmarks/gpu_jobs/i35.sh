@@ -66,7 +66,7 @@ JOB=i35
 source "$(dirname "$0")/job.sh"
 T0=$(date +%s)
 
-A_POLICIES=(kvzip 'kvzip(window=64)' 'kvzip(kernel=3,window=64)')  # select=vote: rejected on CPU (docs/quality.md)
+A_POLICIES=(kvzip 'kvzip+snapkv' 'kvzip(window=64)' 'kvzip(kernel=3,window=64)')  # select=vote: rejected on CPU (docs/quality.md)
 B_TOP=(cap leverage snapkv expected-attention)
 B_FULLQ=(compactor non-causal-attn)  # read every token's query: the engine captures them all
 B_MID=(finch tova h2o rkv cur)

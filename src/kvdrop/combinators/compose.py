@@ -34,13 +34,15 @@ __all__ = ["Compose", "ComposeFactory", "compose", "compose_info"]
 class Compose(NeedsPolicy, SelectorPolicy):
     """Union of built scorer policies under one budget (like kvpress's ``ComposedPress``).
 
-    Each part gets a share of the chunk-aligned budget (``weights``, default equal, in whole
-    chunks, largest remainders first, ties to the earlier part) and, in order, takes its most
-    preferred tokens not taken yet -- its own forced tokens (sinks, recent window) first, then
-    its best scores, exactly its own selector's :meth:`~kvdrop.selector.Selector.ranking`. One
-    part alone equals that policy. The parts' own budgets are ignored; their chunk size must be
-    the composition's. A part whose share rounds to zero chunks (e.g. two parts, a one-chunk
-    budget) picks nothing, and a :class:`~kvdrop.PolicyWarning` says so.
+    Each part gets a share of the chunk-aligned budget (``weights``, default equal, in tokens,
+    largest remainders first, ties to the earlier part; in whole chunks when a part keeps whole
+    chunks, ``chunked``) and, in order, takes its most preferred tokens not taken yet -- its own
+    forced tokens (sinks, recent window) first, then its best scores, exactly its own selector's
+    :meth:`~kvdrop.selector.Selector.ranking`. Only the union must fill whole chunks (the server
+    stores whole chunks), so two parts share a one-chunk budget. One part alone equals that
+    policy. The parts' own budgets are ignored; their chunk size must be the composition's. A
+    part whose share rounds to zero (more parts than tokens, or than chunks for chunked parts)
+    picks nothing, and a :class:`~kvdrop.PolicyWarning` says so.
     """
 
     def __init__(
@@ -93,10 +95,17 @@ class Compose(NeedsPolicy, SelectorPolicy):
         """The widest needs of its parts (``NONE < WINDOW < FULL``; scores if one reads them)."""
         return functools.reduce(operator.or_, map(needs_of, self.parts))
 
+    @property
+    def share_unit(self) -> int:
+        """What shares are counted in: tokens, or whole chunks when a part keeps whole chunks
+        (its share must be whole chunks for its choice to be)."""
+        chunked = any(getattr(p.selector, "chunked", False) for p in self.parts)
+        return self.selector.chunk_size if chunked else 1
+
     def quotas(self, budget: int) -> list[int]:
-        """Tokens each part picks: ``budget`` split by weight in whole chunks (largest remainders
-        first, ties to the earlier part)."""
-        c = self.selector.chunk_size
+        """Tokens each part picks: ``budget`` split by weight in :attr:`share_unit` (largest
+        remainders first, ties to the earlier part)."""
+        c = self.share_unit
         units, extra = divmod(budget, c)
         total = sum(self.weights)
         exact = [units * w / total for w in self.weights]
@@ -117,8 +126,9 @@ class Compose(NeedsPolicy, SelectorPolicy):
             from kvdrop_sdk.http_limits import log_field  # each field capped: specs can be long
 
             warnings.warn(
-                f"{log_field(self.name)}: a budget of {budget // self.selector.chunk_size} "
-                f"chunk(s) split by weights {log_field(self.weights)} leaves "
+                f"{log_field(self.name)}: a budget of {budget // self.share_unit} "
+                f"{'chunk(s)' if self.share_unit > 1 else 'token(s)'} split by weights "
+                f"{log_field(self.weights)} leaves "
                 f"{log_field(', '.join(idle))} without tokens ({len(idle)} of "
                 f"{len(self.parts)} parts); keep more (keep_ratio/keep_tokens), use a smaller "
                 "chunk_size or fewer parts",
@@ -151,7 +161,8 @@ _COMPOSE_PARAMS: tuple[Param, ...] = (
         "weights",
         list | tuple | None,
         None,
-        "share of the budget per part, in whole chunks (default: equal shares)",
+        "share of the budget per part, in tokens (whole chunks when a part is chunked; default: "
+        "equal shares)",
         "None or one number > 0 per part",
     ),
     *KEEP,
@@ -202,10 +213,10 @@ class ComposeFactory(PolicyFactory):
 def compose_info(name: str, terms: Sequence[tuple[str, dict[str, Any]]] | None) -> PolicyInfo:
     details = (
         "Union of scorer policies under one chunk-aligned budget: each part gets a share of "
-        "the budget (weights, in whole chunks) and, in order, takes its most preferred tokens "
-        "not taken yet (its own sinks/recent window first, then its best scores). Budget "
-        "parameters of the parts are ignored; their other parameters apply. A part whose share "
-        "rounds to zero chunks gets nothing (a PolicyWarning says so)."
+        "the budget (weights, in tokens; in whole chunks when a part is chunked) and, in order, "
+        "takes its most preferred tokens not taken yet (its own sinks/recent window first, then "
+        "its best scores). Budget parameters of the parts are ignored; their other parameters "
+        "apply. A part whose share rounds to zero gets nothing (a PolicyWarning says so)."
     )
     queries = QueryNeed.WINDOW  # as its default parts, streaming+snapkv
     if terms is not None:

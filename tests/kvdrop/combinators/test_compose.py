@@ -49,13 +49,19 @@ def test_union_gives_each_part_its_share_in_order(
     assert kept == sorted(streaming_part | set(rest[:32]))
 
 
-def test_weights_split_the_budget_in_whole_chunks() -> None:
+def test_weights_split_the_budget_in_tokens_and_chunked_parts_in_whole_chunks() -> None:
+    """Only the union must fill whole chunks, so shares are tokens (two parts share a one-chunk
+    budget: issue 35's kvzip+snapkv at keep 0.25 of 1,024 tokens gave snapkv nothing when shares
+    were chunks); a part that keeps whole chunks gets whole chunks."""
     fn = kvdrop.get("compose", policies="streaming+knorm", weights=[3, 1], chunk_size=16)
-    assert isinstance(fn, Compose)
+    assert isinstance(fn, Compose) and fn.share_unit == 1
     assert fn.quotas(64) == [48, 16]
-    assert fn.quotas(16) == [16, 0]
+    assert fn.quotas(16) == [12, 4]
     thirds = kvdrop.get("compose", policies="streaming+knorm+keydiff", chunk_size=8)
-    assert isinstance(thirds, Compose) and thirds.quotas(32) == [16, 8, 8]
+    assert isinstance(thirds, Compose) and thirds.quotas(32) == [11, 11, 10]
+    chunked = kvdrop.get("compose", policies="streaming+chunk(policy=knorm)", chunk_size=16)
+    assert isinstance(chunked, Compose) and chunked.share_unit == 16
+    assert chunked.quotas(16) == [16, 0] and chunked.quotas(48) == [32, 16]
 
 
 def test_built_policies_compose_like_the_spec(
@@ -90,16 +96,20 @@ def test_compose_checks_its_parts() -> None:
 def test_a_part_left_without_budget_is_reported(
     inputs: Callable[..., dict[Any, torch.Tensor]],
 ) -> None:
-    """One chunk of budget for two parts: the first takes it, the second gets nothing, and the
-    PolicyWarning says so (rather than silently running streaming alone)."""
-    fn = kvdrop.get("streaming+knorm", keep_ratio=0.25, chunk_size=16, rerotate=False)
-    with pytest.warns(kvdrop.PolicyWarning, match="leaves knorm without tokens"):
+    """One chunk of budget for a part and a chunked part: the first takes it, the chunked one
+    gets nothing, and the PolicyWarning says so (rather than silently running streaming alone).
+    Two token-scored parts share the chunk."""
+    fn = kvdrop.get("streaming+chunk(policy=knorm)", keep_ratio=0.25, chunk_size=16, rerotate=False)
+    with pytest.warns(kvdrop.PolicyWarning, match=r"1 chunk\(s\) .* leaves chunk\(policy=knorm\)"):
         _, kept = fn(inputs(64), list(range(64)))
     alone = kvdrop.get("streaming", keep_tokens=16, chunk_size=16)(inputs(64), list(range(64)))
     assert kept == alone[1]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fn(inputs(128), list(range(128)))  # 32 tokens: one chunk each, no warning
+        shared = kvdrop.get("streaming+knorm", keep_ratio=0.25, chunk_size=16, rerotate=False)
+        _, kept = shared(inputs(64), list(range(64)))  # 8 tokens each
+    assert len(kept) == 16 and set(kept) != set(alone[1])
 
 
 def test_the_warning_of_a_compose_of_many_parts_is_capped(
@@ -108,7 +118,7 @@ def test_the_warning_of_a_compose_of_many_parts_is_capped(
     """Issue 33 A: a compose of more parts than chunks named every part and weight in one
     warning (3,000 terms: a 53,632-character line); each field is a capped log field now."""
     fn = kvdrop.get("+".join(["knorm"] * 300), keep_tokens=16, chunk_size=16, rerotate=False)
-    with pytest.warns(kvdrop.PolicyWarning, match=r"without tokens \(299 of 300 parts\)") as rec:
+    with pytest.warns(kvdrop.PolicyWarning, match=r"without tokens \(284 of 300 parts\)") as rec:
         fn(inputs(64), list(range(64)))
     (message,) = {str(w.message) for w in rec}
     assert len(message) < 1000 and "...(+" in message, len(message)
