@@ -32,8 +32,8 @@ import numpy as np
 import requests
 
 from soak_round3 import _p99, _Tally
-from soak_round3_engine import MAX_CONNECTIONS, _free_port, _run_good
-from soak_round4 import _hostile, _hostile_counts, _merge, parse_cpus
+from soak_round3_engine import MAX_CONNECTIONS, _free_port, _run_good, engine_cpus, pinned
+from soak_round4 import _hostile, _hostile_counts, _merge
 
 HOOK = Path(__file__).with_name("engine_probe_hook.py")
 
@@ -46,9 +46,8 @@ def _engine(
            str(port), "--max-connections", str(MAX_CONNECTIONS), "--request-timeout-s", "2",
            "--max-prefill-tokens", "128", "--return-tokens-as-token-ids", "--policy", "knorm",
            "--kv-budget-tokens", "3584", *extra]  # fmt: skip
-    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pin
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pinned(cpus)
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -121,9 +120,7 @@ def main() -> None:
     )
     args = p.parse_args()
     out = str(Path(tempfile.mkdtemp(prefix="engine-probe-")) / "probe.txt")
-    cpus = parse_cpus(args.engine_cpus)
-    if cpus:
-        os.sched_setaffinity(0, os.sched_getaffinity(0) - cpus)
+    cpus = engine_cpus(args.engine_cpus)
     proc, url = _engine(out, shlex.split(args.engine_args), cpus)
     seen: dict[Any, list[int]] = {}
     tallies = {"quiet": _Tally(), "hostile": _Tally()}

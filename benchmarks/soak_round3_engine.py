@@ -52,6 +52,27 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def engine_cpus(spec: str) -> frozenset[int]:
+    """The engine's CPUs of ``spec`` (``'0-3,8'`` -> {0, 1, 2, 3, 8}; ``''``: none, all shared);
+    this process (the soak's clients and their children) moves to the others. ValueError if
+    it leaves no CPU for the clients."""
+    cpus: set[int] = set()
+    for part in filter(None, spec.split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    if cpus:
+        rest = os.sched_getaffinity(0) - cpus
+        if not rest:
+            raise ValueError(f"engine CPUs {spec!r} leave no CPU for the clients")
+        os.sched_setaffinity(0, rest)
+    return frozenset(cpus)
+
+
+def pinned(cpus: frozenset[int]) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that runs the child on ``cpus`` (None: inherited)."""
+    return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+
+
 @contextmanager
 def _engine(
     *extra: str, cpus: frozenset[int] = frozenset()
@@ -63,8 +84,7 @@ def _engine(
     cmd += ["--max-connections", str(MAX_CONNECTIONS), "--request-timeout-s", "2"]
     cmd += ["--max-prefill-tokens", "128", "--return-tokens-as-token-ids", *extra]
     log = tempfile.TemporaryFile()  # not a pipe: a full pipe would block the engine's logging
-    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pinned(cpus))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120

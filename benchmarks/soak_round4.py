@@ -38,7 +38,7 @@ import requests
 import torch
 
 from soak_round3 import _p99, _rss, _Tally
-from soak_round3_engine import _engine, _metrics, _run_good
+from soak_round3_engine import _engine, _metrics, _run_good, engine_cpus
 
 Row = dict[str, Any]
 HOSTILE = Path(__file__).with_name("soak_round4_hostile.py")
@@ -149,21 +149,8 @@ def soak_round4(args: argparse.Namespace) -> list[Row]:
     seconds = float(getattr(args, "round4_s", 20.0))
     extra = str(getattr(args, "engine_args", ""))
     salt = str(getattr(args, "round4_salt", "hostile"))
-    cpus = parse_cpus(str(getattr(args, "engine_cpus", "")))
-    if cpus:  # the clients (this process and its children) on the other CPUs
-        os.sched_setaffinity(0, os.sched_getaffinity(0) - cpus)
+    cpus = engine_cpus(str(getattr(args, "engine_cpus", "")))
     return [_engine_row(seconds, extra=extra, salt=salt, cpus=cpus), _server_row(seconds)]
-
-
-def parse_cpus(spec: str) -> frozenset[int]:
-    """``'0-3,8'`` -> {0, 1, 2, 3, 8}; ValueError if it leaves no CPU for the clients."""
-    cpus: set[int] = set()
-    for part in filter(None, spec.split(",")):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    if cpus and not os.sched_getaffinity(0) - cpus:
-        raise ValueError(f"--engine-cpus {spec!r} leaves no CPU for the clients")
-    return frozenset(cpus)
 
 
 def _server_row(seconds: float) -> Row:

@@ -449,10 +449,10 @@ class Scheduler:
         self._passers &= self.running.keys()  # ended or preempted passers hold nothing
         held = sum(self.blocks_of(self.running[rid]) for rid in self._passers)
         reserve = self.allocator.num_blocks - self._admission_blocks(head) - held
-        free = self.allocator.num_free
+        free, own = self.allocator.num_free, kv_client_of(head)
         for i in rest:
             req = self.waiting[i]
-            if kv_client_of(req) == kv_client_of(head):
+            if kv_client_of(req) == own:
                 continue
             if not req.cancelled and self._admission_blocks(req) <= free:
                 if self.blocks_of(req) <= reserve:
