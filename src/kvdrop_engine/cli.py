@@ -508,7 +508,6 @@ def _serve(args: argparse.Namespace, connector: Any, engine: Any, server: Any) -
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     freeze_heap()  # collections while serving skip the start-up heap (kvdrop_sdk.http_limits)
     engine.start()
-    server.start()
     kv_note = f", {args.cache_server} KV store {args.kvdrop_url}" if connector is not None else ""
     default = engine.dropper.default if engine.dropper is not None else None
     if default is not None:
@@ -526,6 +525,7 @@ def _serve(args: argparse.Namespace, connector: Any, engine: Any, server: Any) -
         f"{engine.num_blocks} blocks of {args.block_size} tokens{kv_note}); {ROUTES}, GET /stats",
         flush=True,
     )
+    server.start()  # after the line above: a client that sees /health answer can read it in the log
     try:
         while not stop.wait(0.5):
             pass

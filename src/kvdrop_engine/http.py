@@ -596,12 +596,22 @@ class _Handler(LimitedHandler):
             logger.error("engine failed before its first token", exc_info=exc)
             self._send_error(500, f"the engine failed: {type(exc).__name__}: {exc}")
             return
-        finish = "abort"
+        accounted: list[str] = []
+
+        def account(finish: str) -> None:
+            """Account the request in ``/metrics`` once, before its last bytes are written: a
+            client that reads ``/metrics`` after its answer then sees the request counted."""
+            if not accounted:
+                accounted.append(finish)
+                self._tokens = (sum(len(p) for p in req.prompts), build.count)
+                seconds = time.monotonic() - started
+                app.metrics.finished(finish, *self._tokens, seconds, first_token_s)
+
         try:
             if watch.gone:  # the client left before its first token: nothing to answer
                 raise ConnectionAbortedError("the client closed the connection")
             run = self._stream if req.stream else self._collect
-            finish = run(app, build, first, pairs, streams)
+            run(app, build, first, pairs, streams, account)
         except DISCONNECTS as exc:
             self.close_connection = True
             logger.info(
@@ -611,8 +621,7 @@ class _Handler(LimitedHandler):
             )
         finally:
             streams.close()
-            self._tokens = (sum(len(p) for p in req.prompts), build.count)
-            app.metrics.finished(finish, *self._tokens, time.monotonic() - started, first_token_s)
+            account("abort")  # a no-op when the answer was accounted before its end
 
     def _builder(self, app: CompletionHTTPServer, req: CompletionRequest) -> CompletionBuilder:
         kind = ChatCompletionBuilder if req.chat else CompletionBuilder
@@ -645,7 +654,10 @@ class _Handler(LimitedHandler):
         first: tuple[int, TokenEvent] | None,
         events: Iterator[tuple[int, TokenEvent]],
         streams: ChoiceStreams,
-    ) -> str:
+        account: Callable[[str], None],
+    ) -> None:
+        """Stream the answer as server-sent events; ``account`` takes the finish reason before
+        the closing events."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Cache-Control", "no-cache")
@@ -668,11 +680,11 @@ class _Handler(LimitedHandler):
             logger.exception("engine failed while streaming")
             self._sse(error_body(f"the engine failed: {type(exc).__name__}: {exc}", 500))
             finish = "error"
+        account(finish)
         if build.request.include_usage:
             self._sse(build.usage_chunk())
         self._sse("[DONE]")
         self._write_chunk(b"")
-        return finish
 
     def _collect(
         self,
@@ -681,7 +693,10 @@ class _Handler(LimitedHandler):
         first: tuple[int, TokenEvent] | None,
         events: Iterator[tuple[int, TokenEvent]],
         streams: ChoiceStreams,
-    ) -> str:
+        account: Callable[[str], None],
+    ) -> None:
+        """Collect the whole answer, then send it as one JSON body; ``account`` takes the
+        finish reason before it is sent."""
         checked = time.monotonic()
         try:
             for _ in self._pieces(app, build, first, events, streams):
@@ -694,7 +709,8 @@ class _Handler(LimitedHandler):
             raise
         except Exception as exc:
             logger.exception("engine failed while generating")
+            account("error")
             self._send_error(500, f"the engine failed: {type(exc).__name__}: {exc}")
-            return "error"
+            return
+        account(build.finish or "stop")
         self._send_json(200, build.body())
-        return build.finish or "stop"

@@ -294,7 +294,8 @@ def test_freeze_heap_collects_garbage_then_freezes_what_is_alive() -> None:
     try:
         frozen = freeze_heap()
         assert gone() is None  # collected first, not frozen for ever
-        assert frozen == gc.get_freeze_count() > 0
+        # frozen objects freed since (by another thread, say) leave the permanent generation
+        assert frozen >= gc.get_freeze_count() > 0
         assert not any(o is alive for o in gc.get_objects())  # collections skip it now
     finally:
         gc.unfreeze()
