@@ -492,7 +492,12 @@ class Engine:
         raises is retried with each request alone, so its failure reaches only the requests
         causing it; after the forward every failure is one request's own."""
         started = time.perf_counter()
-        plan = plan_step(batch, self.max_prefill_tokens, self.max_client_prefill_tokens)
+        plan = plan_step(
+            batch,
+            self.max_prefill_tokens,
+            self.max_client_prefill_tokens,
+            self.config.attention_keys_per_token,
+        )
         self._reconstruct(plan)
         if not plan.seqs:
             return

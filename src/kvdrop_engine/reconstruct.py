@@ -412,6 +412,12 @@ class ReconstructionPass:
     def done(self) -> bool:
         return self._chunk == len(self._chunks)
 
+    @property
+    def keys_before(self) -> int:
+        """The keys the next row attends to besides its own chunk's earlier rows: the cache
+        and the rows of the chunk in progress computed so far."""
+        return self.num_computed + self._row
+
     def next_rows(self) -> int:
         """Rows left in the chunk in progress (the most one :meth:`step` computes)."""
         if self.done:

@@ -64,11 +64,14 @@ __all__ = [
     "client_prefill_cap",
     "decoded_store_upto",
     "follow",
+    "keys_before",
     "kv_client_of",
     "plan_prefix",
     "plan_recompute",
     "plan_step",
+    "prefill_cost",
     "prefill_shares",
+    "prefill_within",
 ]
 
 #: Rows of log-probabilities (each ``[V]`` floats) scoring requests compute per step, all
@@ -220,6 +223,7 @@ def plan_step(
     batch: Sequence[Request],
     max_prefill_tokens: int,
     max_client_prefill_tokens: int | None = None,
+    keys_per_token: float | None = None,
 ) -> StepPlan:
     """Decodes first (one token each, so they never wait behind prefill chunks), then prompt
     chunks and pieces of reconstruction passes, ``max_prefill_tokens`` tokens in all, handed
@@ -233,6 +237,8 @@ def plan_step(
     carries another client's work a client gets at most ``max_client_prefill_tokens`` in all
     (:func:`client_prefill_cap`: a quarter of the budget by default, so about four long prompts
     are prefilled at once), so one client's prompts cannot make every step of the others long.
+    That cap counts each row's attention too (:func:`prefill_cost`, ``keys_per_token`` keys a
+    token: the model's :attr:`~kvdrop_engine.model.ModelConfig.attention_keys_per_token`).
     Alone, a client gets the whole budget."""
     plan = StepPlan()
     for req in batch:
@@ -268,6 +274,8 @@ def plan_step(
         {client_of(req) for req in batch},
         max_prefill_tokens,
         client_prefill_cap(max_prefill_tokens, max_client_prefill_tokens),
+        [keys_before(req) for req, _ in wants],
+        keys_per_token,
     )
     for (req, _), n in zip(wants, shares, strict=True):
         if n <= 0:
@@ -293,6 +301,13 @@ def plan_step(
     return plan
 
 
+def keys_before(req: Request) -> int:
+    """The cached keys a request's next prompt row (or piece of its kvzip pass) attends to."""
+    if req.reconstruction is not None:
+        return req.reconstruction.keys_before
+    return req.num_computed
+
+
 def client_of(req: Request) -> object:
     """The client whose share a request's prompt tokens count against: its tenant
     (:func:`kv_client_of`), or the request itself when it has none."""
@@ -309,16 +324,48 @@ def kv_client_of(req: Request) -> str:
     return tenant_salt(req.cache_salt)
 
 
+def prefill_cost(keys_before: int, tokens: int, keys_per_token: float | None) -> float:
+    """The work of ``tokens`` prompt rows after ``keys_before`` cached keys, in tokens: each row
+    is one token of the model's matrix work plus its attention over the keys before it (the
+    cached ones and the rows before it in the chunk), ``keys_per_token`` keys
+    (:attr:`~kvdrop_engine.model.ModelConfig.attention_keys_per_token`) costing one token. So
+    the 32 rows at the end of a 3,000-token prompt cost what 32 rows at its start do only when
+    attention is free (``keys_per_token`` None: tokens alone)."""
+    if not keys_per_token:
+        return float(tokens)
+    pairs = tokens * keys_before + tokens * (tokens + 1) / 2
+    return tokens + pairs / keys_per_token
+
+
+def prefill_within(
+    keys_before: int, want: int, allowance: float, keys_per_token: float | None
+) -> int:
+    """The most rows, at most ``want``, whose :func:`prefill_cost` fits ``allowance``."""
+    lo, hi = 0, max(0, want)
+    while lo < hi:  # the cost grows with the rows: the last count that fits
+        mid = (lo + hi + 1) // 2
+        if prefill_cost(keys_before, mid, keys_per_token) <= allowance:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def prefill_shares(
     wants: Sequence[tuple[object, int]],
     clients: Collection[object],
     budget: int,
     cap: int | None,
+    keys_before: Sequence[int] | None = None,
+    keys_per_token: float | None = None,
 ) -> list[int]:
     """The one prefill order: ``budget`` prompt tokens handed out over ``wants`` (``(client,
     tokens)`` pairs in arrival order). With more than one client in ``clients`` (the step's
     requests, decoding ones too) a client gets at most ``cap`` in all, so at most
     ``budget // cap`` long prompts are prefilled at once; alone, it may take the whole budget.
+    The cap counts work (:func:`prefill_cost` of each want's rows after its ``keys_before``
+    cached keys), not rows: rows deep in a long prompt attend to more keys, so a client gets
+    fewer of them and the other clients' steps stay short; ``budget`` counts rows.
 
     Turns, each taking what it wants or what its client's limit and the budget leave: the
     oldest want first (nothing starves), then every want that ends within its client's limit
@@ -326,17 +373,27 @@ def prefill_shares(
     order (first come, first served). So a later request never delays an earlier one's first
     token by more than its own short prompt, and requests admitted later (into memory a cut
     freed, say) do not dilute the shares of those already prefilling."""
-    limit = budget if cap is None or len(clients) <= 1 else cap
+    capped = cap is not None and len(clients) > 1
+    limit = cap if capped else budget
+    kpt = keys_per_token if capped else None  # alone, a client's rows are counted, not costed
+    before = list(keys_before) if keys_before is not None else [0] * len(wants)
+
+    def cost(i: int, rows: int) -> float:
+        return prefill_cost(before[i], rows, kpt)
+
     later = range(1, len(wants))
-    order = [i for i in later if wants[i][1] <= limit] + [i for i in later if wants[i][1] > limit]
+    fits = [i for i in later if cost(i, wants[i][1]) <= limit]
+    order = fits + [i for i in later if i not in set(fits)]
     shares = [0] * len(wants)
-    used: dict[object, int] = {}
+    used: dict[object, float] = {}
     left = budget
     for i in [0, *order] if wants else []:
         client, want = wants[i]
-        n = max(0, min(want, limit - used.get(client, 0), left))
+        n = prefill_within(before[i], min(want, left), limit - used.get(client, 0), kpt)
+        if n == 0 and client not in used and want > 0 and left > 0:
+            n = 1  # a client's first row always fits: a row costlier than the cap never starves
         shares[i] = n
-        used[client] = used.get(client, 0) + n
+        used[client] = used.get(client, 0) + cost(i, n)
         left -= n
     return shares
 

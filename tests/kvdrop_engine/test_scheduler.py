@@ -17,6 +17,7 @@ from kvdrop_engine.scheduler import (
     client_of,
     kv_client_of,
     plan_step,
+    prefill_cost,
     prefill_shares,
 )
 from kvdrop_engine.sequence import LoadState, Request
@@ -59,6 +60,41 @@ def test_prefill_shares_serve_the_oldest_then_short_prompts_then_first_come() ->
     assert prefill_shares([("a", 500), ("b", 16)], clients, 128, None) == [128, 0]
     assert prefill_shares([("a", 100), ("b", 16)], clients, 128, None) == [100, 16]
     assert prefill_shares([], clients, 5, 2) == []
+
+
+def test_the_client_cap_counts_attention_work_not_rows() -> None:
+    kpt = 288.0  # the tiny preset's ModelConfig.attention_keys_per_token
+    assert prefill_cost(2900, 32, None) == 32  # without a model's ratio: rows
+    assert prefill_cost(0, 32, kpt) == 32 + 32 * 33 / 2 / kpt
+    assert prefill_cost(2900, 32, kpt) == pytest.approx(32 + (32 * 2900 + 32 * 33 / 2) / kpt)
+    clients = {"hostile", "good"}
+    # the same 32-token cap: rows at a long prompt's start nearly all fit, rows deep in it few,
+    # and what they cost stays within the cap; the good client's short prompt is not touched
+    start, deep = (
+        prefill_shares([("hostile", 3000), ("good", 16)], clients, 128, 32, [k, 0], kpt)
+        for k in (0, 2900)
+    )
+    assert start == [30, 16] and deep == [2, 16]
+    assert prefill_cost(2900, deep[0], kpt) <= 32 < prefill_cost(2900, deep[0] + 1, kpt)
+    # alone, the budget counts rows: a client's own long prompt is not slowed
+    assert prefill_shares([("hostile", 3000)], {"hostile"}, 128, 32, [2900], kpt) == [128]
+    # a row costlier than the whole cap still gets one row a step: nothing starves
+    assert prefill_shares([("a", 500), ("b", 16)], clients, 128, 32, [50_000, 0], kpt) == [1, 16]
+    # the order asks the cost too: a short prompt deep in its cache no longer passes as short
+    order = prefill_shares([("a", 3000), ("b", 8), ("c", 20)], {"a", "b", "c"}, 64, 32,
+                           [0, 20_000, 0], kpt)  # fmt: skip
+    assert order == [30, 1, 20]  # c's whole prompt before b's first row
+
+
+def test_plan_step_costs_each_row_by_the_keys_it_attends() -> None:
+    deep = req(0, 3000, 2900)  # a tenant's scoring-sized prompt, 100 rows left
+    deep.cache_salt = "hostile"
+    good = req(1, 16)
+    plan = plan_step([deep, good], max_prefill_tokens=128, max_client_prefill_tokens=32,
+                     keys_per_token=288.0)  # fmt: skip
+    assert plan.stepped == [(deep, 2), (good, 16)]
+    rows = plan_step([deep, good], max_prefill_tokens=128, max_client_prefill_tokens=32)
+    assert rows.stepped == [(deep, 32), (good, 16)]  # counted in rows: 16 times the work
 
 
 def _prefill_until_done(
