@@ -467,7 +467,7 @@ class Engine:
                 applying = time.perf_counter()
                 try:
                     for req in admitted:
-                        if not req.preempted:  # a preempted one recomputes what it had
+                        if req.loads_prefix:  # a preempted one too, unless cut or swapped
                             transfers.start_load(req)
                     transfers.finish_loads(loading)
                 except Exception as exc:  # a broken connector: fail its requests, keep looping

@@ -127,17 +127,22 @@ class PrefixPlan:
 
 
 def plan_prefix(
-    conn: KVConnector, capture: QueryCapture, prompt: list[int], cache_salt: str
+    conn: KVConnector,
+    capture: QueryCapture,
+    prompt: list[int],
+    cache_salt: str,
+    limit: int | None = None,
 ) -> PrefixPlan:
-    """Look up ``prompt``'s cached prefix and decide what to load and store, for the engine's
-    query ``capture``; ``EngineError`` when the server cannot be asked."""
+    """Look up ``prompt``'s cached prefix and decide what to load (at most ``limit`` tokens)
+    and store, for the engine's query ``capture``; ``EngineError`` when the server cannot be
+    asked."""
     try:
         kv = conn.load(prompt, cache_salt)
     except Exception as exc:
         raise EngineError(f"loading the cached prefix from the server failed: {exc}") from exc
     cached = 0 if kv is None else int(kv.shape[2])
     # At least the last prompt token is computed: its logits pick the first output token.
-    n = min(cached, len(prompt) - 1)
+    n = min(cached, len(prompt) - 1, cached if limit is None else limit)
     loaded = kv[:, :, :n] if kv is not None and n > 0 else None
     aligned = len(prompt) // conn.chunk_size * conn.chunk_size
     if aligned <= cached:
@@ -180,7 +185,8 @@ def follow(req: Request, plan: PrefixPlan) -> None:
     if req.scoring:
         return
     req.store_upto = plan.store_upto
-    req.capture_queries = plan.capture_queries
+    # a preempted request that generated stored its prompt's chunk queries already
+    req.capture_queries = plan.capture_queries and not (req.preempted and req.output)
     req.query_offset = plan.query_offset
 
 

@@ -120,6 +120,9 @@ class Request:
     dropped: int = 0
     kept_positions: Tensor | None = None
     swapped: Tensor | None = None
+    #: Prompt tokens its first admission loaded from the server (None before it); a preempted
+    #: request loads as many again (:attr:`loads_prefix`), so its cache is what it was.
+    loaded_first: int | None = None
 
     @property
     def cut(self) -> Any:
@@ -233,6 +236,18 @@ class Request:
             self.restart_window(self.window.num_prompt)
 
     @property
+    def loads_prefix(self) -> bool:
+        """Whether admission asks the server for the request's cached prefix: on its first
+        admission, and again after a preemption took its cache when the first loaded some
+        (``loaded_first``; vLLM asks its KV connector again too): an SDK stream's edited KV is
+        not what its kept tokens compute alone, so a stream recomputed from its tokens answered
+        otherwise. Not a cut request (it prefills its whole prompt and keeps the same rows
+        again: ``recut``), nor one swapped back in."""
+        if not self.preempted:
+            return True
+        return bool(self.loaded_first) and not self.recut and self.num_computed == 0
+
+    @property
     def scoring(self) -> bool:
         """Whether this request scores its prompt's tail instead of generating."""
         return self.score_from >= 0
@@ -242,6 +257,13 @@ class Request:
         """The tokens whose cached prefix admission may load: a scoring request computes every
         row it scores, so only its prefix up to ``score_from`` is looked up."""
         return self.prompt if not self.scoring else self.prompt[: self.score_from + 1]
+
+    @property
+    def load_limit(self) -> int | None:
+        """The most cached tokens admission loads: after a preemption what its first admission
+        loaded, so that its cache is what it was and it computes again what it computed then
+        (chunks it stored since are not loaded); None: all that is cached."""
+        return self.loaded_first if self.preempted else None
 
     def take_chunk_queries(self) -> Tensor | None:
         """The prompt's captured chunk queries ``[1, L, T, Hq*d]`` (full mode), handed over once."""

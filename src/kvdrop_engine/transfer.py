@@ -338,7 +338,9 @@ class Transfers:
                 self._busy_since = started
             self._loads_running += 1
         try:
-            plan = plan_prefix(self.connector, self.capture, req.lookup_tokens, req.cache_salt)
+            plan = plan_prefix(
+                self.connector, self.capture, req.lookup_tokens, req.cache_salt, req.load_limit
+            )
             if self.copy_on_loop:
                 return self._staged(plan)
             with self.load_lock:
@@ -422,12 +424,18 @@ class Transfers:
                 self.recompute(req)
                 continue
             follow(req, plan)
+            if req.loaded_first is None:
+                req.loaded_first = plan.num_loaded
             with self._counters() as st:
                 st.tokens_loaded += plan.num_loaded
+                if req.preempted:  # counted as recomputed when preempted: loaded instead
+                    st.recomputed_tokens -= plan.num_loaded
 
     def recompute(self, req: Request) -> None:
         """The request computes its whole prompt (the server could not be asked)."""
         follow(req, plan_recompute(self.connector, self.capture, req.prompt))
+        if req.loaded_first is None:
+            req.loaded_first = 0
         with self._counters() as st:
             st.connector_fallbacks += 1
 

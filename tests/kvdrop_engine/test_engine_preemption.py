@@ -9,10 +9,12 @@ import threading
 import pytest
 import torch
 
+from kvdrop_engine.connectors.kvdrop import ServerConnector
 from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer, generate
 from kvdrop_sdk.edit import edit_salt
+from kvdrop_sdk.testing.server import ServerHandle
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -89,3 +91,49 @@ def test_a_prompt_beside_its_tenants_edited_streams_gets_the_whole_prefill_budge
         steps = eng.stats().steps - before
         edited.close()
     assert steps <= 4 + 2, f"{steps} steps for 1,024 prompt tokens at 256 a step"
+
+
+def test_a_preempted_stream_reloads_its_edited_kv_and_keeps_its_answer(
+    model: Transformer, kv_server: ServerHandle
+) -> None:
+    """Issue 31 (the pipelined job): an SDK stream decodes KV an edit stored under its edit salt
+    (the kept rows, computed with the whole prompt's context), not the KV of its tokens alone.
+    Preempted, it was recomputed from its tokens: another cache, another answer. Now it loads
+    its cached prefix again, as on its first admission (vLLM asks its KV connector again too)."""
+    cfg = model.config
+    params = {**GREEDY, "max_tokens": 200}
+    salts = [edit_salt("job", f"stream-{i}") for i in range(3)]
+
+    def connector() -> ServerConnector:
+        return ServerConnector(kv_server.url, kv_server.http_url, "reload", transfer_query=False)
+
+    with Engine(model, num_blocks=1024, connector=(conn := connector())) as eng:
+        chunk = conn.chunk_size
+        kept = [tokens(chunk, 20 + i) for i in range(3)]
+        for i, (toks, salt) in enumerate(zip(kept, salts, strict=True)):
+            # "edited" KV: finite, and not what computing these tokens alone gives
+            kv = torch.randn((2, cfg.num_layers, chunk, cfg.kv_dim),
+                             generator=torch.Generator().manual_seed(40 + i))  # fmt: skip
+            conn.store(kv, None, toks, salt)
+        prompts = [[*toks, 7] for toks in kept]  # the stream's next token after its kept rows
+        solo = [eng.generate(p, params, s) for p, s in zip(prompts, salts, strict=True)]
+        assert eng.stats().tokens_loaded == 3 * chunk
+    conn.close()
+    # the three prompts fit in the budget, not their 200 tokens each: they grow into preemptions
+    blocks = 3 * (chunk // 16 + 2) + 4
+    with Engine(model, num_blocks=blocks, connector=(conn := connector())) as eng:
+        streams = [eng.post_completion(p, params, s) for p, s in zip(prompts, salts, strict=True)]
+        got: list[list[int]] = [[] for _ in prompts]
+        readers = [
+            threading.Thread(target=lambda i=i: got[i].extend(e.token_id for e in streams[i]))
+            for i in range(3)
+        ]
+        for r in readers:
+            r.start()
+        for r in readers:
+            r.join(240)
+        st = eng.stats()
+    conn.close()
+    assert st.preemptions > 0, "the budget did not preempt: the test shows nothing"
+    assert got == solo
+    assert st.recomputed_tokens < st.preemptions * chunk  # reloaded, not recomputed
