@@ -5,6 +5,7 @@ recomputed to the same tokens."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from kvdrop_engine.engine import Engine
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer, generate
 from kvdrop_sdk.edit import edit_salt
+from kvdrop_sdk.events import TokenEvent
 from kvdrop_sdk.testing.server import ServerHandle
 
 pytestmark = pytest.mark.timeout(300)
@@ -28,6 +30,20 @@ def model() -> Transformer:
 
 def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def read_side_by_side(streams: list[Iterator[TokenEvent]]) -> list[list[int]]:
+    """Each stream's token ids, read on a thread of its own (they decode side by side)."""
+    got: list[list[int]] = [[] for _ in streams]
+    readers = [
+        threading.Thread(target=lambda i=i: got[i].extend(e.token_id for e in streams[i]))
+        for i in range(len(streams))
+    ]
+    for r in readers:
+        r.start()
+    for r in readers:
+        r.join(240)
+    return got
 
 
 def test_a_request_of_the_whole_budget_does_not_hold_short_ones(model: Transformer) -> None:
@@ -58,15 +74,7 @@ def test_preempted_requests_are_recomputed_to_the_same_tokens(
             eng.post_completion(p, {**GREEDY, "max_tokens": 100}, salt)
             for p, salt in zip(prompts, salts, strict=True)
         ]
-        got: list[list[int]] = [[] for _ in prompts]
-        readers = [
-            threading.Thread(target=lambda i=i: got[i].extend(e.token_id for e in streams[i]))
-            for i in range(3)
-        ]
-        for r in readers:
-            r.start()
-        for r in readers:
-            r.join(240)
+        got = read_side_by_side(streams)
         st = eng.stats()
         assert got == want
         assert st.preemptions >= 1
@@ -123,15 +131,7 @@ def test_a_preempted_stream_reloads_its_edited_kv_and_keeps_its_answer(
     blocks = 3 * (chunk // 16 + 2) + 4
     with Engine(model, num_blocks=blocks, connector=(conn := connector())) as eng:
         streams = [eng.post_completion(p, params, s) for p, s in zip(prompts, salts, strict=True)]
-        got: list[list[int]] = [[] for _ in prompts]
-        readers = [
-            threading.Thread(target=lambda i=i: got[i].extend(e.token_id for e in streams[i]))
-            for i in range(3)
-        ]
-        for r in readers:
-            r.start()
-        for r in readers:
-            r.join(240)
+        got = read_side_by_side(streams)
         st = eng.stats()
     conn.close()
     assert st.preemptions > 0, "the budget did not preempt: the test shows nothing"
