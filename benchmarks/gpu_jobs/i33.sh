@@ -8,6 +8,7 @@
 #   2. engine on CPUs 0-3 (4 threads), clients on 4-15;
 #   3. no pinning (every process on every CPU), for comparison.
 #   bash benchmarks/gpu_jobs/i33.sh              # DEVICE=cpu SECONDS_EACH=4 for a short check
+#   PART=gpu bash benchmarks/gpu_jobs/i33.sh     # the engine on the GPU (--device cuda), twice
 set -euo pipefail
 PART=${PART:-soak}
 JOB=i33
@@ -21,11 +22,17 @@ run() {  # name, soak flags...
   (cd benchmarks && "$PY" soak.py --phases round4 --round4-s "$S" --markdown "$@") \
     2>&1 | tee "$RAW/soak-$name.md" | grep -E "round 4 hostile" || echo "($name: a check did not pass; see $RAW/soak-$name.md)"
 }
-if [ "$NCPU" -ge 8 ]; then
+if [ "$PART" = gpu ]; then
+  # The engine as it serves on a GPU (--device cuda): a decode row there costs next to nothing,
+  # where each costs the CPU engine 0.1 ms (engine_probe.py's fit); two runs, engine on CPUs 0-1.
+  run gpu-1 --engine-cpus 0-1 --engine-args "--device cuda --threads 2"
+  run gpu-2 --engine-cpus 0-1 --engine-args "--device cuda --threads 2"
+elif [ "$NCPU" -ge 8 ]; then
   run pinned-2 --engine-cpus 0-1 --engine-args "--threads 2"
   run pinned-4 --engine-cpus 0-3 --engine-args "--threads 4"
+  run shared
 else
   run pinned-1 --engine-cpus 0 --engine-args "--threads 1"
+  run shared
 fi
-run shared
 date -u
