@@ -388,8 +388,8 @@ def prefill_shares(
         return prefill_cost(before[i], rows, kpt)
 
     later = range(1, len(wants))
-    fits = [i for i in later if cost(i, wants[i][1]) <= limit]
-    order = fits + [i for i in later if i not in set(fits)]
+    fits = {i for i in later if cost(i, wants[i][1]) <= limit}
+    order = [i for i in later if i in fits] + [i for i in later if i not in fits]
     shares = [0] * len(wants)
     used: dict[object, float] = {}
     left = budget
