@@ -142,7 +142,9 @@ def plan_prefix(
         raise EngineError(f"loading the cached prefix from the server failed: {exc}") from exc
     cached = 0 if kv is None else int(kv.shape[2])
     # At least the last prompt token is computed: its logits pick the first output token.
-    n = min(cached, len(prompt) - 1, cached if limit is None else limit)
+    n = min(cached, len(prompt) - 1)
+    if limit is not None:
+        n = min(n, limit)
     loaded = kv[:, :, :n] if kv is not None and n > 0 else None
     aligned = len(prompt) // conn.chunk_size * conn.chunk_size
     if aligned <= cached:
@@ -180,13 +182,16 @@ def plan_recompute(conn: KVConnector, capture: QueryCapture, prompt: list[int]) 
 
 def follow(req: Request, plan: PrefixPlan) -> None:
     """Make ``req`` take admission's decision: ``plan.num_loaded`` tokens are in its blocks
-    already. A scoring request only loads: it stores and captures nothing."""
+    already (its first admission's count is kept: ``Request.loaded_first``). A scoring request
+    only loads: it stores and captures nothing. A preempted request captures no more than its
+    preemption left it (``Request.preempt`` decides what it captures again)."""
     req.num_computed = plan.num_loaded
+    if req.loaded_first is None:
+        req.loaded_first = plan.num_loaded
     if req.scoring:
         return
     req.store_upto = plan.store_upto
-    # a preempted request that generated stored its prompt's chunk queries already
-    req.capture_queries = plan.capture_queries and not (req.preempted and req.output)
+    req.capture_queries = plan.capture_queries and (req.capture_queries or not req.preempted)
     req.query_offset = plan.query_offset
 
 

@@ -120,8 +120,9 @@ class Request:
     dropped: int = 0
     kept_positions: Tensor | None = None
     swapped: Tensor | None = None
-    #: Prompt tokens its first admission loaded from the server (None before it); a preempted
-    #: request loads as many again (:attr:`loads_prefix`), so its cache is what it was.
+    #: Prompt tokens its first admission loaded from the server (None before it; written by
+    #: ``scheduler.follow``); a preempted request loads as many again (:attr:`loads_prefix`),
+    #: so its cache is what it was.
     loaded_first: int | None = None
 
     @property

@@ -424,8 +424,6 @@ class Transfers:
                 self.recompute(req)
                 continue
             follow(req, plan)
-            if req.loaded_first is None:
-                req.loaded_first = plan.num_loaded
             with self._counters() as st:
                 st.tokens_loaded += plan.num_loaded
                 if req.preempted:  # counted as recomputed when preempted: loaded instead
@@ -434,8 +432,6 @@ class Transfers:
     def recompute(self, req: Request) -> None:
         """The request computes its whole prompt (the server could not be asked)."""
         follow(req, plan_recompute(self.connector, self.capture, req.prompt))
-        if req.loaded_first is None:
-            req.loaded_first = 0
         with self._counters() as st:
             st.connector_fallbacks += 1
 
