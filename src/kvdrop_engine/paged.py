@@ -84,14 +84,16 @@ class BlockAllocator:
         """Blocks currently free."""
         return len(self._free)
 
-    def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks; raises ``OutOfBlocksError`` (taking none) when fewer are free."""
+    def allocate(self, n: int) -> tuple[int, ...]:
+        """Take ``n`` free blocks; raises ``OutOfBlocksError`` (taking none) when fewer are free.
+        A tuple: a request's block list is replaced, never changed in place, so a decode graph
+        knows a row's blocks are unchanged when it holds the same object."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         with self._lock:
             if n > len(self._free):
                 raise OutOfBlocksError(f"requested {n} blocks, {len(self._free)} free")
-            taken = [self._free.pop() for _ in range(n)]
+            taken = tuple(self._free.pop() for _ in range(n))
             for b in taken:
                 self._owned[b] = True
             return taken
@@ -158,19 +160,29 @@ class PagedKVCache:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k.element_size()
 
     def slots(self, block_table: Sequence[int], start: int, stop: int) -> Tensor:
-        """Flat slot indices (``block * block_size + offset``) of tokens ``start .. stop-1``."""
-        if stop > len(block_table) * self.block_size or start < 0 or stop < start:
-            raise ValueError(
-                f"tokens {start}..{stop} do not fit {len(block_table)} blocks of {self.block_size}"
-            )
+        """Flat slot indices (``block * block_size + offset``) of tokens ``start .. stop-1``, on
+        the cache's device."""
+        return self.to_device(self.host_slots(block_table, start, stop))
+
+    def host_slots(self, block_table: Sequence[int], start: int, stop: int) -> Tensor:
+        """:meth:`slots` on the host."""
+        bs = self.block_size
+        if stop > len(block_table) * bs or start < 0 or stop < start:
+            raise ValueError(f"tokens {start}..{stop} do not fit {len(block_table)} blocks of {bs}")
+        if stop - start == 1:  # a decode row: no tensor arithmetic for one slot
+            return torch.tensor([int(block_table[start // bs]) * bs + start % bs])
+        first, last = start // bs, (stop - 1) // bs + 1  # only the blocks the tokens lie in
         pos = torch.arange(start, stop)
-        table = torch.as_tensor(list(block_table), dtype=torch.long)
-        slots = table[pos // self.block_size] * self.block_size + pos % self.block_size
+        table = torch.as_tensor(block_table[first:last], dtype=torch.long)
+        return table[pos // bs - first] * bs + pos % bs
+
+    def to_device(self, index: Tensor) -> Tensor:
+        """A host index tensor on the cache's device: on CUDA through page-locked memory, an
+        asynchronous copy, where a pageable one blocks the calling thread (the loop) until the
+        device has caught up."""
         if self.device.type != "cuda":
-            return slots
-        # Through page-locked memory: an asynchronous copy, where a pageable one blocks the
-        # calling thread (the loop) until the device has caught up.
-        return slots.pin_memory().to(self.device, non_blocking=True)
+            return index
+        return index.pin_memory().to(self.device, non_blocking=True)
 
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Store ``k``/``v`` ``[N, Hkv, d]`` of one layer at flat ``slots`` ``[N]``."""
@@ -408,7 +420,7 @@ class PagedAttention:
         for s in self.seqs:
             if s.num_new <= 0:
                 raise ValueError(f"sequence {s.seq_id!r} brings no new tokens")
-            slot_parts.append(cache.slots(s.block_table, s.start, s.start + s.num_new))
+            slot_parts.append(cache.host_slots(s.block_table, s.start, s.start + s.num_new))
             offsets: Sequence[int] | None = None
             if s.seq_id in capture:
                 offsets = range(s.num_new)
@@ -439,7 +451,7 @@ class PagedAttention:
             row += s.num_new
         self.num_tokens = row
         empty = torch.empty(0, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.cat(slot_parts) if slot_parts else empty
+        self.slot_mapping = cache.to_device(torch.cat(slot_parts)) if slot_parts else empty
         self._kernel: PagedDecode | None = None
         if decodes and use_kernel(cache):
             rows = torch.tensor([r for r, _ in decodes], device=dev)
@@ -494,10 +506,10 @@ class PagedAttention:
         for grp in groups:
             lengths = torch.tensor([s.start + 1 for _, s in grp])
             nblk = blocks_needed(int(lengths.max()), bs)
-            table = torch.zeros(len(grp), nblk, dtype=torch.long)
-            for i, (_, s) in enumerate(grp):
-                k = blocks_needed(s.start + 1, bs)
-                table[i, :k] = torch.as_tensor(list(s.block_table[:k]), dtype=torch.long)
+            table = torch.tensor(
+                [_padded(s.block_table, blocks_needed(s.start + 1, bs), nblk) for _, s in grp],
+                dtype=torch.long,
+            )
             t = nblk * bs
             mask = (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)).view(len(grp), 1, 1, t)
             rows = torch.tensor([r for r, _ in grp])
@@ -553,12 +565,19 @@ class PagedAttention:
             else:
                 # One token per sequence: the G query heads of a KV head act as G query rows.
                 # Padding slots zeroed: masked out, a stale NaN still poisons (NaN + -inf, 0 * NaN).
-                kb, vb = (t.masked_fill(~g.mask.transpose(-1, -2), 0.0) for t in (kb, vb))
+                # kb and vb are views of the gather's own copy: zeroed in place.
+                pad = ~g.mask.transpose(-1, -2)
+                kb, vb = kb.masked_fill_(pad, 0.0), vb.masked_fill_(pad, 0.0)
                 qh = qg.view(b, hkv, group, d)
                 o = F.scaled_dot_product_attention(qh, kb, vb, attn_mask=g.mask, scale=scale)
                 o = o.reshape(b, hq, d)
             out[g.rows] = o.to(out.dtype)
         return out
+
+
+def _padded(blocks: Sequence[int], used: int, width: int) -> list[int]:
+    """The first ``used`` of ``blocks``, padded with block 0 to ``width`` (masked out)."""
+    return [*blocks[:used], *[0] * (width - used)]
 
 
 def use_kernel(cache: PagedKVCache) -> bool:

@@ -758,4 +758,4 @@ class Scheduler:
         """Give ``req``'s blocks back (idempotent)."""
         if req.blocks:
             self.allocator.free(req.blocks)
-            req.blocks = []
+            req.blocks = ()

@@ -62,7 +62,8 @@ class Request:
     out: queue.Queue[Any]
     generator: torch.Generator | None
     detok: IncrementalDetokenizer | None
-    blocks: list[int] = field(default_factory=list)
+    #: Replaced, never changed in place (a tuple): the decode graphs compare it by identity.
+    blocks: tuple[int, ...] = ()
     num_computed: int = 0  # tokens whose KV is in the blocks
     output: list[int] = field(default_factory=list)
     capture_queries: bool = False

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
-from kvdrop_engine.graphs import BATCH_BUCKETS, DecodeGraphs, pick_graph, precapture_keys
+from kvdrop_engine.graphs import (
+    BATCH_BUCKETS,
+    DecodeGraphs,
+    TableRows,
+    pick_graph,
+    precapture_keys,
+)
 from kvdrop_engine.loading import preset_config
 from kvdrop_engine.model import Transformer
-from kvdrop_engine.paged import PagedKVCache
+from kvdrop_engine.paged import PagedKVCache, SeqStep
 
 
 def test_bucket_is_the_smallest_that_fits() -> None:
@@ -92,3 +100,71 @@ def test_an_engine_captures_its_graphs_at_start() -> None:  # pragma: no cover -
             engine.generate(p, params, "t")
     assert graphs.capture_seconds == 0.0 and engine.stats().graph_capture_seconds == 0.0
     assert graphs.captured == [(1, 64), (2, 64), (4, 64)]
+
+
+SCRATCH = 99
+
+
+def _full_table(seqs: list[SeqStep], batch: int, width: int) -> torch.Tensor:
+    """The block table written from scratch: what every step wrote before TableRows."""
+    table = torch.full((batch, width), SCRATCH, dtype=torch.int32)
+    for i, s in enumerate(seqs):
+        blocks = list(s.block_table[:width])
+        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    return table
+
+
+def test_table_rows_rewrites_only_the_rows_whose_sequence_or_blocks_changed() -> None:
+    rows = TableRows(4, 8, SCRATCH)
+    a, b = SeqStep("a", (1, 2), 20, 1), SeqStep("b", (3,), 5, 1)
+    assert rows.update([a, b])
+    assert torch.equal(rows.host, _full_table([a, b], 4, 8))
+    rows.host[0, 7] = rows.host[1, 7] = -1  # marks: a row rewritten loses its mark
+    assert not rows.update([a, b])  # the same block tuples: nothing to write, nothing to copy
+    assert rows.host[0, 7] == rows.host[1, 7] == -1
+    grown = SeqStep("b", (*b.block_table, 4), 17, 1)  # b grew by a block: a new tuple
+    assert rows.update([a, grown])
+    assert rows.host[0, 7] == -1  # a's row untouched
+    assert rows.host[1].tolist() == [3, 4] + [SCRATCH] * 6
+    assert rows.update([grown])  # a left the batch: its row goes back to the scratch block
+    assert rows.host[1].tolist() == [SCRATCH] * 8 and rows.host[0].tolist()[:2] == [3, 4]
+    assert not rows.update([grown])
+
+
+def test_table_rows_compares_lists_by_value_and_cuts_blocks_past_its_width() -> None:
+    rows = TableRows(2, 4, SCRATCH)
+    table = [5, 6]
+    assert rows.update([SeqStep("x", table, 30, 1)])
+    table.append(7)  # changed in place: a list is compared by value
+    assert rows.update([SeqStep("x", table, 40, 1)])
+    assert rows.host[0].tolist() == [5, 6, 7, SCRATCH]
+    assert rows.update([SeqStep("x", (1, 2, 3, 4, 5, 6), 90, 1)])
+    assert rows.host[0].tolist() == [1, 2, 3, 4]
+    assert rows.update([SeqStep("y", (1, 2, 3, 4, 5, 6), 90, 1)])  # another sequence, same blocks
+
+
+def test_table_rows_equal_the_whole_table_written_every_step() -> None:
+    rng = random.Random(0)
+    batch, width = 8, 16
+    rows = TableRows(batch, width, SCRATCH)
+    live: dict[str, tuple[int, ...]] = {}
+    for step in range(400):
+        action = rng.random()
+        if action < 0.15 and len(live) < batch:  # admitted
+            live[f"r{step}"] = tuple(rng.sample(range(64), rng.randint(1, 20)))
+        elif action < 0.25 and live:  # finished or preempted
+            del live[rng.choice(sorted(live))]
+        elif action < 0.6 and live:  # grew by a block
+            rid = rng.choice(sorted(live))
+            live[rid] = (*live[rid], rng.randrange(64))
+        elif action < 0.7 and live:  # cut: its tail freed
+            rid = rng.choice(sorted(live))
+            live[rid] = live[rid][: max(1, len(live[rid]) // 2)]
+        elif action < 0.75 and live:  # swapped back in other blocks
+            rid = rng.choice(sorted(live))
+            live[rid] = tuple(rng.sample(range(64), len(live[rid])))
+        order = sorted(live)
+        rng.shuffle(order)  # the batch's order may change between steps
+        seqs = [SeqStep(rid, live[rid], 0, 1) for rid in order]
+        rows.update(seqs)
+        assert torch.equal(rows.host, _full_table(seqs, batch, width)), step

@@ -383,7 +383,7 @@ def test_cancelled_requests_are_dropped_unless_their_prefix_is_being_copied() ->
         r.loading, r.load_state, r.cancelled = Future(), state, True
     sched.drop_cancelled()
     assert list(sched.running) == [0]  # the copy is still writing into its blocks
-    assert queued.load_state is LoadState.ABANDONED and queued.blocks == []
+    assert queued.load_state is LoadState.ABANDONED and queued.blocks == ()
 
 
 def test_budget_blocks_rounds_down_and_refuses_both_or_too_small() -> None:
