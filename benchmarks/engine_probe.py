@@ -116,6 +116,11 @@ def main() -> None:
     p.add_argument("--engine-args", default="", help="extra `kvdrop engine` flags")
     p.add_argument("--salt", default="hostile", help="the hostile requests' cache_salt")
     p.add_argument(
+        "--hostile",
+        default="bombs,cut,scoring",
+        help="which hostile clients run (soak_round4_hostile.py's kinds), to split their costs",
+    )
+    p.add_argument(
         "--engine-cpus", default="", help="the engine's CPUs, e.g. '0' (the clients: the others)"
     )
     args = p.parse_args()
@@ -131,7 +136,7 @@ def main() -> None:
                 for phase in ("quiet", "hostile"):
                     bad = None
                     if phase == "hostile":
-                        bad = _hostile(url, Path(tmp) / "seen.json", "bombs,cut,scoring", args.salt)
+                        bad = _hostile(url, Path(tmp) / "seen.json", args.hostile, args.salt)
                     t0 = time.time()
                     _merge(tallies[phase], _run_good(url, args.seconds, [], seen))
                     spans[phase].append((t0, time.time()))
