@@ -11,8 +11,8 @@ Only the block-table rows whose sequence or blocks changed are rewritten (:class
 new batch, a request that grew by a block, a cut that freed blocks, a swapped one back in other
 blocks), in a page-locked copy of the table that goes to the device asynchronously when any row
 changed. (Rewriting the whole table, as wide as the cache has blocks, through a pageable copy on
-every step where some request grew by a block cost the loop milliseconds a step: 4.8 ms for 30
-rows of 900 blocks on the 2-core dev box.)
+every step where some request grew by a block cost the loop milliseconds a step:
+``benchmarks/step_host.py``.)
 
 A step replays the narrowest captured graph whose table is wide enough (the kernel's work follows
 the sequences' lengths, not the table's width), so :meth:`DecodeGraphs.precapture` at engine start
