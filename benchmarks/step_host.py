@@ -8,7 +8,11 @@ Two measurements, no GPU needed:
    ``--rows`` rows of ``--blocks`` blocks in a table ``--width`` wide (the issue-31 shape: 30
    rows of about 700 blocks, graphs captured 16,384 wide);
 2. ``loop``: the whole engine (``tiny`` preset, random weights, CPU, ``--threads``) decoding
-   ``--rows`` requests of ``--prompt-tokens`` for ``--max-tokens`` each; wall seconds and steps.
+   ``--rows`` requests of ``--prompt-tokens`` for ``--max-tokens`` each; wall seconds and steps;
+3. ``slice``: one 3,000-token prompt scored alone in slices of ``--slices`` rows a step
+   (``max_prefill_tokens``; at most 256, the scoring's bound): what a step costs as its rows
+   grow, i.e. what a step pays for the context whatever its rows (docs/reliability.md: the
+   prompt scoring's cost beside good clients).
 
     python benchmarks/step_host.py
     python benchmarks/step_host.py --rows 20 --repeat 3
@@ -92,12 +96,37 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=150, help="(loop part)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (loop part)")
     p.add_argument("--repeat", type=int, default=1, help="loop runs")
-    p.add_argument("--parts", nargs="+", choices=("table", "loop"), default=["table", "loop"])
+    p.add_argument("--slices", type=int, nargs="+", default=[4, 16, 64], help="(slice part)")
+    p.add_argument(
+        "--parts", nargs="+", choices=("table", "loop", "slice"), default=["table", "loop", "slice"]
+    )
     args = p.parse_args(argv)
     if "table" in args.parts:
         table_part(args)
     if "loop" in args.parts:
         loop_part(args)
+    if "slice" in args.parts:
+        slice_part(args)
+
+
+def slice_part(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    model = Transformer.random(preset_config("tiny"))
+    prompt = [3 + (t * 7) % 500 for t in range(3000)]
+    rows = []
+    for rows_a_step in args.slices:
+        with Engine(model, num_blocks=1024, block_size=16, max_prefill_tokens=rows_a_step) as eng:
+            eng.generate(list(range(5, 25)), {"max_tokens": 2, "temperature": 0})
+            before, t0 = eng.stats().steps, time.perf_counter()
+            eng.post_prompt_scoring(prompt, 0).result()
+            seconds, steps = time.perf_counter() - t0, eng.stats().steps - before
+        rows.append({"rows_a_step": rows_a_step, "steps": steps, "seconds": round(seconds, 3),
+                     "ms_per_step": round(1e3 * seconds / steps, 3)})  # fmt: skip
+    print(
+        f"\n3,000-token prompt scored alone, tiny preset, CPU, {args.threads} thread(s), "
+        "by rows a step"
+    )
+    print(format_table(rows))
 
 
 def table_part(args: argparse.Namespace) -> None:
